@@ -1,0 +1,71 @@
+"""Engine configuration: frozen dataclasses whose defaults say why they are what they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    """A stage an engine instance can run; an instance holds a non-empty set of them."""
+
+    ENCODE = "encode"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+ALL_ROLES = frozenset(Role)
+
+
+def parse_roles(text: str | None) -> frozenset[Role]:
+    """Parse `encode,prefill` (or the short forms `ep`, `e+p`) into a role set; empty means all three."""
+    if not text:
+        return ALL_ROLES
+    short = {"e": Role.ENCODE, "p": Role.PREFILL, "d": Role.DECODE}
+    parts = [p.strip().lower() for p in text.replace("+", ",").split(",") if p.strip()]
+    if len(parts) == 1 and set(parts[0]) <= set(short) and parts[0] not in {r.value for r in Role}:
+        return frozenset(short[c] for c in parts[0])
+    try:
+        return frozenset(Role(p) for p in parts)
+    except ValueError as exc:
+        raise ValueError(f"unknown role in {text!r}; expected a subset of encode,prefill,decode") from exc
+
+
+class Policy(StrEnum):
+    """Batching policy. `stage` is seed 000's Algorithm 1; the other two exist for comparison."""
+
+    STAGE = "stage"
+    PREFILL_FIRST = "prefill-first"  # vLLM v0: whole prefills (with their encodes) before any decode
+    DECODE_FIRST = "decode-first"  # Sarathi: decodes, then chunked prefill; encodes unbudgeted, inline
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs. Budgets are normally found by the profiler (see profiler.py)."""
+
+    roles: frozenset[Role] = ALL_ROLES
+    policy: Policy = Policy.STAGE
+    # 16 tokens a block: small enough that a short request wastes little, large enough that the
+    # block table stays short (vLLM's default).
+    block_size: int = 16
+    # CPU: the KV cache is sized by a byte cap. GPU: by a fraction of free memory after weights.
+    kv_cache_bytes: int = 256 << 20
+    gpu_memory_fraction: float = 0.85
+    # τt: tokens in one LLM iteration (decodes count one each, prefill chunks their length).
+    token_budget: int = 2048
+    # τe: images encoded in one iteration.
+    image_budget: int = 8
+    # Upper bound on concurrently running sequences, so one iteration's decode batch stays bounded.
+    max_num_seqs: int = 256
+    # Image features kept for reuse, keyed by content hash (0 disables the cache).
+    feature_cache_bytes: int = 64 << 20
+    device: str = "cpu"
+    # None: float32 on CPU (exact parity with HF), bfloat16 on CUDA.
+    dtype: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.roles:
+            raise ValueError("an engine needs at least one role")
+        if self.block_size <= 0 or self.token_budget <= 0 or self.image_budget <= 0:
+            raise ValueError("block_size, token_budget and image_budget must be positive")

@@ -1,0 +1,272 @@
+"""The Engine: add requests, step, abort. `step()` reads as the whole algorithm:
+schedule a batch, run it, then turn sampled tokens into outputs and stage hand-offs."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from common.engine.block_manager import BlockManager, blocks_needed
+from common.engine.config import EngineConfig, Role
+from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.feature_cache import FeatureCache
+from common.engine.kv_cache import KVCache, KVSpec, layer_groups, num_blocks_for
+from common.engine.loader import load_model
+from common.engine.model_runner import ModelRunner
+from common.engine.outputs import Completion, RequestOutput
+from common.engine.processor import InputError, ProcessedPrompt, RequestProcessor, load_image
+from common.engine.request import Request, Status
+from common.engine.sampling import SamplingParams, sample
+from common.engine.scheduler import Batch, Scheduler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class AdmissionError(InputError):
+    """A request this engine can never run (too long, wrong role); rejected before any work."""
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device = torch.device(config.device)
+        dtype = _DTYPES[config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
+        self.processor = RequestProcessor(model_dir)
+        self.tokenizer = self.processor.tokenizer
+        self.has_lm = bool(config.roles & {Role.PREFILL, Role.DECODE})
+        self.model = load_model(model_dir, Role.ENCODE in config.roles, self.device, dtype)
+        text = self.model.config.text_config
+        self.max_model_len = text.max_position_embeddings
+        self.kv_spec = KVSpec(
+            text.num_hidden_layers, text.num_key_value_heads or text.num_attention_heads,
+            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            config.block_size, dtype,
+        )  # fmt: skip
+        num_blocks = self._num_blocks() if self.has_lm else 0
+        self.cache = KVCache(self.kv_spec, num_blocks, self.device) if self.has_lm else None
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.features = FeatureCache(config.feature_cache_bytes)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.runner = ModelRunner(self.model, self.cache, self.blocks.table, self.features, self.device)
+        self.requests: dict[str, Request] = {}
+        self.handed_off: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        eos = text.eos_token_id if text.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_ids = set(eos) if isinstance(eos, list) else {eos}
+
+    # -- admission ---------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | ProcessedPrompt,
+        images: list[Image.Image | bytes | str | Path] = (),
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Admit a request from a raw prompt (with one image token per image) or a processed one."""
+        if isinstance(prompt, str):
+            prompt = self.processor.process(prompt, [load_image(i) for i in images])
+        params = params or SamplingParams()
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(rid, prompt.token_ids, params, prompt.images, image_positions=prompt.image_positions)
+        self._admit(req)
+        for img in req.images:
+            cached = self.features.get(img.content_hash) if img.features is None else None
+            if cached is not None:
+                img.features, img.pixel_values = cached, None
+        if req.needs_encode and Role.ENCODE not in self.config.roles:
+            raise AdmissionError(f"request {rid} has images to encode but this instance has no encode role")
+        self.requests[rid] = req
+        if Role.PREFILL not in self.config.roles and not req.needs_encode:
+            self._pending.append(self._hand_off(req, "encoded"))  # features all cached: nothing to do
+        else:
+            self.scheduler.add(req)
+        return req
+
+    def add_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+        params: SamplingParams, kv: list[torch.Tensor],
+    ) -> Request:  # fmt: skip
+        """Admit a request prefilled elsewhere: import its KV (one buffer per layer group) and decode."""
+        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
+        self._admit(req)
+        req.num_computed_tokens = req.num_tokens - 1
+        if self.blocks.allocate(request_id, req.num_computed_tokens) is None:
+            raise AdmissionError(f"no free KV blocks for {request_id}; pull it only when can_admit() says so")
+        start = 0
+        for buf in kv:
+            layers = range(start, start + buf.shape[0])
+            self.cache.import_blocks(self.blocks.table(request_id), layers, buf)
+            start = layers.stop
+        req.detokenizer.add(req.output_token_ids)  # their text was streamed by the prefill instance
+        self.requests[request_id] = req
+        self.scheduler.add_running(req)
+        return req
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether KV blocks for `num_tokens` are free now (pull-based migration asks this)."""
+        return blocks_needed(num_tokens, self.config.block_size) <= self.blocks.num_free
+
+    def _admit(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise AdmissionError(f"request id {req.request_id} is already in use")
+        total = len(req.prompt_token_ids) + req.params.max_tokens
+        if total > self.max_model_len:
+            raise AdmissionError(
+                f"prompt of {len(req.prompt_token_ids)} tokens plus max_tokens {req.params.max_tokens} "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        if self.has_lm and blocks_needed(total, self.config.block_size) > self.blocks.num_blocks:
+            raise AdmissionError(
+                f"request needs {total} tokens of KV cache but this instance holds only "
+                f"{self.blocks.num_blocks * self.config.block_size}"
+            )
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run, sample, and report what changed."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return outputs
+        result = self.runner.run(batch)
+        self._advance(batch)
+        if result.sampled:
+            params = [r.params for r in result.sampled]
+            tokens = sample(result.logits, params, [r.generator for r in result.sampled])
+            outputs += [self._append_token(r, t) for r, t in zip(result.sampled, tokens, strict=True)]
+        outputs += self._hand_offs(batch)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work or bool(self._pending)
+
+    def _advance(self, batch: Batch) -> None:
+        for req, n in batch.prefills:
+            req.num_computed_tokens += n
+        for req in batch.decodes:
+            req.num_computed_tokens += 1
+
+    def _append_token(self, req: Request, token: int) -> RequestOutput:
+        req.output_token_ids.append(token)
+        text = req.detokenizer.add([token])
+        p = req.params
+        reason = None
+        if (
+            (token in self.eos_ids and not p.ignore_eos)
+            or token in p.stop_token_ids
+            or req.detokenizer.stopped
+        ):
+            reason = "stop"
+        elif len(req.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        out = RequestOutput(req.request_id, [token], text, num_prompt_tokens=len(req.prompt_token_ids))
+        out.num_output_tokens = len(req.output_token_ids)
+        if reason:
+            out.text += req.detokenizer.flush()
+            self._finish(req, reason, out)
+        return out
+
+    def _hand_offs(self, batch: Batch) -> list[RequestOutput]:
+        """Requests whose next stage this instance does not run leave it here."""
+        out = []
+        if Role.PREFILL not in self.config.roles:
+            out += [self._hand_off(r, "encoded") for r, _ in batch.encodes if not r.needs_encode]
+        if Role.DECODE not in self.config.roles:
+            done = [r for r, _ in batch.prefills if r.status == Status.RUNNING and r.output_token_ids]
+            out += [self._hand_off(r, "prefilled") for r in done]
+        return out
+
+    def _hand_off(self, req: Request, stage: str) -> RequestOutput:
+        self.scheduler.remove(req)
+        req.status = Status.HANDED_OFF
+        self.handed_off[req.request_id] = req
+        return RequestOutput(req.request_id, handed_off=stage, num_prompt_tokens=len(req.prompt_token_ids))
+
+    def _finish(self, req: Request, reason: str, out: RequestOutput) -> None:
+        self.scheduler.remove(req)
+        self.blocks.free(req.request_id)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        out.finished, out.finish_reason = True, reason
+        self.requests.pop(req.request_id, None)
+
+    # -- control -----------------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its KV; None if it is unknown or already done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.handed_off.pop(request_id, None)
+        out = RequestOutput(request_id, num_prompt_tokens=len(req.prompt_token_ids))
+        self._finish(req, "abort", out)
+        return out
+
+    def release(self, request_id: str) -> None:
+        """Free a handed-off request's KV once the next stage has pulled it."""
+        req = self.handed_off.pop(request_id, None)
+        if req is not None:
+            self.blocks.free(request_id)
+            self.requests.pop(request_id, None)
+
+    def export_kv(self, request_id: str, group_size: int) -> list[torch.Tensor]:
+        """A (handed-off or running) request's KV as one contiguous buffer per group of layers."""
+        table = self.blocks.table(request_id)
+        if not table:
+            raise KeyError(f"request {request_id} holds no KV blocks here")
+        return [self.cache.export_blocks(table, g) for g in layer_groups(self.kv_spec.num_layers, group_size)]
+
+    def apply_profile(self, profile) -> None:
+        """Adopt the budgets a BudgetProfiler found (τe, τt) for every later iteration."""
+        if profile.image_budget:
+            self.scheduler.image_budget = profile.image_budget
+        if profile.token_budget:
+            self.scheduler.token_budget = profile.token_budget
+
+    def check_integrity(self) -> None:
+        """Blocks and feature cache are consistent, and every request's blocks cover its tokens."""
+        self.blocks.check_integrity()
+        self.features.check_integrity()
+        for req in self.scheduler.running:
+            have = len(self.blocks.table(req.request_id)) * self.config.block_size
+            assert have >= req.num_computed_tokens, f"{req.request_id}: KV blocks do not cover its tokens"
+
+    # -- convenience -------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[str], images: list[list] | None = None, params: SamplingParams | None = None
+    ) -> list[Completion]:
+        """Run prompts to completion together (batched) and return them in order."""
+        images = images or [[] for _ in prompts]
+        reqs = [self.add_request(p, imgs, params) for p, imgs in zip(prompts, images, strict=True)]
+        texts = {r.request_id: "" for r in reqs}
+        while self.has_unfinished():
+            for out in self.step():
+                texts[out.request_id] += out.text
+        return [
+            Completion(
+                r.request_id,
+                texts[r.request_id],
+                r.output_token_ids,
+                r.finish_reason,
+                len(r.prompt_token_ids),
+            )
+            for r in reqs
+        ]
+
+    def chat_prompt(self, text: str, num_images: int = 0) -> str:
+        """A single-turn user prompt with `num_images` images before the text, in the model's template."""
+        content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+        return self.processor.chat_prompt([{"role": "user", "content": content}])
+
+    def _num_blocks(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.gpu_memory_fraction) // self.kv_spec.bytes_per_block
+        return num_blocks_for(self.kv_spec, self.config.kv_cache_bytes)

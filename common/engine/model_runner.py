@@ -1,0 +1,171 @@
+"""Runs one iteration's Batch: vision encodes, then one packed LLM forward over chunks and decodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.engine.attention import AttentionMetadata, PrefillSeq, flash_available
+from common.engine.feature_cache import FeatureCache
+from common.engine.kv_cache import KVCache
+from common.engine.request import Request
+
+if TYPE_CHECKING:
+    from common.engine.models.llava import LlavaModel
+    from common.engine.scheduler import Batch
+
+
+@dataclass
+class ForwardResult:
+    sampled: list[Request]  # requests whose last computed position produced a next token
+    logits: torch.Tensor | None  # [len(sampled), vocab], float32
+
+
+def slots_for(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat KV slot of each position: block table[pos // bs] * bs + pos % bs."""
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlavaModel,
+        cache: KVCache | None,
+        block_tables,
+        features: FeatureCache,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.block_tables = block_tables  # request id → list of block ids (the BlockManager's view)
+        self.features = features
+        self.device = device
+        self.block_size = cache.spec.block_size if cache is not None else 0
+        self.vision_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> ForwardResult:
+        # Dual-stream (000 §4.2): when no request in this batch is both encoded and prefilled, the
+        # vision work is independent of the LLM work and overlaps it on a second CUDA stream.
+        inline = any(r is e for e, _ in batch.encodes for r, _ in batch.prefills)
+        if self.vision_stream is not None and not inline and batch.encodes:
+            self.vision_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.vision_stream):
+                self.encode(batch.encodes)
+            result = self.forward(batch.prefills, batch.decodes)
+            torch.cuda.current_stream(self.device).wait_stream(self.vision_stream)
+            return result
+        self.encode(batch.encodes)
+        return self.forward(batch.prefills, batch.decodes)
+
+    def encode(self, encodes: list[tuple[Request, list[int]]]) -> None:
+        """Encode all scheduled images in one vision batch; keep features on the request and in the cache."""
+        if not encodes:
+            return
+        todo = [(req.images[i], req) for req, idx in encodes for i in idx]
+        pixels = torch.stack([img.pixel_values for img, _ in todo]).to(self.device, self._vision_dtype())
+        out = self.model.vision(pixels)  # [images, image_tokens, hidden]
+        for (img, _), feats in zip(todo, out, strict=True):
+            if feats.shape[0] != img.num_tokens:
+                raise ValueError(
+                    f"image yields {feats.shape[0]} features but the prompt has {img.num_tokens}"
+                )
+            img.features = feats
+            img.pixel_values = None  # no longer needed; frees the request's pixel memory
+            self.features.put(img.content_hash, feats)
+
+    def forward(self, prefills: list[tuple[Request, int]], decodes: list[Request]) -> ForwardResult:
+        if not prefills and not decodes:
+            return ForwardResult([], None)
+        lm = self.model.language_model
+        ids, positions, slots, splices, sample_rows, sampled = [], [], [], [], [], []
+        seqs: list[PrefillSeq] = []
+        offset = 0
+        for req, n in prefills:
+            start = req.num_computed_tokens
+            pos = torch.arange(start, start + n)
+            table = torch.as_tensor(self.block_tables(req.request_id))
+            ids.append(torch.as_tensor(req.all_token_ids[start : start + n]))
+            positions.append(pos)
+            slots.append(slots_for(table, pos, self.block_size))
+            seqs.append(PrefillSeq(offset, n, slots_for(table, torch.arange(start + n), self.block_size)))
+            splices.extend(self._image_splice(req, start, n, offset))
+            if start + n == req.num_tokens:
+                sample_rows.append(offset + n - 1)
+                sampled.append(req)
+            offset += n
+        num_prefill = offset
+        decode_ctx = [req.num_tokens for req in decodes]
+        for req in decodes:
+            pos = torch.tensor([req.num_tokens - 1])
+            ids.append(torch.as_tensor(req.all_token_ids[-1:]))
+            positions.append(pos)
+            slots.append(slots_for(torch.as_tensor(self.block_tables(req.request_id)), pos, self.block_size))
+            sample_rows.append(offset)
+            sampled.append(req)
+            offset += 1
+        dev = self.device
+        pos_t = torch.cat(positions).to(dev)
+        meta = self._metadata(torch.cat(slots).to(dev), seqs, num_prefill, decodes, decode_ctx)
+        embeds = lm.embed_tokens(torch.cat(ids).to(dev))
+        for rows, feats in splices:
+            embeds[rows.to(dev)] = feats.to(embeds.dtype)
+        hidden = lm(embeds, pos_t, self.cache, meta)
+        logits = lm.logits(hidden[torch.as_tensor(sample_rows, device=dev)]) if sampled else None
+        return ForwardResult(sampled, logits)
+
+    def _image_splice(self, req: Request, start: int, n: int, offset: int):
+        """Rows of this chunk that are image placeholders, and the feature rows that fill them.
+
+        A chunk may begin or end inside an image: placeholder k of the prompt always takes row k of
+        the request's concatenated image features, whatever chunk it falls in.
+        """
+        if req.image_positions is None or not len(req.image_positions):
+            return []
+        pos = req.image_positions
+        inside = (pos >= start) & (pos < start + n)
+        if not inside.any():
+            return []
+        feature_rows = inside.nonzero().squeeze(1)
+        return [(offset + pos[inside] - start, req.image_features()[feature_rows])]
+
+    def _metadata(self, slot_mapping, seqs, num_prefill, decodes, decode_ctx) -> AttentionMetadata:
+        dev = self.device
+        for s in seqs:
+            s.context_slots = s.context_slots.to(dev)
+        meta = AttentionMetadata(slot_mapping, seqs, num_prefill, None, None)
+        if decodes:
+            width = max(decode_ctx)
+            grid = torch.zeros(len(decodes), width, dtype=torch.long)
+            for i, (req, ctx) in enumerate(zip(decodes, decode_ctx, strict=True)):
+                table = torch.as_tensor(self.block_tables(req.request_id))
+                grid[i, :ctx] = slots_for(table, torch.arange(ctx), self.block_size)
+            lengths = torch.as_tensor(decode_ctx)
+            meta.decode_slots = grid.to(dev)
+            meta.decode_mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :].to(dev)
+        if flash_available(dev):
+            self._flash_metadata(meta, seqs, decodes, decode_ctx)
+        return meta
+
+    def _flash_metadata(self, meta, seqs, decodes, decode_ctx) -> None:
+        q_lens = [s.q_len for s in seqs] + [1] * len(decodes)
+        k_slots = [s.context_slots for s in seqs] + [
+            meta.decode_slots[i, :c] for i, c in enumerate(decode_ctx)
+        ]
+        k_lens = [len(k) for k in k_slots]
+        meta.use_flash = True
+        meta.cu_seqlens_q = _cumsum(q_lens, self.device)
+        meta.cu_seqlens_k = _cumsum(k_lens, self.device)
+        meta.flash_slots = torch.cat(k_slots)
+        meta.max_q, meta.max_k = max(q_lens), max(k_lens)
+
+    def _vision_dtype(self) -> torch.dtype:
+        return next(self.model.vision.parameters()).dtype
+
+
+def _cumsum(lengths: list[int], device: torch.device) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.as_tensor(lengths), 0)
+    return out.to(device)

@@ -1,0 +1,30 @@
+"""What the engine hands back after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """The change one step made to a request: new tokens, the text they complete, and how it ended."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    handed_off: str | None = None  # "encoded" | "prefilled": the next stage runs elsewhere
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    """A finished request, as `Engine.generate` returns it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int

@@ -1,0 +1,89 @@
+"""A request's plain state; the scheduler, runner and engine operate on it.
+
+One rule covers every stage (vLLM v1's): the tokens still to compute are
+`len(all_token_ids) - num_computed_tokens`. A fresh prompt has all of them left (prefill); after
+the first token is sampled one is left each step (decode); a preempted request restarts at 0 and
+recomputes its prompt and the tokens it already produced, as one prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.sampling import SamplingParams, make_generator
+
+
+class Status(StrEnum):
+    WAITING = "waiting"  # admitted, nothing scheduled yet (or preempted)
+    RUNNING = "running"
+    HANDED_OFF = "handed_off"  # its next stage belongs to another instance
+    FINISHED = "finished"
+
+
+@dataclass
+class ImageInput:
+    """One image of a request: pixels to encode, or features already encoded (cache or transfer)."""
+
+    content_hash: str
+    num_tokens: int
+    pixel_values: torch.Tensor | None = None  # [3, H, W]
+    features: torch.Tensor | None = None  # [num_tokens, text_hidden]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    images: list[ImageInput] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+    # Positions of image placeholder tokens in the prompt, in order: image features fill them.
+    image_positions: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.generator = make_generator(self.params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_encode(self) -> bool:
+        return any(img.features is None for img in self.images)
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.output_token_ids) and self.num_uncomputed == 1
+
+    @property
+    def is_prefilling(self) -> bool:
+        return not self.needs_encode and not self.is_decoding and self.num_uncomputed > 0
+
+    def images_to_encode(self) -> list[int]:
+        return [i for i, img in enumerate(self.images) if img.features is None]
+
+    def image_features(self) -> torch.Tensor | None:
+        """All images' features concatenated in prompt order: [total_image_tokens, hidden]."""
+        if not self.images:
+            return None
+        return torch.cat([img.features for img in self.images])

@@ -1,0 +1,72 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of generation; validated here so bad values fail at admission."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be non-negative, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A CPU generator for a seeded request; None means draw from the global RNG."""
+    if seed is None:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """Pick one token per row of `logits` [batch, vocab]. Greedy rows share one argmax."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = _sample_one(logits[i].float(), p, generators[i])
+    return tokens
+
+
+def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p; the first token is always kept.
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    # Sampling happens on the CPU so a seed gives the same tokens on any device.
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())

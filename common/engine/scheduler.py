@@ -1,0 +1,221 @@
+"""The stage-level batcher (seed 000, Algorithm 1) and the two policies it is compared against.
+
+Each iteration is built in three named steps, within an image budget τe and a token budget τt:
+
+1. running decodes — all of them, one token each (preempting the newest request if KV runs out);
+2. continuing work — prefill chunks and encodes of requests already started;
+3. new work — waiting requests, prefill-ready ones into τt (chunked), image ones into τe.
+
+`prefill-first` (vLLM v0) runs whole prefills, their images encoded in the same iteration, and
+decodes only when no prefill waits. `decode-first` (Sarathi) takes all decodes, then fills τt with
+prefill chunks whose images are encoded inline, with no image budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.engine.block_manager import BlockManager
+from common.engine.config import EngineConfig, Policy, Role
+from common.engine.request import Request, Status
+
+
+@dataclass
+class Batch:
+    """One iteration's work: the contract between the scheduler and the model runner."""
+
+    encodes: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, image indices)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
+    decodes: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    @property
+    def num_images(self) -> int:
+        return sum(len(idx) for _, idx in self.encodes)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.encodes or self.prefills or self.decodes)
+
+    def scheduled(self, req: Request) -> bool:
+        return any(r is req for r in self.decodes) or any(r is req for r, _ in self.prefills + self.encodes)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.token_budget = config.token_budget
+        self.image_budget = config.image_budget
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """A request that arrives mid-way (imported KV): it joins the running set directly."""
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        if self.config.policy == Policy.PREFILL_FIRST:
+            self._whole_prefills(batch)
+            if not batch.prefills:
+                self._running_decodes(batch)
+        elif self.config.policy == Policy.DECODE_FIRST:
+            self._running_decodes(batch)
+            self._chunked_prefills_inline_encode(batch)
+        else:
+            self._running_decodes(batch)
+            self._continuing_work(batch)
+            self._new_work(batch)
+        self._encode_only(batch)
+        return batch
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues (finished, handed off or aborted); blocks are the caller's."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    # -- step 1: running decodes -------------------------------------------------------------------
+
+    def _running_decodes(self, batch: Batch) -> None:
+        if Role.DECODE not in self.config.roles:
+            return
+        for req in list(self.running):
+            if req.status != Status.RUNNING or not req.is_decoding:
+                continue
+            if self._grow_or_preempt(req, req.num_tokens, batch):
+                batch.decodes.append(req)
+
+    def _grow_or_preempt(self, req: Request, num_tokens: int, batch: Batch) -> bool:
+        """Make KV room for `req`, preempting the newest other running requests if needed."""
+        while self.blocks.allocate(req.request_id, num_tokens) is None:
+            victim = next((r for r in reversed(self.running) if r is not req), None)
+            if victim is None:
+                self._preempt(req, batch)
+                return False
+            self._preempt(victim, batch)
+        return True
+
+    def _preempt(self, req: Request, batch: Batch) -> None:
+        """Preemption by recompute: drop its KV; it prefills prompt + outputs again later."""
+        self.blocks.free(req.request_id)
+        self.running.remove(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        batch.preempted.append(req)
+        if req in batch.decodes:
+            batch.decodes.remove(req)
+
+    # -- step 2: continuing work -------------------------------------------------------------------
+
+    def _continuing_work(self, batch: Batch) -> None:
+        for req in self.running:
+            if batch.scheduled(req):
+                continue
+            if req.needs_encode:
+                self._take_encode(req, batch)
+            elif req.is_prefilling:
+                self._take_chunk(req, batch)
+
+    # -- step 3: new work --------------------------------------------------------------------------
+
+    def _new_work(self, batch: Batch) -> None:
+        for req in list(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            if req.needs_encode:
+                taken = self._take_encode(req, batch)
+            else:
+                taken = self._take_chunk(req, batch)
+                if not taken and self._tokens_left(batch) > 0:
+                    break  # out of KV blocks: keep arrival order, admit nothing newer
+            if taken:
+                self._start(req)
+
+    def _take_encode(self, req: Request, batch: Batch) -> bool:
+        room = self.image_budget - batch.num_images
+        if Role.ENCODE not in self.config.roles or room <= 0:
+            return False
+        batch.encodes.append((req, req.images_to_encode()[:room]))
+        return True
+
+    def _take_chunk(self, req: Request, batch: Batch) -> bool:
+        room = self._tokens_left(batch)
+        if Role.PREFILL not in self.config.roles or room <= 0:
+            return False
+        chunk = min(req.num_uncomputed, room)
+        if self.blocks.allocate(req.request_id, req.num_computed_tokens + chunk) is None:
+            return False
+        batch.prefills.append((req, chunk))
+        return True
+
+    def _tokens_left(self, batch: Batch) -> int:
+        return self.token_budget - batch.num_tokens
+
+    def _start(self, req: Request) -> None:
+        self.waiting.remove(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    # -- the comparison policies -------------------------------------------------------------------
+
+    def _pending_prefills(self) -> list[Request]:
+        """Started requests first, then waiting ones in arrival order."""
+        started = [r for r in self.running if r.needs_encode or r.is_prefilling]
+        return started + list(self.waiting)
+
+    def _whole_prefills(self, batch: Batch) -> None:
+        """vLLM v0: whole prompts (no chunking) up to τt; a prompt larger than τt runs alone."""
+        if Role.PREFILL not in self.config.roles:
+            return
+        for req in self._pending_prefills():
+            need = req.num_uncomputed
+            if batch.prefills and need > self._tokens_left(batch):
+                break
+            if not self._admit_inline(req, need, batch):
+                break
+
+    def _chunked_prefills_inline_encode(self, batch: Batch) -> None:
+        """Sarathi: chunks fill what the decodes left of τt; images are encoded when prefill starts."""
+        if Role.PREFILL not in self.config.roles:
+            return
+        for req in self._pending_prefills():
+            room = self._tokens_left(batch)
+            if room <= 0 or not self._admit_inline(req, min(req.num_uncomputed, room), batch):
+                break
+
+    def _admit_inline(self, req: Request, chunk: int, batch: Batch) -> bool:
+        if req.needs_encode and Role.ENCODE not in self.config.roles:
+            return True  # cannot encode here; leave it (the engine rejects such requests at admission)
+        if self.blocks.allocate(req.request_id, req.num_computed_tokens + chunk) is None:
+            return False
+        if req.needs_encode:
+            batch.encodes.append((req, req.images_to_encode()))
+        batch.prefills.append((req, chunk))
+        if req.status == Status.WAITING:
+            self._start(req)
+        return True
+
+    def _encode_only(self, batch: Batch) -> None:
+        """An instance without the prefill role encodes under τe whatever its policy."""
+        if Role.PREFILL in self.config.roles or self.config.policy == Policy.STAGE:
+            return
+        self._continuing_work(batch)
+        self._new_work(batch)

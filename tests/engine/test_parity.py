@@ -1,0 +1,121 @@
+"""Greedy output is token-identical to HF transformers' `generate` on the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.engine.config import Policy, Role
+from common.engine.sampling import SamplingParams
+
+QUESTIONS = [
+    "What is in the picture?",
+    "Tell me a long story about a small boat that sails to the island at night",
+    "Hi",
+    "Count the apples and the pears on the table, then say which fruit there is more of",
+]
+
+
+def check(engine, hf_generate, prompt, imgs, max_tokens):
+    got = engine.generate([prompt], [imgs], SamplingParams(max_tokens=max_tokens))[0]
+    assert got.token_ids == hf_generate(prompt, imgs, max_tokens)
+    return got
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 2])
+def test_single_request(make_engine, hf_generate, images, num_images):
+    engine = make_engine()
+    prompt = engine.chat_prompt(QUESTIONS[0], num_images)
+    check(engine, hf_generate, prompt, images[:num_images], 24)
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_eight_mixed_requests_batched(make_engine, hf_generate, images, policy):
+    """Different prompt lengths, image counts and max_tokens, all in flight at once."""
+    engine = make_engine(policy=policy)
+    cases = [(QUESTIONS[i % 4], i % 3, 8 + 5 * i) for i in range(8)]
+    prompts = [engine.chat_prompt(q, n) for q, n, _ in cases]
+    imgs = [images[i % 2 : i % 2 + n] for i, (_, n, _) in enumerate(cases)]
+    reqs = [
+        engine.add_request(p, im, SamplingParams(max_tokens=m))
+        for p, im, (_, _, m) in zip(prompts, imgs, cases, strict=True)
+    ]
+    max_batch = 0
+    while engine.has_unfinished():
+        engine.step()
+        max_batch = max(max_batch, len(engine.scheduler.running))
+    assert max_batch >= 4, "requests should have run together"
+    for req, p, im, (_, _, m) in zip(reqs, prompts, imgs, cases, strict=True):
+        assert req.output_token_ids == hf_generate(p, im, m), req.request_id
+
+
+def test_chunked_prefill_splits_inside_an_image(make_engine, hf_generate, images):
+    """A token budget of 16 is smaller than one image's 49 tokens, so chunks start and end inside it."""
+    engine = make_engine(token_budget=16)
+    prompt = engine.chat_prompt(QUESTIONS[3], 2)
+    req = engine.add_request(prompt, images[:2], SamplingParams(max_tokens=16))
+    chunks = []
+    while engine.has_unfinished():
+        before = req.num_computed_tokens
+        engine.step()
+        if not req.output_token_ids or len(chunks) < 1 or req.num_computed_tokens - before > 1:
+            chunks.append(req.num_computed_tokens - before)
+    assert max(chunks) <= 16 and len([c for c in chunks if c > 1]) >= 6
+    assert req.output_token_ids == hf_generate(prompt, images[:2], 16)
+
+
+def test_feature_cache_hit_skips_the_encoder(make_engine, hf_generate, images):
+    engine = make_engine()
+    prompt = engine.chat_prompt(QUESTIONS[0], 1)
+    check(engine, hf_generate, prompt, images[:1], 8)
+    encoded_before = engine.features.misses
+    req = engine.add_request(engine.chat_prompt(QUESTIONS[1], 1), images[:1], SamplingParams(max_tokens=8))
+    assert not req.needs_encode, "the second request should find the image's features in the cache"
+    assert engine.features.hits >= 1 and engine.features.misses == encoded_before
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_token_ids == hf_generate(engine.chat_prompt(QUESTIONS[1], 1), images[:1], 8)
+
+
+def test_preemption_by_recompute_keeps_outputs_exact(make_engine, hf_generate, images):
+    """A KV cache too small for all requests at once forces preemption; outputs must not change."""
+    per_block = 2 * 4 * 2 * 16 * 16 * 4  # K and V, 4 layers, 2 kv heads, head dim 16, 16 tokens, fp32
+    engine = make_engine(kv_cache_bytes=14 * per_block)
+    assert engine.blocks.num_blocks == 14
+    prompts = [engine.chat_prompt(QUESTIONS[i], 1 if i % 2 else 0) for i in range(4)]
+    imgs = [images[:1] if i % 2 else [] for i in range(4)]
+    reqs = [
+        engine.add_request(p, im, SamplingParams(max_tokens=40)) for p, im in zip(prompts, imgs, strict=True)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    assert sum(r.num_preemptions for r in reqs) > 0, "the test must actually preempt"
+    for req, p, im in zip(reqs, prompts, imgs, strict=True):
+        assert req.output_token_ids == hf_generate(p, im, 40)
+
+
+def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, images):
+    """E, P and D as three engines: features and KV move between them, output is unchanged."""
+    enc, pre, dec = (make_engine(roles=frozenset({r})) for r in (Role.ENCODE, Role.PREFILL, Role.DECODE))
+    prompt = enc.chat_prompt(QUESTIONS[1], 2)
+    req = enc.add_request(prompt, images[:2], SamplingParams(max_tokens=20), request_id="r1")
+    outs = []
+    while enc.has_unfinished():
+        outs += enc.step()
+    assert [o.handed_off for o in outs] == ["encoded"]
+    processed = pre.processor.process(prompt, images[:2])
+    for img, done in zip(processed.images, req.images, strict=True):
+        img.features, img.pixel_values = done.features, None
+    preq = pre.add_request(processed, params=SamplingParams(max_tokens=20), request_id="r1")
+    outs = []
+    while pre.has_unfinished():
+        outs += pre.step()
+    assert outs[-1].handed_off == "prefilled" and len(preq.output_token_ids) == 1
+    kv = pre.export_kv("r1", group_size=2)
+    assert len(kv) == 2  # 4 layers in groups of 2
+    dreq = dec.add_prefilled("r1", preq.prompt_token_ids, preq.output_token_ids, preq.params, kv)
+    pre.release("r1")
+    assert pre.blocks.num_free == pre.blocks.num_blocks
+    while dec.has_unfinished():
+        dec.step()
+    assert dreq.output_token_ids == hf_generate(prompt, images[:2], 20)
