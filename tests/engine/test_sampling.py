@@ -1,0 +1,104 @@
+"""Seeded sampling, stop conditions, and streamed text pieces that never split a character."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.processor import InputError
+from common.engine.sampling import SamplingParams, make_generator, sample
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ():
+    logits = torch.randn(3, 50)
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1)
+    a = [sample(logits, [p] * 3, [make_generator(7 + i) for i in range(3)]) for _ in range(2)]
+    assert a[0] == a[1]
+    draws = {tuple(sample(logits, [p] * 3, [make_generator(s)] * 3)) for s in range(20)}
+    assert len(draws) > 1
+
+
+def test_top_k_and_top_p_restrict_the_choices():
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0, -2.0]])
+    for seed in range(30):
+        (t,) = sample(logits, [SamplingParams(temperature=2.0, top_k=2)], [make_generator(seed)])
+        assert t in (0, 1)
+        (t,) = sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)], [make_generator(seed)])
+        assert t == 0  # token 0 alone holds more than half the mass
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 2.0], [9.0, 1.0, 0.0]])
+    assert sample(logits, [SamplingParams()] * 2, [None, None]) == [1, 0]
+
+
+@pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}])
+def test_bad_sampling_params_are_rejected(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_engine_sampled_output_reproducible_with_seed(make_engine):
+    engine = make_engine()
+    prompt = engine.chat_prompt("Say something", 0)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=42)
+    first, second = engine.generate([prompt, prompt], params=params)
+    assert first.token_ids == second.token_ids
+    other = engine.generate([prompt], params=SamplingParams(max_tokens=12, temperature=0.8, seed=43))[0]
+    assert other.token_ids != first.token_ids
+
+
+def stream(tokenizer, ids, stop=()):
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    pieces = [detok.add([i]) for i in ids]
+    return [*pieces, detok.flush()], detok
+
+
+def test_streamed_pieces_concatenate_to_the_full_decode_and_never_split_utf8(make_engine):
+    tok = make_engine(roles=frozenset({"encode"})).tokenizer
+    text = "Café crème 🙂 — naïve 日本 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) / 2, "multi-byte characters should span several byte-level tokens"
+    pieces, _ = stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_string_truncates_and_is_never_streamed(make_engine):
+    tok = make_engine(roles=frozenset({"encode"})).tokenizer
+    ids = tok.encode("the cat sat on the mat today", add_special_tokens=False)
+    pieces, detok = stream(tok, ids, stop=("on the",))
+    assert "".join(pieces) == "the cat sat "
+    assert detok.stopped
+
+
+def test_engine_stops_on_stop_string(make_engine):
+    engine = make_engine()
+    prompt = engine.chat_prompt("Describe", 0)
+    free = engine.generate([prompt], params=SamplingParams(max_tokens=20))[0]
+    stop = free.text[5:8]
+    assert stop.strip(), f"need a visible stop string, got {free.text!r}"
+    got = engine.generate([prompt], params=SamplingParams(max_tokens=20, stop=(stop,)))[0]
+    assert got.finish_reason == "stop" and got.text == free.text[: free.text.index(stop)]
+    assert len(got.token_ids) < len(free.token_ids)
+
+
+def test_stop_token_ids_and_length(make_engine):
+    engine = make_engine()
+    prompt = engine.chat_prompt("Describe", 0)
+    free = engine.generate([prompt], params=SamplingParams(max_tokens=10))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    got = engine.generate(
+        [prompt], params=SamplingParams(max_tokens=10, stop_token_ids=(free.token_ids[3],))
+    )[0]
+    assert (
+        got.finish_reason == "stop"
+        and got.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[3]) + 1]
+    )
+
+
+def test_image_that_cannot_be_decoded_is_an_input_error(make_engine):
+    engine = make_engine()
+    with pytest.raises(InputError, match="cannot decode image"):
+        engine.add_request(engine.chat_prompt("x", 1), [b"definitely not an image"])

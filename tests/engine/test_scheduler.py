@@ -1,0 +1,126 @@
+"""Which requests run in which iteration, for each policy, on scripted scenarios (no model)."""
+
+from __future__ import annotations
+
+import torch
+
+from common.engine.block_manager import BlockManager
+from common.engine.config import EngineConfig, Policy, Role
+from common.engine.request import ImageInput, Request
+from common.engine.sampling import SamplingParams
+from common.engine.scheduler import Batch, Scheduler
+
+
+def req(rid: str, prompt: int, images: int = 0, decoding: bool = False) -> Request:
+    imgs = [ImageInput(f"{rid}-img{i}", 4, pixel_values=torch.zeros(1)) for i in range(images)]
+    r = Request(rid, [1] * prompt, SamplingParams(max_tokens=8), imgs)
+    return r
+
+
+def complete(batch: Batch) -> None:
+    """Pretend the runner ran the batch: features appear, tokens get computed and sampled."""
+    for r, idx in batch.encodes:
+        for i in idx:
+            r.images[i].features = torch.zeros(4, 2)
+    for r, n in batch.prefills:
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_token_ids.append(7)
+    for r in batch.decodes:
+        r.num_computed_tokens += 1
+        r.output_token_ids.append(7)
+
+
+def names(batch: Batch) -> dict[str, list]:
+    return {
+        "encode": [(r.request_id, len(i)) for r, i in batch.encodes],
+        "prefill": [(r.request_id, n) for r, n in batch.prefills],
+        "decode": [r.request_id for r in batch.decodes],
+    }
+
+
+def make(policy: Policy, tokens: int = 10, images: int = 2, blocks: int = 64, roles=None) -> Scheduler:
+    cfg = EngineConfig(policy=policy, token_budget=tokens, image_budget=images, block_size=4)
+    if roles:
+        cfg = EngineConfig(policy=policy, token_budget=tokens, image_budget=images, block_size=4, roles=roles)
+    return Scheduler(cfg, BlockManager(blocks, 4))
+
+
+def run(s: Scheduler, steps: int) -> list[dict]:
+    out = []
+    for _ in range(steps):
+        b = s.schedule()
+        out.append(names(b))
+        complete(b)
+    return out
+
+
+def scenario(s: Scheduler) -> list[dict]:
+    """A decoding request, a 3-image request and a long text request arrive together."""
+    d = req("d", 4)
+    s.add(d)
+    complete(s.schedule())  # d prefilled: now it decodes
+    for r in (req("img", 6, images=3), req("txt", 14)):
+        s.add(r)
+    return run(s, 4)
+
+
+def test_stage_policy_follows_algorithm_1():
+    steps = scenario(make(Policy.STAGE))
+    # Decodes first; the image request takes τe = 2 images; the text request fills τt with a chunk.
+    assert steps[0] == {"encode": [("img", 2)], "prefill": [("txt", 9)], "decode": ["d"]}
+    # Continuing work: the rest of the image and of the text chunk; img cannot prefill while encoding.
+    assert steps[1] == {"encode": [("img", 1)], "prefill": [("txt", 5)], "decode": ["d"]}
+    # img prefills (its 6-token prompt) alongside both decodes.
+    assert steps[2] == {"encode": [], "prefill": [("img", 6)], "decode": ["d", "txt"]}
+    assert steps[3] == {"encode": [], "prefill": [], "decode": ["d", "img", "txt"]}  # admission order
+
+
+def test_prefill_first_runs_whole_prefills_before_any_decode():
+    steps = scenario(make(Policy.PREFILL_FIRST))
+    # Whole prompts, images encoded inline, decodes wait: img (6) fits τt, txt (14) does not fit after it.
+    assert steps[0] == {"encode": [("img", 3)], "prefill": [("img", 6)], "decode": []}
+    assert steps[1] == {"encode": [], "prefill": [("txt", 14)], "decode": []}
+    assert steps[2] == {"encode": [], "prefill": [], "decode": ["d", "img", "txt"]}
+
+
+def test_decode_first_chunks_prefill_behind_decodes_with_inline_encode():
+    steps = scenario(make(Policy.DECODE_FIRST))
+    # All 3 images are encoded inline (no image budget) and img's prefill starts in the same iteration.
+    assert steps[0] == {"encode": [("img", 3)], "prefill": [("img", 6), ("txt", 3)], "decode": ["d"]}
+    # Two decodes leave 8 of τt = 10 for the rest of txt's 14-token prompt.
+    assert steps[1] == {"encode": [], "prefill": [("txt", 8)], "decode": ["d", "img"]}
+    assert steps[2] == {"encode": [], "prefill": [("txt", 3)], "decode": ["d", "img"]}
+
+
+def test_new_prefills_wait_in_order_when_kv_is_short():
+    s = make(Policy.STAGE, tokens=64, blocks=5)
+    for r in (req("a", 12), req("b", 12), req("c", 2)):
+        s.add(r)
+    first = names(s.schedule())
+    # a takes 3 blocks; b needs 3 of the 2 left and c, though it would fit, must not overtake b.
+    assert first["prefill"] == [("a", 12)]
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+
+
+def test_decode_out_of_blocks_preempts_the_newest_request():
+    s = make(Policy.STAGE, tokens=64, blocks=4)
+    a, b = req("a", 8), req("b", 7)
+    s.add(a)
+    s.add(b)
+    complete(s.schedule())  # a: 2 blocks, b: 2 blocks, both sampled a token
+    batch = s.schedule()  # a now needs a third block for its 9th token: b is preempted
+    assert [r.request_id for r in batch.preempted] == ["b"]
+    assert names(batch)["decode"] == ["a"]
+    assert b.num_computed_tokens == 0 and list(s.waiting) == [b]
+    assert b.num_uncomputed == 8  # recompute covers prompt and its sampled token
+    s.blocks.check_integrity()
+
+
+def test_encode_only_instance_never_prefills():
+    s = make(Policy.STAGE, roles=frozenset({Role.ENCODE}))
+    s.add(req("img", 6, images=3))
+    s.add(req("img2", 6, images=1))
+    steps = run(s, 2)
+    assert steps[0] == {"encode": [("img", 2)], "prefill": [], "decode": []}
+    assert steps[1] == {"encode": [("img", 1), ("img2", 1)], "prefill": [], "decode": []}
