@@ -1,0 +1,18 @@
+"""A compact multimodal inference engine: vision encode, paged-KV prefill and decode, stage-level batching."""
+
+from common.engine.config import EngineConfig, Policy, Role, parse_roles
+from common.engine.engine import AdmissionError, Engine
+from common.engine.outputs import Completion, RequestOutput
+from common.engine.sampling import SamplingParams
+
+__all__ = [
+    "AdmissionError",
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "Policy",
+    "RequestOutput",
+    "Role",
+    "SamplingParams",
+    "parse_roles",
+]
