@@ -55,6 +55,9 @@ class EngineConfig:
     token_budget: int = 2048
     # τe: images encoded in one iteration.
     image_budget: int = 8
+    # Seed 000 batches encodes beside prefill chunks; seed 001's variant (False) encodes only in
+    # iterations without prefill, so a prefill chunk never waits for the vision tower.
+    encode_with_prefill: bool = True
     # Upper bound on concurrently running sequences, so one iteration's decode batch stays bounded.
     max_num_seqs: int = 256
     # Image features kept for reuse, keyed by content hash (0 disables the cache).

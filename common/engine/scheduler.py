@@ -126,28 +126,35 @@ class Scheduler:
     # -- step 2: continuing work -------------------------------------------------------------------
 
     def _continuing_work(self, batch: Batch) -> None:
-        for req in self.running:
-            if batch.scheduled(req):
-                continue
-            if req.needs_encode:
-                self._take_encode(req, batch)
-            elif req.is_prefilling:
+        started = [r for r in self.running if not batch.scheduled(r)]
+        for req in started:
+            if req.is_prefilling:
                 self._take_chunk(req, batch)
+        if self._encodes_allowed(batch):
+            for req in started:
+                if req.needs_encode:
+                    self._take_encode(req, batch)
 
     # -- step 3: new work --------------------------------------------------------------------------
 
     def _new_work(self, batch: Batch) -> None:
-        for req in list(self.waiting):
-            if len(self.running) >= self.config.max_num_seqs:
+        for req in [r for r in self.waiting if not r.needs_encode]:
+            if self._full() or not self._take_chunk(req, batch):
+                break  # out of τt or KV blocks: keep arrival order, admit nothing newer
+            self._start(req)
+        if not self._encodes_allowed(batch):
+            return
+        for req in [r for r in self.waiting if r.needs_encode]:
+            if self._full() or not self._take_encode(req, batch):
                 break
-            if req.needs_encode:
-                taken = self._take_encode(req, batch)
-            else:
-                taken = self._take_chunk(req, batch)
-                if not taken and self._tokens_left(batch) > 0:
-                    break  # out of KV blocks: keep arrival order, admit nothing newer
-            if taken:
-                self._start(req)
+            self._start(req)
+
+    def _encodes_allowed(self, batch: Batch) -> bool:
+        # 001's variant keeps encode latency off iterations that carry prefill chunks.
+        return self.config.encode_with_prefill or not batch.prefills
+
+    def _full(self) -> bool:
+        return len(self.running) >= self.config.max_num_seqs
 
     def _take_encode(self, req: Request, batch: Batch) -> bool:
         room = self.image_budget - batch.num_images

@@ -73,7 +73,8 @@ def test_stage_policy_follows_algorithm_1():
     assert steps[1] == {"encode": [("img", 1)], "prefill": [("txt", 5)], "decode": ["d"]}
     # img prefills (its 6-token prompt) alongside both decodes.
     assert steps[2] == {"encode": [], "prefill": [("img", 6)], "decode": ["d", "txt"]}
-    assert steps[3] == {"encode": [], "prefill": [], "decode": ["d", "img", "txt"]}  # admission order
+    # Running order is admission order, and new prefills are admitted before new encodes.
+    assert steps[3] == {"encode": [], "prefill": [], "decode": ["d", "txt", "img"]}
 
 
 def test_prefill_first_runs_whole_prefills_before_any_decode():
@@ -124,3 +125,14 @@ def test_encode_only_instance_never_prefills():
     steps = run(s, 2)
     assert steps[0] == {"encode": [("img", 2)], "prefill": [], "decode": []}
     assert steps[1] == {"encode": [("img", 1), ("img2", 1)], "prefill": [], "decode": []}
+
+
+def test_seed_001_variant_keeps_encodes_out_of_prefill_iterations():
+    cfg = EngineConfig(token_budget=10, image_budget=2, block_size=4, encode_with_prefill=False)
+    s = Scheduler(cfg, BlockManager(64, 4))
+    s.add(req("txt", 14))
+    s.add(req("img", 6, images=1))
+    steps = run(s, 3)
+    assert steps[0] == {"encode": [], "prefill": [("txt", 10)], "decode": []}
+    assert steps[1] == {"encode": [], "prefill": [("txt", 4)], "decode": []}
+    assert steps[2] == {"encode": [("img", 1)], "prefill": [], "decode": ["txt"]}
