@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint format install system-deps clean
+.PHONY: test demo lint format install system-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
+
+demo: install
+	$(BIN)/python -c "import numpy as np; from PIL import Image; \
+	Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)).save('.trident-demo.png')"
+	$(BIN)/trident generate --prompt "What is in this picture?" --image .trident-demo.png --max-tokens 24 --json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
