@@ -37,7 +37,7 @@ class Engine:
         self.processor = RequestProcessor(model_dir)
         self.tokenizer = self.processor.tokenizer
         self.has_lm = bool(config.roles & {Role.PREFILL, Role.DECODE})
-        self.model = load_model(model_dir, Role.ENCODE in config.roles, self.device, dtype)
+        self.model = load_model(model_dir, Role.ENCODE in config.roles, self.device, dtype, self.has_lm)
         text = self.model.config.text_config
         self.max_model_len = text.max_position_embeddings
         self.kv_spec = KVSpec(

@@ -102,14 +102,18 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(
-    model_dir: str | Path, with_vision: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32
+    model_dir: str | Path,
+    with_vision: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    with_language: bool = True,
 ) -> LlavaModel:
-    """Build the model from config.json and fill every parameter from the safetensors files."""
+    """Build the parts of the model an instance needs and fill them from the safetensors files."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     inv_freq, scaling = rope_tables(config.text_config)
     with torch.device("meta"):
-        model = LlavaModel(config, inv_freq, scaling, with_vision)
+        model = LlavaModel(config, inv_freq, scaling, with_vision, with_language)
     params = dict(model.named_parameters(remove_duplicate=False))
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
@@ -118,7 +122,7 @@ def load_model(
                 ours = map_weight_name(name)
                 if ours in params:
                     state[ours] = f.get_tensor(name).to(dtype)
-    tied = config.text_config.tie_word_embeddings
+    tied = config.text_config.tie_word_embeddings and with_language
     if tied:
         state.pop("language_model.lm_head.weight", None)
         params.pop("language_model.lm_head.weight", None)
@@ -129,7 +133,8 @@ def load_model(
     if tied:
         model.language_model.lm_head.weight = model.language_model.embed_tokens.weight
     # Buffers (rotary inv_freq, CLIP position ids) were built on the meta device: rebuild them.
-    model.language_model.rotary.inv_freq = inv_freq.float()
+    if with_language:
+        model.language_model.rotary.inv_freq = inv_freq.float()
     if model.vision is not None:
         emb = model.vision.vision_tower.embeddings
         emb.position_ids = torch.arange(emb.num_positions).expand(1, -1)

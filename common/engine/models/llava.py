@@ -55,11 +55,17 @@ class VisionEncoder(nn.Module):
 
 
 class LlavaModel(nn.Module):
-    def __init__(self, config, inv_freq: torch.Tensor, attention_scaling: float, with_vision: bool) -> None:
+    """The parts an instance's roles need: the vision side for encode, the LLM for prefill/decode."""
+
+    def __init__(
+        self, config, inv_freq: torch.Tensor, attention_scaling: float, with_vision: bool, with_language: bool
+    ) -> None:
         super().__init__()
         self.config = config
         self.image_token_id = config.image_token_index
-        self.language_model = LlamaForCausalLM(config.text_config, inv_freq, attention_scaling)
+        self.language_model = (
+            LlamaForCausalLM(config.text_config, inv_freq, attention_scaling) if with_language else None
+        )
         self.vision = (
             VisionEncoder(config.vision_config, config.text_config.hidden_size, config)
             if with_vision
