@@ -40,7 +40,12 @@ def generate(
 
     try:
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop)
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=tuple(stop),
         )
         engine = Engine(model or default_model(), EngineConfig(device=device))
         start = time.perf_counter()
