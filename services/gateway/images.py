@@ -1,0 +1,92 @@
+"""Fetching a message's images: data: URLs, and http(s) URLs with a size cap, a timeout and an
+address policy that refuses loopback, private and link-local hosts unless configured."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import ipaddress
+import socket
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+
+from services.gateway.errors import APIError
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    max_bytes: int = 20 << 20
+    timeout_s: float = 10.0
+    allow_private: bool = False  # loopback, RFC 1918, link-local, unique-local
+    max_images: int = 8
+
+
+async def fetch_image(url: str, policy: ImagePolicy) -> bytes:
+    """The raw bytes of an image part's URL; every failure is a 4xx APIError naming the cause."""
+    if url.startswith("data:"):
+        return _decode_data_url(url, policy)
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise APIError(400, "image_url must be a data: URL or an http(s) URL", param="image_url")
+    await _check_address(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), policy)
+    try:
+        async with (
+            httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False) as client,
+            client.stream("GET", url) as resp,
+        ):
+            if resp.status_code != 200:
+                raise APIError(400, f"fetching image_url returned HTTP {resp.status_code}", param="image_url")
+            declared = int(resp.headers.get("content-length") or 0)
+            if declared > policy.max_bytes:
+                raise _too_large(policy)
+            data = bytearray()
+            async for chunk in resp.aiter_bytes():
+                data += chunk
+                if len(data) > policy.max_bytes:
+                    raise _too_large(policy)
+            return bytes(data)
+    except httpx.TimeoutException as exc:
+        raise APIError(
+            400, f"fetching image_url timed out after {policy.timeout_s:g}s", param="image_url"
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise APIError(400, f"cannot fetch image_url: {exc}", param="image_url") from exc
+
+
+def _decode_data_url(url: str, policy: ImagePolicy) -> bytes:
+    header, _, payload = url.partition(",")
+    if ";base64" not in header:
+        raise APIError(400, "data: image URLs must be base64-encoded", param="image_url")
+    if len(payload) * 3 // 4 > policy.max_bytes:
+        raise _too_large(policy)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise APIError(400, "data: image URL is not valid base64", param="image_url") from exc
+
+
+async def _check_address(host: str, port: int, policy: ImagePolicy) -> None:
+    """Resolve the host and refuse it if any address is internal (unless allowed)."""
+    if policy.allow_private:
+        return
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise APIError(400, f"cannot resolve image_url host {host!r}", param="image_url") from exc
+    for info in infos:
+        addr = ipaddress.ip_address(info[4][0])
+        if addr.is_loopback or addr.is_private or addr.is_link_local or addr.is_reserved or addr.is_multicast:
+            raise APIError(
+                400,
+                f"image_url host {host!r} resolves to a non-public address ({addr}); "
+                "set TRIDENT_ALLOW_PRIVATE_IMAGE_URLS=1 to allow it",
+                param="image_url",
+                code="image_url_forbidden",
+            )
+
+
+def _too_large(policy: ImagePolicy) -> APIError:
+    return APIError(413, f"image is larger than the {policy.max_bytes >> 20} MB limit", param="image_url")

@@ -1,0 +1,66 @@
+"""OpenAI request validation: what is accepted, and what is refused with a message."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
+
+
+def chat(**kw):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body.update(kw)
+    return ChatCompletionRequest.model_validate(body)
+
+
+def test_images_become_template_parts_in_order():
+    req = chat(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:a"}},
+                    {"type": "text", "text": "and"},
+                    {"type": "image_url", "image_url": {"url": "data:b"}},
+                ],
+            },
+        ]
+    )
+    messages, urls = req.template_messages()
+    assert urls == ["data:a", "data:b"]
+    assert messages[1]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
+    assert messages[0] == {"role": "system", "content": [{"type": "text", "text": "be brief"}]}
+
+
+def test_sampling_params_and_max_completion_tokens_precedence():
+    req = chat(max_tokens=5, max_completion_tokens=7, temperature=0, stop="END", seed=3, ignore_eos=True)
+    p = req.sampling_params(default_max_tokens=100)
+    assert (p.max_tokens, p.temperature, p.stop, p.seed, p.ignore_eos) == (7, 0, ("END",), 3, True)
+    assert chat().sampling_params(100).max_tokens == 100
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"n": 2}, "only n=1"),
+        ({"max_tokens": 0}, "greater than or equal to 1"),
+        ({"messages": []}, "at least 1"),
+        ({"temperature": 3}, "less than or equal to 2"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+        ({"presence_penalty": 0.5}, "not supported"),
+        ({"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]}, "does not match"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_reason(change, message):
+    with pytest.raises(ValidationError, match=message):
+        chat(**change)
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "hi"}).prompt == "hi"
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [5, 6]}).prompt == [5, 6]
+    with pytest.raises(ValidationError, match="one prompt"):
+        CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]})

@@ -1,0 +1,89 @@
+"""Image fetching: data URLs, size caps, timeouts and the address policy, against a real local server."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from services.gateway.errors import APIError
+from services.gateway.images import ImagePolicy, fetch_image
+
+PAYLOAD = b"\x89PNG fake image bytes" * 100
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/slow":
+            time.sleep(2)
+        if self.path == "/missing":
+            self.send_response(404)
+            self.end_headers()
+            return
+        body = PAYLOAD * (1000 if self.path == "/big" else 1)
+        self.send_response(200)
+        if self.path != "/big":  # /big hides its length, so the cap must hold while streaming
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+OPEN = ImagePolicy(allow_private=True, max_bytes=1 << 20, timeout_s=0.5)
+
+
+async def test_data_url_round_trips():
+    url = "data:image/png;base64," + base64.b64encode(PAYLOAD).decode()
+    assert await fetch_image(url, ImagePolicy()) == PAYLOAD
+
+
+@pytest.mark.parametrize("url", ["data:image/png,rawbytes", "data:image/png;base64,@@@not-base64"])
+async def test_bad_data_urls_are_400(url):
+    with pytest.raises(APIError) as err:
+        await fetch_image(url, ImagePolicy())
+    assert err.value.status == 400
+
+
+async def test_loopback_is_refused_by_default(server):
+    with pytest.raises(APIError) as err:
+        await fetch_image(server + "/img", ImagePolicy())
+    assert err.value.status == 400 and "non-public address" in err.value.message
+
+
+@pytest.mark.parametrize("host", ["10.1.2.3", "192.168.0.7", "169.254.169.254", "[::1]"])
+async def test_private_and_link_local_hosts_are_refused(host):
+    with pytest.raises(APIError, match="non-public"):
+        await fetch_image(f"http://{host}/x.png", ImagePolicy())
+
+
+async def test_allowed_private_fetch_works(server):
+    assert await fetch_image(server + "/img", OPEN) == PAYLOAD
+
+
+async def test_size_cap_holds_while_streaming(server):
+    with pytest.raises(APIError) as err:
+        await fetch_image(server + "/big", ImagePolicy(allow_private=True, max_bytes=64 << 10))
+    assert err.value.status == 413
+
+
+async def test_timeout_and_http_errors_are_400(server):
+    with pytest.raises(APIError, match="timed out"):
+        await fetch_image(server + "/slow", OPEN)
+    with pytest.raises(APIError, match="HTTP 404"):
+        await fetch_image(server + "/missing", OPEN)
+    with pytest.raises(APIError, match="data: URL or an http"):
+        await fetch_image("ftp://example.com/x.png", OPEN)
