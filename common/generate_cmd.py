@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -21,17 +22,19 @@ def default_model() -> Path:
 
 
 def generate(
-    prompt: str = typer.Option(..., "--prompt", help="The user's message."),
-    model: Path | None = typer.Option(None, "--model", help="HF-format checkpoint dir (default: tiny demo)."),
-    image: list[Path] = typer.Option([], "--image", help="Image file; repeat for several images."),  # noqa: B008
-    max_tokens: int = typer.Option(64, "--max-tokens", help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k", help="0 means no top-k cut."),
-    seed: int | None = typer.Option(None, "--seed", help="Makes sampled output reproducible."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string; repeat for several."),  # noqa: B008
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on the last line."),
+    prompt: Annotated[str, typer.Option("--prompt", help="The user's message.")],
+    model: Annotated[
+        Path | None, typer.Option(help="HF-format checkpoint dir (default: the tiny demo).")
+    ] = None,
+    image: Annotated[list[Path] | None, typer.Option(help="Image file; repeat for several images.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 means no top-k cut.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Makes sampled output reproducible.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string; repeat for several.")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on the last line.")] = False,
 ) -> None:
     """Answer one prompt (with optional images) using the in-process engine."""
     from common.engine import Engine, EngineConfig, SamplingParams
@@ -45,11 +48,11 @@ def generate(
             top_p=top_p,
             top_k=top_k,
             seed=seed,
-            stop=tuple(stop),
+            stop=tuple(stop or ()),
         )
         engine = Engine(model or default_model(), EngineConfig(device=device))
         start = time.perf_counter()
-        done = engine.generate([engine.chat_prompt(prompt, len(image))], [list(image)], params)[0]
+        done = engine.generate([engine.chat_prompt(prompt, len(image or []))], [list(image or [])], params)[0]
         seconds = time.perf_counter() - start
     except (CheckpointError, InputError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)

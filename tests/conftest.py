@@ -1,6 +1,4 @@
-"""Shared fixtures: the tiny checkpoint is written once per test session."""
-
-from __future__ import annotations
+"""Shared pytest fixtures."""
 
 from pathlib import Path
 
@@ -10,5 +8,6 @@ from common.checkpoints import write_checkpoint
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llava", "tiny-llava", seed=0)
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny-llava checkpoint (seed 0), written once per test session; treat it as read-only."""
+    return write_checkpoint(tmp_path_factory.mktemp("checkpoints") / "tiny-llava", "tiny-llava", seed=0)

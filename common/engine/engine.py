@@ -34,10 +34,10 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.device = torch.device(config.device)
         dtype = _DTYPES[config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
-        self.processor = RequestProcessor(model_dir)
-        self.tokenizer = self.processor.tokenizer
         self.has_lm = bool(config.roles & {Role.PREFILL, Role.DECODE})
         self.model = load_model(model_dir, Role.ENCODE in config.roles, self.device, dtype, self.has_lm)
+        self.processor = RequestProcessor(model_dir)
+        self.tokenizer = self.processor.tokenizer
         text = self.model.config.text_config
         self.max_model_len = text.max_position_embeddings
         self.kv_spec = KVSpec(

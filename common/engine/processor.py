@@ -14,6 +14,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from transformers import AutoProcessor
 
+from common.engine.loader import CheckpointError
 from common.engine.request import ImageInput
 
 
@@ -52,7 +53,10 @@ class RequestProcessor:
         # transformers warns that torchvision is missing and falls back to its PIL image processor,
         # which is what we want on CPU-only machines; the warning is noise.
         logging.getLogger("transformers").setLevel(logging.ERROR)
-        self.hf = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+        try:
+            self.hf = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{model_dir}: cannot load the tokenizer/processor files: {exc}") from exc
         self.tokenizer = self.hf.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.hf.image_token)
 

@@ -126,8 +126,12 @@ def test_broken_directories_get_errors_that_name_the_problem(tiny_model_dir, tmp
 
 def test_prompt_plus_max_tokens_beyond_context_is_rejected_at_admission(make_engine):
     engine = make_engine()
+    prompt = engine.chat_prompt("hi", 0)
+    room = 2048 - len(engine.processor.process(prompt, []).token_ids)
+    engine.add_request(prompt, params=SamplingParams(max_tokens=room))  # exactly fits
     with pytest.raises(AdmissionError, match="exceeds the model's context of 2048"):
-        engine.add_request(engine.chat_prompt("hi", 0), params=SamplingParams(max_tokens=2040))
+        engine.add_request(prompt, params=SamplingParams(max_tokens=room + 1))
+    engine.abort("req-0")
     assert not engine.has_unfinished()
 
 
@@ -135,3 +139,30 @@ def test_request_larger_than_the_kv_cache_is_rejected_at_admission(make_engine):
     engine = make_engine(kv_cache_bytes=2 * 8192)  # two 16-token blocks
     with pytest.raises(AdmissionError, match="KV cache"):
         engine.add_request(engine.chat_prompt("hi", 0), params=SamplingParams(max_tokens=64))
+
+
+def test_generate_cli_prints_one_json_object_last(tiny_model_dir, tmp_path):
+    """`trident generate --json` is a contract: its last line is one JSON object with text and token_ids."""
+    from typer.testing import CliRunner
+
+    from common.cli import app
+    from tests.engine.conftest import make_image
+
+    make_image(0).save(tmp_path / "img.png")
+    args = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "What is it?",
+        "--image",
+        str(tmp_path / "img.png"),
+    ]
+    result = CliRunner().invoke(app, [*args, "--max-tokens", "5", "--json"])
+    assert result.exit_code == 0, result.output
+    last = json.loads(result.output.strip().splitlines()[-1])
+    assert len(last["token_ids"]) == 5 and isinstance(last["text"], str) and last["finish_reason"] == "length"
+    plain = CliRunner().invoke(app, [*args, "--max-tokens", "5"])
+    assert plain.exit_code == 0 and plain.output.strip() == last["text"].strip()
+    bad = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
+    assert bad.exit_code == 2 and "does not exist" in bad.output

@@ -1,0 +1,52 @@
+"""The `trident` command line: model preparation now, serving commands as they land."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters, write_checkpoint
+from common.generate_cmd import generate
+
+app = typer.Typer(
+    name="trident",
+    help="Trident: disaggregated encode/prefill/decode serving for multimodal LLMs.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+# An enum makes typer list the valid presets in --help and reject unknown ones with a usage error.
+PresetName = StrEnum("PresetName", {name: name for name in PRESETS})
+DEFAULT_PRESET = PresetName("tiny-llava")
+
+
+@app.callback()
+def main() -> None:
+    """Trident: disaggregated encode/prefill/decode serving for multimodal LLMs."""
+    # An explicit callback keeps `app` a command group, so `trident make-model ...` keeps its subcommand
+    # name even while it is the only command.
+
+
+@app.command("make-model")
+def make_model(
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Where to write the checkpoint.")],
+    preset: Annotated[PresetName, typer.Option(help="Model shapes to generate.")] = DEFAULT_PRESET,
+    seed: Annotated[int, typer.Option(min=0, help="The weights depend only on (preset, seed).")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Replace DIR if it holds a checkpoint.")] = False,
+) -> None:
+    """Write a random-weight HF-format LLaVA-1.5 checkpoint (config, weights, tokenizer, processor)."""
+    try:
+        path = write_checkpoint(directory, preset=preset.value, seed=seed, overwrite=force)
+    except CheckpointExistsError as exc:
+        hint = "pass --force to replace it" if exc.replaceable else "choose a new or empty directory"
+        raise typer.BadParameter(f"{exc}; {hint}", param_hint="DIR") from None
+    typer.echo(f"directory: {path}")
+    typer.echo(f"preset: {preset.value}")
+    typer.echo(f"seed: {seed}")
+    typer.echo(f"parameters: {count_parameters(preset.value)}")
+
+
+app.command("generate")(generate)
