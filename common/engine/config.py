@@ -63,6 +63,9 @@ class EngineConfig:
     # Image features kept for reuse, keyed by content hash (0 disables the cache).
     feature_cache_bytes: int = 64 << 20
     device: str = "cpu"
+    # CPU threads for torch; None keeps torch's default (all cores). Several services sharing a
+    # machine should split the cores: oversubscribed torch threads spin and slow everyone down.
+    num_threads: int | None = None
     # None: float32 on CPU (exact parity with HF), bfloat16 on CUDA.
     dtype: str | None = None
     extra: dict[str, str] = field(default_factory=dict)

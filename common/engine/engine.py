@@ -33,6 +33,8 @@ class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.device = torch.device(config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         dtype = _DTYPES[config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
         self.has_lm = bool(config.roles & {Role.PREFILL, Role.DECODE})
         self.model = load_model(model_dir, Role.ENCODE in config.roles, self.device, dtype, self.has_lm)
