@@ -15,6 +15,7 @@ from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.feature_cache import FeatureCache
 from common.engine.kv_cache import KVCache, KVSpec, layer_groups, num_blocks_for
 from common.engine.loader import load_model
+from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import Completion, RequestOutput
 from common.engine.processor import InputError, ProcessedPrompt, RequestProcessor, load_image
@@ -35,6 +36,8 @@ class Engine:
         self.device = torch.device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         dtype = _DTYPES[config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
         self.has_lm = bool(config.roles & {Role.PREFILL, Role.DECODE})
         self.model = load_model(model_dir, Role.ENCODE in config.roles, self.device, dtype, self.has_lm)

@@ -137,14 +137,16 @@ class ModelRunner:
             s.context_slots = s.context_slots.to(dev)
         meta = AttentionMetadata(slot_mapping, seqs, num_prefill, None, None)
         if decodes:
-            width = max(decode_ctx)
+            tables = [self.block_tables(req.request_id) for req in decodes]
+            width = max(len(t) for t in tables)
             grid = torch.zeros(len(decodes), width, dtype=torch.long)
-            for i, (req, ctx) in enumerate(zip(decodes, decode_ctx, strict=True)):
-                table = torch.as_tensor(self.block_tables(req.request_id))
-                grid[i, :ctx] = slots_for(table, torch.arange(ctx), self.block_size)
-            lengths = torch.as_tensor(decode_ctx)
-            meta.decode_slots = grid.to(dev)
-            meta.decode_mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :].to(dev)
+            for i, table in enumerate(tables):
+                grid[i, : len(table)] = torch.as_tensor(table)
+            valid = torch.arange(max(decode_ctx))[None, :] < torch.as_tensor(decode_ctx)[:, None]
+            bias = torch.zeros(valid.shape, dtype=self.cache.spec.dtype).masked_fill_(~valid, float("-inf"))
+            meta.decode_blocks = grid.to(dev)
+            meta.num_cache_blocks = self.cache.num_blocks
+            meta.decode_bias = bias[:, None, None, :].to(dev)
         if flash_available(dev):
             self._flash_metadata(meta, seqs, decodes, decode_ctx)
         return meta
