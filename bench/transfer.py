@@ -1,0 +1,232 @@
+"""Moving one tensor between two processes: UCX, TCP, Redis SET/GET and inline NATS, beside memcpy.
+
+    python bench/transfer.py             # 64 KB, 3.7 MB (one LLaVA-1.5 image's features), 64 MB
+    python bench/transfer.py --quick     # fewer repetitions
+
+Every path is a pull between two processes, the way prefill gets features and decode gets KV:
+
+* ucx, tcp: an owner process publishes the tensor; this process pulls it by handle into a reused
+  destination (`out=`), so each sample is request + reply header + the bytes.
+* redis: the owner SETs the bytes once; this process GETs them (the bytes cross two sockets, via
+  redis-server). The owner's SET time is reported beside it.
+* nats: the owner answers a request with the bytes inline in the reply (through nats-server);
+  64 MB exceeds the 8 MB max_payload and is not measured.
+* memcpy: single-threaded `numpy.copyto` of the same size in this process, at the start of the run.
+
+A table goes to stdout, then the key figures as one JSON object on the last line. Timings on a
+machine shared with busy processes swing widely; the load average is printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.infra import NatsServer, RedisServer
+from common.transfer import TransferConfig, create_backend, ucx_available
+from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
+
+SIZES = {"64KB": 64 * 1024, "3.7MB": 576 * 1606 * 4, "64MB": 64 * 1024 * 1024}
+NATS_MAX_PAYLOAD = 8 * 1024 * 1024
+
+
+def _spec(nbytes: int, seed: int) -> TensorSpec:
+    return TensorSpec((nbytes // 4,), "float32", seed)
+
+
+def _stats(samples: list[float], nbytes: int) -> dict[str, float]:
+    ordered = sorted(samples)
+    p50 = statistics.median(ordered)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "GBps": nbytes / p50 / 1e9, "n": len(ordered)}
+
+
+def _repeats(nbytes: int, scale: float) -> int:
+    return max(5, int((400 if nbytes < 1 << 20 else 60 if nbytes < 16 << 20 else 25) * scale))
+
+
+async def bench_pull(backend: str, scale: float) -> dict[str, dict[str, float]]:
+    specs = [_spec(n, i) for i, n in enumerate(SIZES.values())]
+    results = {}
+    owner = OwnerProcess(backend, specs)
+    await asyncio.to_thread(owner.start)
+    try:
+        puller = create_backend(TransferConfig(backend=backend, timeout=30))  # type: ignore[arg-type]
+        await puller.start()
+        for (name, nbytes), spec, handle in zip(SIZES.items(), specs, owner.handles, strict=True):
+            out = torch.empty(spec.shape, dtype=torch.float32)
+            for _ in range(3):  # warm: endpoints, connections, first-touch pages
+                await puller.pull(owner.address, handle, out=out)
+            assert same_bytes(out, make_tensor(spec)), f"{backend} {name}: bytes differ"
+            samples = []
+            for _ in range(_repeats(nbytes, scale)):
+                t0 = time.perf_counter()
+                await puller.pull(owner.address, handle, out=out)
+                samples.append(time.perf_counter() - t0)
+            results[name] = _stats(samples, nbytes)
+        await puller.close()
+    finally:
+        await asyncio.to_thread(owner.stop)
+    return results
+
+
+def _redis_owner(url: str, conn: Connection) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    for name, nbytes in SIZES.items():
+        payload = make_tensor(_spec(nbytes, 0)).numpy().tobytes()
+        t0 = time.perf_counter()
+        client.set(f"bench:{name}", payload)
+        conn.send((name, time.perf_counter() - t0))
+    conn.send(None)
+    conn.recv()  # stay until told
+
+
+def bench_redis(url: str, scale: float) -> dict[str, dict[str, float]]:
+    import redis
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_redis_owner, args=(url, child), daemon=True)
+    proc.start()
+    set_times = dict(iter(parent.recv, None))
+    client = redis.Redis.from_url(url)
+    results = {}
+    for name, nbytes in SIZES.items():
+        for _ in range(2):
+            client.get(f"bench:{name}")
+        samples = []
+        for _ in range(_repeats(nbytes, scale)):
+            t0 = time.perf_counter()
+            data = client.get(f"bench:{name}")
+            samples.append(time.perf_counter() - t0)
+        assert data is not None and len(data) == nbytes
+        results[name] = {**_stats(samples, nbytes), "set_ms": set_times[name] * 1e3}
+    parent.send("done")
+    proc.join(10)
+    return results
+
+
+def _nats_owner(url: str, conn: Connection) -> None:
+    import nats
+
+    async def main() -> None:
+        nc = await nats.connect(url)
+        payloads = {
+            n: make_tensor(_spec(n, 0)).numpy().tobytes() for n in SIZES.values() if n <= NATS_MAX_PAYLOAD
+        }
+
+        async def answer(msg) -> None:  # type: ignore[no-untyped-def]
+            await msg.respond(payloads[int(msg.data)])
+
+        await nc.subscribe("bench.pull", cb=answer)
+        await nc.flush()
+        await asyncio.to_thread(conn.send, "ready")
+        await asyncio.to_thread(conn.recv)
+        await nc.close()
+
+    asyncio.run(main())
+
+
+async def bench_nats(url: str, scale: float) -> dict[str, dict[str, float]]:
+    import nats
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_nats_owner, args=(url, child), daemon=True)
+    await asyncio.to_thread(proc.start)
+    assert await asyncio.to_thread(parent.recv) == "ready"
+    nc = await nats.connect(url)
+    results = {}
+    for name, nbytes in SIZES.items():
+        if nbytes > NATS_MAX_PAYLOAD:
+            continue
+        for _ in range(3):
+            await nc.request("bench.pull", str(nbytes).encode(), timeout=30)
+        samples = []
+        for _ in range(_repeats(nbytes, scale)):
+            t0 = time.perf_counter()
+            reply = await nc.request("bench.pull", str(nbytes).encode(), timeout=30)
+            samples.append(time.perf_counter() - t0)
+        assert len(reply.data) == nbytes
+        results[name] = _stats(samples, nbytes)
+    await nc.close()
+    await asyncio.to_thread(parent.send, "done")
+    await asyncio.to_thread(proc.join, 10)
+    return results
+
+
+def bench_memcpy(scale: float) -> dict[str, dict[str, float]]:
+    results = {}
+    for name, nbytes in SIZES.items():
+        src = np.frombuffer(os.urandom(nbytes), dtype=np.uint8)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        samples = []
+        for _ in range(_repeats(nbytes, scale)):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            samples.append(time.perf_counter() - t0)
+        results[name] = _stats(samples, nbytes)
+    return results
+
+
+def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
+    lines = ["| path | size | p50 ms | p99 ms | GB/s (at p50) |", "| --- | --- | ---: | ---: | ---: |"]
+    for path, by_size in results.items():
+        for size in SIZES:
+            r = by_size.get(size)
+            if r is None:
+                lines.append(f"| {path} | {size} | n/a | n/a | n/a |")
+            else:
+                lines.append(f"| {path} | {size} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['GBps']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a fifth of the repetitions")
+    args = parser.parse_args()
+    scale = 0.2 if args.quick else 1.0
+    # memcpy first, before any server or peer process exists to compete with it.
+    results: dict[str, dict[str, dict[str, float]]] = {"memcpy": bench_memcpy(scale)}
+    with NatsServer() as nats_server, RedisServer() as redis_server:
+        if ucx_available():
+            results["ucx"] = asyncio.run(bench_pull("ucx", scale))
+        results["tcp"] = asyncio.run(bench_pull("tcp", scale))
+        results["redis"] = bench_redis(redis_server.url, scale)
+        results["nats-inline"] = asyncio.run(bench_nats(nats_server.url, scale))
+    results["memcpy"] = results.pop("memcpy")  # listed last, as the reference
+    print(table(results))
+
+    memcpy_bw = results["memcpy"]["64MB"]["GBps"]
+    figures: dict[str, object] = {"loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
+    for path, by_size in results.items():
+        for size, r in by_size.items():
+            figures[f"{path}_{size}_p50_ms"] = round(r["p50_ms"], 3)
+            figures[f"{path}_{size}_p99_ms"] = round(r["p99_ms"], 3)
+            figures[f"{path}_{size}_GBps"] = round(r["GBps"], 2)
+    if "ucx" in results:
+        ucx = results["ucx"]
+        figures["ucx_64MB_fraction_of_memcpy"] = round(ucx["64MB"]["GBps"] / memcpy_bw, 3)
+        figures["goal_ucx_3.7MB_p50_le_1.5ms"] = ucx["3.7MB"]["p50_ms"] <= 1.5
+        figures["goal_ucx_64MB_ge_half_memcpy"] = ucx["64MB"]["GBps"] >= 0.5 * memcpy_bw
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

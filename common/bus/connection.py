@@ -1,0 +1,122 @@
+"""Connecting to NATS so that a server restart is survivable, and declaring the task stream."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+
+from common.bus.subjects import ROLES, Subjects
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    """How to reach NATS and how the task stream behaves.
+
+    `ack_wait` bounds how long a crashed worker's task waits before redelivery; long work extends
+    it with in-progress acks, so it can stay short. `max_deliver` bounds poison tasks: after that
+    many deliveries the task is dead-lettered instead of crashing worker after worker.
+    """
+
+    url: str = "nats://127.0.0.1:4222"  # credentials ride in the URL: nats://token@host or user:pass@host
+    name: str = "trident"
+    prefix: str = "trident"
+    ack_wait: float = 30.0
+    max_deliver: int = 5
+    # Retries of a task whose handler failed wait this long first, so a transient cause can clear.
+    nak_delay: float = 1.0
+    # A publish waits this long in total (across a NATS restart) for JetStream to store the task.
+    publish_timeout: float = 30.0
+    reconnect_wait: float = 0.25
+    connect_timeout: float = 5.0
+    # How long JetStream remembers a message id to drop a retried publish's duplicate.
+    duplicate_window: float = 120.0
+    max_task_bytes: int = 8 * 1024 * 1024
+    extra_servers: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.prefix)
+
+
+async def connect_nats(config: BusConfig) -> NATS:
+    """A client that reconnects forever: publishes made while NATS is away are buffered and sent
+    after the reconnect, and subscriptions (pull inboxes included) are re-established."""
+
+    client: list[NATS] = []  # the callbacks need the client, which exists only after connect()
+
+    async def on_disconnect() -> None:
+        if client and (client[0].is_closed or client[0].is_draining):
+            return  # our own close, not an outage
+        log.warning("NATS connection lost (%s); reconnecting", config.name)
+
+    async def on_reconnect() -> None:
+        log.info("NATS reconnected (%s)", config.name)
+
+    async def on_error(exc: Exception) -> None:
+        # Connection-refused noise during a restart is expected; anything else is worth a line.
+        log.debug("NATS client error (%s): %r", config.name, exc)
+
+    nc = await nats.connect(
+        servers=[config.url, *config.extra_servers],
+        name=config.name,
+        allow_reconnect=True,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=config.reconnect_wait,
+        connect_timeout=config.connect_timeout,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        error_cb=on_error,
+        # Pings detect a dead server that did not close the socket (a SIGKILLed container).
+        ping_interval=5,
+        max_outstanding_pings=2,
+    )
+    client.append(nc)
+    return nc
+
+
+async def ensure_task_stream(js: JetStreamContext, config: BusConfig) -> None:
+    """Create (or update) the work-queue stream and the durable pull consumer of every role.
+
+    Idempotent: every process calls it at start-up, so whichever comes first sets things up.
+    """
+    subjects = config.subjects
+    stream = StreamConfig(
+        name=subjects.task_stream,
+        subjects=[subjects.task(role) for role in ROLES],
+        # Work queue: a task is removed once acked, and each subject has exactly one consumer.
+        retention=RetentionPolicy.WORK_QUEUE,
+        # File storage: tasks survive a NATS restart; unacked ones are redelivered afterwards.
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.NEW,
+        max_msg_size=config.max_task_bytes,
+        duplicate_window=config.duplicate_window,
+    )
+    try:
+        await js.add_stream(stream)
+    except BadRequestError:
+        await js.update_stream(stream)
+    for role in ROLES:
+        await js.add_consumer(subjects.task_stream, consumer_config(config, role))
+
+
+def consumer_config(config: BusConfig, role: str) -> ConsumerConfig:
+    """The durable pull consumer that all replicas of `role` share."""
+    name = config.subjects.consumer(role)
+    return ConsumerConfig(
+        name=name,
+        durable_name=name,
+        filter_subject=config.subjects.task(role),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=config.ack_wait,
+        max_deliver=config.max_deliver,
+        # Many replicas may each hold a waiting pull request; the default cap (512) is plenty.
+        max_waiting=512,
+    )

@@ -1,0 +1,161 @@
+"""Core-NATS events: per-request outputs, cancel/release/drain broadcasts, plan events, heartbeats.
+
+Core NATS is at-most-once and fast; it fits messages whose loss the system tolerates or repairs
+(a lost delta shows as a gap the gateway can fill from the final's count, a lost release is
+covered by the KV owner's TTL, heartbeats repeat). Tasks, which must not be lost, use JetStream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from common.bus.subjects import Subjects
+from common.bus.tasks import DeadLetterSink
+from common.protocol import (
+    OUTPUT_KINDS,
+    Cancel,
+    DeadLetter,
+    Drain,
+    Heartbeat,
+    Message,
+    Plan,
+    ProtocolError,
+    Release,
+    decode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EventStream:
+    """A subscription that yields decoded messages of the expected kinds, in arrival order.
+
+    Malformed messages are logged and dead-lettered (when a sink is given) and never reach the
+    reader. Use as `async with` or call `close()`; iteration ends after close.
+    """
+
+    def __init__(
+        self, expect: tuple[type[Message], ...], sink: DeadLetterSink | None, maxsize: int = 0
+    ) -> None:
+        self._expect = expect
+        self._sink = sink
+        self._queue: asyncio.Queue[Message | None] = asyncio.Queue(maxsize)
+        self._sub: Subscription | None = None
+        self.dropped = 0
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            message = decode(msg.data, expect=self._expect)
+        except ProtocolError as exc:
+            self.dropped += 1
+            log.error("malformed message on %s: %s", msg.subject, exc)
+            if self._sink is not None:
+                letter = DeadLetter(
+                    stream="", subject=msg.subject, stream_seq=0, deliveries=1, reason="malformed",
+                    detail=str(exc)[:2000], data=msg.data, time=time.time(),
+                )  # fmt: skip
+                try:
+                    await self._sink.put_dead_letter(letter)
+                except Exception as sink_exc:  # the subscription must outlive a Redis outage
+                    log.warning("could not record a dead letter: %r", sink_exc)
+            return
+        await self._queue.put(message)
+
+    async def get(self, timeout: float | None = None) -> Message:
+        """The next message; raises TimeoutError after `timeout` seconds, EOFError once closed."""
+        item = await asyncio.wait_for(self._queue.get(), timeout)
+        if item is None:
+            self._queue.put_nowait(None)  # keep later readers ending too
+            raise EOFError("event stream closed")
+        return item
+
+    async def __aiter__(self) -> AsyncIterator[Message]:
+        while True:
+            try:
+                yield await self.get()
+            except EOFError:
+                return
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # closing during a reconnect must not mask the caller's error
+                log.debug("unsubscribe failed: %r", exc)
+        self._queue.put_nowait(None)
+
+    async def __aenter__(self) -> EventStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class EventBus:
+    """Typed publish and subscribe over core NATS."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, sink: DeadLetterSink | None = None) -> None:
+        self._nc = nc
+        self.subjects = subjects
+        self._sink = sink
+
+    async def publish(self, subject: str, message: Message) -> None:
+        """Fire a message; while NATS is away it waits in the client's buffer until the reconnect."""
+        await self._nc.publish(subject, message.to_bytes())
+
+    async def subscribe(
+        self, subject: str, expect: tuple[type[Message], ...], queue: str = "", maxsize: int = 0
+    ) -> EventStream:
+        """Messages on `subject` (wildcards allowed); with `queue`, one member of the group gets each."""
+        stream = EventStream(expect, self._sink, maxsize)
+        stream._sub = await self._nc.subscribe(subject, queue=queue, cb=stream._on_msg)
+        return stream
+
+    # -- the named events ----------------------------------------------------------------------------
+    async def publish_output(self, message: Message) -> None:
+        """A TokenDelta, FinalOutput or ErrorOutput, on its request's subject."""
+        if not isinstance(message, OUTPUT_KINDS):
+            raise TypeError(f"{type(message).__name__} is not an output message")
+        await self.publish(self.subjects.output(message.request_id), message)  # type: ignore[attr-defined]
+
+    async def outputs(self, request_id: str) -> EventStream:
+        """Subscribe before publishing the request's first task, so no output can be missed."""
+        return await self.subscribe(self.subjects.output(request_id), OUTPUT_KINDS)
+
+    async def cancel(self, message: Cancel) -> None:
+        await self.publish(self.subjects.cancel, message)
+
+    async def cancels(self) -> EventStream:
+        return await self.subscribe(self.subjects.cancel, (Cancel,))
+
+    async def release(self, message: Release) -> None:
+        await self.publish(self.subjects.release(message.owner), message)
+
+    async def releases(self, owner: str) -> EventStream:
+        return await self.subscribe(self.subjects.release(owner), (Release,))
+
+    async def drain(self, message: Drain) -> None:
+        await self.publish(self.subjects.drain(message.instance_id), message)
+
+    async def drains(self, instance_id: str) -> EventStream:
+        return await self.subscribe(self.subjects.drain(instance_id), (Drain,))
+
+    async def plan(self, message: Plan) -> None:
+        await self.publish(self.subjects.plan, message)
+
+    async def plans(self) -> EventStream:
+        return await self.subscribe(self.subjects.plan, (Plan,))
+
+    async def heartbeat(self, message: Heartbeat) -> None:
+        await self.publish(self.subjects.heartbeat(message.instance_id), message)
+
+    async def heartbeats(self) -> EventStream:
+        return await self.subscribe(self.subjects.heartbeats_all, (Heartbeat,))

@@ -1,0 +1,93 @@
+"""Every NATS subject, stream and consumer name in one place, derived from one prefix.
+
+    <p>.task.{encode,prefill,decode}   JetStream work-queue stream <P>_TASKS, durable consumer per role
+    <p>.out.<request_id>               core: TokenDelta / FinalOutput / ErrorOutput for one request
+    <p>.ctl.cancel                     core: Cancel, broadcast to every instance
+    <p>.ctl.release.<owner>            core: Release, to the instance that holds the KV
+    <p>.ctl.drain.<instance_id>        core: Drain, to one instance
+    <p>.plan                           core: Plan events from the planner
+    <p>.hb.<instance_id>               core: Heartbeat (the registry in Redis is the source of truth)
+
+The prefix exists so tests (and two deployments on one NATS) do not see each other's traffic.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from common.protocol import DecodeTask, EncodeTask, Message, PrefillTask
+
+ROLES = ("encode", "prefill", "decode")
+TASK_KIND_BY_ROLE: dict[str, type[Message]] = {
+    "encode": EncodeTask,
+    "prefill": PrefillTask,
+    "decode": DecodeTask,
+}
+ROLE_BY_TASK_KIND: dict[type[Message], str] = {v: k for k, v in TASK_KIND_BY_ROLE.items()}
+
+# A subject token may not hold '.', whitespace or the wildcards; ids that go into subjects are checked.
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-:=+/@]+$")
+
+
+def check_token(value: str, what: str) -> str:
+    """Return `value` if it can be one subject token, else raise ValueError naming `what`."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} cannot be a NATS subject token")
+    return value
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """Names under one prefix."""
+
+    prefix: str = "trident"
+
+    def __post_init__(self) -> None:
+        check_token(self.prefix, "subject prefix")
+
+    @property
+    def task_stream(self) -> str:
+        return f"{self.prefix.upper().replace('-', '_')}_TASKS"
+
+    def task(self, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        return f"{self.prefix}.task.{role}"
+
+    def consumer(self, role: str) -> str:
+        """The durable pull consumer every replica of `role` shares."""
+        self.task(role)
+        return f"{self.prefix}-{role}"
+
+    def output(self, request_id: str) -> str:
+        return f"{self.prefix}.out.{check_token(request_id, 'request id')}"
+
+    @property
+    def outputs_all(self) -> str:
+        return f"{self.prefix}.out.*"
+
+    @property
+    def cancel(self) -> str:
+        return f"{self.prefix}.ctl.cancel"
+
+    def release(self, owner: str) -> str:
+        return f"{self.prefix}.ctl.release.{check_token(owner, 'instance id')}"
+
+    def drain(self, instance_id: str) -> str:
+        return f"{self.prefix}.ctl.drain.{check_token(instance_id, 'instance id')}"
+
+    @property
+    def plan(self) -> str:
+        return f"{self.prefix}.plan"
+
+    def heartbeat(self, instance_id: str) -> str:
+        return f"{self.prefix}.hb.{check_token(instance_id, 'instance id')}"
+
+    @property
+    def heartbeats_all(self) -> str:
+        return f"{self.prefix}.hb.*"
+
+    def max_deliveries_advisory(self) -> str:
+        """JetStream's advisory when a message of this stream ran out of deliveries (any consumer)."""
+        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.task_stream}.*"

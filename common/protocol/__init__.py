@@ -1,0 +1,78 @@
+"""Every message the services exchange, and every record they keep in Redis: typed and versioned.
+
+Wire format: msgpack `[kind, version, payload]` (see codec.py). Use `msg.to_bytes()` and
+`decode(data, expect=SomeKind)`; anything unreadable raises `ProtocolError`, never something else.
+"""
+
+from common.protocol.codec import Message, ProtocolError, Record, decode, encode, message_kinds
+from common.protocol.events import (
+    OUTPUT_KINDS,
+    Budgets,
+    Cancel,
+    Drain,
+    ErrorOutput,
+    FinalOutput,
+    FinishReason,
+    Heartbeat,
+    Method,
+    Plan,
+    Release,
+    Role,
+    TokenDelta,
+    Usage,
+)
+from common.protocol.records import DeadLetter, FeatureEntry, StageProfile, TraceRecord
+from common.protocol.tasks import (
+    TASK_KINDS,
+    DecodeTask,
+    EncodeTask,
+    ImageSpec,
+    KvGroup,
+    KvLocation,
+    PrefillTask,
+    RequestSpec,
+    SamplingSpec,
+)
+from common.protocol.tensors import DTYPE_SIZES, InlineTensor, TensorRef, dtype_name, nbytes_of, torch_dtype
+
+__all__ = [
+    "DTYPE_SIZES",
+    "OUTPUT_KINDS",
+    "TASK_KINDS",
+    "Budgets",
+    "Cancel",
+    "DeadLetter",
+    "DecodeTask",
+    "Drain",
+    "EncodeTask",
+    "ErrorOutput",
+    "FeatureEntry",
+    "FinalOutput",
+    "FinishReason",
+    "Heartbeat",
+    "ImageSpec",
+    "InlineTensor",
+    "KvGroup",
+    "KvLocation",
+    "Message",
+    "Method",
+    "Plan",
+    "PrefillTask",
+    "ProtocolError",
+    "Record",
+    "Release",
+    "RequestSpec",
+    "Role",
+    "SamplingSpec",
+    "StageProfile",
+    "TensorRef",
+    "TokenDelta",
+    "TraceRecord",
+    "Usage",
+    "decode",
+    "dtype_name",
+    "encode",
+    "message_kinds",
+    "nbytes_of",
+    "torch_dtype",
+]

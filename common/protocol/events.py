@@ -1,0 +1,122 @@
+"""Core-NATS messages: per-request outputs, control broadcasts, heartbeats and plan events."""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field
+
+from common.protocol.codec import Message, Record
+from common.protocol.tasks import TokenId
+
+Role = Literal["encode", "prefill", "decode"]
+FinishReason = Literal["stop", "length", "abort"]
+Method = Literal["e+p+d", "ep+d", "ed+p", "epd"]
+
+
+# -- outputs: gateway ← prefill/decode, on the request's own subject ---------------------------------
+class TokenDelta(Message):
+    """New tokens of a request. `index` is the position of the first of them in the output.
+
+    Prefill sends the first token and decode the rest over different connections, and NATS orders
+    messages per publisher only, so the gateway uses `index` to put deltas back in order.
+    """
+
+    KIND: ClassVar[str] = "out.delta"
+    request_id: str
+    index: int = Field(ge=0)
+    token_ids: tuple[TokenId, ...] = Field(min_length=1)
+    text: str = ""
+
+
+class Usage(Record):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+
+
+class FinalOutput(Message):
+    """The end of a request: why it stopped and what it used. `num_outputs` counts every token sent
+    in deltas, so the gateway knows when it has them all even if the final overtakes a delta."""
+
+    KIND: ClassVar[str] = "out.final"
+    request_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    num_outputs: int = Field(ge=0)
+
+
+class ErrorOutput(Message):
+    """A request failed; `code` is an OpenAI-style error type the gateway maps to a status."""
+
+    KIND: ClassVar[str] = "out.error"
+    request_id: str
+    code: str
+    message: str
+
+
+OUTPUT_KINDS: tuple[type[Message], ...] = (TokenDelta, FinalOutput, ErrorOutput)
+
+
+# -- control: broadcasts ------------------------------------------------------------------------------
+class Cancel(Message):
+    """Stop a request everywhere and free what it holds (its client went away, or it failed)."""
+
+    KIND: ClassVar[str] = "ctl.cancel"
+    request_id: str
+    reason: str = ""
+
+
+class Release(Message):
+    """Decode has pulled a request's KV: the owner (a prefill instance) may free the blocks."""
+
+    KIND: ClassVar[str] = "ctl.release"
+    request_id: str
+    owner: str
+    handles: tuple[str, ...] = ()
+
+
+class Drain(Message):
+    """Ask an instance to stop pulling, finish what it holds and deregister."""
+
+    KIND: ClassVar[str] = "ctl.drain"
+    instance_id: str
+    reason: str = ""
+
+
+# -- registry and planning -----------------------------------------------------------------------------
+class Budgets(Record):
+    """The stage-level batcher's per-iteration budgets (τe images, τt tokens)."""
+
+    image_budget: int = Field(0, ge=0)
+    token_budget: int = Field(0, ge=0)
+
+
+class Heartbeat(Message):
+    """An instance's liveness and load, written to the registry with a TTL and published."""
+
+    KIND: ClassVar[str] = "hb"
+    instance_id: str = Field(min_length=1)
+    roles: tuple[Role, ...] = Field(min_length=1)
+    http_address: str = ""
+    transfer_address: str = ""
+    queue_depth: int = Field(0, ge=0)
+    running: int = Field(0, ge=0)
+    free_kv_blocks: int = Field(0, ge=0)
+    total_kv_blocks: int = Field(0, ge=0)
+    budgets: Budgets = Budgets()
+    profile_id: str = ""
+    draining: bool = False
+    started_at: float = 0.0
+    time: float  # wall clock when sent
+
+
+class Plan(Message):
+    """The planner's recommendation: which deployment method, and how many replicas per role kind."""
+
+    KIND: ClassVar[str] = "plan"
+    decision_id: int = Field(ge=1)
+    method: Method
+    replicas: dict[Annotated[str, Field(pattern="^(e|p|d|ep|ed|epd)$")], Annotated[int, Field(ge=0)]]
+    time: float
+    goodput: float | None = None
+    reason: str = ""

@@ -1,0 +1,73 @@
+"""Records kept in Redis: feature-index entries, trace entries, stage profiles and dead letters.
+
+They use the same envelope as bus messages, so a record written by one build and read by
+another fails with a clear `ProtocolError` instead of being misread.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from common.protocol.codec import Message
+from common.protocol.tensors import TensorRef
+
+
+class FeatureEntry(Message):
+    """Feature-index entry (the MM store of 002 §3.2): who holds an image's features and how to pull them."""
+
+    KIND: ClassVar[str] = "rec.feature"
+    content_hash: str
+    ref: TensorRef
+    created: float
+
+    @property
+    def nbytes(self) -> int:
+        return self.ref.nbytes
+
+
+class TraceRecord(Message):
+    """One finished request, the planner's input: sizes, outcome and the stage timestamps (wall clock)."""
+
+    KIND: ClassVar[str] = "rec.trace"
+    request_id: str
+    arrival: float
+    prompt_tokens: int = Field(ge=0)
+    image_tokens: int = Field(0, ge=0)
+    num_images: int = Field(0, ge=0)
+    output_tokens: int = Field(0, ge=0)
+    finish_reason: str = ""
+    stages: dict[str, float] = Field(default_factory=dict)
+
+
+class StageProfile(Message):
+    """What an instance measured about itself (the engine's StageProfile plus identity): budgets and
+    latency curves in seconds, which the planner's simulator replays."""
+
+    KIND: ClassVar[str] = "rec.profile"
+    profile_id: str
+    model: str = ""
+    hardware: str = ""
+    roles: tuple[str, ...]
+    latency_limit: float
+    image_budget: int = Field(ge=0)
+    token_budget: int = Field(ge=0)
+    encode: tuple[tuple[int, float], ...] = ()  # (images, s)
+    prefill: tuple[tuple[int, float], ...] = ()  # (tokens, s)
+    decode: tuple[tuple[int, int, float], ...] = ()  # (batch, context, s)
+
+
+class DeadLetter(Message):
+    """A task that will not be processed: malformed, failed on its last delivery, or out of deliveries."""
+
+    KIND: ClassVar[str] = "rec.deadletter"
+    stream: str
+    subject: str
+    stream_seq: int = Field(ge=0)
+    deliveries: int = Field(ge=0)
+    reason: str  # "malformed" | "failed" | "max_deliver"
+    detail: str = ""
+    consumer: str = ""
+    data: bytes = b""  # the original message bytes, for inspection and replay
+    time: float

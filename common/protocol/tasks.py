@@ -1,0 +1,136 @@
+"""Stage tasks (JetStream): encode, prefill, decode.
+
+Like vLLM's SchedulerOutput, a request's full data travels once to each stage that has not seen
+it, and everything after carries ids and changes. Pixels ride only in the encode task; the
+prefill task carries image hashes (features are looked up in the feature index and pulled from
+their owner); the decode task carries the tokens so far and where the KV blocks are, not the KV.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar
+
+from pydantic import Field, model_validator
+
+from common.protocol.codec import Message, Record
+from common.protocol.tensors import Dtype, InlineTensor, Shape, TensorRef
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class SamplingSpec(Record):
+    """The engine's SamplingParams on the wire; bounds match its checks so bad values fail here."""
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0.0)  # 0 means greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[TokenId, ...] = ()
+    ignore_eos: bool = False
+
+
+class ImageSpec(Record):
+    """One image of a request, identified by its content hash.
+
+    `pixels` is set only in encode tasks (inline when small, else a handle on the gateway). In
+    prefill tasks `features` may name where the encoder put the features, which saves prefill a
+    feature-index lookup before it starts pulling; without it prefill looks the hash up.
+    """
+
+    content_hash: str = Field(min_length=1)
+    num_tokens: int = Field(ge=1)
+    pixels: InlineTensor | TensorRef | None = None
+    features: TensorRef | None = None
+
+
+class RequestSpec(Record):
+    """Everything a stage needs to know about a request it has not seen before."""
+
+    request_id: str = Field(min_length=1)
+    prompt_token_ids: tuple[TokenId, ...]
+    images: tuple[ImageSpec, ...] = ()
+    sampling: SamplingSpec = SamplingSpec()
+    arrival_time: float  # wall clock (time.time()) at the gateway
+
+    def without_pixels(self) -> RequestSpec:
+        """The same request with pixels dropped: what travels on after encoding."""
+        images = tuple(img.model_copy(update={"pixels": None}) for img in self.images)
+        return self.model_copy(update={"images": images})
+
+
+class EncodeTask(Message):
+    """Encode a request's images, then hand it to prefill. Carries the full request, pixels included."""
+
+    KIND: ClassVar[str] = "task.encode"
+    request: RequestSpec
+
+    @model_validator(mode="after")
+    def _has_pixels(self) -> EncodeTask:
+        if not any(img.pixels is not None for img in self.request.images):
+            raise ValueError("an encode task needs at least one image with pixels")
+        return self
+
+
+class PrefillTask(Message):
+    """Prefill a request whose images are encoded (or that has none). Image hashes only, no pixels."""
+
+    KIND: ClassVar[str] = "task.prefill"
+    request: RequestSpec
+
+    @model_validator(mode="after")
+    def _no_pixels(self) -> PrefillTask:
+        if any(img.pixels is not None for img in self.request.images):
+            raise ValueError("a prefill task carries image hashes, not pixels")
+        return self
+
+
+class KvGroup(Record):
+    """One group of layers' KV as a single contiguous buffer [layers, 2, blocks, block_size, heads, dim]."""
+
+    layer_start: int = Field(ge=0)
+    layer_end: int = Field(gt=0)
+    handle: str
+    shape: Shape
+
+
+class KvLocation(Record):
+    """Where a prefilled request's KV lives: the owner serves one handle per group of layers."""
+
+    owner: str
+    address: str
+    groups: tuple[KvGroup, ...] = Field(min_length=1)
+    num_tokens: int = Field(ge=1)
+    block_size: int = Field(ge=1)
+    dtype: Dtype
+
+    def refs(self) -> list[TensorRef]:
+        """One pullable reference per layer group, in layer order."""
+        return [
+            TensorRef(
+                owner=self.owner, address=self.address, handle=g.handle, shape=g.shape, dtype=self.dtype
+            )
+            for g in self.groups
+        ]
+
+
+class DecodeTask(Message):
+    """Decode a request prefilled elsewhere: pull its KV, tell the owner to release it, generate.
+
+    `output_token_ids` are the tokens generated so far (the first token, or more when a decoder
+    died and the request resumes). `images` (hashes only) let decode send the request back to
+    prefill if the KV can no longer be had.
+    """
+
+    KIND: ClassVar[str] = "task.decode"
+    request_id: str = Field(min_length=1)
+    prompt_token_ids: tuple[TokenId, ...]
+    output_token_ids: tuple[TokenId, ...] = Field(min_length=1)
+    sampling: SamplingSpec = SamplingSpec()
+    kv: KvLocation
+    images: tuple[ImageSpec, ...] = ()
+    arrival_time: float
+
+
+TASK_KINDS: tuple[type[Message], ...] = (EncodeTask, PrefillTask, DecodeTask)

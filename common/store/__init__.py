@@ -1,0 +1,87 @@
+"""The shared state in Redis: metadata only, never tensors.
+
+    store = await Store.connect(StoreConfig(url=...))
+    await store.requests.mark(rid, Stage.PREFILL_STARTED)
+    await store.features.put(entry, ttl=600)
+    beats = Heartbeater(store.registry, make_heartbeat); beats.start()
+
+Every part survives a Redis restart: the client reconnects on the next command, and what Redis
+lost is rewritten by its owner (heartbeats every interval, features on their next encode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common.protocol import DeadLetter
+from common.store.features import FeatureIndex
+from common.store.keys import Keys
+from common.store.planning import DeadLetters, Planning
+from common.store.registry import Heartbeater, Registry
+from common.store.requests import RequestLog, RequestRecord, Stage
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    url: str = "redis://127.0.0.1:6379/0"  # a password rides in the URL: redis://:secret@host:port/0
+    prefix: str = "trident"
+    request_ttl: float = 24 * 3600.0
+    trace_maxlen: int = 100_000
+    # A command waits at most this long; a dead Redis must not stall a service's event loop task.
+    socket_timeout: float = 2.0
+    retries: int = 3
+
+
+class Store:
+    """One Redis client and the parts of the schema, each a small object of its own."""
+
+    def __init__(self, redis: Redis, config: StoreConfig) -> None:
+        self.redis = redis
+        self.config = config
+        self.keys = Keys(config.prefix)
+        self.requests = RequestLog(redis, self.keys, config.request_ttl, config.trace_maxlen)
+        self.registry = Registry(redis, self.keys)
+        self.features = FeatureIndex(redis, self.keys)
+        self.planning = Planning(redis, self.keys)
+        self.dead_letters = DeadLetters(redis, self.keys)
+
+    @classmethod
+    async def connect(cls, config: StoreConfig) -> Store:
+        """A client that retries a command through a brief outage (e.g. a Redis restart)."""
+        redis = Redis.from_url(
+            config.url,
+            socket_timeout=config.socket_timeout,
+            socket_connect_timeout=config.socket_timeout,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), config.retries),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            health_check_interval=5,
+        )
+        await redis.ping()
+        return cls(redis, config)
+
+    async def put_dead_letter(self, letter: DeadLetter) -> bool:
+        """The bus's dead-letter sink."""
+        return await self.dead_letters.put(letter)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+__all__ = [
+    "FeatureIndex",
+    "Heartbeater",
+    "Keys",
+    "Planning",
+    "Registry",
+    "RequestLog",
+    "RequestRecord",
+    "Stage",
+    "Store",
+    "StoreConfig",
+]

@@ -1,0 +1,62 @@
+"""The Redis key schema, in one place (docs/substrate.md has the same table).
+
+<p>:req:<request_id>          hash   per-stage timestamps and sizes of one request      TTL request_ttl
+<p>:trace                     stream one TraceRecord per finished request (planner)  MAXLEN ~trace_maxlen
+<p>:feat:<content_hash>       hash   owner + FeatureEntry of an image's features         TTL per entry
+<p>:inst:<instance_id>        string Heartbeat of a live instance                        TTL heartbeat_ttl
+<p>:instances                 zset   instance id -> expiry time (index over inst:*)
+<p>:profile:<profile_id>      string StageProfile
+<p>:profiles                  set    profile ids
+<p>:plan                      string the current Plan
+<p>:plan:seq                  int    last decision id (INCR)
+<p>:deadletter                stream DeadLetter records                                  MAXLEN ~10000
+<p>:deadletter:seen:<s>:<n>   string dedup marker per stream sequence                    TTL 7 days
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "trident"
+
+    def request(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{request_id}"
+
+    @property
+    def trace(self) -> str:
+        return f"{self.prefix}:trace"
+
+    def feature(self, content_hash: str) -> str:
+        return f"{self.prefix}:feat:{content_hash}"
+
+    def instance(self, instance_id: str) -> str:
+        return f"{self.prefix}:inst:{instance_id}"
+
+    @property
+    def instances(self) -> str:
+        return f"{self.prefix}:instances"
+
+    def profile(self, profile_id: str) -> str:
+        return f"{self.prefix}:profile:{profile_id}"
+
+    @property
+    def profiles(self) -> str:
+        return f"{self.prefix}:profiles"
+
+    @property
+    def plan(self) -> str:
+        return f"{self.prefix}:plan"
+
+    @property
+    def plan_seq(self) -> str:
+        return f"{self.prefix}:plan:seq"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"{self.prefix}:deadletter"
+
+    def dead_letter_seen(self, stream: str, seq: int) -> str:
+        return f"{self.prefix}:deadletter:seen:{stream}:{seq}"

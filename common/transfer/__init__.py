@@ -1,0 +1,106 @@
+"""Bulk transfer of tensors between instances (features E→P, KV P→D), pulled by handle.
+
+    backend = create_backend(TransferConfig())   # UCX when ucxx imports, else TCP
+    await backend.start()
+    handle = backend.publish(features)           # owner side; advertise (backend.address, handle)
+    pulled = await backend.pull(address, handle) # receiver side; raises a TransferError on failure
+    with pulled as tensor: ...                   # the pool buffer goes back on exit
+
+Small tensors need no transfer at all: `share()` puts them inline in the message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from common.protocol import InlineTensor, TensorRef, dtype_name
+from common.transfer.base import HandleTable, Pulled, TransferBackend, TransferConfig
+from common.transfer.errors import (
+    HandleNotFound,
+    PeerLost,
+    PeerUnreachable,
+    SizeMismatch,
+    TransferClosed,
+    TransferError,
+    TransferTimeout,
+)
+from common.transfer.pool import BufferPool, PoolBuffer
+from common.transfer.tcp import TcpBackend
+
+log = logging.getLogger(__name__)
+
+
+def ucx_available() -> bool:
+    """Whether the ucxx package and its UCX libraries load in this environment."""
+    if importlib.util.find_spec("ucxx") is None:
+        return False
+    try:
+        from common.transfer.ucx_wire import ucx_env_defaults
+
+        ucx_env_defaults()
+        import ucxx._lib.libucxx  # noqa: F401  (loads libucx; fails where the libraries are broken)
+    except Exception as exc:
+        log.warning("ucxx is installed but does not load (%r); using TCP", exc)
+        return False
+    return True
+
+
+def create_backend(config: TransferConfig | None = None) -> TransferBackend:
+    """The configured backend; "auto" picks UCX when it loads and TCP otherwise."""
+    config = config or TransferConfig()
+    if config.backend == "tcp" or (config.backend == "auto" and not ucx_available()):
+        return TcpBackend(config)
+    from common.transfer.ucx import UcxBackend
+
+    return UcxBackend(config)
+
+
+async def fetch(
+    backend: TransferBackend, payload: InlineTensor | TensorRef, timeout: float | None = None
+) -> Pulled:
+    """The tensor a message carries, inline or by reference."""
+    if isinstance(payload, InlineTensor):
+        return Pulled(payload.to_tensor())
+    return await backend.pull(payload.address, payload.handle, timeout=timeout)
+
+
+def share(
+    backend: TransferBackend, tensor: torch.Tensor, owner: str, ttl: float | None = None
+) -> InlineTensor | TensorRef:
+    """Put a tensor in a message: inline when small, else published under a handle."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes <= backend.config.inline_max_bytes:
+        return InlineTensor.from_tensor(tensor)
+    handle = backend.publish(tensor, ttl=ttl)
+    return TensorRef(
+        owner=owner,
+        address=backend.address,
+        handle=handle,
+        shape=tuple(tensor.shape),
+        dtype=dtype_name(tensor.dtype),
+    )
+
+
+__all__ = [
+    "BufferPool",
+    "HandleNotFound",
+    "HandleTable",
+    "PeerLost",
+    "PeerUnreachable",
+    "PoolBuffer",
+    "Pulled",
+    "SizeMismatch",
+    "TcpBackend",
+    "TransferBackend",
+    "TransferClosed",
+    "TransferConfig",
+    "TransferError",
+    "TransferTimeout",
+    "create_backend",
+    "fetch",
+    "share",
+    "ucx_available",
+]

@@ -1,0 +1,270 @@
+"""Plain TCP transfer: the fallback where ucxx is missing, with the same interface and errors.
+
+Frames: a request is `u32 length + msgpack`; a reply is `u32 length + msgpack header`, then the
+raw bytes when the header says ok. Both sides move tensor memory straight between the socket and
+the tensor (`sock_sendall` / `sock_recv_into` on memoryviews), with no intermediate copy.
+Connections are persistent: a client keeps idle ones per owner and reuses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+from collections import defaultdict
+
+import torch
+
+from common.transfer.base import (
+    Pulled,
+    TransferBackend,
+    TransferConfig,
+    destination,
+    out_nbytes,
+    pack_reply,
+    pack_request,
+    unpack,
+)
+from common.transfer.errors import (
+    PeerLost,
+    PeerUnreachable,
+    TransferClosed,
+    TransferError,
+    TransferTimeout,
+    error_from_code,
+)
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("!I")
+_MAX_HEADER = 64 * 1024
+_SOCK_BUF = 4 * 1024 * 1024
+_MAX_IDLE_PER_PEER = 8
+
+
+def parse_tcp_address(address: str) -> tuple[str, int]:
+    if not address.startswith("tcp://"):
+        raise PeerUnreachable(f"not a TCP transfer address: {address!r}")
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not host or not port.isdigit():
+        raise PeerUnreachable(f"bad TCP transfer address: {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+
+
+async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> int:
+    """Fill `view` from the socket; returns the bytes read (short only at EOF)."""
+    got = 0
+    while got < len(view):
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+class TcpClient:
+    """Pulls over TCP; also used by the UCX backend for owners that only speak TCP."""
+
+    def __init__(self, backend: TransferBackend) -> None:
+        self._backend = backend
+        self._idle: dict[tuple[str, int], list[socket.socket]] = defaultdict(list)
+        self._closed = False
+
+    async def pull(self, address: str, handle: str, out: torch.Tensor | None, timeout: float) -> Pulled:
+        peer = parse_tcp_address(address)
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._pull(peer, handle, out)
+        except TimeoutError:
+            raise TransferTimeout(f"pull of {handle} from {address} took over {timeout}s") from None
+
+    async def _pull(self, peer: tuple[str, int], handle: str, out: torch.Tensor | None) -> Pulled:
+        if self._closed:
+            raise TransferClosed("transfer backend closed")
+        loop = asyncio.get_running_loop()
+        request = pack_request(handle, out_nbytes(out))
+        # A reused connection may have died idle (owner restarted): retry once on a fresh one,
+        # which is safe because nothing of the reply has arrived yet.
+        for attempt in range(2):
+            sock, reused = await self._checkout(peer)
+            try:
+                await loop.sock_sendall(sock, _LEN.pack(len(request)) + request)
+                header = await self._read_header(loop, sock)
+            except (OSError, PeerLost) as exc:
+                sock.close()
+                if reused and attempt == 0:
+                    continue
+                raise PeerLost(f"connection to {peer[0]}:{peer[1]} lost: {exc}") from None
+            except BaseException:
+                sock.close()
+                raise
+            break
+        try:
+            pulled = await self._read_body(loop, sock, header, out)
+        except BaseException:
+            sock.close()  # a half-read reply leaves the stream unusable
+            raise
+        self._checkin(peer, sock)
+        return pulled
+
+    async def _read_header(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict:
+        raw_len = bytearray(4)
+        if await _recv_exact(loop, sock, memoryview(raw_len)) < 4:
+            raise PeerLost("owner closed the connection")
+        (length,) = _LEN.unpack(raw_len)
+        if length > _MAX_HEADER:
+            raise TransferError(f"reply header of {length} bytes is not a header")
+        raw = bytearray(length)
+        if await _recv_exact(loop, sock, memoryview(raw)) < length:
+            raise PeerLost("owner closed the connection mid-header")
+        return unpack(raw)
+
+    async def _read_body(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, header: dict, out: torch.Tensor | None
+    ) -> Pulled:
+        if not header.get("ok"):
+            raise error_from_code(str(header.get("e")), str(header.get("m", "")))
+        shape, dtype = tuple(header["s"]), header["d"]
+        tensor, data, buf = destination(self._backend.pool, shape, dtype, out)
+        try:
+            view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+            try:
+                got = await _recv_exact(loop, sock, view)
+            except OSError as exc:
+                raise PeerLost(f"connection lost mid-transfer: {exc}") from None
+            if got < len(view):
+                raise PeerLost(f"owner went away after {got} of {len(view)} bytes")
+        except BaseException:
+            if buf is not None:
+                buf.release()
+            raise
+        return Pulled(tensor, buf)
+
+    async def _checkout(self, peer: tuple[str, int]) -> tuple[socket.socket, bool]:
+        idle = self._idle.get(peer)
+        if idle:
+            return idle.pop(), True
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(peer[0], peer[1], type=socket.SOCK_STREAM)
+            sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        except OSError as exc:
+            raise PeerUnreachable(f"cannot resolve {peer[0]}:{peer[1]}: {exc}") from None
+        try:
+            _tune(sock)
+            await loop.sock_connect(sock, infos[0][4])
+        except OSError as exc:
+            sock.close()
+            raise PeerUnreachable(f"cannot connect to {peer[0]}:{peer[1]}: {exc}") from None
+        return sock, False
+
+    def _checkin(self, peer: tuple[str, int], sock: socket.socket) -> None:
+        idle = self._idle[peer]
+        if self._closed or len(idle) >= _MAX_IDLE_PER_PEER:
+            sock.close()
+        else:
+            idle.append(sock)
+
+    def close(self) -> None:
+        self._closed = True
+        for socks in self._idle.values():
+            for s in socks:
+                s.close()
+        self._idle.clear()
+
+
+class TcpBackend(TransferBackend):
+    """Serves published tensors on a TCP port and pulls from others over TCP."""
+
+    scheme = "tcp"
+
+    def __init__(self, config: TransferConfig | None = None) -> None:
+        super().__init__(config or TransferConfig(backend="tcp"))
+        self._client = TcpClient(self)
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._conn_tasks: set[asyncio.Task[None]] = set()
+        self._port = 0
+
+    @property
+    def address(self) -> str:
+        host = self.config.advertise_host or self.config.host
+        return f"tcp://{host}:{self._port}"
+
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.config.host, self.config.port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self._port = sock.getsockname()[1]
+        self._accept_task = asyncio.create_task(self._accept_loop(), name="tcp-transfer-accept")
+
+    async def close(self) -> None:
+        self._client.close()
+        tasks = [t for t in (self._accept_task, *self._conn_tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    async def pull(
+        self, address: str, handle: str, out: torch.Tensor | None = None, timeout: float | None = None
+    ) -> Pulled:
+        return await self._client.pull(address, handle, out, timeout or self.config.timeout)
+
+    # -- server ----------------------------------------------------------------------------------------
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            _tune(conn)
+            task = asyncio.create_task(self._serve(conn), name="tcp-transfer-conn")
+            self._conn_tasks.add(task)
+            task.add_done_callback(self._conn_done)
+
+    def _conn_done(self, task: asyncio.Task[None]) -> None:
+        self._conn_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("transfer connection failed: %r", task.exception())
+
+    async def _serve(self, conn: socket.socket) -> None:
+        """Answer pull requests on one connection until the client hangs up."""
+        loop = asyncio.get_running_loop()
+        with conn:
+            while True:
+                raw_len = bytearray(4)
+                try:
+                    if await _recv_exact(loop, conn, memoryview(raw_len)) < 4:
+                        return
+                    (length,) = _LEN.unpack(raw_len)
+                    if length > _MAX_HEADER:
+                        return  # not our protocol; drop the connection
+                    raw = bytearray(length)
+                    if await _recv_exact(loop, conn, memoryview(raw)) < length:
+                        return
+                    request = unpack(raw)
+                    handle = str(request.get("h", ""))
+                    entry = self.handles.get(handle)
+                    header, has_data = pack_reply(entry, handle, int(request.get("n", -1)))
+                    await loop.sock_sendall(conn, _LEN.pack(len(header)) + header)
+                    if has_data and entry is not None and entry.bytes_view.numel():
+                        await loop.sock_sendall(conn, memoryview(entry.bytes_view.numpy()))
+                except (OSError, TransferError) as exc:
+                    log.debug("transfer client went away: %r", exc)
+                    return

@@ -1,0 +1,140 @@
+"""A tensor owner in a child process, for the two-process tests and the benchmark.
+
+The child publishes deterministic tensors (the same seed gives the same bytes in any process),
+reports its address and handles, and serves until told to stop, or until it is killed to see
+what a puller does when its owner dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from types import TracebackType
+from typing import Self
+
+import torch
+
+from common.protocol.tensors import torch_dtype
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str
+    seed: int
+
+
+def make_tensor(spec: TensorSpec) -> torch.Tensor:
+    """Deterministic contents: random bytes from `seed`, viewed as `dtype` (any bit pattern is fine,
+    since comparisons are bytewise)."""
+    dtype = torch_dtype(spec.dtype)
+    numel = 1
+    for d in spec.shape:
+        numel *= d
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(spec.seed)
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(spec.shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte-identical (NaN payloads included), regardless of dtype."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+class OwnerProcess:
+    """Spawns an owner; `address` and `handles` are set once `start()` returns."""
+
+    def __init__(self, backend: str, specs: list[TensorSpec], env: dict[str, str] | None = None) -> None:
+        self.backend = backend
+        self.specs = specs
+        self.env = env or {}
+        self.address = ""
+        self.handles: list[str] = []
+        self._conn: Connection | None = None
+        self._proc: mp.process.BaseProcess | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_owner_main, args=(self.backend, self.specs, self.env, child), daemon=True
+        )
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        if not parent.poll(timeout):
+            self.kill()
+            raise RuntimeError("owner process did not start")
+        self.address, self.handles = parent.recv()
+
+    def release(self, handle: str) -> bool:
+        assert self._conn is not None
+        self._conn.send(("release", handle))
+        return bool(self._conn.recv())
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def kill(self) -> None:
+        """SIGKILL the owner: a crash, with no chance to close anything."""
+        if self._proc is not None and self._proc.is_alive() and self._proc.pid is not None:
+            os.kill(self._proc.pid, signal.SIGKILL)
+            self._proc.join(10)
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.is_alive() and self._conn is not None:
+            with contextlib.suppress(OSError):  # the child may be gone already
+                self._conn.send(("stop", ""))
+            self._proc.join(15)
+        if self._proc.is_alive():
+            self.kill()
+        if self._conn is not None:
+            self._conn.close()
+        self._proc = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _owner_main(backend: str, specs: list[TensorSpec], env: dict[str, str], conn: Connection) -> None:
+    os.environ.update(env)
+    asyncio.run(_serve(backend, specs, conn))
+
+
+async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -> None:
+    from common.transfer import TransferConfig, create_backend
+
+    backend = create_backend(TransferConfig(backend=backend_name))  # type: ignore[arg-type]
+    await backend.start()
+    handles = [backend.publish(make_tensor(s)) for s in specs]
+    await asyncio.to_thread(conn.send, (backend.address, handles))
+    try:
+        while True:
+            op, arg = await asyncio.to_thread(conn.recv)
+            if op == "stop":
+                return
+            if op == "release":
+                await asyncio.to_thread(conn.send, backend.release(arg))
+    except EOFError:
+        return  # the parent went away
+    finally:
+        await backend.close()

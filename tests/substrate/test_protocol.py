@@ -1,0 +1,221 @@
+"""Every message kind round-trips through the wire format; anything unreadable is a ProtocolError."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgpack
+import pytest
+import torch
+
+from common.protocol import (
+    Budgets,
+    Cancel,
+    DeadLetter,
+    DecodeTask,
+    Drain,
+    EncodeTask,
+    ErrorOutput,
+    FeatureEntry,
+    FinalOutput,
+    Heartbeat,
+    ImageSpec,
+    InlineTensor,
+    KvGroup,
+    KvLocation,
+    Message,
+    Plan,
+    PrefillTask,
+    ProtocolError,
+    Release,
+    RequestSpec,
+    SamplingSpec,
+    StageProfile,
+    TensorRef,
+    TokenDelta,
+    TraceRecord,
+    Usage,
+    decode,
+    message_kinds,
+)
+
+REF = TensorRef(
+    owner="enc-1", address="tcp://10.0.0.2:7000", handle="h1", shape=(576, 4096), dtype="bfloat16"
+)
+PIXELS = InlineTensor.from_tensor(torch.arange(3 * 4 * 4, dtype=torch.float32).reshape(3, 4, 4))
+REQUEST = RequestSpec(
+    request_id="chatcmpl-1",
+    prompt_token_ids=tuple(range(1, 700)),
+    images=(ImageSpec(content_hash="ab" * 32, num_tokens=576, pixels=PIXELS),),
+    sampling=SamplingSpec(max_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=7, stop=("\n\n",)),
+    arrival_time=1700000000.25,
+)
+GROUP_SHAPE = (16, 2, 44, 16, 8, 128)
+KV = KvLocation(
+    owner="pre-1",
+    address="ucx://AAAA",
+    num_tokens=700,
+    block_size=16,
+    dtype="bfloat16",
+    groups=(
+        KvGroup(layer_start=0, layer_end=16, handle="kv0", shape=GROUP_SHAPE),
+        KvGroup(layer_start=16, layer_end=32, handle="kv1", shape=GROUP_SHAPE),
+    ),
+)
+USAGE = Usage(prompt_tokens=700, completion_tokens=64)
+BUDGETS = Budgets(image_budget=4, token_budget=2048)
+STAGES = {"arrival": 1.0, "first_token": 1.2, "end": 2.0}
+
+EXAMPLES: list[Message] = [
+    EncodeTask(request=REQUEST),
+    PrefillTask(request=REQUEST.without_pixels()),
+    PrefillTask(request=RequestSpec(request_id="t", prompt_token_ids=(5,), arrival_time=1.0)),
+    DecodeTask(
+        request_id="chatcmpl-1",
+        prompt_token_ids=REQUEST.prompt_token_ids,
+        output_token_ids=(42,),
+        kv=KV,
+        sampling=REQUEST.sampling,
+        images=REQUEST.without_pixels().images,
+        arrival_time=1.0,
+    ),
+    TokenDelta(request_id="chatcmpl-1", index=3, token_ids=(11, 12), text=" héllo"),
+    FinalOutput(request_id="chatcmpl-1", finish_reason="length", usage=USAGE, num_outputs=64),
+    ErrorOutput(request_id="chatcmpl-1", code="server_error", message="encoder lost"),
+    Cancel(request_id="chatcmpl-1", reason="client went away"),
+    Release(request_id="chatcmpl-1", owner="pre-1", handles=("kv0", "kv1")),
+    Drain(instance_id="dec-2", reason="scale down"),
+    Heartbeat(
+        instance_id="pre-1",
+        roles=("encode", "prefill"),
+        http_address="http://10.0.0.3:8000",
+        transfer_address="ucx://AAAA",
+        queue_depth=3,
+        running=5,
+        free_kv_blocks=900,
+        total_kv_blocks=1024,
+        budgets=BUDGETS,
+        profile_id="prof-1",
+        started_at=1.0,
+        time=2.0,
+    ),
+    Plan(
+        decision_id=7, method="ep+d", replicas={"ep": 2, "d": 3}, time=3.0, goodput=12.5, reason="image-heavy"
+    ),
+    FeatureEntry(content_hash="ab" * 32, ref=REF, created=4.0),
+    TraceRecord(
+        request_id="r",
+        arrival=1.0,
+        prompt_tokens=700,
+        image_tokens=576,
+        num_images=1,
+        output_tokens=64,
+        stages=STAGES,
+    ),
+    StageProfile(
+        profile_id="prof-1",
+        roles=("prefill",),
+        latency_limit=0.25,
+        image_budget=0,
+        token_budget=2048,
+        prefill=((512, 0.05), (1024, 0.09)),
+    ),
+    DeadLetter(
+        stream="S",
+        subject="t.task.prefill",
+        stream_seq=9,
+        deliveries=5,
+        reason="failed",
+        data=b"\x00",
+        time=5,
+    ),
+]
+
+
+def test_every_kind_has_an_example() -> None:
+    """A new message kind must be added to EXAMPLES, so its round trip is tested."""
+    kinds = {k for k in message_kinds() if not k.startswith("test.")}
+    assert {type(m).KIND for m in EXAMPLES} == kinds
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).KIND)
+def test_round_trip(message: Message) -> None:
+    data = message.to_bytes()
+    again = decode(data, expect=type(message))
+    assert again == message
+    assert again.to_bytes() == data
+
+
+def test_inline_tensor_keeps_every_dtype_exact() -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
+        t = (torch.randn(5, 7) * 100).to(dtype)
+        back = InlineTensor.from_tensor(t).to_tensor()
+        assert back.dtype == dtype and torch.equal(back, t)
+
+
+def test_full_request_travels_once() -> None:
+    """Pixels ride only in the encode task; later tasks are much smaller than the first."""
+    encode = EncodeTask(request=REQUEST).to_bytes()
+    prefill = PrefillTask(request=REQUEST.without_pixels()).to_bytes()
+    assert len(prefill) < len(encode) - len(PIXELS.data)
+    with pytest.raises(ValueError):
+        PrefillTask(request=REQUEST)  # pixels in a prefill task are a bug, caught at construction
+    with pytest.raises(ValueError):
+        EncodeTask(request=REQUEST.without_pixels())
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xff\xfe garbage",
+        msgpack.packb({"k": "task.prefill"}),
+        msgpack.packb(["task.prefill", 1]),
+        msgpack.packb(["task.prefill", "1", {}]),
+        msgpack.packb(["no.such.kind", 1, {}]),
+        msgpack.packb(["task.prefill", 99, {"request": {}}]),
+        msgpack.packb(["task.prefill", 1, {"request": {"request_id": "x"}}]),
+        msgpack.packb(["out.delta", 1, {"request_id": "x", "index": -1, "token_ids": [1]}]),
+        msgpack.packb(["out.delta", 1, {"request_id": "x", "index": 0, "token_ids": [1], "surprise": 1}]),
+        msgpack.packb(
+            [
+                "rec.feature",
+                1,
+                {"content_hash": "h", "created": 0, "ref": {**REF.model_dump(), "dtype": "complex128"}},
+            ]
+        ),
+        EXAMPLES[0].to_bytes()[:-3],
+    ],
+)
+def test_malformed_bytes_are_rejected_cleanly(data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode(data)
+
+
+def test_a_kind_unexpected_on_a_subject_is_rejected() -> None:
+    with pytest.raises(ProtocolError, match="unexpected"):
+        decode(Cancel(request_id="r").to_bytes(), expect=(TokenDelta, FinalOutput))
+
+
+def test_inline_tensor_size_must_match_shape() -> None:
+    with pytest.raises(ValueError):
+        InlineTensor(shape=(4, 4), dtype="float32", data=b"\x00" * 10)
+
+
+class _PayloadV2(Message):
+    """A kind at version 2 that still reads version-1 payloads (where `n` was called `count`)."""
+
+    KIND: ClassVar[str] = "test.versioned"
+    VERSION: ClassVar[int] = 2
+    n: int
+
+    @classmethod
+    def upgrade(cls, version: int, payload: dict) -> dict:
+        return {"n": payload["count"]} if version == 1 else payload
+
+
+def test_older_versions_are_upgraded_and_newer_ones_refused() -> None:
+    assert decode(msgpack.packb(["test.versioned", 1, {"count": 3}])) == _PayloadV2(n=3)
+    assert decode(_PayloadV2(n=4).to_bytes()) == _PayloadV2(n=4)
+    with pytest.raises(ProtocolError, match="version 3"):
+        decode(msgpack.packb(["test.versioned", 3, {"n": 1}]))

@@ -1,0 +1,175 @@
+"""The Redis store against a real redis-server: records, feature index, registry, plans, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from common.infra import RedisServer
+from common.protocol import DeadLetter, FeatureEntry, Heartbeat, StageProfile, TensorRef
+from common.store import Heartbeater, Stage, Store, StoreConfig
+from tests.substrate.helpers import eventually, run
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _heartbeat(instance_id: str, roles: tuple[str, ...] = ("prefill",), depth: int = 0) -> Heartbeat:
+    return Heartbeat(instance_id=instance_id, roles=roles, queue_depth=depth, time=time.time())  # type: ignore[arg-type]
+
+
+def _entry(content_hash: str, owner: str) -> FeatureEntry:
+    ref = TensorRef(
+        owner=owner, address="tcp://127.0.0.1:1", handle="h-" + content_hash, shape=(576, 64), dtype="float16"
+    )
+    return FeatureEntry(content_hash=content_hash, ref=ref, created=time.time())
+
+
+def test_request_record_collects_stage_times_and_finishes_into_the_trace(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        log = store.requests
+        sizes = {"prompt_tokens": 700, "num_images": 1, "image_tokens": 576, "max_tokens": 64}
+        await log.create("r1", arrival=100.0, **sizes)
+        stages = [Stage.ENCODE_QUEUED, Stage.ENCODE_STARTED, Stage.ENCODE_ENDED, Stage.FIRST_TOKEN]
+        for i, stage in enumerate(stages):
+            await log.mark("r1", stage, at=101.0 + i)
+        await log.mark("r1", Stage.PREFILL_STARTED, at=102.5, prefill_instance="p-1")
+        assert await log.finish("r1", output_tokens=64, finish_reason="length", at=110.0)
+        # A redelivered final step finishes again: the trace must not count the request twice.
+        assert not await log.finish("r1", output_tokens=64, finish_reason="length")
+        record = await log.get("r1")
+        assert record is not None
+        assert record.stages["arrival"] == 100.0 and record.stages["end"] == 110.0
+        assert record.sizes == {**sizes, "output_tokens": 64}
+        assert record.info == {"prefill_instance": "p-1", "finish_reason": "length"}
+        ((entry_id, trace),) = await log.trace()
+        assert (trace.request_id, trace.prompt_tokens, trace.image_tokens) == ("r1", 700, 576)
+        assert trace.output_tokens == 64
+        assert trace.stages["first_token"] == 104.0
+        assert await log.trace(after=entry_id) == []
+        assert await log.get("missing") is None
+        await store.close()
+
+    run(main())
+
+
+def test_feature_index_put_get_expire_and_owner_checked_remove(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        index = store.features
+        await index.put(_entry("h1", "enc-1"), ttl=30)
+        await index.put(_entry("h2", "enc-2"), ttl=0.3)
+        got = await index.get("h1")
+        assert got is not None and got.ref.owner == "enc-1" and got.nbytes == 576 * 64 * 2
+        assert set(await index.get_many(["h1", "h2", "h3"])) == {"h1", "h2"}
+        await asyncio.sleep(0.5)
+        assert await index.get("h2") is None  # expired with its TTL
+        await index.put(_entry("h1", "enc-3"), ttl=30)  # re-encoded elsewhere: a newer owner
+        assert not await index.remove("h1", owner="enc-1")  # the old owner's eviction must not remove it
+        assert (await index.get("h1")).ref.owner == "enc-3"  # type: ignore[union-attr]
+        assert await index.remove("h1", owner="enc-3")
+        assert await index.get("h1") is None
+        await store.close()
+
+    run(main())
+
+
+def test_registry_lists_live_instances_and_forgets_dead_ones_by_ttl(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        registry = store.registry
+        await registry.register(_heartbeat("p-1", ("prefill",)), ttl=30)
+        await registry.register(_heartbeat("ep-1", ("encode", "prefill")), ttl=30)
+        await registry.register(_heartbeat("d-1", ("decode",)), ttl=0.5)  # stops beating: "dies"
+        assert [h.instance_id for h in await registry.instances()] == ["d-1", "ep-1", "p-1"]
+        assert [h.instance_id for h in await registry.instances("prefill")] == ["ep-1", "p-1"]
+
+        async def d1_gone() -> bool:
+            return "d-1" not in [h.instance_id for h in await registry.instances()]
+
+        assert await eventually(d1_gone, timeout=3.0)
+        assert await registry.get("d-1") is None
+        await registry.deregister("p-1")
+        assert [h.instance_id for h in await registry.instances()] == ["ep-1"]
+        await store.close()
+
+    run(main())
+
+
+def test_heartbeats_re_register_after_a_redis_restart(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url, socket_timeout=0.5, retries=0))
+        depth = iter(range(1_000_000))
+        beats = Heartbeater(store.registry, lambda: _heartbeat("p-1", depth=next(depth)), interval=0.2)
+        beats.start()
+
+        async def registered() -> bool:
+            try:
+                return await store.registry.get("p-1") is not None
+            except Exception:
+                return False
+
+        assert await eventually(registered, timeout=3.0)
+        await asyncio.to_thread(redis_server.stop)
+        await asyncio.sleep(0.6)  # beats fail meanwhile; the service must not die of it
+        assert beats.failures >= 1
+        await asyncio.to_thread(redis_server.start)  # persistence is off: Redis comes back empty
+        assert not list(redis_server.workdir.glob("*.rdb"))
+        assert await eventually(registered, timeout=5.0)
+        await beats.stop()  # deregisters
+        assert await store.registry.get("p-1") is None
+        await store.close()
+
+    run(main())
+
+
+def test_plans_get_rising_decision_ids_and_profiles_round_trip(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        assert await store.planning.current_plan() is None
+        first = await store.planning.put_plan("e+p+d", {"e": 1, "p": 1, "d": 2})
+        second = await store.planning.put_plan("ep+d", {"ep": 2, "d": 2}, goodput=3.5, reason="image-heavy")
+        assert second.decision_id == first.decision_id + 1
+        assert await store.planning.current_plan() == second
+        profile = StageProfile(profile_id="tiny-cpu-p", roles=("prefill",), latency_limit=0.5, image_budget=0,
+                               token_budget=512, prefill=((128, 0.01), (512, 0.04)))  # fmt: skip
+        await store.planning.put_profile(profile)
+        assert await store.planning.get_profile("tiny-cpu-p") == profile
+        assert await store.planning.profiles() == [profile]
+        await store.close()
+
+    run(main())
+
+
+def test_dead_letters_are_recorded_once_per_task(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        letter = DeadLetter(
+            stream="S", subject="t.task.prefill", stream_seq=4, deliveries=5, reason="max_deliver", time=1.0
+        )
+        assert await store.put_dead_letter(letter)
+        assert not await store.put_dead_letter(letter)  # a second watcher's copy
+        assert await store.put_dead_letter(letter.model_copy(update={"stream_seq": 5}))
+        assert [d.stream_seq for d in await store.dead_letters.list()] == [4, 5]
+        await store.close()
+
+    run(main())
+
+
+def test_password_protected_redis(tmp_path_factory: pytest.TempPathFactory) -> None:
+    with RedisServer(
+        workdir=tmp_path_factory.mktemp("redis-auth"), password="s3cret", appendonly=True
+    ) as server:
+
+        async def main() -> None:
+            store = await Store.connect(StoreConfig(url=server.url))
+            await store.registry.register(_heartbeat("p-1"), ttl=5)
+            assert await store.registry.get("p-1") is not None
+            await store.close()
+            with pytest.raises(Exception, match=r"(?i)auth"):
+                await Store.connect(StoreConfig(url=server.url.replace(":s3cret@", ""), retries=0))
+
+        run(main())
+        assert (server.workdir / "appendonlydir").exists() or (server.workdir / "appendonly.aof").exists()
