@@ -35,14 +35,14 @@ class ImageSpec(Record):
     """One image of a request, identified by its content hash.
 
     `pixels` is set only in encode tasks (inline when small, else a handle on the gateway). In
-    prefill tasks `features` may name where the encoder put the features, which saves prefill a
-    feature-index lookup before it starts pulling; without it prefill looks the hash up.
+    prefill tasks `features` may carry the features (inline when small) or name where the encoder
+    put them, which saves prefill a feature-index lookup; without it prefill looks the hash up.
     """
 
     content_hash: str = Field(min_length=1)
     num_tokens: int = Field(ge=1)
     pixels: InlineTensor | TensorRef | None = None
-    features: TensorRef | None = None
+    features: InlineTensor | TensorRef | None = None
 
 
 class RequestSpec(Record):

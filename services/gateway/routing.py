@@ -1,0 +1,71 @@
+"""Modality-aware routing (002 §3.4) and task publishing: text-only requests, and requests whose
+image features are all in the feature store, go straight to prefill; the rest go to encode."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from common.engine.processor import ProcessedPrompt
+from common.protocol import EncodeTask, ImageSpec, PrefillTask, RequestSpec, SamplingSpec
+from common.store import Stage
+from common.transfer import share
+from services.gateway.errors import APIError
+
+PIXEL_TTL = 300.0  # seconds the gateway serves pixels too large to ride inline
+
+
+@dataclass
+class Routed:
+    stage: str  # "encode" | "prefill"
+    spec: RequestSpec
+
+
+async def live_roles(store) -> set[str]:
+    return {role for hb in await store.registry.instances() for role in hb.roles if not hb.draining}
+
+
+async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingSpec) -> Routed:
+    """Pick the first stage, check an instance can serve it, record the request and queue the task."""
+    hashes = [img.content_hash for img in prompt.images]
+    stored = await gw.store.features.get_many(hashes) if hashes else {}
+    needs_encode = any(h not in stored for h in hashes)
+    roles = await live_roles(gw.store)
+    needed = ({"encode"} if needs_encode else set()) | {"prefill", "decode"}
+    missing = sorted(needed - roles)
+    if missing:
+        raise APIError(
+            503, f"no live instance serves {', '.join(missing)}; start one and retry", code="no_instance"
+        )
+    images = []
+    for img in prompt.images:
+        if needs_encode:
+            pixels = share(gw.transfer, img.pixel_values.contiguous(), gw.instance_id, ttl=PIXEL_TTL)
+            images.append(ImageSpec(content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=pixels))
+        else:
+            ref = stored[img.content_hash].ref
+            images.append(ImageSpec(content_hash=img.content_hash, num_tokens=img.num_tokens, features=ref))
+    spec = RequestSpec(
+        request_id=rid,
+        prompt_token_ids=tuple(prompt.token_ids),
+        images=tuple(images),
+        sampling=sampling,
+        arrival_time=time.time(),
+    )
+    await gw.store.requests.create(
+        rid,
+        arrival=spec.arrival_time,
+        prompt_tokens=len(prompt.token_ids),
+        num_images=len(images),
+        image_tokens=sum(i.num_tokens for i in images),
+        max_tokens=sampling.max_tokens,
+    )
+    if needs_encode:
+        await gw.store.requests.mark(rid, Stage.ENCODE_QUEUED)
+        await gw.bus.tasks.publish(EncodeTask(request=spec), msg_id=f"{rid}:encode")
+        gw.metrics.routed.labels("encode").inc()
+        return Routed("encode", spec)
+    await gw.store.requests.mark(rid, Stage.PREFILL_QUEUED)
+    await gw.bus.tasks.publish(PrefillTask(request=spec), msg_id=f"{rid}:prefill")
+    gw.metrics.routed.labels("prefill").inc()
+    return Routed("prefill", spec)

@@ -1,0 +1,77 @@
+"""The gateway's long-lived parts: connections, the request processor, limits and metrics."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.bus import Bus, BusConfig
+from common.engine.loader import load_config
+from common.engine.processor import RequestProcessor
+from common.store import Store, StoreConfig
+from common.transfer import TransferConfig, create_backend
+from services.gateway.images import ImagePolicy
+from services.settings import GatewaySettings
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry
+    requests: Counter
+    routed: Counter
+    in_flight: Gauge
+    ttft: Histogram
+    latency: Histogram
+
+    @classmethod
+    def create(cls) -> Metrics:
+        r = CollectorRegistry()
+        return cls(
+            r,
+            Counter(
+                "trident_gateway_requests",
+                "Requests by endpoint and status",
+                ["endpoint", "status"],
+                registry=r,
+            ),
+            Counter("trident_gateway_routed", "Requests by first stage", ["stage"], registry=r),
+            Gauge("trident_gateway_in_flight", "Requests being served", registry=r),
+            Histogram("trident_gateway_ttft_seconds", "Time to first token", registry=r),
+            Histogram("trident_gateway_latency_seconds", "Request latency", registry=r),
+        )
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.model_name = settings.served_model_name
+        self.instance_id = settings.instance_id or f"gateway-{socket.gethostname()}-{os.getpid()}"
+        self.processor = RequestProcessor(settings.model)
+        self.max_model_len = load_config(settings.model).text_config.max_position_embeddings
+        self.images = ImagePolicy(
+            max_bytes=settings.max_image_bytes,
+            timeout_s=settings.image_fetch_timeout,
+            allow_private=settings.allow_private_image_urls,
+            max_images=settings.max_images,
+        )
+        self.api_keys = {k.strip() for k in settings.api_keys.split(",") if k.strip()}
+        self.metrics = Metrics.create()
+        self.in_flight = 0
+
+    async def start(self) -> None:
+        s = self.settings
+        self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
+        self.bus = await Bus.connect(
+            BusConfig(url=s.nats_url, prefix=s.namespace, name=self.instance_id), self.store
+        )
+        host = socket.gethostname() if s.advertise_host == "auto" else s.advertise_host
+        self.transfer = create_backend(TransferConfig(backend="tcp", host=s.bind_host, advertise_host=host))
+        await self.transfer.start()
+
+    async def close(self) -> None:
+        await self.bus.close()
+        await self.transfer.close()
+        await self.store.close()

@@ -1,0 +1,65 @@
+"""Service configuration from the environment (`TRIDENT_*`), the same under compose and `trident up`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    """What every service needs: the model, the broker, the store, and how to be reached."""
+
+    model_config = SettingsConfigDict(env_prefix="TRIDENT_", env_file=None, extra="ignore")
+
+    model: Path = Field(Path(".trident/models/tiny-llava"), description="HF-format checkpoint directory")
+    model_name: str = Field("", description="Name served in the API; default: the directory's name")
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # The prefix of every NATS subject and Redis key, so several deployments can share servers.
+    namespace: str = "trident"
+    bind_host: str = "127.0.0.1"  # compose sets 0.0.0.0
+    advertise_host: str = "127.0.0.1"  # what peers dial to reach this instance (compose: its hostname)
+    http_port: int = Field(0, description="Health/metrics port; 0 picks a free one")
+    instance_id: str = Field("", description="Unique id; default: <roles>-<host>-<pid>")
+    log_level: str = "INFO"
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.model.name
+
+
+class WorkerSettings(ServiceSettings):
+    """An encoder, prefill or decode instance, or a hybrid of them."""
+
+    roles: str = Field("encode,prefill,decode", description="Subset of encode,prefill,decode")
+    policy: str = Field("stage", description="stage | prefill-first | decode-first")
+    device: str = "cpu"
+    num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default")
+    kv_cache_bytes: int = 256 << 20
+    block_size: int = 16
+    token_budget: int = 2048
+    image_budget: int = 8
+    max_num_seqs: int = 256
+    feature_cache_bytes: int = 64 << 20
+    transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")
+    kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
+    heartbeat_interval: float = 1.0
+    heartbeat_ttl: float = 5.0
+    drain_timeout: float = 30.0
+
+
+class GatewaySettings(ServiceSettings):
+    """The OpenAI-compatible front door."""
+
+    port: int = 8000
+    http_port: int = 8000
+    api_keys: str = Field("", description="Comma-separated Bearer keys; empty disables auth")
+    max_images: int = 8
+    max_image_bytes: int = 20 << 20
+    image_fetch_timeout: float = 10.0
+    allow_private_image_urls: bool = False
+    default_max_tokens: int = 256
+    request_timeout: float = 300.0
+    max_in_flight: int = 1024  # beyond this, 429

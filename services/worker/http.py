@@ -1,0 +1,71 @@
+"""A worker's small HTTP side: liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from services.worker.worker import StageWorker
+
+
+class WorkerCollector:
+    """Reads the worker's figures at scrape time, so nothing is counted twice."""
+
+    def __init__(self, worker: StageWorker) -> None:
+        self.w = worker
+
+    def collect(self):
+        w, c = self.w, self.w.counters
+        labels = ["instance", "roles"]
+        values = [w.instance_id, ",".join(sorted(r.value for r in w.roles))]
+        for name, value, doc in [
+            ("images_encoded", c.images_encoded, "Images encoded by the vision tower"),
+            ("prefills", c.prefills, "Prefill tasks taken"),
+            ("decodes_admitted", c.decodes_admitted, "Decode tasks admitted after pulling KV"),
+            ("tokens_generated", c.tokens_generated, "Output tokens produced"),
+            ("requests_finished", c.finished, "Requests that ended here"),
+            ("request_errors", c.errors, "Requests failed here"),
+            ("feature_fetch_failures", c.feature_fetch_failures, "Image features that could not be pulled"),
+            ("kv_pull_failures", c.kv_pull_failures, "KV pulls that failed"),
+            ("feature_cache_hits", w.loop.stats.get("feature_hits", 0), "Images found in the feature cache"),
+        ]:
+            metric = CounterMetricFamily(f"trident_{name}", doc, labels=labels)
+            metric.add_metric(values, value)
+            yield metric
+        for name, value, doc in [
+            ("free_kv_blocks", w.loop.stats.get("free_blocks", 0), "Free KV cache blocks"),
+            ("total_kv_blocks", w.engine.blocks.num_blocks, "KV cache blocks in all"),
+            ("running_requests", w.loop.stats.get("running", 0), "Requests in the running set"),
+            ("waiting_requests", w.loop.stats.get("waiting", 0), "Requests admitted, not yet scheduled"),
+            ("held_requests", len(w.held), "Requests inside this instance"),
+            ("engine_steps", w.loop.steps, "Engine iterations so far"),
+        ]:
+            metric = GaugeMetricFamily(f"trident_{name}", doc, labels=labels)
+            metric.add_metric(values, value)
+            yield metric
+
+
+def make_app(worker: StageWorker) -> FastAPI:
+    app = FastAPI(title=f"trident worker {worker.instance_id}", docs_url=None, redoc_url=None)
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(worker))
+
+    @app.get("/health")
+    def health() -> Response:
+        ok = worker.loop.failure is None
+        return Response("ok" if ok else "engine failed", status_code=200 if ok else 500)
+
+    @app.get("/ready")
+    def ready() -> Response:
+        ok = worker.loop.failure is None and worker.bus.connected and not worker.draining
+        return Response("ready" if ok else "not ready", status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+
+    return app

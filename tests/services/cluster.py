@@ -1,0 +1,96 @@
+"""Run a real deployment for tests: nats-server, redis-server, workers and the gateway as processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from common.infra import NatsServer, RedisServer, free_port
+
+METHODS = {
+    "e+p+d": [("encoder", "encode"), ("prefill", "prefill"), ("decode", "decode")],
+    "ep+d": [("worker-ep", "encode,prefill"), ("decode", "decode")],
+    "ed+p": [("worker-ed", "encode,decode"), ("prefill", "prefill")],
+    "epd": [("worker-epd", "encode,prefill,decode")],
+}
+
+
+class Cluster:
+    def __init__(self, model: Path, workdir: Path, nats: NatsServer, redis: RedisServer) -> None:
+        self.model, self.workdir, self.nats, self.redis = model, workdir, nats, redis
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            TRIDENT_MODEL=str(self.model),
+            TRIDENT_NATS_URL=self.nats.url,
+            TRIDENT_REDIS_URL=self.redis.url,
+            TRIDENT_NUM_THREADS="1",
+            TRIDENT_PORT=str(self.port),
+            TRIDENT_ALLOW_PRIVATE_IMAGE_URLS="0",
+            TRIDENT_KV_CACHE_BYTES=str(16 << 20),
+            TRIDENT_TRANSFER=os.environ.get("TRIDENT_TRANSFER", "auto"),
+            TRIDENT_HEARTBEAT_TTL="3",
+        )
+        env.update(extra)
+        return env
+
+    def start(self, name: str, module: str, **extra: str) -> None:
+        log = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", module], env=self.env(**extra), stdout=log, stderr=subprocess.STDOUT
+        )
+
+    def start_method(self, method: str, scale: dict[str, int] | None = None) -> None:
+        for name, roles in METHODS[method]:
+            for i in range((scale or {}).get(name, 1)):
+                self.start(f"{name}-{i}", "services.worker", TRIDENT_ROLES=roles)
+        self.start("gateway", "services.gateway")
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-3000:]}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("cluster not ready:\n" + "\n".join(self.log(n)[-1500:] for n in self.procs))
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text()
+
+    def stop(self, name: str | None = None, timeout: float = 20.0) -> None:
+        for n in [name] if name else list(self.procs):
+            proc = self.procs.pop(n)
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def running_cluster(model: Path, workdir: Path, method: str, scale: dict[str, int] | None = None):
+    with NatsServer(workdir=workdir / "nats") as nats, RedisServer(workdir=workdir / "redis") as redis:
+        cluster = Cluster(model, workdir, nats, redis)
+        try:
+            cluster.start_method(method, scale)
+            cluster.wait_ready()
+            yield cluster
+        finally:
+            cluster.stop()
