@@ -8,18 +8,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
-
-
-@pytest.fixture(scope="session")
-def hf_tiny(tiny_model_dir):
-    model = LlavaForConditionalGeneration.from_pretrained(tiny_model_dir).eval()
-    return model, AutoProcessor.from_pretrained(tiny_model_dir)
 
 
 def make_image(seed: int, size: tuple[int, int] = (80, 64)) -> Image.Image:

@@ -1,0 +1,38 @@
+"""Service fixtures: a real deployment per method (nats-server, redis-server, workers, gateway)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import openai
+import pytest
+
+from tests.engine.conftest import make_image
+from tests.services.cluster import running_cluster
+
+
+def data_url(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def image_urls():
+    return [data_url(make_image(i)) for i in range(3)]
+
+
+def start(tiny_model_dir, tmp_path_factory, method, scale=None):
+    return running_cluster(tiny_model_dir, tmp_path_factory.mktemp(method.replace("+", "")), method, scale)
+
+
+@pytest.fixture(scope="module", params=["e+p+d", "ep+d", "ed+p", "epd"])
+def cluster(request, tiny_model_dir, tmp_path_factory):
+    with start(tiny_model_dir, tmp_path_factory, request.param) as c:
+        c.method = request.param
+        yield c
+
+
+def client_for(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)

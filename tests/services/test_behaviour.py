@@ -1,0 +1,112 @@
+"""Replicas share work, routing skips the encoder when it can, and a cancelled stream frees its KV."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.services.conftest import client_for, start
+from tests.services.test_e2e import user_message
+
+
+def metric(base_url: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples on one service."""
+    total = 0.0
+    for line in httpx.get(base_url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def instances(cluster, role: str) -> list[dict]:
+    found = httpx.get(cluster.url + "/v1/cluster", timeout=5).json()["instances"]
+    return [i for i in found if role in i["roles"]]
+
+
+@pytest.fixture(scope="module")
+def two_decoders(tiny_model_dir, tmp_path_factory):
+    with start(tiny_model_dir, tmp_path_factory, "e+p+d", {"decode": 2}) as c:
+        deadline = time.monotonic() + 30
+        while len(instances(c, "decode")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield c
+
+
+def test_two_decode_replicas_share_twenty_concurrent_requests(two_decoders, image_urls):
+    client = client_for(two_decoders)
+
+    def ask(i: int):
+        messages = user_message(image_urls[i % 2 : i % 2 + 1] if i % 3 else [], f"question {i}")
+        return client.chat.completions.create(
+            model="tiny-llava", messages=messages, max_tokens=24, temperature=0
+        )
+
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(ask, range(20)))
+    assert all(a.usage.completion_tokens > 0 and a.choices[0].finish_reason for a in answers)
+    served = [
+        metric(d["http_address"], "trident_decodes_admitted_total") for d in instances(two_decoders, "decode")
+    ]
+    assert len(served) == 2 and all(n > 0 for n in served), f"decode replicas served {served}"
+    assert sum(served) == 20
+
+
+def test_text_skips_the_encoder_and_a_repeated_image_is_encoded_once(two_decoders, image_urls):
+    client = client_for(two_decoders)
+    (encoder,) = instances(two_decoders, "encode")
+    before = metric(encoder["http_address"], "trident_images_encoded_total")
+    for _ in range(3):
+        client.chat.completions.create(model="tiny-llava", messages=user_message([], "hi"), max_tokens=4)
+    assert metric(encoder["http_address"], "trident_images_encoded_total") == before
+    fresh = user_message([image_urls[2]], "first time")
+    again = user_message([image_urls[2]], "second time, same picture")
+    client.chat.completions.create(model="tiny-llava", messages=fresh, max_tokens=4)
+    client.chat.completions.create(model="tiny-llava", messages=again, max_tokens=4)
+    assert metric(encoder["http_address"], "trident_images_encoded_total") == before + 1
+    assert metric(two_decoders.url, 'trident_gateway_routed_total{stage="encode"}') >= 1
+
+
+def test_cancelled_stream_releases_its_kv_blocks(two_decoders):
+    def free_blocks() -> int:
+        return sum(
+            i["free_kv_blocks"]
+            for i in instances(two_decoders, "decode") + instances(two_decoders, "prefill")
+        )
+
+    def total_blocks() -> int:
+        return sum(
+            i["total_kv_blocks"]
+            for i in instances(two_decoders, "decode") + instances(two_decoders, "prefill")
+        )
+
+    def generated() -> float:
+        return sum(
+            metric(i["http_address"], "trident_tokens_generated_total")
+            for i in instances(two_decoders, "decode")
+        )
+
+    client = client_for(two_decoders)
+    before = generated()
+    stream = client.chat.completions.create(
+        model="tiny-llava", messages=user_message([], "a long story please"), max_tokens=2000, temperature=0,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got >= 5:
+            break
+    deadline = time.monotonic() + 5  # the registry sees KV use one heartbeat (1 s) later
+    while free_blocks() == total_blocks() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert free_blocks() < total_blocks(), "the request should hold KV while it runs"
+    stream.close()
+    deadline = time.monotonic() + 15
+    while free_blocks() != total_blocks() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert free_blocks() == total_blocks()
+    time.sleep(0.5)
+    assert generated() - before < 1000, "the request should have been cancelled, not run to max_tokens"
