@@ -34,7 +34,8 @@ class SamplingSpec(Record):
 class ImageSpec(Record):
     """One image of a request, identified by its content hash.
 
-    `pixels` is set only in encode tasks (inline when small, else a handle on the gateway). In
+    `pixels` is the image itself: inline or by handle in encode tasks; in prefill tasks only by
+    handle, as the source for recomputing features that can no longer be fetched. In
     prefill tasks `features` may carry the features (inline when small) or name where the encoder
     put them, which saves prefill a feature-index lookup; without it prefill looks the hash up.
     """
@@ -74,15 +75,16 @@ class EncodeTask(Message):
 
 
 class PrefillTask(Message):
-    """Prefill a request whose images are encoded (or that has none). Image hashes only, no pixels."""
+    """Prefill a request whose images are encoded (or that has none). Hashes and features; pixels
+    only by reference, for recomputing lost features, never inline."""
 
     KIND: ClassVar[str] = "task.prefill"
     request: RequestSpec
 
     @model_validator(mode="after")
     def _no_pixels(self) -> PrefillTask:
-        if any(img.pixels is not None for img in self.request.images):
-            raise ValueError("a prefill task carries image hashes, not pixels")
+        if any(isinstance(img.pixels, InlineTensor) for img in self.request.images):
+            raise ValueError("a prefill task carries pixels only by reference, never inline")
         return self
 
 

@@ -53,7 +53,7 @@ class OutputCollector:
                     msg.finish_reason, msg.usage.prompt_tokens, msg.usage.completion_tokens
                 )
                 continue
-            if isinstance(msg, TokenDelta):
+            if isinstance(msg, TokenDelta) and msg.index >= next_index:  # older: a re-prefill's repeat
                 pending[msg.index] = msg.token_ids
             while next_index in pending:
                 ids = list(pending.pop(next_index))

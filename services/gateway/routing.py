@@ -7,9 +7,16 @@ import time
 from dataclasses import dataclass
 
 from common.engine.processor import ProcessedPrompt
-from common.protocol import EncodeTask, ImageSpec, PrefillTask, RequestSpec, SamplingSpec
+from common.protocol import (
+    EncodeTask,
+    ImageSpec,
+    PrefillTask,
+    RequestSpec,
+    SamplingSpec,
+    TensorRef,
+    dtype_name,
+)
 from common.store import Stage
-from common.transfer import share
 from services.gateway.errors import APIError
 
 PIXEL_TTL = 300.0  # seconds the gateway serves pixels too large to ride inline
@@ -39,12 +46,17 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingSpec) -
         )
     images = []
     for img in prompt.images:
-        if needs_encode:
-            pixels = share(gw.transfer, img.pixel_values.contiguous(), gw.instance_id, ttl=PIXEL_TTL)
-            images.append(ImageSpec(content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=pixels))
-        else:
-            ref = stored[img.content_hash].ref
-            images.append(ImageSpec(content_hash=img.content_hash, num_tokens=img.num_tokens, features=ref))
+        # Pixels stay on the gateway, served by handle: the encoder pulls them, and a prefill
+        # instance that cannot fetch the features later recomputes from them.
+        pixels = gw.transfer.publish(img.pixel_values.contiguous(), ttl=PIXEL_TTL)
+        ref = TensorRef(
+            owner=gw.instance_id, address=gw.transfer.address, handle=pixels,
+            shape=tuple(img.pixel_values.shape), dtype=dtype_name(img.pixel_values.dtype),
+        )  # fmt: skip
+        features = None if needs_encode else stored[img.content_hash].ref
+        images.append(
+            ImageSpec(content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=ref, features=features)
+        )
     spec = RequestSpec(
         request_id=rid,
         prompt_token_ids=tuple(prompt.token_ids),

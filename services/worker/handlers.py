@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.bus import Task
-from common.engine import AdmissionError
+from common.engine import AdmissionError, Role
 from common.engine.processor import InputError
-from common.protocol import DecodeTask, EncodeTask, PrefillTask, Release, TensorRef
+from common.protocol import DecodeTask, EncodeTask, PrefillTask, Release, RequestSpec, TensorRef
 from common.store import Stage
 from common.transfer import TransferError, fetch
 from services.worker.convert import to_params, to_prompt
@@ -30,8 +30,7 @@ async def handle_encode(w: StageWorker, task: Task) -> None:
     await w.store.requests.mark(rid, Stage.ENCODE_STARTED, encode_instance=w.instance_id)
     pixels = []
     for img in spec.images:
-        pulled = await fetch(w.transfer, img.pixels) if img.pixels is not None else None
-        pixels.append(None if pulled is None else pulled.tensor.clone())
+        pixels.append(await _pull_tensor(w, img.pixels) if img.pixels is not None else None)
     w.counters.images_encoded += sum(p is not None for p in pixels)
     await _admit(w, rid, spec, pixels, [None] * len(spec.images))
 
@@ -40,16 +39,27 @@ async def handle_prefill(w: StageWorker, task: Task) -> None:
     spec = task.message.request
     rid = spec.request_id
     w.begin(Held(rid, "prefill", task, spec.arrival_time, len(spec.prompt_token_ids)), spec)
-    features = await _pull_features(w, rid, spec) if spec.images else []
-    if features is None:
-        return  # failed and reported
+    features, pixels = await _pull_features(w, rid, spec), [None] * len(spec.images)
+    if features is None:  # lost: recompute here if we hold the vision tower, else send it back
+        if Role.ENCODE not in w.roles:
+            await _send_back_to_encode(w, rid, spec)
+            return
+        pixels, features = await _pull_pixels(w, spec), [None] * len(spec.images)
+        if pixels is None:
+            await fail_request(
+                w, rid, "service_unavailable", "image features and pixels are both gone; retry"
+            )
+            return
     await w.store.requests.mark(rid, Stage.PREFILL_STARTED, prefill_instance=w.instance_id)
     w.counters.prefills += 1
-    await _admit(w, rid, spec, [None] * len(spec.images), features)
+    await _admit(w, rid, spec, pixels, features)
 
 
 async def _pull_features(w: StageWorker, rid: str, spec) -> list[torch.Tensor] | None:
-    """Fetch every image's features (event-driven prefetch: started as soon as the task arrives)."""
+    """Fetch every image's features as soon as the task arrives (event-driven prefetch, 002 §3.2).
+    None when any cannot be had (owner gone, evicted): the caller recomputes."""
+    if not spec.images:
+        return []
     await w.store.requests.mark(rid, Stage.EP_TRANSFER_STARTED)
     out = []
     for img in spec.images:
@@ -60,19 +70,48 @@ async def _pull_features(w: StageWorker, rid: str, spec) -> list[torch.Tensor] |
         try:
             if ref is None:
                 raise TransferError(f"no features registered for image {img.content_hash[:12]}")
-            pulled = await fetch(w.transfer, ref)
-            out.append(pulled.tensor.clone())
-            pulled.release()
+            out.append(await _pull_tensor(w, ref))
         except TransferError as exc:
+            log.warning(
+                "features of %s for %s unavailable (%s); recomputing", img.content_hash[:12], rid, exc
+            )
             w.counters.feature_fetch_failures += 1
             if isinstance(ref, TensorRef):
                 await w.store.features.remove(img.content_hash, ref.owner)
-            # The pixels stayed with the gateway's encode task, so recomputing needs the client's
-            # request again; report it as retryable.
-            await fail_request(w, rid, "service_unavailable", f"image features unavailable ({exc}); retry")
             return None
     await w.store.requests.mark(rid, Stage.EP_TRANSFER_ENDED)
     return out
+
+
+async def _pull_pixels(w: StageWorker, spec) -> list[torch.Tensor] | None:
+    try:
+        return [await _pull_tensor(w, img.pixels) for img in spec.images]
+    except (TransferError, AttributeError) as exc:
+        log.warning("pixels of %s unavailable: %s", spec.request_id, exc)
+        return None
+
+
+async def _pull_tensor(w: StageWorker, ref) -> torch.Tensor:
+    if ref is None:
+        raise TransferError("nothing to pull")
+    pulled = await fetch(w.transfer, ref)
+    tensor = pulled.tensor.clone()  # the pool buffer goes back for reuse
+    pulled.release()
+    return tensor
+
+
+async def _send_back_to_encode(w: StageWorker, rid: str, spec) -> None:
+    if any(img.pixels is None for img in spec.images):
+        await fail_request(
+            w, rid, "service_unavailable", "image features are gone and no pixels travel with them"
+        )
+        return
+    retry = spec.model_copy(
+        update={"images": tuple(i.model_copy(update={"features": None}) for i in spec.images)}
+    )
+    await w.bus.tasks.publish(EncodeTask(request=retry), msg_id=w.msg_id(rid, "encode"))
+    await w.store.requests.mark(rid, Stage.ENCODE_QUEUED)
+    await w.settle(rid)
 
 
 async def handle_decode(w: StageWorker, task: Task) -> None:
@@ -91,8 +130,19 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
             buffers.append(pulled.tensor.clone())
             pulled.release()
     except TransferError as exc:
+        # The prefill instance is gone or dropped the KV: prefill the request again. The first
+        # tokens come again with the same indices, and the gateway keeps the ones it has.
+        log.warning("KV of %s unavailable (%s); sending it back to prefill", rid, exc)
         w.counters.kv_pull_failures += 1
-        await fail_request(w, rid, "service_unavailable", f"KV cache of the request was lost ({exc}); retry")
+        spec = RequestSpec(
+            request_id=rid,
+            prompt_token_ids=msg.prompt_token_ids,
+            images=msg.images,
+            sampling=msg.sampling,
+            arrival_time=msg.arrival_time,
+        )
+        await w.bus.tasks.publish(PrefillTask(request=spec), msg_id=w.msg_id(rid, "prefill"))
+        await w.settle(rid)
         return
     await w.store.requests.mark(rid, Stage.PD_TRANSFER_ENDED)
     params = to_params(msg.sampling)

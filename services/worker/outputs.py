@@ -100,11 +100,12 @@ async def hand_off_encoded(w: StageWorker, rid: str) -> None:
             FeatureEntry(content_hash=img.content_hash, ref=ref, created=time.time()), FEATURE_TTL
         )
         carried = share(w.transfer, features, w.instance_id) if _small(w, features) else ref
-        images.append(img.model_copy(update={"pixels": None, "features": carried}))
+        pixels = img.pixels if isinstance(img.pixels, TensorRef) else None  # kept for recompute
+        images.append(img.model_copy(update={"pixels": pixels, "features": carried}))
     await w.store.requests.mark(rid, Stage.ENCODE_ENDED, encode_instance=w.instance_id)
     next_spec = spec.model_copy(update={"images": tuple(images)})
     await w.store.requests.mark(rid, Stage.PREFILL_QUEUED)
-    await w.bus.tasks.publish(PrefillTask(request=next_spec), msg_id=f"{rid}:prefill")
+    await w.bus.tasks.publish(PrefillTask(request=next_spec), msg_id=w.msg_id(rid, "prefill"))
     await w.loop.call(lambda: w.engine.release(rid))
     await w.settle(rid)
 
@@ -140,10 +141,10 @@ async def hand_off_prefilled(w: StageWorker, rid: str) -> None:
         output_token_ids=tuple(req.output_token_ids),
         sampling=to_spec(req.params),
         kv=location,
-        images=tuple(img.model_copy(update={"pixels": None}) for img in spec.images),
+        images=spec.images,
         arrival_time=spec.arrival_time,
     )
-    await w.bus.tasks.publish(task, msg_id=f"{rid}:decode")
+    await w.bus.tasks.publish(task, msg_id=w.msg_id(rid, "decode"))
     await w.settle(rid, keep_spec=False)
 
 

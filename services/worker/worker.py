@@ -141,6 +141,14 @@ class StageWorker:
         if held is not None and held.task is not None and not held.task.settled:
             await held.task.ack()
 
+    def msg_id(self, rid: str, kind: str) -> str:
+        """JetStream de-duplication id for a task this instance publishes on behalf of `rid`: the
+        same if this very step is retried (e.g. across a NATS restart), different for any later
+        step of the request (a request may pass through prefill twice after a loss)."""
+        held = self.held.get(rid)
+        source = held.task.stream_seq if held is not None and held.task is not None else "local"
+        return f"{rid}:{kind}:from-{source}"
+
     def heartbeat(self) -> Heartbeat:
         stats = self.loop.stats
         return Heartbeat(
