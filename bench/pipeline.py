@@ -1,0 +1,156 @@
+"""Per-request latency breakdown through the deployed pipeline (seed 000 Figure 11), and the TTFT
+that disaggregation adds over the coupled EPD baseline at low load.
+
+    python bench/pipeline.py [--presets tiny-llava,small-llava] [--requests 20] [--max-tokens 16]
+
+For each preset, a real deployment is started twice — EPD (one instance, all roles) and E+P+D
+(three instances) — with nats-server and redis-server, and requests with one distinct image
+each are sent one at a time (low load) over the OpenAI API, streaming. The client measures TTFT
+and end-to-end latency; the stage timestamps the services write to Redis give the breakdown:
+encode queue/exec, E→P transfer, prefill queue/exec, P→D transfer, decode (queue + exec).
+A table goes to stdout and the key figures as one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import openai
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.checkpoints import is_checkpoint_dir, write_checkpoint
+from common.store import Store, StoreConfig
+from tests.services.cluster import running_cluster
+
+# (name, from stage, to stage): the intervals of one request's path, in order.
+INTERVALS = [
+    ("encode_queue", "encode_queued", "encode_started"),
+    ("encode_exec", "encode_started", "encode_ended"),
+    ("ep_transfer", "ep_transfer_started", "ep_transfer_ended"),
+    ("prefill_queue", "prefill_queued", "prefill_started"),
+    ("prefill_exec", "prefill_started", "prefill_ended"),
+    ("pd_transfer", "pd_transfer_started", "pd_transfer_ended"),
+    ("decode", "pd_transfer_ended", "end"),
+]
+
+
+def image_url(seed: int, size: int) -> str:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def run_requests(url: str, model: str, n: int, max_tokens: int, seed0: int) -> list[dict]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    results = []
+    for i in range(n):
+        content = [
+            {"type": "image_url", "image_url": {"url": image_url(seed0 + i, 96)}},
+            {"type": "text", "text": f"Describe picture {i} in detail"},
+        ]
+        start = time.perf_counter()
+        first, rid = None, None
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            rid = chunk.id
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        results.append({"id": rid, "ttft": (first or end) - start, "latency": end - start})
+    return results
+
+
+async def stage_records(redis_url: str, ids: list[str]) -> list[dict[str, float]]:
+    store = await Store.connect(StoreConfig(url=redis_url))
+    try:
+        records = [await store.requests.get(rid) for rid in ids]
+    finally:
+        await store.close()
+    return [r.stages for r in records if r is not None]
+
+
+def breakdown(stages: list[dict[str, float]]) -> dict[str, float]:
+    """p50 of each interval in ms, over the requests that passed through it."""
+    out = {}
+    for name, a, b in INTERVALS:
+        values = [(s[b] - s[a]) * 1000 for s in stages if a in s and b in s]
+        if values:
+            out[name] = round(statistics.median(values), 3)
+    return out
+
+
+def measure(model_dir: Path, method: str, n: int, max_tokens: int, workdir: Path) -> dict:
+    with running_cluster(model_dir, workdir / method.replace("+", ""), method) as cluster:
+        run_requests(cluster.url, model_dir.name, 2, 4, seed0=10_000)  # warm-up: first-call costs
+        results = run_requests(cluster.url, model_dir.name, n, max_tokens, seed0=0)
+        stages = asyncio.run(stage_records(cluster.redis.url, [r["id"] for r in results]))
+    ttft = [r["ttft"] * 1000 for r in results]
+    latency = [r["latency"] * 1000 for r in results]
+    parts = breakdown(stages)
+    transfer = parts.get("ep_transfer", 0) + parts.get("pd_transfer", 0)
+    return {
+        "ttft_p50_ms": round(statistics.median(ttft), 2),
+        "latency_p50_ms": round(statistics.median(latency), 2),
+        "breakdown_p50_ms": parts,
+        "transfer_fraction": round(transfer / statistics.median(latency), 5),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="tiny-llava,small-llava")
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args()
+    summary: dict = {"requests": args.requests, "max_tokens": args.max_tokens}
+    with tempfile.TemporaryDirectory(prefix="trident-pipeline-") as tmp:
+        for preset in args.presets.split(","):
+            model_dir = Path(".trident/models") / preset
+            if not is_checkpoint_dir(model_dir):
+                write_checkpoint(model_dir, preset, seed=0)
+            per = {
+                m: measure(model_dir, m, args.requests, args.max_tokens, Path(tmp)) for m in ("epd", "e+p+d")
+            }
+            added = per["e+p+d"]["ttft_p50_ms"] - per["epd"]["ttft_p50_ms"]
+            print(f"\n{preset}: {args.requests} sequential requests, 1 image, {args.max_tokens} tokens")
+            print(f"{'method':8} {'TTFT p50':>10} {'latency p50':>12} {'transfer share':>15}")
+            for m, r in per.items():
+                ttft, lat, share = r["ttft_p50_ms"], r["latency_p50_ms"], r["transfer_fraction"]
+                print(f"{m:8} {ttft:>8.1f}ms {lat:>10.1f}ms {share:>14.3%}")
+            print(
+                "E+P+D breakdown p50 (ms): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in per["e+p+d"]["breakdown_p50_ms"].items())
+            )
+            print(f"E+P+D adds {added:.1f} ms p50 TTFT over EPD")
+            summary[preset] = {**per, "ttft_added_ms": round(added, 2)}
+    summary["goal_transfer_under_1pct"] = all(
+        summary[p]["e+p+d"]["transfer_fraction"] < 0.01 for p in args.presets.split(",")
+    )
+    summary["goal_added_ttft_le_10ms"] = all(
+        summary[p]["ttft_added_ms"] <= 10 for p in args.presets.split(",")
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
