@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -56,7 +57,13 @@ async def serve(settings: WorkerSettings) -> None:
 
 
 def main(roles: str | None = None) -> None:
-    settings = WorkerSettings(**({"roles": roles} if roles else {}))
+    """`roles` fixes the role set (the single-role entry points); otherwise `--roles` or TRIDENT_ROLES."""
+    parser = argparse.ArgumentParser(description="A Trident stage worker; settings from TRIDENT_* env vars.")
+    if roles is None:
+        parser.add_argument("--roles", help="subset of encode,prefill,decode (default: TRIDENT_ROLES)")
+    args = parser.parse_args()
+    chosen = roles or getattr(args, "roles", None)
+    settings = WorkerSettings(**({"roles": chosen} if chosen else {}))
     logging.basicConfig(
         level=settings.log_level.upper(),
         stream=sys.stderr,
