@@ -63,3 +63,27 @@ def test_kv_of_a_dead_prefill_instance_is_prefilled_again(tiny_model_dir, tmp_pa
         thread.join(120)
         assert answer == [expected]
         assert metric(decode["http_address"], "trident_kv_pull_failures_total") == 1
+
+
+def test_sigterm_drains_a_decoder_mid_stream(tiny_model_dir, tmp_path_factory):
+    """SIGTERM: stop pulling, finish what is held, deregister, exit 0 — the stream is not cut."""
+    with start(tiny_model_dir, tmp_path_factory, "e+p+d") as cluster:
+        (decode,) = instances(cluster, "decode")
+        stream = client_for(cluster).chat.completions.create(
+            model="tiny-llava",
+            messages=user_message([], "a long story"),
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 5:
+                os.kill(pid_of(decode), signal.SIGTERM)
+        assert chunks[-1].usage.completion_tokens == 400
+        proc = next(p for name, p in cluster.procs.items() if name.startswith("decode"))
+        assert proc.wait(30) == 0
+        assert instances(cluster, "decode") == []
