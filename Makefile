@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint format install system-deps clean
+.PHONY: test demo up lint format install system-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,9 @@ demo: install
 	$(BIN)/python -c "import numpy as np; from PIL import Image; \
 	Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)).save('.trident-demo.png')"
 	$(BIN)/trident generate --prompt "What is in this picture?" --image .trident-demo.png --max-tokens 24 --json
+
+up: install
+	$(BIN)/trident up
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -10,6 +10,7 @@ import typer
 
 from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters, write_checkpoint
 from common.generate_cmd import generate
+from common.launcher import down, up
 
 app = typer.Typer(
     name="trident",
@@ -50,3 +51,5 @@ def make_model(
 
 
 app.command("generate")(generate)
+app.command("up")(up)
+app.command("down")(down)

@@ -1,0 +1,30 @@
+# CPU image for every Trident service (compose.yaml); the service is picked by the command.
+FROM python:3.11-slim
+
+# HF_HUB_OFFLINE: checkpoints are read from disk by path; nothing is ever fetched from a hub.
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1
+
+# torch first, pinned, from the CPU index: otherwise pip resolves the multi-GB CUDA build from PyPI.
+# Its own layer, so changes to the project do not download it again.
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY common ./common
+COPY services ./services
+RUN pip install .
+
+# A non-root user; /models is created here and owned by it, so the named volume mounted there starts with
+# that owner and model-init (running as this user) can write the checkpoint into it.
+RUN useradd --create-home --uid 10001 trident \
+    && mkdir -p /models \
+    && chown trident:trident /models
+USER trident
+
+ENV TRIDENT_BIND_HOST=0.0.0.0
+EXPOSE 8000 9000
+CMD ["python", "-m", "services.worker"]

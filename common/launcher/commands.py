@@ -1,0 +1,149 @@
+"""`trident up` and `trident down`: compose.yaml's services as local processes, where there is no Docker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from common.launcher.compose_file import ComposeError, Method, load_compose, parse_scale, resolve_scale
+from common.launcher.deployment import Deployment
+from common.launcher.state import StateFile, is_alive, send, terminate, wait_gone
+
+# Everything `trident up` writes lives here, relative to the directory it runs in: models, logs, server
+# files, the state file (the same place `trident generate` keeps the tiny model).
+HOME = Path(".trident")
+STATE = HOME / "up.json"
+DEFAULT_MODEL = HOME / "models" / "tiny-llava"
+
+
+def find_compose(file: Path | None) -> Path:
+    """--file, else ./compose.yaml, else the repository's (an editable install runs from anywhere)."""
+    if file is not None:
+        return file
+    for candidate in (Path("compose.yaml"), Path(__file__).resolve().parents[2] / "compose.yaml"):
+        if candidate.is_file():
+            return candidate
+    raise typer.BadParameter("no compose.yaml here or in the repository; pass one", param_hint="--file")
+
+
+def port_free(port: int) -> bool:
+    """True if nothing listens on 127.0.0.1:`port` (the gateway's bind would fail otherwise)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As the gateway's server does: connections of a just-stopped run in TIME_WAIT do not count.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def default_model() -> Path:
+    """The tiny checkpoint (seed 0), written on first use."""
+    from common.checkpoints import is_checkpoint_dir, write_checkpoint
+
+    if not is_checkpoint_dir(DEFAULT_MODEL):
+        typer.echo(f"writing the tiny-llava checkpoint to {DEFAULT_MODEL}")
+        write_checkpoint(DEFAULT_MODEL, "tiny-llava", seed=0)
+    return DEFAULT_MODEL
+
+
+def recorded(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The service processes and servers a state file lists."""
+    return [*state.get("processes", []), *state.get("servers", {}).values()]
+
+
+def up(
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            file_okay=False,
+            help="HF-format checkpoint dir; default: the tiny model, written to .trident/models/tiny-llava.",
+        ),
+    ] = None,
+    method: Annotated[
+        Method, typer.Option(help="How stages group into instances: e+p+d, ep+d, ed+p or epd.")
+    ] = Method.E_P_D,
+    scale: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="SERVICE=N",
+            help="Processes of one of the method's services (decode=2; a role or ep/ed/epd works too).",
+        ),
+    ] = None,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="The gateway's API port.")] = 8000,
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file", "-f", exists=True, dir_okay=False, help="Compose file; default: compose.yaml."
+        ),
+    ] = None,
+    ready_timeout: Annotated[
+        float, typer.Option(min=1, help="Seconds to wait for the gateway's /ready before giving up.")
+    ] = 120.0,
+) -> None:
+    """Run compose.yaml's services as local processes (no Docker); Ctrl-C or `trident down` stops them."""
+    try:
+        counts = parse_scale(scale or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--scale") from None
+    try:
+        compose = load_compose(find_compose(file), os.environ)
+    except ComposeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    try:
+        resolve_scale(compose, method, counts)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--scale") from None
+    running = StateFile(STATE).read()
+    if running is not None and (is_alive(running) or any(is_alive(r) for r in recorded(running))):
+        what = (
+            f"trident up is already running here (pid {running['pid']}, {running.get('gateway')})"
+            if is_alive(running)
+            else "processes of an earlier trident up still run here"
+        )
+        typer.echo(f"error: {what}; stop them with `trident down`", err=True)
+        raise typer.Exit(1)
+    if not port_free(port):
+        typer.echo(f"error: port {port} is in use; choose another with --port", err=True)
+        raise typer.Exit(1)
+    model_dir = (model or default_model()).resolve()
+    deployment = Deployment(compose, method, counts, model_dir, port, HOME, ready_timeout, typer.echo)
+    raise typer.Exit(deployment.run())
+
+
+def down(
+    timeout: Annotated[
+        float, typer.Option(min=0, help="Seconds to wait for `trident up` to drain and stop everything.")
+    ] = 120.0,
+) -> None:
+    """Stop the `trident up` running from this directory: it drains the services, then exits."""
+    state_file = StateFile(STATE)
+    state = state_file.read()
+    if state is None:
+        typer.echo(f"nothing is running: no {STATE} here")
+        return
+    if is_alive(state):
+        typer.echo(f"stopping trident up (pid {state['pid']}); the services drain first")
+        send(state, signal.SIGTERM)
+        if not wait_gone([state], timeout):
+            typer.echo(f"error: trident up (pid {state['pid']}) still runs after {timeout:.0f} s", err=True)
+            raise typer.Exit(1)
+        typer.echo("stopped")
+        return
+    # `trident up` died without cleaning up (SIGKILL, a crash): stop what it left behind.
+    leftovers = recorded(state)
+    grace = max([float(r.get("stop_grace", 10.0)) for r in leftovers] + [10.0])
+    stopped = terminate(leftovers, grace)
+    state_file.remove()
+    if stopped:
+        typer.echo(f"trident up (pid {state['pid']}) was gone; stopped {stopped} process(es) it had left")
+    else:
+        typer.echo(f"nothing is running (removed a stale {STATE})")

@@ -1,0 +1,338 @@
+"""compose.yaml as `trident up` reads it, and the local processes it stands for.
+
+`trident up` runs the services of compose.yaml with the same commands and environment, except what
+only makes sense inside containers: the `nats`/`redis` hostnames (local servers on loopback ports
+instead), the model volume (a local directory), the advertised and bound host (127.0.0.1) and the
+fixed worker port (0: each worker picks a free one). The file's `x-trident-up` key says which
+services are servers, which is the gateway, and which services make up each method.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ComposeError(ValueError):
+    """compose.yaml cannot be run by `trident up` (missing key, bad value, bad interpolation)."""
+
+
+class Method(StrEnum):
+    """How the three stages are grouped into instances (docs/architecture.md)."""
+
+    E_P_D = "e+p+d"
+    EP_D = "ep+d"
+    ED_P = "ed+p"
+    EPD = "epd"
+
+
+# Compose's default when a service gives no stop_grace_period.
+DEFAULT_STOP_GRACE = 10.0
+
+# $$, ${...} or $NAME, as Compose interpolates them.
+_VAR = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
+_BRACED = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>.*))?", re.DOTALL)
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
+_DURATION_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+# scheme://[user[:password]@]host[:port]; the host is what gets mapped.
+_URL_HOST = re.compile(r"(?P<prefix>[A-Za-z][A-Za-z0-9+.-]*://(?:[^@/\s]*@)?)(?P<host>[^:/\s@]+)(?::\d+)?")
+
+
+def interpolate(value: str, env: Mapping[str, str]) -> str:
+    """Expand `$VAR`, `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:?err}`, `${VAR:+alt}` and `$$`.
+
+    The subset of Compose's interpolation that flat values use; a default holding another `${...}` is
+    not supported.
+    """
+
+    def expand(match: re.Match[str]) -> str:
+        if match["escaped"]:
+            return "$"
+        if match["named"]:
+            return env.get(match["named"], "")
+        braced = _BRACED.fullmatch(match["braced"])
+        if braced is None:
+            raise ComposeError(f"invalid interpolation {match.group(0)!r}")
+        name, op, arg = braced["name"], braced["op"], braced["arg"] or ""
+        current = env.get(name)
+        # The ':' forms treat an empty value like an unset one.
+        missing = not current if op and op.startswith(":") else current is None
+        if op in (":-", "-"):
+            return arg if missing else (current or "")
+        if op in (":?", "?"):
+            if missing:
+                raise ComposeError(f"{name}: {arg or 'required but not set'}")
+            return current or ""
+        if op in (":+", "+"):
+            return "" if missing else arg
+        return current or ""
+
+    return _VAR.sub(expand, value)
+
+
+def _interpolate_tree(node: Any, env: Mapping[str, str]) -> Any:
+    # Compose interpolates values only, never keys.
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, dict):
+        return {key: _interpolate_tree(value, env) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_interpolate_tree(item, env) for item in node]
+    return node
+
+
+def parse_duration(text: str | int | float | None, default: float = DEFAULT_STOP_GRACE) -> float:
+    """Seconds in a Compose duration such as `45s`, `1m30s` or `500ms`."""
+    if text is None:
+        return default
+    if isinstance(text, int | float):
+        return float(text)
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(number + unit for number, unit in parts) != text.strip():
+        raise ComposeError(f"invalid duration {text!r}")
+    return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+
+
+def map_hosts(value: str, hosts: Mapping[str, str]) -> str:
+    """Rewrite URLs whose host is a compose service run locally: `nats://nats:4222` → `nats://127.0.0.1:N`."""
+
+    def replace(match: re.Match[str]) -> str:
+        local = hosts.get(match["host"])
+        return match["prefix"] + local if local else match.group(0)
+
+    return _URL_HOST.sub(replace, value)
+
+
+def thread_split(cpus: int, workers: int) -> int:
+    """torch threads per worker so that co-located workers share the cores instead of fighting over them."""
+    return max(1, cpus // max(1, workers))
+
+
+def _environment(raw: Any, env: Mapping[str, str]) -> dict[str, str]:
+    """A service's environment as a dict, from either Compose form; a bare `KEY` takes the shell's value."""
+    pairs: dict[str, Any] = {}
+    if isinstance(raw, list):
+        for item in raw:
+            key, sep, value = str(item).partition("=")
+            pairs[key] = value if sep else None
+    elif isinstance(raw, dict):
+        pairs = dict(raw)
+    elif raw is not None:
+        raise ComposeError(f"environment must be a list or a mapping, got {type(raw).__name__}")
+    result: dict[str, str] = {}
+    for key, value in pairs.items():
+        if value is None:
+            if key in env:
+                result[key] = env[key]
+        elif isinstance(value, bool):
+            result[key] = "true" if value else "false"
+        else:
+            result[key] = str(value)
+    return result
+
+
+@dataclass(frozen=True)
+class Service:
+    """What `trident up` takes from one compose service."""
+
+    name: str
+    command: tuple[str, ...]
+    environment: dict[str, str]
+    restart: str
+    stop_grace: float
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(r.strip() for r in self.environment.get("TRIDENT_ROLES", "").split(",") if r.strip())
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Other names `--scale` accepts: the role (`encode`) or the hybrid's initials (`ep`)."""
+        roles = self.roles
+        if len(roles) == 1:
+            return (roles[0],)
+        return ("".join(role[0] for role in roles),) if roles else ()
+
+
+@dataclass(frozen=True)
+class ComposeFile:
+    """compose.yaml, interpolated, with its `x-trident-up` map."""
+
+    path: Path
+    services: dict[str, Service]
+    servers: dict[str, str]  # compose service -> local server kind ("nats" | "redis")
+    model_init: str | None
+    gateway: str
+    always: tuple[str, ...]
+    methods: dict[Method, tuple[str, ...]]
+
+    def workers(self, method: Method) -> tuple[str, ...]:
+        """The services that run an engine for `method`, plus those run for every method."""
+        return self.methods[method] + self.always
+
+
+def load_compose(path: str | Path, env: Mapping[str, str]) -> ComposeFile:
+    """Read and interpolate compose.yaml (anchors and `<<` merges resolved); check its x-trident-up."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ComposeError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("services"), dict):
+        raise ComposeError(f"{path} has no services")
+    data = _interpolate_tree(data, env)
+    raw_services: dict[str, dict] = data["services"]
+    up = data.get("x-trident-up")
+    if not isinstance(up, dict):
+        raise ComposeError(f"{path} has no x-trident-up map")
+
+    def known(name: Any) -> str:
+        if name not in raw_services:
+            raise ComposeError(f"x-trident-up names {name!r}, which is not a service of {path}")
+        return name
+
+    servers = {known(service): str(kind) for service, kind in (up.get("servers") or {}).items()}
+    unknown_kinds = set(servers.values()) - {"nats", "redis"}
+    if unknown_kinds:
+        raise ComposeError(f"x-trident-up.servers: unknown server kinds {sorted(unknown_kinds)}")
+    model_init = known(up["model-init"]) if up.get("model-init") else None
+    gateway = known(up.get("gateway"))
+    always = tuple(known(name) for name in up.get("always") or [])
+    methods: dict[Method, tuple[str, ...]] = {}
+    for method in Method:
+        names = (up.get("methods") or {}).get(method.value)
+        if not names:
+            raise ComposeError(f"x-trident-up.methods has no {method.value!r}")
+        methods[method] = tuple(known(name) for name in names)
+    run = {gateway, *always, *(name for names in methods.values() for name in names)}
+    services = {name: _service(name, raw_services[name], env) for name in sorted(run)}
+    return ComposeFile(path, services, servers, model_init, gateway, always, methods)
+
+
+def _service(name: str, raw: dict, env: Mapping[str, str]) -> Service:
+    command = raw.get("command")
+    if isinstance(command, str):
+        command = shlex.split(command)
+    if not command:
+        raise ComposeError(f"service {name!r} needs a command for `trident up` to run it")
+    restart = raw.get("restart", "no")
+    return Service(
+        name=name,
+        command=tuple(str(part) for part in command),
+        environment=_environment(raw.get("environment"), env),
+        restart="no" if restart is False else str(restart),
+        stop_grace=parse_duration(raw.get("stop_grace_period")),
+    )
+
+
+def parse_scale(items: list[str]) -> dict[str, int]:
+    """`["decode=2", "encoder=1"]` → `{"decode": 2, "encoder": 1}`; ValueError says what is wrong."""
+    scale: dict[str, int] = {}
+    for item in items:
+        name, sep, count = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not count.strip().isdigit():
+            raise ValueError(f"{item!r} is not SERVICE=N (e.g. decode=2)")
+        if int(count) < 1:
+            raise ValueError(f"{item!r}: every service of a method needs at least one process")
+        scale[name] = int(count)
+    return scale
+
+
+def resolve_scale(compose: ComposeFile, method: Method, scale: Mapping[str, int]) -> dict[str, int]:
+    """Processes per worker service of `method`; `scale` may name a service or its alias (role, initials)."""
+    names = compose.workers(method)
+    by_alias = {alias: name for name in names for alias in (name, *compose.services[name].aliases)}
+    counts = dict.fromkeys(names, 1)
+    for key, count in scale.items():
+        if key not in by_alias:
+            hint = (
+                "it owns --port"
+                if key == compose.gateway
+                else f"method {method.value} runs {', '.join(names)}"
+            )
+            raise ValueError(f"cannot scale {key!r}: {hint}")
+        counts[by_alias[key]] = count
+    return counts
+
+
+@dataclass(frozen=True)
+class LocalSetup:
+    """What replaces the containers' world on this machine."""
+
+    model: Path
+    port: int
+    hosts: Mapping[str, str]  # compose hostname -> "127.0.0.1:PORT" of the local server
+    cpus: int
+    user_env: Mapping[str, str]  # the caller's environment; its TRIDENT_NUM_THREADS wins over the split
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One local process: a compose service replica with its command and environment."""
+
+    name: str  # like compose's containers: <service>-<n>
+    service: str
+    argv: tuple[str, ...]
+    env: dict[str, str]  # the compose environment with the local overrides; the caller's env goes under it
+    roles: tuple[str, ...]
+    restart: str
+    stop_grace: float
+    gateway: bool = False
+
+
+def local_argv(command: tuple[str, ...]) -> tuple[str, ...]:
+    """The container's `python` is this interpreter, so children run in the same environment."""
+    if command and command[0] in ("python", "python3"):
+        return (sys.executable, *command[1:])
+    return command
+
+
+def plan(
+    compose: ComposeFile, method: Method, scale: Mapping[str, int], setup: LocalSetup
+) -> list[ProcessSpec]:
+    """The processes for `method`, workers first and the gateway last (the order they start in)."""
+    counts = resolve_scale(compose, method, scale)
+    threads = str(thread_split(setup.cpus, sum(counts.values())))
+    local = {
+        "TRIDENT_MODEL": str(setup.model),
+        "TRIDENT_BIND_HOST": "127.0.0.1",
+        "TRIDENT_ADVERTISE_HOST": "127.0.0.1",
+        # Children write to log files; unbuffered output keeps the logs current.
+        "PYTHONUNBUFFERED": "1",
+    }
+    specs: list[ProcessSpec] = []
+    for name, count in counts.items():
+        worker_env = {**local, "TRIDENT_HTTP_PORT": "0"}
+        if "TRIDENT_NUM_THREADS" not in setup.user_env:
+            worker_env["TRIDENT_NUM_THREADS"] = threads
+        specs += [_spec(compose.services[name], i, setup, worker_env) for i in range(1, count + 1)]
+    port = str(setup.port)
+    gateway_env = {**local, "TRIDENT_PORT": port, "TRIDENT_HTTP_PORT": port}
+    specs.append(_spec(compose.services[compose.gateway], 1, setup, gateway_env, gateway=True))
+    return specs
+
+
+def _spec(
+    service: Service, index: int, setup: LocalSetup, overrides: dict[str, str], gateway: bool = False
+) -> ProcessSpec:
+    env = {key: map_hosts(value, setup.hosts) for key, value in service.environment.items()}
+    env.update(overrides)
+    return ProcessSpec(
+        name=f"{service.name}-{index}",
+        service=service.name,
+        argv=local_argv(service.command),
+        env=env,
+        roles=service.roles,
+        restart=service.restart,
+        stop_grace=service.stop_grace,
+        gateway=gateway,
+    )

@@ -1,0 +1,246 @@
+"""A running `trident up`: the local servers, the service processes, readiness, supervision and shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import typer
+
+from common.infra import InfraError, LocalServer, NatsServer, RedisServer
+from common.launcher.compose_file import ComposeFile, LocalSetup, Method, plan
+from common.launcher.processes import Child, stop_children
+from common.launcher.state import StateFile, identity
+
+Echo = Callable[..., None]
+
+# Proxies from the environment must not see loopback readiness probes.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True if GET `url` answers 200."""
+    try:
+        with _DIRECT.open(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+def example_curl(base_url: str, model_name: str) -> str:
+    """A chat completion request against the served model, ready to paste."""
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 16,
+    }
+    return (
+        f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d {shlex.quote(json.dumps(body))}"
+    )
+
+
+class Deployment:
+    """Starts servers, then workers, then the gateway; stops the gateway, then workers, then servers.
+
+    The gateway goes first on the way down so the requests it holds finish on workers that still run;
+    workers drain on SIGTERM. A process that dies after start-up is restarted as compose would
+    (`restart: unless-stopped`, with back-off). SIGINT/SIGTERM stop it all; a second one kills.
+    """
+
+    def __init__(
+        self,
+        compose: ComposeFile,
+        method: Method,
+        scale: dict[str, int],
+        model: Path,
+        port: int,
+        home: Path,
+        ready_timeout: float = 120.0,
+        echo: Echo = typer.echo,
+    ) -> None:
+        self.compose = compose
+        self.method = method
+        self.scale = scale
+        self.model = model
+        self.port = port
+        self.home = home
+        self.logs = home / "logs"
+        self.ready_timeout = ready_timeout
+        self.echo = echo
+        self.url = f"http://127.0.0.1:{port}"
+        self.state = StateFile(home / "up.json")
+        self.servers: dict[str, LocalServer] = {}
+        self.children: list[Child] = []
+        self._stop = threading.Event()
+        self._force = threading.Event()
+        self._down: set[str] = set()  # exited and left down by their restart policy
+
+    # -- the whole run ---------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until stopped; the exit code: 0 after Ctrl-C/SIGTERM/`trident down`, 1 if start-up failed."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.logs.mkdir(parents=True, exist_ok=True)
+            self._start_servers()
+            self._start_children()
+            failed = self._wait_ready()
+            if failed is not None:
+                return failed
+            self._announce()
+            return self._supervise()
+        except InfraError as exc:
+            self.echo(f"error: {exc}", err=True)
+            return 1
+        finally:
+            self._shutdown()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._stop.is_set():
+            self._force.set()
+        self._stop.set()
+
+    # -- start-up --------------------------------------------------------------------------------
+    def _start_servers(self) -> None:
+        for service, kind in self.compose.servers.items():
+            workdir = self.home / service
+            if kind == "nats":
+                # A fresh task stream, as a new nats container would have: no stale tasks from a past run.
+                shutil.rmtree(workdir / "jetstream", ignore_errors=True)
+            server: LocalServer = (
+                NatsServer(workdir=workdir) if kind == "nats" else RedisServer(workdir=workdir)
+            )
+            server.log_path = self.logs / f"{service}.log"
+            self.servers[service] = server
+            server.start()
+            self.echo(f"{service}: {server.url} (log {server.log_path})")
+        self._write_state()
+
+    def _start_children(self) -> None:
+        setup = LocalSetup(
+            model=self.model,
+            port=self.port,
+            hosts={name: f"{s.host}:{s.port}" for name, s in self.servers.items()},
+            cpus=len(os.sched_getaffinity(0)),
+            user_env=os.environ,
+        )
+        for spec in plan(self.compose, self.method, self.scale, setup):
+            child = Child(spec, self.logs, os.environ)
+            child.start()
+            self.children.append(child)
+            threads = spec.env.get("TRIDENT_NUM_THREADS", os.environ.get("TRIDENT_NUM_THREADS", "default"))
+            roles = f" ({','.join(spec.roles)}; torch threads: {threads})"
+            self.echo(f"{spec.name}: pid {child.pid}{roles if spec.roles else ''}, log {child.log_path}")
+        self._write_state()
+
+    def _wait_ready(self) -> int | None:
+        """None once the gateway is ready, else the exit code (0 if stopped meanwhile, 1 on failure)."""
+        self.echo(f"waiting for {self.url}/ready (up to {self.ready_timeout:.0f} s)")
+        deadline = time.monotonic() + self.ready_timeout
+        while not self._stop.is_set():
+            for child in self.children:
+                if not child.running:
+                    self.echo(
+                        f"error: {child.name} exited (code {child.returncode}) during start-up", err=True
+                    )
+                    self.echo(f"--- last lines of {child.log_path}:\n{child.log_tail()}", err=True)
+                    return 1
+            if http_ok(f"{self.url}/ready"):
+                return None
+            if time.monotonic() >= deadline:
+                gateway = next(c for c in self.children if c.spec.gateway)
+                self.echo(f"error: the gateway was not ready after {self.ready_timeout:.0f} s", err=True)
+                self.echo(f"--- last lines of {gateway.log_path}:\n{gateway.log_tail()}", err=True)
+                return 1
+            self._stop.wait(0.25)
+        return 0
+
+    def _announce(self) -> None:
+        model_name = os.environ.get("TRIDENT_MODEL_NAME") or self.model.name
+        self.echo(f"gateway: {self.url}")
+        self.echo(f"try: {example_curl(self.url, model_name)}")
+        self.echo(f"logs in {self.logs}/, state in {self.state.path}; stop with Ctrl-C or `trident down`")
+
+    # -- while running ---------------------------------------------------------------------------
+    def _supervise(self) -> int:
+        while not self._stop.wait(0.25):
+            for name, server in self.servers.items():
+                if not server.running:
+                    self.echo(f"{name} exited; restarting it on port {server.port} (log {server.log_path})")
+                    server.start()
+            self._restart_children(time.monotonic())
+        return 0
+
+    def _restart_children(self, now: float) -> None:
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.start()
+                    self._write_state()  # before saying so: `trident down` must see the new pid
+                    self.echo(f"{child.name}: restarted, pid {child.pid}")
+            elif not child.running and child.name not in self._down:
+                code = child.returncode
+                delay = child.schedule_restart(now)
+                if delay is None:
+                    self._down.add(child.name)
+                    self.echo(f"{child.name} exited with code {code}; restart policy {child.spec.restart!r}")
+                else:
+                    self.echo(f"{child.name} exited with code {code}; restarting in {delay:.1f} s")
+                self.echo(f"--- last lines of {child.log_path}:\n{child.log_tail(10)}")
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        if any(c.running for c in self.children):
+            self.echo("stopping: the gateway, then the workers (they drain; Ctrl-C again to kill)")
+
+        def killed(child: Child) -> None:
+            self.echo(f"{child.name} did not stop in {child.spec.stop_grace:.0f} s; killed")
+
+        gateway = [c for c in self.children if c.spec.gateway]
+        stop_children(gateway, self._force.is_set, killed)
+        stop_children([c for c in self.children if not c.spec.gateway], self._force.is_set, killed)
+        for server in reversed(list(self.servers.values())):
+            server.stop()
+        self.state.remove()
+        if self.children or self.servers:
+            self.echo("stopped")
+
+    def _write_state(self) -> None:
+        state: dict[str, Any] = {
+            **identity(os.getpid()),
+            "method": self.method.value,
+            "gateway": self.url,
+            "port": self.port,
+            "model": str(self.model),
+            "compose": str(self.compose.path.resolve()),
+            "logs": str(self.logs.resolve()),
+            "servers": {
+                name: {**identity(s.pid), "url": s.url, "port": s.port, "log": str(s.log_path.resolve())}
+                for name, s in self.servers.items()
+            },
+            "processes": [
+                {
+                    "name": c.name,
+                    "service": c.spec.service,
+                    "roles": list(c.spec.roles),
+                    **identity(c.pid),
+                    "stop_grace": c.spec.stop_grace,
+                    "log": str(c.log_path.resolve()),
+                }
+                for c in self.children
+            ],
+        }
+        self.state.write(state)

@@ -1,0 +1,95 @@
+"""`.trident/up.json`: what a running `trident up` started, so `trident down` can stop it.
+
+Every pid is stored with its start time from /proc, so a pid that the kernel has since given to
+another process is never signalled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None if it is gone (or a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses; the fields after its last ')' are plain.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] == "Z":  # exited, not yet reaped by its parent
+        return None
+    return int(fields[19])  # field 22 of proc(5), counted from field 3
+
+
+def identity(pid: int | None) -> dict[str, int | None]:
+    """What the state file records for a process."""
+    return {"pid": pid, "start": start_time(pid) if pid else None}
+
+
+def is_alive(record: dict[str, Any] | None) -> bool:
+    """True if the recorded process still runs (same pid and start time)."""
+    if not record or not record.get("pid"):
+        return False
+    now = start_time(int(record["pid"]))
+    return now is not None and (record.get("start") is None or now == record["start"])
+
+
+def send(record: dict[str, Any] | None, signum: int) -> bool:
+    """Signal the recorded process if it is still the same one; True if it was signalled."""
+    if not is_alive(record):
+        return False
+    assert record is not None
+    try:
+        os.kill(int(record["pid"]), signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_gone(records: list[dict[str, Any]], timeout: float) -> bool:
+    """Wait until none of the recorded processes runs; False on timeout."""
+    deadline = time.monotonic() + timeout
+    while any(is_alive(r) for r in records):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def terminate(records: list[dict[str, Any]], grace: float) -> int:
+    """SIGTERM the live ones, SIGKILL what is left after `grace` seconds; returns how many were running."""
+    live = [r for r in records if send(r, signal.SIGTERM)]
+    if not wait_gone(live, grace):
+        for record in live:
+            send(record, signal.SIGKILL)
+        wait_gone(live, 5.0)
+    return len(live)
+
+
+class StateFile:
+    """The JSON file itself; written atomically so `trident down` never reads half of it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, state: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            state = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) else None
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)

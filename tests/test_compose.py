@@ -1,0 +1,217 @@
+"""compose.yaml, compose.gpu.yaml and the Dockerfiles: valid against the Compose Specification, and built
+so that `docker compose up --scale decode=3` works (no container names, no host ports on workers, health
+checks, ordered start-up). No Docker engine runs here, so the schema is the check.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import typer
+import yaml
+
+from common.launcher import up
+from services.settings import GatewaySettings, WorkerSettings
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "shared" / "data" / "compose-spec.json"
+WORKERS = ("encoder", "prefill", "decode", "worker-ep", "worker-ed", "worker-epd")
+APP = ("gateway", *WORKERS)  # the services built from this repository that keep running
+DEFAULT = {"nats", "redis", "model-init", "gateway", "encoder", "prefill", "decode"}
+# Compose's rule for profile names (a '+' is not allowed, hence ep-d rather than ep+d).
+PROFILE_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
+
+
+@pytest.fixture(scope="module")
+def validator() -> jsonschema.Draft7Validator:
+    """The Compose Specification's schema; a missing file fails (CI has shared/ beside the checkout)."""
+    candidates = [SCHEMA_PATH]
+    if os.environ.get("TRIDENT_COMPOSE_SCHEMA"):
+        candidates.append(Path(os.environ["TRIDENT_COMPOSE_SCHEMA"]))
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        pytest.fail(f"Compose schema not found at {SCHEMA_PATH} (or $TRIDENT_COMPOSE_SCHEMA)")
+    schema = json.loads(path.read_text())
+    # The file names draft-07 by a URL jsonschema does not map, so pick the validator explicitly.
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def _load(name: str) -> dict[str, Any]:
+    return yaml.safe_load((REPO / name).read_text())
+
+
+def merge(base: Any, override: Any) -> Any:
+    """Compose's merge of an override file, for what compose.gpu.yaml uses: mappings merge key by key,
+    anything else is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for key, value in override.items():
+            merged[key] = merge(base[key], value) if key in base else copy.deepcopy(value)
+        return merged
+    return copy.deepcopy(override)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return _load("compose.yaml")
+
+
+@pytest.fixture(scope="module")
+def gpu(compose: dict[str, Any]) -> dict[str, Any]:
+    return merge(compose, _load("compose.gpu.yaml"))
+
+
+def _errors(validator: jsonschema.Draft7Validator, doc: dict[str, Any]) -> list[str]:
+    return [f"{e.json_path}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def test_files_match_the_compose_spec(validator: jsonschema.Draft7Validator, gpu: dict[str, Any]) -> None:
+    assert _errors(validator, _load("compose.yaml")) == []
+    assert _errors(validator, _load("compose.gpu.yaml")) == []
+    assert _errors(validator, gpu) == []
+
+
+def test_schema_catches_mistakes(validator: jsonschema.Draft7Validator, compose: dict[str, Any]) -> None:
+    """Guards the test above against a schema that accepts anything."""
+    broken = copy.deepcopy(compose)
+    broken["services"]["decode"]["replica"] = 3
+    broken["services"]["nats"]["healthcheck"]["retries"] = [5]
+    assert len(_errors(validator, broken)) == 2
+
+
+def _walk(node: Any) -> list[dict[str, Any]]:
+    if isinstance(node, dict):
+        return [node] + [m for value in node.values() for m in _walk(value)]
+    if isinstance(node, list):
+        return [m for item in node for m in _walk(item)]
+    return []
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.gpu.yaml"])
+def test_no_container_names(name: str) -> None:
+    # A fixed container name would make `--scale` fail on the second replica.
+    assert all("container_name" not in mapping for mapping in _walk(_load(name)))
+
+
+def test_only_the_gateway_publishes_ports(compose: dict[str, Any], gpu: dict[str, Any]) -> None:
+    for doc in (compose, gpu):
+        published = {name for name, service in doc["services"].items() if service.get("ports")}
+        assert published == {"gateway"}
+    assert compose["services"]["gateway"]["ports"] == ["${TRIDENT_PORT:-8000}:8000"]
+
+
+def test_start_up_order(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        depends = service.get("depends_on", {})
+        assert isinstance(depends, dict), f"{name}: depends_on needs conditions"
+        for dep in ("nats", "redis"):
+            if dep in depends:
+                assert depends[dep] == {"condition": "service_healthy"}, name
+        if "model-init" in depends:
+            assert depends["model-init"] == {"condition": "service_completed_successfully"}, name
+    for name in APP:
+        assert set(compose["services"][name]["depends_on"]) == {"nats", "redis", "model-init"}
+
+
+def test_health_checks(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        if service.get("restart", "no") != "no":
+            assert service.get("healthcheck", {}).get("test"), f"{name} runs for good but has no health check"
+    model_init = compose["services"]["model-init"]
+    assert model_init["restart"] == "no" and "healthcheck" not in model_init
+    for name in APP:
+        service = compose["services"][name]
+        # The probe dials the port the service is told to serve on.
+        assert "os.environ['TRIDENT_HTTP_PORT']" in service["healthcheck"]["test"][-1]
+        assert "/health" in service["healthcheck"]["test"][-1]
+        assert service["environment"]["TRIDENT_HTTP_PORT"] == ("8000" if name == "gateway" else "9000")
+
+
+def test_services_and_profiles(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {name for name, s in services.items() if not s.get("profiles")} == DEFAULT
+    for name, service in services.items():
+        assert all(PROFILE_NAME.match(p) for p in service.get("profiles", [])), name
+    assert services["worker-ep"]["profiles"] == ["ep-d"]
+    assert services["worker-ed"]["profiles"] == ["ed-p"]
+    assert services["worker-epd"]["profiles"] == ["epd"]
+    methods = compose["x-trident-up"]["methods"]
+    assert set(methods) == {"e+p+d", "ep+d", "ed+p", "epd"}
+    assert all(name in services for names in methods.values() for name in names)
+
+
+def test_environment(compose: dict[str, Any]) -> None:
+    roles = {
+        "encoder": "encode",
+        "prefill": "prefill",
+        "decode": "decode",
+        "worker-ep": "encode,prefill",
+        "worker-ed": "encode,decode",
+        "worker-epd": "encode,prefill,decode",
+    }
+    for name in APP:
+        env = compose["services"][name]["environment"]
+        # Strings only: YAML would turn an unquoted 9000 into an int, and `no` into False.
+        assert all(isinstance(value, str) for value in env.values()), name
+        assert env["TRIDENT_ADVERTISE_HOST"] == "auto"
+        assert env["TRIDENT_BIND_HOST"] == "0.0.0.0"
+        assert env["TRIDENT_NATS_URL"] == "nats://nats:4222"
+        assert env["TRIDENT_REDIS_URL"] == "redis://redis:6379/0"
+        assert env["TRIDENT_MODEL"] == "/models/tiny-llava"
+        assert env.get("TRIDENT_ROLES") == roles.get(name)
+        assert compose["services"][name]["volumes"] == ["models:/models:ro"]
+    assert compose["services"]["model-init"]["volumes"] == ["models:/models"]
+    script = compose["services"]["model-init"]["command"][-1]
+    assert "trident make-model /models/tiny-llava --preset tiny-llava" in script
+
+
+def test_gpu_override(gpu: dict[str, Any]) -> None:
+    for name in ("model-init", *APP):
+        service = gpu["services"][name]
+        assert service["image"] == "trident:gpu"
+        assert service["build"] == {"context": ".", "dockerfile": "Dockerfile.gpu"}
+    for name in WORKERS:
+        service = gpu["services"][name]
+        assert service["environment"]["TRIDENT_DEVICE"] == "cuda"
+        assert service["environment"]["TRIDENT_ROLES"]  # merged over compose.yaml's, not replacing it
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert "deploy" not in gpu["services"]["gateway"]
+    assert gpu["services"]["worker-ep"]["profiles"] == ["ep-d"]
+
+
+def test_dockerfiles() -> None:
+    cpu = (REPO / "Dockerfile").read_text()
+    assert cpu.startswith("#") and "FROM python:3.11-slim" in cpu
+    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in cpu
+    assert cpu.index("torch==2.13.0") < cpu.index("pip install .")  # the CPU torch first
+    assert "WORKDIR /app" in cpu and re.search(r"^USER (?!root)\w+", cpu, re.M)
+    gpu = (REPO / "Dockerfile.gpu").read_text()
+    assert "nvidia/cuda:" in gpu and "'.[gpu]'" in gpu and re.search(r"^USER (?!root)\w+", gpu, re.M)
+    ignored = set((REPO / ".dockerignore").read_text().split())
+    assert {".git", ".venv", ".trident", "**/__pycache__"} <= ignored
+
+
+def test_pyyaml_is_a_runtime_dependency() -> None:
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"pyyaml\b", d, re.I) for d in deps)
+
+
+def test_running_md_documents_every_variable_and_flag() -> None:
+    doc = (REPO / "docs" / "running.md").read_text()
+    fields = {*WorkerSettings.model_fields, *GatewaySettings.model_fields}
+    missing = sorted(f"TRIDENT_{f.upper()}" for f in fields if f"`TRIDENT_{f.upper()}`" not in doc)
+    assert not missing, f"docs/running.md lacks {missing}"
+    app = typer.Typer(add_completion=False)
+    app.command()(up)
+    flags = [opt for param in typer.main.get_command(app).params for opt in param.opts]
+    assert [f for f in flags if f"`{f}" not in doc] == []

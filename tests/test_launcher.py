@@ -1,0 +1,464 @@
+"""`trident up` / `trident down` (common/launcher): compose.yaml → local processes.
+
+The pure parts are tested on the repository's compose.yaml. The run itself is tested on the same
+file with every service's command swapped for a stand-in script (a dummy gateway that is ready once
+it can reach the local nats and redis, dummy workers that record their environment and drain on
+SIGTERM), against the real nats-server and redis-server, so it stays fast and needs no model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from common.infra import free_port
+from common.launcher.compose_file import (
+    ComposeError,
+    LocalSetup,
+    Method,
+    interpolate,
+    load_compose,
+    map_hosts,
+    parse_duration,
+    parse_scale,
+    plan,
+    resolve_scale,
+    thread_split,
+)
+from common.launcher.processes import FIRST_BACKOFF, MAX_BACKOFF, restart_delay
+from common.launcher.state import identity, is_alive, start_time
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = REPO / "compose.yaml"
+HOSTS = {"nats": "127.0.0.1:14222", "redis": "127.0.0.1:16379"}
+
+
+def _setup(cpus: int = 8, user_env: dict[str, str] | None = None) -> LocalSetup:
+    return LocalSetup(Path("/m/tiny-llava"), 8123, HOSTS, cpus, user_env or {})
+
+
+# -- pure parts ----------------------------------------------------------------------------------
+def test_interpolate_follows_compose() -> None:
+    env = {"A": "x", "EMPTY": ""}
+    assert interpolate("${A}-$A-$$A", env) == "x-x-$A"
+    assert interpolate("${MISSING:-d} ${EMPTY:-d} ${EMPTY-d} ${MISSING-d}", env) == "d d  d"
+    assert interpolate("${A:+alt}${EMPTY:+alt}${EMPTY+set}", env) == "altset"
+    assert interpolate("${A:?boom}", env) == "x"
+    with pytest.raises(ComposeError, match="boom"):
+        interpolate("${EMPTY:?boom}", env)
+    with pytest.raises(ComposeError):
+        interpolate("${not valid}", env)
+
+
+def test_parse_duration() -> None:
+    assert parse_duration("45s") == 45
+    assert parse_duration("1m30s") == 90
+    assert parse_duration("500ms") == 0.5
+    assert parse_duration(None) == 10  # Compose's default stop grace
+    with pytest.raises(ComposeError):
+        parse_duration("soon")
+
+
+def test_map_hosts_rewrites_only_local_servers() -> None:
+    assert map_hosts("nats://nats:4222", HOSTS) == "nats://127.0.0.1:14222"
+    assert map_hosts("redis://redis:6379/0", HOSTS) == "redis://127.0.0.1:16379/0"
+    assert map_hosts("redis://:secret@redis:6379/2", HOSTS) == "redis://:secret@127.0.0.1:16379/2"
+    assert map_hosts("nats://nats", HOSTS) == "nats://127.0.0.1:14222"
+    for untouched in ("nats://natsbox:4222", "http://gateway:8000/ready", "/models/tiny-llava", "redis"):
+        assert map_hosts(untouched, HOSTS) == untouched
+
+
+def test_thread_split() -> None:
+    assert thread_split(2, 3) == 1  # never 0
+    assert thread_split(16, 3) == 5
+    assert thread_split(8, 1) == 8
+    assert thread_split(8, 0) == 8
+
+
+def test_parse_scale() -> None:
+    assert parse_scale([]) == {}
+    assert parse_scale(["decode=2", "encoder=3"]) == {"decode": 2, "encoder": 3}
+    for bad in ("decode", "decode=", "=2", "decode=two", "decode=-1", "decode=0"):
+        with pytest.raises(ValueError):
+            parse_scale([bad])
+
+
+def test_restart_policy_and_backoff() -> None:
+    assert restart_delay("no", 1, 1.0, 0.0) is None
+    assert restart_delay("on-failure", 0, 1.0, 0.0) is None
+    assert restart_delay("on-failure:3", 1, 1.0, 0.0) == FIRST_BACKOFF
+    assert restart_delay("unless-stopped", 0, 1.0, 0.0) == FIRST_BACKOFF
+    assert restart_delay("always", 1, 1.0, 4.0) == 8.0  # still crash-looping: back off
+    assert restart_delay("always", 1, 1.0, MAX_BACKOFF) == MAX_BACKOFF
+    assert restart_delay("always", 1, 60.0, 8.0) == FIRST_BACKOFF  # ran a while: start over
+
+
+def test_compose_file_methods() -> None:
+    compose = load_compose(COMPOSE, {})
+    assert compose.servers == {"nats": "nats", "redis": "redis"}
+    assert compose.gateway == "gateway"
+    assert compose.model_init == "model-init"
+    roles = {m: [compose.services[s].roles for s in compose.workers(m)] for m in Method}
+    assert roles == {
+        Method.E_P_D: [("encode",), ("prefill",), ("decode",)],
+        Method.EP_D: [("encode", "prefill"), ("decode",)],
+        Method.ED_P: [("encode", "decode"), ("prefill",)],
+        Method.EPD: [("encode", "prefill", "decode")],
+    }
+
+
+@pytest.mark.parametrize(
+    ("method", "names"),
+    [
+        (Method.E_P_D, ["encoder-1", "prefill-1", "decode-1", "gateway-1"]),
+        (Method.EP_D, ["worker-ep-1", "decode-1", "gateway-1"]),
+        (Method.ED_P, ["worker-ed-1", "prefill-1", "gateway-1"]),
+        (Method.EPD, ["worker-epd-1", "gateway-1"]),
+    ],
+)
+def test_plan_per_method(method: Method, names: list[str]) -> None:
+    compose = load_compose(COMPOSE, {"TRIDENT_LOG_LEVEL": "DEBUG"})
+    procs = plan(compose, method, {}, _setup(cpus=8))
+    assert [p.name for p in procs] == names
+    workers, gateway = procs[:-1], procs[-1]
+    threads = str(thread_split(8, len(workers)))
+    for proc in procs:
+        assert proc.argv[0] == sys.executable  # compose's `python` is this interpreter
+        assert proc.env["TRIDENT_NATS_URL"] == "nats://127.0.0.1:14222"
+        assert proc.env["TRIDENT_REDIS_URL"] == "redis://127.0.0.1:16379/0"
+        assert proc.env["TRIDENT_MODEL"] == "/m/tiny-llava"
+        assert proc.env["TRIDENT_ADVERTISE_HOST"] == "127.0.0.1"
+        assert proc.env["TRIDENT_BIND_HOST"] == "127.0.0.1"
+        assert proc.env["TRIDENT_LOG_LEVEL"] == "DEBUG"  # ${TRIDENT_LOG_LEVEL:-INFO} from the caller
+        assert proc.restart == "unless-stopped"
+    for proc in workers:
+        assert proc.env["TRIDENT_HTTP_PORT"] == "0"
+        assert proc.env["TRIDENT_NUM_THREADS"] == threads
+        assert proc.env["TRIDENT_ROLES"] == ",".join(proc.roles)
+        assert proc.argv[1:2] == ("-m",) and proc.argv[2].startswith("services.")
+    assert gateway.gateway and not gateway.roles
+    assert gateway.argv[1:] == ("-m", "services.gateway")
+    assert gateway.env["TRIDENT_PORT"] == gateway.env["TRIDENT_HTTP_PORT"] == "8123"
+    assert "TRIDENT_NUM_THREADS" not in gateway.env
+
+
+def test_scale_by_service_role_or_initials() -> None:
+    compose = load_compose(COMPOSE, {})
+    procs = plan(compose, Method.E_P_D, {"decode": 3, "encode": 2}, _setup(cpus=16))
+    assert [p.name for p in procs] == [
+        "encoder-1", "encoder-2", "prefill-1", "decode-1", "decode-2", "decode-3", "gateway-1",
+    ]  # fmt: skip
+    assert {p.env.get("TRIDENT_NUM_THREADS") for p in procs[:-1]} == {"2"}  # 16 cores / 6 workers
+    procs = plan(compose, Method.EP_D, {"ep": 2}, _setup())
+    assert [p.name for p in procs] == ["worker-ep-1", "worker-ep-2", "decode-1", "gateway-1"]
+    with pytest.raises(ValueError, match="worker-epd"):
+        resolve_scale(compose, Method.EPD, {"decode": 2})
+    with pytest.raises(ValueError, match="--port"):
+        resolve_scale(compose, Method.E_P_D, {"gateway": 2})
+
+
+def test_callers_thread_count_wins() -> None:
+    compose = load_compose(COMPOSE, {})
+    procs = plan(compose, Method.E_P_D, {}, _setup(user_env={"TRIDENT_NUM_THREADS": "7"}))
+    assert all("TRIDENT_NUM_THREADS" not in p.env for p in procs)  # inherited from the caller as is
+
+
+def test_process_identity() -> None:
+    me = identity(os.getpid())
+    assert me["start"] == start_time(os.getpid()) is not None
+    assert is_alive(me)
+    assert not is_alive({**me, "start": me["start"] + 1})  # a reused pid is another process
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert not is_alive(identity(proc.pid))
+
+
+# -- the commands --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cli_runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture(scope="module")
+def app() -> typer.Typer:
+    """The `trident` app, imported on first use: it pulls in the model stack."""
+    from common.cli import app
+
+    return app
+
+
+def test_usage_errors_exit_2(cli_runner: CliRunner, app: typer.Typer) -> None:
+    for args in (
+        ["--method", "p+d"],
+        ["--scale", "decode"],
+        ["--scale", "decode=x"],
+        ["--scale", "gateway=2"],
+    ):
+        result = cli_runner.invoke(app, ["up", *args])
+        assert result.exit_code == 2, (args, result.output)
+
+
+def test_down_with_nothing_running(
+    cli_runner: CliRunner, app: typer.Typer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = cli_runner.invoke(app, ["down"])
+    assert result.exit_code == 0
+    assert "nothing is running" in result.output
+
+
+def test_up_refuses_a_second_run(
+    cli_runner: CliRunner, app: typer.Typer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / ".trident").mkdir()
+    (tmp_path / ".trident" / "up.json").write_text(json.dumps(identity(os.getpid())))  # a live `trident up`
+    monkeypatch.chdir(tmp_path)
+    result = cli_runner.invoke(app, ["up", "--port", str(free_port())])
+    assert result.exit_code == 1
+    assert "already running" in result.output
+
+
+def test_down_stops_what_a_killed_up_left(
+    cli_runner: CliRunner, app: typer.Typer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`trident up` SIGKILLed leaves its children running; `trident down` stops them from the state file."""
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    state = {
+        **identity(dead.pid),
+        "processes": [{"name": "decode-1", **identity(orphan.pid), "stop_grace": 5}],
+    }
+    (tmp_path / ".trident").mkdir()
+    (tmp_path / ".trident" / "up.json").write_text(json.dumps(state))
+    monkeypatch.chdir(tmp_path)
+    result = cli_runner.invoke(app, ["down"])
+    assert result.exit_code == 0, result.output
+    assert "stopped 1 process" in result.output
+    assert orphan.wait(timeout=5) == -signal.SIGTERM
+    assert not (tmp_path / ".trident" / "up.json").exists()
+
+
+# -- a whole run, with stand-ins for the services ------------------------------------------------
+STAND_IN = textwrap.dedent(
+    """
+    import http.server, json, os, signal, socket, sys, threading, urllib.parse
+
+    mode = sys.argv[1]
+    if mode == "fail":
+        print("boom: cannot start", flush=True)
+        sys.exit(3)
+    out = os.path.join(os.environ["STAND_IN_OUT"], f"{os.getpid()}.json")
+    record = {"argv": sys.argv, "env": {k: v for k, v in os.environ.items() if k.startswith("TRIDENT_")}}
+
+    def save(**extra):
+        with open(out, "w") as f:
+            json.dump({**record, **extra}, f)
+
+    def reachable(url):
+        parts = urllib.parse.urlsplit(url)
+        try:
+            socket.create_connection((parts.hostname, parts.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            urls = (os.environ["TRIDENT_NATS_URL"], os.environ["TRIDENT_REDIS_URL"])
+            ok = self.path == "/health" or all(reachable(url) for url in urls)
+            self.send_response(200 if ok else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    if mode == "gateway":
+        address = (os.environ["TRIDENT_BIND_HOST"], int(os.environ["TRIDENT_PORT"]))
+        server = http.server.ThreadingHTTPServer(address, Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    save()
+    stop.wait()
+    save(drained=True)
+    """
+)
+
+
+def _stand_in_compose(tmp_path: Path, decode_mode: str = "worker") -> Path:
+    """The repository's compose.yaml with each service's command replaced by the stand-in."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    data = yaml.safe_load(COMPOSE.read_text())
+    for name, service in data["services"].items():
+        if "command" in service and name not in ("nats", "redis", "model-init"):
+            mode = "gateway" if name == "gateway" else decode_mode if name == "decode" else "worker"
+            service["command"] = ["python", str(script), mode]
+            service["environment"]["STAND_IN_OUT"] = "${STAND_IN_OUT}"  # interpolated from the caller
+    path = tmp_path / "compose.test.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], queue.Queue[str | None]]:
+    """`trident up` in tmp_path. typer.run over the command itself skips importing the model stack."""
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    (tmp_path / "model").mkdir(exist_ok=True)
+    env = {**os.environ, "STAND_IN_OUT": str(out), "TRIDENT_LOG_LEVEL": "DEBUG"}
+    env.pop("TRIDENT_NUM_THREADS", None)
+    argv = [sys.executable, "-c", "import typer; from common.launcher import up; typer.run(up)"]
+    argv += ["--model", str(tmp_path / "model"), "--file", str(tmp_path / "compose.test.yaml"), *args]
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)  # end of output
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, lines
+
+
+def _read_until(lines: queue.Queue[str | None], prefix: str | None, timeout: float = 30.0) -> list[str]:
+    """Output lines up to the first that starts with `prefix` (None: to the end of the output)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if line is None:
+            if prefix is None:
+                return seen
+            break
+        seen.append(line)
+        if prefix is not None and line.startswith(prefix):
+            return seen
+    raise AssertionError(f"no line starting with {prefix!r} in {timeout} s:\n" + "\n".join(seen))
+
+
+def _record(tmp_path: Path, pid: int) -> dict:
+    """What the stand-in with this pid wrote: its argv and TRIDENT_* environment, and whether it drained."""
+    return json.loads((tmp_path / "out" / f"{pid}.json").read_text())
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_up_runs_method_restarts_and_down_drains(
+    tmp_path: Path, cli_runner: CliRunner, app: typer.Typer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _stand_in_compose(tmp_path)
+    port = free_port()
+    proc, lines = _start_up(tmp_path, "--method", "ep+d", "--scale", "decode=2", "--port", str(port))
+    try:
+        assert _read_until(lines, "gateway:")[-1] == f"gateway: http://127.0.0.1:{port}"
+        assert (
+            '"model": "model"' in _read_until(lines, "try: curl")[-1]
+        )  # the served name is the model directory's name
+
+        state = json.loads((tmp_path / ".trident" / "up.json").read_text())
+        assert state["method"] == "ep+d" and state["port"] == port
+        names = [p["name"] for p in state["processes"]]
+        assert names == ["worker-ep-1", "decode-1", "decode-2", "gateway-1"]
+        for p in state["processes"]:
+            assert Path(p["log"]).is_file()
+        records = {p["name"]: _record(tmp_path, p["pid"]) for p in state["processes"]}
+        worker_env = records["worker-ep-1"]["env"]
+        assert worker_env["TRIDENT_ROLES"] == "encode,prefill"
+        assert worker_env["TRIDENT_NATS_URL"] == state["servers"]["nats"]["url"]
+        assert worker_env["TRIDENT_REDIS_URL"] == state["servers"]["redis"]["url"]
+        assert worker_env["TRIDENT_MODEL"] == str((tmp_path / "model").resolve())
+        assert worker_env["TRIDENT_HTTP_PORT"] == "0"
+        assert worker_env["TRIDENT_LOG_LEVEL"] == "DEBUG"
+        threads = thread_split(len(os.sched_getaffinity(0)), 3)
+        assert {records[n]["env"]["TRIDENT_NUM_THREADS"] for n in names[:-1]} == {str(threads)}
+        assert records["decode-2"]["env"]["TRIDENT_ROLES"] == "decode"
+
+        # A crashed worker is restarted (compose's restart: unless-stopped) and the state file follows.
+        old = state["processes"][1]["pid"]
+        os.kill(old, signal.SIGKILL)
+        _read_until(lines, "decode-1: restarted")
+        state = json.loads((tmp_path / ".trident" / "up.json").read_text())
+        new = state["processes"][1]["pid"]
+        assert new != old
+        # The stand-in handles SIGTERM once it has written its record.
+        _wait_for(lambda: (tmp_path / "out" / f"{new}.json").exists())
+
+        monkeypatch.chdir(tmp_path)
+        result = cli_runner.invoke(app, ["down", "--timeout", "30"])
+        assert result.exit_code == 0, result.output
+        assert "stopped" in result.output
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # Every service got SIGTERM and drained; the servers are gone and so is the state file.
+    for p in state["processes"]:
+        assert _record(tmp_path, p["pid"]).get("drained"), p["name"]
+    for server in state["servers"].values():
+        _wait_for(lambda server=server: not is_alive(server))
+    assert not (tmp_path / ".trident" / "up.json").exists()
+    assert (tmp_path / ".trident" / "logs" / "nats.log").is_file()
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C) drains like `trident down`, and `trident up` exits 0."""
+    _stand_in_compose(tmp_path)
+    proc, lines = _start_up(tmp_path, "--method", "epd", "--port", str(free_port()))
+    try:
+        _read_until(lines, "gateway:")
+        state = json.loads((tmp_path / ".trident" / "up.json").read_text())
+        assert [p["name"] for p in state["processes"]] == ["worker-epd-1", "gateway-1"]
+        assert (
+            _record(tmp_path, state["processes"][0]["pid"])["env"]["TRIDENT_ROLES"] == "encode,prefill,decode"
+        )
+        proc.send_signal(signal.SIGINT)
+        assert "stopped" in _read_until(lines, None)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert all(_record(tmp_path, p["pid"]).get("drained") for p in state["processes"])
+    assert not any(is_alive(server) for server in state["servers"].values())
+
+
+@pytest.mark.timeout(60)
+def test_up_fails_when_a_service_dies_during_start_up(tmp_path: Path) -> None:
+    _stand_in_compose(tmp_path, decode_mode="fail")
+    proc, lines = _start_up(tmp_path, "--port", str(free_port()), "--ready-timeout", "30")
+    text = "\n".join(_read_until(lines, None, timeout=40))
+    assert proc.wait(timeout=5) == 1
+    assert "decode-1 exited (code 3) during start-up" in text
+    assert "boom: cannot start" in text  # the tail of its log
+    assert "gateway:" not in text
+    assert not (tmp_path / ".trident" / "up.json").exists()
