@@ -93,8 +93,9 @@ class KvGroup(Record):
 
     layer_start: int = Field(ge=0)
     layer_end: int = Field(gt=0)
-    handle: str
+    handle: str = ""  # empty when the buffer rides inline
     shape: Shape
+    inline: InlineTensor | None = None  # a small buffer travels in the task itself: no pull
 
 
 class KvLocation(Record):
@@ -114,6 +115,7 @@ class KvLocation(Record):
                 owner=self.owner, address=self.address, handle=g.handle, shape=g.shape, dtype=self.dtype
             )
             for g in self.groups
+            if g.inline is None
         ]
 
 

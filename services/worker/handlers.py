@@ -27,7 +27,7 @@ async def handle_encode(w: StageWorker, task: Task) -> None:
     spec = task.message.request
     rid = spec.request_id
     w.begin(Held(rid, "encode", task, spec.arrival_time, len(spec.prompt_token_ids)), spec)
-    await w.store.requests.mark(rid, Stage.ENCODE_STARTED, encode_instance=w.instance_id)
+    w.record.mark(rid, Stage.ENCODE_STARTED, encode_instance=w.instance_id)
     pixels = []
     for img in spec.images:
         pixels.append(await _pull_tensor(w, img.pixels) if img.pixels is not None else None)
@@ -50,7 +50,7 @@ async def handle_prefill(w: StageWorker, task: Task) -> None:
                 w, rid, "service_unavailable", "image features and pixels are both gone; retry"
             )
             return
-    await w.store.requests.mark(rid, Stage.PREFILL_STARTED, prefill_instance=w.instance_id)
+    w.record.mark(rid, Stage.PREFILL_STARTED, prefill_instance=w.instance_id)
     w.counters.prefills += 1
     await _admit(w, rid, spec, pixels, features)
 
@@ -60,7 +60,7 @@ async def _pull_features(w: StageWorker, rid: str, spec) -> list[torch.Tensor] |
     None when any cannot be had (owner gone, evicted): the caller recomputes."""
     if not spec.images:
         return []
-    await w.store.requests.mark(rid, Stage.EP_TRANSFER_STARTED)
+    w.record.mark(rid, Stage.EP_TRANSFER_STARTED)
     out = []
     for img in spec.images:
         ref = img.features
@@ -79,7 +79,7 @@ async def _pull_features(w: StageWorker, rid: str, spec) -> list[torch.Tensor] |
             if isinstance(ref, TensorRef):
                 await w.store.features.remove(img.content_hash, ref.owner)
             return None
-    await w.store.requests.mark(rid, Stage.EP_TRANSFER_ENDED)
+    w.record.mark(rid, Stage.EP_TRANSFER_ENDED)
     return out
 
 
@@ -110,7 +110,7 @@ async def _send_back_to_encode(w: StageWorker, rid: str, spec) -> None:
         update={"images": tuple(i.model_copy(update={"features": None}) for i in spec.images)}
     )
     await w.bus.tasks.publish(EncodeTask(request=retry), msg_id=w.msg_id(rid, "encode"))
-    await w.store.requests.mark(rid, Stage.ENCODE_QUEUED)
+    w.record.mark(rid, Stage.ENCODE_QUEUED)
     await w.settle(rid)
 
 
@@ -122,13 +122,11 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
         await task.nak(delay=0.05)  # no room after all: another replica (or we, later) takes it
         return
     w.begin(Held(rid, "decode", task, msg.arrival_time, len(msg.prompt_token_ids), len(msg.output_token_ids)))
-    await w.store.requests.mark(rid, Stage.PD_TRANSFER_STARTED, decode_instance=w.instance_id)
-    buffers = []
+    w.record.mark(rid, Stage.PD_TRANSFER_STARTED, decode_instance=w.instance_id)
+    buffers, refs = [], iter(msg.kv.refs())
     try:
-        for ref in msg.kv.refs():
-            pulled = await w.transfer.pull(ref.address, ref.handle)
-            buffers.append(pulled.tensor.clone())
-            pulled.release()
+        for group in msg.kv.groups:  # one transfer per group of layers (002 §3.3)
+            buffers.append(group.inline.to_tensor() if group.inline else await _pull_tensor(w, next(refs)))
     except TransferError as exc:
         # The prefill instance is gone or dropped the KV: prefill the request again. The first
         # tokens come again with the same indices, and the gateway keeps the ones it has.
@@ -144,7 +142,7 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
         await w.bus.tasks.publish(PrefillTask(request=spec), msg_id=w.msg_id(rid, "prefill"))
         await w.settle(rid)
         return
-    await w.store.requests.mark(rid, Stage.PD_TRANSFER_ENDED)
+    w.record.mark(rid, Stage.PD_TRANSFER_ENDED)
     params = to_params(msg.sampling)
     try:
         await w.loop.call(
@@ -158,7 +156,7 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
     await w.bus.events.release(
         Release(request_id=rid, owner=msg.kv.owner, handles=tuple(r.handle for r in msg.kv.refs()))
     )
-    await w.store.requests.mark(rid, Stage.DECODE_STARTED)
+    w.record.mark(rid, Stage.DECODE_STARTED)
     w.counters.decodes_admitted += 1
 
 

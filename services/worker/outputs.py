@@ -14,6 +14,7 @@ from common.protocol import (
     ErrorOutput,
     FeatureEntry,
     FinalOutput,
+    InlineTensor,
     KvGroup,
     KvLocation,
     PrefillTask,
@@ -55,8 +56,8 @@ async def _publish_one(w: StageWorker, out: RequestOutput) -> None:
             TokenDelta(request_id=out.request_id, index=index, token_ids=out.new_token_ids)
         )
         if index == 0:
-            await w.store.requests.mark(out.request_id, Stage.PREFILL_ENDED)
-            await w.store.requests.mark(out.request_id, Stage.FIRST_TOKEN)
+            w.record.mark(out.request_id, Stage.PREFILL_ENDED)
+            w.record.mark(out.request_id, Stage.FIRST_TOKEN)
         held.num_outputs = out.num_output_tokens
         w.counters.tokens_generated += len(out.new_token_ids)
     if out.finished:
@@ -68,9 +69,7 @@ async def _publish_one(w: StageWorker, out: RequestOutput) -> None:
             num_outputs=out.num_output_tokens,
         )
         await w.bus.events.publish_output(final)
-        await w.store.requests.finish(
-            out.request_id, output_tokens=out.num_output_tokens, finish_reason=out.finish_reason
-        )
+        w.record.finish(out.request_id, out.num_output_tokens, out.finish_reason)
         w.counters.finished += 1
         await w.settle(out.request_id)
     elif out.handed_off == "encoded":
@@ -83,29 +82,29 @@ async def hand_off_encoded(w: StageWorker, rid: str) -> None:
     """Publish the features, index them by content hash, and queue the prefill task (hashes only)."""
     req = await w.loop.call(lambda: w.engine.handed_off[rid])
     spec: RequestSpec = w.specs[rid]
-    images = []
+    images, entries = [], []
     for img, done in zip(spec.images, req.images, strict=True):
         features = done.features.contiguous()
         # Always published and indexed, so any prefill instance can find it by hash; the task
         # itself carries small features inline and saves prefill the pull.
-        ref = w.transfer.publish(features, ttl=FEATURE_TTL)
+        handle = w.transfer.publish(features, ttl=FEATURE_TTL)
         ref = TensorRef(
             owner=w.instance_id,
             address=w.transfer.address,
-            handle=ref,
+            handle=handle,
             shape=tuple(features.shape),
             dtype=dtype_name(features.dtype),
         )
-        await w.store.features.put(
-            FeatureEntry(content_hash=img.content_hash, ref=ref, created=time.time()), FEATURE_TTL
-        )
+        entries.append(FeatureEntry(content_hash=img.content_hash, ref=ref, created=time.time()))
         carried = share(w.transfer, features, w.instance_id) if _small(w, features) else ref
         pixels = img.pixels if isinstance(img.pixels, TensorRef) else None  # kept for recompute
         images.append(img.model_copy(update={"pixels": pixels, "features": carried}))
-    await w.store.requests.mark(rid, Stage.ENCODE_ENDED, encode_instance=w.instance_id)
+    w.record.mark(rid, Stage.ENCODE_ENDED, encode_instance=w.instance_id)
     next_spec = spec.model_copy(update={"images": tuple(images)})
-    await w.store.requests.mark(rid, Stage.PREFILL_QUEUED)
+    w.record.mark(rid, Stage.PREFILL_QUEUED)
     await w.bus.tasks.publish(PrefillTask(request=next_spec), msg_id=w.msg_id(rid, "prefill"))
+    for entry in entries:  # after the task: it carries the refs, the index serves later requests
+        await w.store.features.put(entry, ttl=FEATURE_TTL)
     await w.loop.call(lambda: w.engine.release(rid))
     await w.settle(rid)
 
@@ -120,12 +119,18 @@ async def hand_off_prefilled(w: StageWorker, rid: str) -> None:
     req, buffers = await w.loop.call(lambda: (w.engine.handed_off[rid], w.engine.export_kv(rid, group)))
     groups, handles = [], []
     for layers, buf in zip(layer_groups(w.engine.kv_spec.num_layers, group), buffers, strict=True):
+        if _small(w, buf):  # rides inline in the decode task: nothing to pull, nothing to release
+            inline = InlineTensor.from_tensor(buf)
+            groups.append(
+                KvGroup(layer_start=layers.start, layer_end=layers.stop, shape=buf.shape, inline=inline)
+            )
+            continue
         handle = w.transfer.publish(buf, ttl=KV_TTL)
         handles.append(handle)
         groups.append(
             KvGroup(layer_start=layers.start, layer_end=layers.stop, handle=handle, shape=tuple(buf.shape))
         )
-    w.kept_kv[rid] = KeptKV(rid, handles, time.time() + KV_TTL)
+    w.kept_kv[rid] = KeptKV(rid, handles, time.time() + KV_TTL)  # blocks stay until decode releases
     spec: RequestSpec = w.specs[rid]
     location = KvLocation(
         owner=w.instance_id,

@@ -20,6 +20,7 @@ from services.settings import WorkerSettings
 from services.worker.engine_loop import EngineLoop
 from services.worker.handlers import HANDLERS
 from services.worker.outputs import KV_TTL, fail_request, publish_outputs
+from services.worker.recorder import StageRecorder
 from services.worker.state import Counters, Held, KeptKV
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class StageWorker:
             TransferConfig(backend=s.transfer, host=transfer_host, advertise_host=self.host)
         )
         await self.transfer.start()
+        self.record = StageRecorder(self.store)
         self.loop = EngineLoop(self.engine, self._outputs.put_nowait)
         self.loop.start()
         self.heartbeats = Heartbeater(
@@ -91,6 +93,7 @@ class StageWorker:
         """Pull, hand on and publish until drained; every background task is owned here."""
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._pump_outputs())
+            tg.create_task(self.record.run())
             tg.create_task(self._keep_tasks_alive())
             tg.create_task(self._watch_cancels())
             tg.create_task(self._watch_releases())
@@ -116,6 +119,7 @@ class StageWorker:
         self.request_stop()
 
     async def close(self) -> None:
+        await self.record.flush()
         for step in (
             self.heartbeats.stop,
             self.loop.stop,

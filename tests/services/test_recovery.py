@@ -41,13 +41,16 @@ def test_features_of_a_dead_encoder_are_recomputed_elsewhere(tiny_model_dir, tmp
 
 
 def test_kv_of_a_dead_prefill_instance_is_prefilled_again(tiny_model_dir, tmp_path_factory):
+    # ~400 prompt tokens: 400 KB of KV for tiny's 4 layers, past the 256 KB that rides inline in
+    # the decode task, so decode must pull it from the prefill instance.
+    story = "Tell me about the sea and the boats that sail on it at night. " * 30
     with start(tiny_model_dir, tmp_path_factory, "e+p+d") as cluster:
-        expected = ask(cluster, [], "Tell me about the sea", 16)
+        expected = ask(cluster, [], story, 16)
         (decode,) = instances(cluster, "decode")
         (prefill,) = instances(cluster, "prefill")
         os.kill(pid_of(decode), signal.SIGSTOP)  # frozen: the decode task waits in the queue
         answer: list[str] = []
-        thread = threading.Thread(target=lambda: answer.append(ask(cluster, [], "Tell me about the sea", 16)))
+        thread = threading.Thread(target=lambda: answer.append(ask(cluster, [], story, 16)))
         thread.start()
         try:
             deadline = time.monotonic() + 20
