@@ -12,13 +12,15 @@ from pathlib import Path
 import httpx
 
 from common.infra import NatsServer, RedisServer, free_port
+from common.launcher.compose_file import Method, load_compose
 
-METHODS = {
-    "e+p+d": [("encoder", "encode"), ("prefill", "prefill"), ("decode", "decode")],
-    "ep+d": [("worker-ep", "encode,prefill"), ("decode", "decode")],
-    "ed+p": [("worker-ed", "encode,decode"), ("prefill", "prefill")],
-    "epd": [("worker-epd", "encode,prefill,decode")],
-}
+COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
+
+
+def method_workers(method: str) -> list[tuple[str, str]]:
+    """(service, roles) of each worker of a method, as compose.yaml defines them: one source of truth."""
+    compose = load_compose(COMPOSE, os.environ)
+    return [(name, ",".join(compose.services[name].roles)) for name in compose.workers(Method(method))]
 
 
 class Cluster:
@@ -51,7 +53,7 @@ class Cluster:
         )
 
     def start_method(self, method: str, scale: dict[str, int] | None = None) -> None:
-        for name, roles in METHODS[method]:
+        for name, roles in method_workers(method):
             for i in range((scale or {}).get(name, 1)):
                 self.start(f"{name}-{i}", "services.worker", TRIDENT_ROLES=roles)
         self.start("gateway", "services.gateway")
