@@ -62,6 +62,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     # Image features kept for reuse, keyed by content hash (0 disables the cache).
     feature_cache_bytes: int = 64 << 20
+    # Produce text in RequestOutput. Services turn off: the gateway makes the text from the
+    # ordered token stream, and the engine then detokenises only requests with stop strings.
+    detokenize: bool = True
     device: str = "cpu"
     # CPU threads for torch; None keeps torch's default (all cores). Several services sharing a
     # machine should split the cores: oversubscribed torch threads spin and slow everyone down.

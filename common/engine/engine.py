@@ -160,7 +160,7 @@ class Engine:
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         req.output_token_ids.append(token)
-        text = req.detokenizer.add([token])
+        text = req.detokenizer.add([token]) if self.config.detokenize or req.params.stop else ""
         p = req.params
         reason = None
         if (
@@ -174,7 +174,8 @@ class Engine:
         out = RequestOutput(req.request_id, [token], text, num_prompt_tokens=len(req.prompt_token_ids))
         out.num_output_tokens = len(req.output_token_ids)
         if reason:
-            out.text += req.detokenizer.flush()
+            if self.config.detokenize or req.params.stop:
+                out.text += req.detokenizer.flush()
             self._finish(req, reason, out)
         return out
 

@@ -100,7 +100,7 @@ class ModelRunner:
         decode_ctx = [req.num_tokens for req in decodes]
         for req in decodes:
             pos = torch.tensor([req.num_tokens - 1])
-            ids.append(torch.as_tensor(req.all_token_ids[-1:]))
+            ids.append(torch.tensor([req.output_token_ids[-1]]))  # a decoding request has outputs
             positions.append(pos)
             slots.append(slots_for(torch.as_tensor(self.block_tables(req.request_id)), pos, self.block_size))
             sample_rows.append(offset)

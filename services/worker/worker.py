@@ -61,6 +61,7 @@ class StageWorker:
             image_budget=s.image_budget,
             max_num_seqs=s.max_num_seqs,
             feature_cache_bytes=s.feature_cache_bytes,
+            detokenize=False,  # the gateway makes the text
             device=s.device,
             num_threads=s.num_threads or None,
         )

@@ -102,3 +102,15 @@ def test_image_that_cannot_be_decoded_is_an_input_error(make_engine):
     engine = make_engine()
     with pytest.raises(InputError, match="cannot decode image"):
         engine.add_request(engine.chat_prompt("x", 1), [b"definitely not an image"])
+
+
+def test_engine_without_text_detokenises_only_for_stop_strings(make_engine):
+    """Services turn text off (the gateway makes it); stop strings must still stop generation."""
+    engine = make_engine(detokenize=False)
+    prompt = engine.chat_prompt("Describe", 0)
+    free = engine.generate([prompt], params=SamplingParams(max_tokens=20))[0]
+    assert free.text == "" and len(free.token_ids) == 20
+    text = engine.tokenizer.decode(free.token_ids, skip_special_tokens=True)
+    stop = text[5:8]
+    got = engine.generate([prompt], params=SamplingParams(max_tokens=20, stop=(stop,)))[0]
+    assert got.finish_reason == "stop" and got.text == text[: text.index(stop)]
