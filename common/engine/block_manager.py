@@ -42,10 +42,6 @@ class BlockManager:
         table.extend(self._free.popleft() for _ in range(extra))
         return table
 
-    def append_slot(self, request_id: str, num_tokens_after: int) -> list[int] | None:
-        """Make room for one more token (decode); the same as allocate, named for the call site."""
-        return self.allocate(request_id, num_tokens_after)
-
     def free(self, request_id: str) -> int:
         """Return all of the request's blocks; returns how many were freed (0 if it held none)."""
         table = self._tables.pop(request_id, [])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -71,7 +71,6 @@ class EngineConfig:
     num_threads: int | None = None
     # None: float32 on CPU (exact parity with HF), bfloat16 on CUDA.
     dtype: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.roles:

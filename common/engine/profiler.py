@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from common.engine.config import Role
-from common.engine.request import ImageInput, Request
+from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 
 ALPHA = 0.5
@@ -121,7 +121,7 @@ class BudgetProfiler:
     def _fake_request(self, rid: str, prompt_len: int, outputs: int) -> Request:
         vocab = self.engine.model.config.text_config.vocab_size
         ids = torch.randint(0, vocab, (prompt_len + outputs,)).tolist()
-        req = Request(rid, ids[:prompt_len], SamplingParams(), list[ImageInput]())
+        req = Request(rid, ids[:prompt_len], SamplingParams())
         req.output_token_ids = ids[prompt_len:]
         req.num_computed_tokens = prompt_len + outputs - 1 if outputs else 0
         return req

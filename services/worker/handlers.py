@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 async def handle_encode(w: StageWorker, task: Task) -> None:
     spec = task.message.request
     rid = spec.request_id
-    w.begin(Held(rid, "encode", task, spec.arrival_time, len(spec.prompt_token_ids)), spec)
+    w.begin(Held(rid, task), spec)
     w.record.mark(rid, Stage.ENCODE_STARTED, encode_instance=w.instance_id)
     pixels = []
     for img in spec.images:
@@ -38,7 +38,7 @@ async def handle_encode(w: StageWorker, task: Task) -> None:
 async def handle_prefill(w: StageWorker, task: Task) -> None:
     spec = task.message.request
     rid = spec.request_id
-    w.begin(Held(rid, "prefill", task, spec.arrival_time, len(spec.prompt_token_ids)), spec)
+    w.begin(Held(rid, task), spec)
     features, pixels = await _pull_features(w, rid, spec), [None] * len(spec.images)
     if features is None:  # lost: recompute here if we hold the vision tower, else send it back
         if Role.ENCODE not in w.roles:
@@ -121,7 +121,7 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
     if not await w.loop.call(lambda: w.engine.can_admit(need)):
         await task.nak(delay=0.05)  # no room after all: another replica (or we, later) takes it
         return
-    w.begin(Held(rid, "decode", task, msg.arrival_time, len(msg.prompt_token_ids), len(msg.output_token_ids)))
+    w.begin(Held(rid, task))
     w.record.mark(rid, Stage.PD_TRANSFER_STARTED, decode_instance=w.instance_id)
     buffers, refs = [], iter(msg.kv.refs())
     try:

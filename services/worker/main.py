@@ -42,11 +42,9 @@ async def serve(settings: WorkerSettings) -> None:
     print(f"worker {worker.instance_id} http {worker.http_address}", flush=True)
     http = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
-        with contextlib.suppress(_Stopped):
-            try:
-                await worker.run()
-            except* _Stopped:
-                pass
+        await worker.run()
+    except* _Stopped:  # the task group's way of ending after a stop request
+        pass
     finally:
         for task in drain_tasks:
             with contextlib.suppress(Exception):

@@ -47,8 +47,7 @@ async def publish_outputs(w: StageWorker, outputs: list[RequestOutput]) -> None:
 
 
 async def _publish_one(w: StageWorker, out: RequestOutput) -> None:
-    held = w.held.get(out.request_id)
-    if held is None:
+    if out.request_id not in w.held:
         return  # aborted meanwhile
     if out.new_token_ids:
         index = out.num_output_tokens - len(out.new_token_ids)
@@ -58,7 +57,6 @@ async def _publish_one(w: StageWorker, out: RequestOutput) -> None:
         if index == 0:
             w.record.mark(out.request_id, Stage.PREFILL_ENDED)
             w.record.mark(out.request_id, Stage.FIRST_TOKEN)
-        held.num_outputs = out.num_output_tokens
         w.counters.tokens_generated += len(out.new_token_ids)
     if out.finished:
         usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens)

@@ -14,11 +14,7 @@ class Held:
     handed on), so a crash before then gets the task redelivered to another replica."""
 
     request_id: str
-    stage: str  # "encode" | "prefill" | "decode": the task that brought it here
     task: Task | None
-    arrival_time: float
-    prompt_tokens: int = 0
-    num_outputs: int = 0  # tokens already reported for it (index of the next delta)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from common.transfer import TransferConfig, create_backend
 from services.settings import WorkerSettings
 from services.worker.engine_loop import EngineLoop
 from services.worker.handlers import HANDLERS
-from services.worker.outputs import KV_TTL, fail_request, publish_outputs
+from services.worker.outputs import KV_TTL, publish_outputs
 from services.worker.recorder import StageRecorder
 from services.worker.state import Counters, Held, KeptKV
 
@@ -257,8 +257,3 @@ class StageWorker:
 
 class _Stopped(Exception):
     """Ends the worker's task group once a stop was requested."""
-
-
-async def fail_all(worker: StageWorker, reason: str) -> None:
-    for rid in list(worker.held):
-        await fail_request(worker, rid, "service_unavailable", reason)

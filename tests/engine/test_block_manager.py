@@ -21,7 +21,7 @@ def test_allocation_hands_out_lowest_ids_first(blocks):
     assert blocks.allocate("a", 5) == [0, 1]
     assert blocks.allocate("b", 4) == [2]
     assert blocks.allocate("a", 8) == [0, 1]  # already covered
-    assert blocks.append_slot("a", 9) == [0, 1, 3]
+    assert blocks.allocate("a", 9) == [0, 1, 3]  # one more token: one more block
     assert blocks.num_free == 2
 
 
