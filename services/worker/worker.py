@@ -13,6 +13,7 @@ import time
 
 from common.bus import Bus, BusConfig, Task
 from common.engine import Engine, EngineConfig, Policy, RequestOutput, Role, parse_roles
+from common.engine.admission import pull_room
 from common.protocol import Budgets, Heartbeat, RequestSpec
 from common.store import Heartbeater, Store, StoreConfig
 from common.transfer import TransferConfig, create_backend
@@ -179,12 +180,12 @@ class StageWorker:
         if self.draining:
             return 0
         stats = self.loop.stats
-        waiting = stats.get("waiting", 0)
-        if role == "decode":
-            return 1 if stats.get("free_blocks", 0) > 0 and waiting < 4 else 0
-        if role == "encode":
-            return max(0, 2 * self.engine.scheduler.image_budget - waiting)
-        return max(0, 8 - waiting)
+        return pull_room(
+            role,
+            waiting=stats.get("waiting", 0),
+            free_blocks=stats.get("free_blocks", 0),
+            image_budget=self.engine.scheduler.image_budget,
+        )
 
     # -- loops -------------------------------------------------------------------------------------
 

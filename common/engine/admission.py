@@ -1,0 +1,19 @@
+"""How much new work an instance asks its task queues for: the pull-based admission rule the
+workers run (services/worker) and the planner's simulator replays (common/planner)."""
+
+from __future__ import annotations
+
+# Decode takes one request at a time while fewer than this many wait: each pull moves KV, and a
+# request that waits holds blocks another replica could use.
+DECODE_WAITING_LIMIT = 4
+# Prefill keeps this many requests waiting, enough to fill the next iterations' token budget.
+PREFILL_WAITING = 8
+
+
+def pull_room(role: str, *, waiting: int, free_blocks: int, image_budget: int) -> int:
+    """How many tasks of `role` to fetch now: what the batcher can take soon, no more."""
+    if role == "decode":
+        return 1 if free_blocks > 0 and waiting < DECODE_WAITING_LIMIT else 0
+    if role == "encode":
+        return max(0, 2 * image_budget - waiting)
+    return max(0, PREFILL_WAITING - waiting)

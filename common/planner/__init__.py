@@ -1,0 +1,1 @@
+"""The planner: workloads, traces, a simulator of deployments, and Algorithm 2."""

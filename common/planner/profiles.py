@@ -1,0 +1,242 @@
+"""Latency models the simulator runs on: the curves instances measured (or curves derived from the
+papers' GPU figures), interpolated, plus memory and transfer costs.
+
+A `StageCurves` holds one hardware + model's latency as a function of batch shape. Budgets are not
+stored with it but derived for each instance kind and SLO with the engine's own binary search
+(`common.engine.profiler.search_budget`), so a what-if plan for other SLOs gets the budgets the
+instances would pick at start-up.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from common.engine.config import Role
+from common.engine.profiler import latency_limit, search_budget
+from common.planner.types import KIND_ROLES, SLO
+
+
+class ProfileError(ValueError):
+    """A profile that cannot drive the simulator (missing curves, unreadable file)."""
+
+
+def _interp(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through sorted (x, y) points; linear extrapolation from the end segments."""
+    if not points:
+        raise ProfileError("empty latency curve")
+    if len(points) == 1:
+        x0, y0 = points[0]
+        return y0 * max(x, 1.0) / max(x0, 1.0)  # one point: proportional
+    xs = [p[0] for p in points]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1
+    return max(y, 0.0)
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """Moving features (E→P) or KV (P→D) between instances: a fixed cost per hand-off (the broker
+    hop, the pull request) plus bytes over bandwidth."""
+
+    latency: float = 2e-3  # s
+    bandwidth: float = 1e9  # bytes/s
+    # From arrival to the first task queued: the gateway's processing (chat template, images, hashing).
+    dispatch: float = 0.0  # s
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class StageCurves:
+    """Measured latency (seconds) of one engine iteration by its shape, and per-instance memory."""
+
+    encode: tuple[tuple[int, float], ...]  # (images, s)
+    prefill: tuple[tuple[int, float], ...]  # (tokens, s)
+    decode: tuple[tuple[int, int, float], ...]  # (batch, context, s)
+    num_kv_blocks: int
+    block_size: int = 16
+    kv_bytes_per_token: int = 0
+    feature_bytes_per_image_token: int = 0
+    max_num_seqs: int = 256
+    max_images: int = 32  # the budget searches' upper bounds
+    max_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ProfileError("a profile needs prefill and decode curves")
+        if self.num_kv_blocks <= 0:
+            raise ProfileError("a profile needs the number of KV blocks an instance holds")
+
+    # -- one iteration ---------------------------------------------------------------------------
+
+    def encode_time(self, images: int) -> float:
+        if images <= 0:
+            return 0.0
+        if not self.encode:
+            raise ProfileError("this profile has no encode curve")
+        return _interp(sorted(self.encode), images)
+
+    def prefill_time(self, tokens: int) -> float:
+        return 0.0 if tokens <= 0 else _interp(sorted(self.prefill), tokens)
+
+    def decode_time(self, batch: int, context: float) -> float:
+        """Bilinear in (batch, mean context) over the measured grid."""
+        if batch <= 0:
+            return 0.0
+        contexts = sorted({c for _, c, _ in self.decode})
+        rows = [(c, sorted((b, s) for b, cc, s in self.decode if cc == c)) for c in contexts]
+        by_context = [(c, _interp(row, batch)) for c, row in rows]
+        return _interp(by_context, context)
+
+    def iteration_time(self, images: int, prefill_tokens: int, decodes: int, context: float) -> float:
+        """One engine iteration. The vision tower and the LLM run one after the other (CPU; the
+        conservative bound on GPU). A mixed LLM batch costs a prefill over all its tokens plus the
+        context-dependent part of the decodes' attention."""
+        llm = 0.0
+        if prefill_tokens:
+            llm = self.prefill_time(prefill_tokens + decodes)
+            if decodes:
+                base = min(c for _, c, _ in self.decode)
+                llm += max(0.0, self.decode_time(decodes, context) - self.decode_time(decodes, base))
+        elif decodes:
+            llm = self.decode_time(decodes, context)
+        return self.encode_time(images) + llm
+
+    # -- budgets (000 Algorithm 1 line 5, Algorithm 2 lines 6-8) ---------------------------------
+
+    def budgets(self, roles: frozenset[str], slo: SLO) -> tuple[int, int]:
+        """(τe, τt) an instance with `roles` finds at start-up for `slo`: the largest batches whose
+        iteration stays under its latency limit (the engine's own search)."""
+        engine_roles = frozenset(Role(r) for r in roles)
+        limit = latency_limit(engine_roles, slo.ttft, slo.tbt)
+        image_budget = token_budget = 1
+        if Role.ENCODE in engine_roles and self.encode:
+            image_budget = search_budget(self.encode_time, limit, self.max_images)
+        if engine_roles & {Role.PREFILL, Role.DECODE}:
+            cap = min(self.max_tokens, self.num_kv_blocks * self.block_size)
+            token_budget = search_budget(self.prefill_time, limit, cap)
+        return image_budget, token_budget
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> StageCurves:
+        try:
+            return cls(
+                encode=tuple((int(n), float(s)) for n, s in raw.get("encode", ())),
+                prefill=tuple((int(n), float(s)) for n, s in raw["prefill"]),
+                decode=tuple((int(b), int(c), float(s)) for b, c, s in raw["decode"]),
+                **{k: int(raw[k]) for k in _INT_FIELDS if k in raw},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"malformed stage curves: {exc!r}") from exc
+
+
+_INT_FIELDS = (
+    "num_kv_blocks", "block_size", "kv_bytes_per_token", "feature_bytes_per_image_token", "max_num_seqs",
+    "max_images", "max_tokens",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProfileSet:
+    """The curves of every instance kind a plan may use, and how hand-offs cost.
+
+    Curves are per stage, not per kind: on the same hardware a P instance's prefill is an EP
+    instance's prefill. `by_kind` may override them for a kind whose instances measured their own.
+    """
+
+    curves: StageCurves
+    transfer: TransferModel = TransferModel()
+    by_kind: dict[str, StageCurves] = field(default_factory=dict)
+    source: str = ""
+
+    def for_kind(self, kind: str) -> StageCurves:
+        if kind not in KIND_ROLES:
+            raise ProfileError(f"unknown instance kind {kind!r}")
+        return self.by_kind.get(kind, self.curves)
+
+    # -- from the running system -----------------------------------------------------------------
+
+    @classmethod
+    def from_records(cls, records: Sequence, transfer: TransferModel | None = None) -> ProfileSet:
+        """From the StageProfile records instances publish in Redis: the record with the most
+        stages supplies the shared curves; each role set's own record becomes that kind's."""
+        usable = [r for r in records if getattr(r, "prefill", ()) and getattr(r, "decode", ())]
+        if not usable:
+            raise ProfileError("no published profile has prefill and decode curves")
+        by_kind: dict[str, StageCurves] = {}
+        for record in usable:
+            kind = _kind_of(record.roles)
+            if kind is not None:
+                by_kind[kind] = _record_curves(record)
+        with_encode = [r for r in usable if getattr(r, "encode", ())]
+        base = max(with_encode or usable, key=lambda r: (len(r.roles), r.profile_id))
+        curves = _record_curves(base)
+        if not curves.encode and with_encode:
+            curves = _record_curves(with_encode[0])
+        source = ", ".join(sorted({r.profile_id for r in usable}))
+        return cls(curves, transfer or TransferModel(), by_kind, f"cluster: {source}")
+
+    # -- files -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "format": "trident-profiles",
+            "version": 1,
+            "source": self.source,
+            "transfer": asdict(self.transfer),
+            "curves": self.curves.to_dict(),
+            "by_kind": {k: v.to_dict() for k, v in self.by_kind.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ProfileSet:
+        if not isinstance(raw, dict) or "curves" not in raw:
+            raise ProfileError("a profile file is a JSON object with `curves` (see docs/planner.md)")
+        transfer = TransferModel(**raw.get("transfer", {}))
+        by_kind = {k: StageCurves.from_dict(v) for k, v in raw.get("by_kind", {}).items()}
+        unknown = set(by_kind) - set(KIND_ROLES)
+        if unknown:
+            raise ProfileError(f"unknown instance kinds in by_kind: {sorted(unknown)}")
+        return cls(StageCurves.from_dict(raw["curves"]), transfer, by_kind, raw.get("source", ""))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ProfileSet:
+        """A JSON file written by `save`, or `paper:<model>` for the papers' GPU-like profiles."""
+        text = str(path)
+        if text.startswith("paper:"):
+            from common.planner.paper_profiles import paper_profiles
+
+            return paper_profiles(text.removeprefix("paper:"))
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ProfileError(f"cannot read profile file {path}: {exc.strerror}") from exc
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"{path} is not JSON: {exc}") from exc
+        return cls.from_dict(raw)
+
+
+def _kind_of(roles: Sequence[str]) -> str | None:
+    names = frozenset(roles)
+    return next((k for k, r in KIND_ROLES.items() if r == names), None)
+
+
+def _record_curves(record) -> StageCurves:
+    """A protocol StageProfile record → StageCurves (fields the record lacks keep their defaults)."""
+    extra = {k: int(getattr(record, k)) for k in _INT_FIELDS if getattr(record, k, None)}
+    extra.setdefault("num_kv_blocks", 1)
+    return StageCurves(
+        encode=tuple(record.encode), prefill=tuple(record.prefill), decode=tuple(record.decode), **extra
+    )

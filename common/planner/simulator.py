@@ -1,0 +1,368 @@
+"""A discrete-event simulation of a deployment, driven by stage profiles.
+
+Every simulated instance runs the engine's own batching code — `common.engine.scheduler.Scheduler`
+over a real `BlockManager` — on real `Request` objects; only the model is replaced, by the iteration
+latency the profile predicts for the batch the scheduler built. Around the instances the simulation
+plays what the services do: the gateway routes text-only requests straight to prefill, instances pull
+tasks from per-stage queues with the workers' admission rule (`common.engine.admission.pull_room`),
+features and KV move with a transfer cost, a prefill instance keeps a request's KV blocks until the
+decoder has pulled them, and decode pulls only when its blocks can hold the request.
+
+Times are seconds from the start of the trace. Per request it records TTFT and every token gap;
+per instance, busy time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.engine.admission import pull_room
+from common.engine.block_manager import BlockManager, blocks_needed
+from common.engine.config import EngineConfig, Policy, Role
+from common.engine.request import ImageInput, Request, Status
+from common.engine.sampling import SamplingParams
+from common.engine.scheduler import Batch, Scheduler
+from common.planner.profiles import ProfileSet, StageCurves
+from common.planner.types import KIND_ROLES, SLO, Deployment
+
+_ENCODED = np.empty(0)  # stands in for an image's features once it has been encoded
+_STAGE_ORDER = ("decode", "prefill", "encode")  # the order workers pull in
+
+
+@dataclass
+class Correction:
+    """Multipliers on predicted latencies, observed/predicted (Dynamo's SLA planner does the same)."""
+
+    ttft: float = 1.0
+    tbt: float = 1.0
+
+
+@dataclass
+class _Track:
+    """What the simulation learns about one request."""
+
+    arrival: float
+    output_tokens: int
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    done: float | None = None
+    failed: bool = False  # known to miss its TTFT already
+
+
+@dataclass
+class SimResult:
+    """Per-request latencies and per-instance utilisation of one simulated run."""
+
+    ttft: np.ndarray  # s, per request (nan if never reached)
+    tbt_p90: np.ndarray  # s, per request (0 with fewer than two tokens)
+    gaps: np.ndarray  # every inter-token gap, pooled
+    met: np.ndarray  # bool per request
+    utilisation: dict[str, float]
+    duration: float
+    complete: bool  # False when stopped early because attainment was already out of reach
+
+    @property
+    def attainment(self) -> float:
+        return float(self.met.mean()) if len(self.met) else 1.0
+
+    def ttft_percentile(self, q: float) -> float:
+        return float(np.nanpercentile(self.ttft, q)) if len(self.ttft) else 0.0
+
+    def tbt_percentile(self, q: float) -> float:
+        return float(np.percentile(self.gaps, q)) if len(self.gaps) else 0.0
+
+
+class _Instance:
+    """One simulated engine: the engine's scheduler and block manager, timed by a profile."""
+
+    def __init__(self, name: str, kind: str, curves: StageCurves, slo: SLO, policy: Policy) -> None:
+        self.name = name
+        self.kind = kind
+        self.roles = frozenset(Role(r) for r in KIND_ROLES[kind])
+        self.curves = curves
+        image_budget, token_budget = curves.budgets(KIND_ROLES[kind], slo)
+        config = EngineConfig(
+            roles=self.roles,
+            policy=policy,
+            block_size=curves.block_size,
+            token_budget=token_budget,
+            image_budget=image_budget,
+            max_num_seqs=curves.max_num_seqs,
+        )
+        self.blocks = BlockManager(curves.num_kv_blocks, curves.block_size)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.busy_until: float | None = None
+        self.busy_time = 0.0
+        self.batch: Batch | None = None
+        self.arriving: list[tuple[float, int, Request, bool]] = []  # (ready, seq, request, prefilled)
+        self.decode_pulled = 0  # decode tasks taken whose KV is still on its way
+
+    def room(self, stage: str) -> int:
+        if stage == "decode" and self.decode_pulled:
+            return 0  # a worker pulls one request's KV at a time
+        return pull_room(
+            stage,
+            waiting=len(self.scheduler.waiting) + len(self.arriving) - self.decode_pulled,
+            free_blocks=self.blocks.num_free,
+            image_budget=self.scheduler.image_budget,
+        )
+
+
+class Simulation:
+    """Replays a trace on a deployment. Use `run()` once."""
+
+    def __init__(
+        self,
+        trace: Sequence,
+        deployment: Deployment,
+        profiles: ProfileSet,
+        slo: SLO,
+        *,
+        policy: Policy = Policy.STAGE,
+        correction: Correction | None = None,
+        stop_early: bool = False,
+    ) -> None:
+        self.trace = sorted(trace, key=lambda e: e.arrival)
+        self.slo = slo
+        self.transfer = profiles.transfer
+        self.correction = correction or Correction()
+        self.instances = [
+            _Instance(f"{kind}{i}", kind, profiles.for_kind(kind), slo, policy)
+            for kind, n in deployment.replicas
+            for i in range(n)
+        ]
+        # Per-stage task queues, first visible first (the JetStream subjects).
+        self.queues: dict[str, list[tuple[float, int, Request]]] = {s: [] for s in _STAGE_ORDER}
+        self.tracks: dict[str, _Track] = {}
+        self.kv_owner: dict[str, _Instance] = {}
+        self._events: list[tuple[float, int, str, object]] = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        # Stop once more requests are sure to miss their TTFT than the attainment allows.
+        self._allowed_failures = math.floor((1 - slo.attainment) * len(self.trace)) if stop_early else None
+        self._failures = 0
+
+    # -- the event loop --------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        for i, entry in enumerate(self.trace):
+            self._push(entry.arrival + self.transfer.dispatch, "arrive", (i, entry))
+        complete = True
+        while self._events:
+            self.now, _, kind, payload = heapq.heappop(self._events)
+            if kind == "arrive":
+                self._arrive(*payload)
+            elif kind == "iteration":
+                self._end_iteration(payload)
+            elif kind == "deadline":
+                self._deadline(payload)
+            # "wake": data an instance pulled has arrived; the idle instances look below
+            self._start_idle()
+            if self._allowed_failures is not None and self._failures > self._allowed_failures:
+                complete = False
+                break
+        return self._result(complete)
+
+    def _push(self, at: float, kind: str, payload: object) -> None:
+        heapq.heappush(self._events, (at, next(self._seq), kind, payload))
+
+    # -- the gateway -----------------------------------------------------------------------------
+
+    def _arrive(self, index: int, entry) -> None:
+        rid = entry.request_id or f"r{index}"
+        if rid in self.tracks:
+            rid = f"{rid}#{index}"
+        per_image = _split(entry.image_tokens, entry.num_images)
+        images = [ImageInput(f"{rid}/{k}", n) for k, n in enumerate(per_image)]
+        req = Request(
+            rid,
+            [0] * max(entry.prompt_tokens, 1),
+            SamplingParams(max_tokens=max(entry.output_tokens, 1)),
+            images,
+            arrival_time=entry.arrival,
+        )
+        self.tracks[rid] = _Track(entry.arrival, max(entry.output_tokens, 1))
+        self._enqueue("encode" if images else "prefill", self.now, req)
+        self._push(entry.arrival + self.slo.ttft / self.correction.ttft, "deadline", rid)
+
+    def _enqueue(self, stage: str, visible: float, req: Request) -> None:
+        """A task published to `stage`'s queue; pullers see it from `visible` on (the broker hop)."""
+        heapq.heappush(self.queues[stage], (visible, next(self._seq), req))
+        if visible > self.now:
+            self._push(visible, "wake", None)
+
+    def _deadline(self, rid: str) -> None:
+        track = self.tracks[rid]
+        if track.first_token is None and not track.failed:
+            track.failed = True
+            self._failures += 1
+
+    # -- instances pull, batch and run -----------------------------------------------------------
+
+    def _start_idle(self) -> None:
+        for inst in self.instances:
+            if inst.busy_until is None:
+                self._pull(inst)
+                self._admit_arrived(inst)
+                self._start(inst)
+
+    def _pull(self, inst: _Instance) -> None:
+        for stage in _STAGE_ORDER:
+            if Role(stage) not in inst.roles:
+                continue
+            queue = self.queues[stage]
+            room = inst.room(stage)
+            while room > 0 and queue and queue[0][0] <= self.now:
+                if stage == "decode" and not self._can_hold(inst, queue[0][2]):
+                    break  # pull-based migration: KV moves only when it fits
+                _, _, req = heapq.heappop(queue)
+                self._take(inst, stage, req)
+                room -= 1
+
+    def _can_hold(self, inst: _Instance, req: Request) -> bool:
+        need = len(req.prompt_token_ids) + req.params.max_tokens
+        return blocks_needed(need, inst.curves.block_size) <= inst.blocks.num_free
+
+    def _take(self, inst: _Instance, stage: str, req: Request) -> None:
+        """A task reaches an instance; its data arrives after the transfer (features or KV)."""
+        ready = self.now
+        if stage == "prefill" and req.images:
+            tokens = sum(img.num_tokens for img in req.images)
+            ready += self.transfer.time(tokens * inst.curves.feature_bytes_per_image_token)
+        elif stage == "decode":
+            ready += self.transfer.time(req.num_computed_tokens * inst.curves.kv_bytes_per_token)
+            inst.decode_pulled += 1
+            # Reserve the blocks now so two pulls cannot both count on them.
+            inst.blocks.allocate(req.request_id, req.num_computed_tokens)
+        heapq.heappush(inst.arriving, (ready, next(self._seq), req, stage == "decode"))
+        self._push(ready, "wake", None)
+
+    def _admit_arrived(self, inst: _Instance) -> None:
+        while inst.arriving and inst.arriving[0][0] <= self.now:
+            _, _, req, prefilled = heapq.heappop(inst.arriving)
+            if prefilled:
+                inst.decode_pulled -= 1
+                self._release_kv(req.request_id)
+                inst.scheduler.add_running(req)
+            else:
+                req.status = Status.WAITING
+                inst.scheduler.add(req)
+
+    def _release_kv(self, rid: str) -> None:
+        owner = self.kv_owner.pop(rid, None)
+        if owner is not None:
+            owner.blocks.free(rid)
+
+    def _start(self, inst: _Instance) -> None:
+        if not inst.scheduler.has_work:
+            return
+        batch = inst.scheduler.schedule()
+        if Role.PREFILL not in inst.roles:
+            for req in batch.preempted:  # its KV is gone and it cannot prefill here: prefill it again
+                inst.scheduler.remove(req)
+                self._enqueue("prefill", self.now + self.transfer.latency, req)
+        if batch.empty:
+            return
+        decodes = batch.decodes
+        context = sum(r.num_tokens for r in decodes) / len(decodes) if decodes else 0.0
+        prefill_tokens = sum(n for _, n in batch.prefills)
+        seconds = inst.curves.iteration_time(batch.num_images, prefill_tokens, len(decodes), context)
+        inst.batch = batch
+        inst.busy_until = self.now + seconds
+        inst.busy_time += seconds
+        self._push(inst.busy_until, "iteration", inst)
+
+    # -- what an iteration did (the engine's step, with the model's output replaced) --------------
+
+    def _end_iteration(self, inst: _Instance) -> None:
+        batch, inst.batch, inst.busy_until = inst.batch, None, None
+        for req, indices in batch.encodes:
+            for k in indices:
+                req.images[k].features = _ENCODED
+        sampled = []
+        for req, n in batch.prefills:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                sampled.append(req)
+        for req in batch.decodes:
+            req.num_computed_tokens += 1
+            sampled.append(req)
+        for req in sampled:
+            self._token(inst, req)
+        if Role.PREFILL not in inst.roles:
+            for req, _ in batch.encodes:
+                if not req.needs_encode and req.status != Status.FINISHED:
+                    inst.scheduler.remove(req)
+                    self._enqueue("prefill", self.now + self.transfer.latency, req)
+        if Role.DECODE not in inst.roles:
+            for req, _ in batch.prefills:
+                if req.output_token_ids and req.status == Status.RUNNING:
+                    inst.scheduler.remove(req)
+                    req.status = Status.HANDED_OFF
+                    self.kv_owner[req.request_id] = inst
+                    self._enqueue("decode", self.now + self.transfer.latency, req)
+
+    def _token(self, inst: _Instance, req: Request) -> None:
+        req.output_token_ids.append(0)
+        track = self.tracks[req.request_id]
+        if track.first_token is None:
+            track.first_token = self.now
+        else:
+            track.gaps.append(self.now - track.last_token)
+        track.last_token = self.now
+        if len(req.output_token_ids) >= track.output_tokens:
+            req.status = Status.FINISHED
+            track.done = self.now
+            inst.scheduler.remove(req)
+            inst.blocks.free(req.request_id)
+            self._release_kv(req.request_id)
+
+    # -- results -----------------------------------------------------------------------------------
+
+    def _result(self, complete: bool) -> SimResult:
+        c = self.correction
+        tracks = list(self.tracks.values())  # in arrival order; requests not yet arrived count as missed
+        tracks += [_Track(e.arrival, e.output_tokens) for e in self.trace[len(tracks) :]]
+        ttft = np.array(
+            [(t.first_token - t.arrival) * c.ttft if t.first_token is not None else np.nan for t in tracks]
+        )
+        tbt = np.array([np.percentile(t.gaps, 90) * c.tbt if t.gaps else 0.0 for t in tracks])
+        gaps = np.concatenate([np.asarray(t.gaps) for t in tracks if t.gaps] or [np.empty(0)]) * c.tbt
+        finished = np.array([t.done is not None for t in tracks])
+        met = finished & (np.nan_to_num(ttft, nan=np.inf) <= self.slo.ttft) & (tbt <= self.slo.tbt)
+        span = max(self.now, 1e-9)
+        utilisation = {inst.name: min(1.0, inst.busy_time / span) for inst in self.instances}
+        return SimResult(ttft, tbt, gaps, met, utilisation, self.now, complete)
+
+
+def simulate(
+    trace: Sequence,
+    deployment: Deployment,
+    profiles: ProfileSet,
+    slo: SLO,
+    *,
+    policy: Policy = Policy.STAGE,
+    correction: Correction | None = None,
+    stop_early: bool = False,
+) -> SimResult:
+    """Replay `trace` (TraceEntry-like: arrival, prompt_tokens, num_images, image_tokens,
+    output_tokens) on `deployment`; with `stop_early`, stop once attainment cannot be reached."""
+    sim = Simulation(
+        trace, deployment, profiles, slo, policy=policy, correction=correction, stop_early=stop_early
+    )
+    return sim.run()
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """`total` image tokens over `parts` images, as evenly as whole tokens allow."""
+    if parts <= 0:
+        return []
+    base, extra = divmod(total, parts)
+    return [base + (1 if k < extra else 0) for k in range(parts)]

@@ -1,0 +1,110 @@
+"""The planner's vocabulary: SLOs, a deployment (method + replicas), a plan and its candidates."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Method = Literal["e+p+d", "ep+d", "ed+p", "epd"]
+
+# The instance kinds each method runs, in the order replicas are written (e.g. "2E3P3D").
+METHOD_KINDS: dict[str, tuple[str, ...]] = {
+    "e+p+d": ("e", "p", "d"),
+    "ep+d": ("ep", "d"),
+    "ed+p": ("ed", "p"),
+    "epd": ("epd",),
+}
+
+# Which stages an instance kind runs.
+KIND_ROLES: dict[str, frozenset[str]] = {
+    "e": frozenset({"encode"}),
+    "p": frozenset({"prefill"}),
+    "d": frozenset({"decode"}),
+    "ep": frozenset({"encode", "prefill"}),
+    "ed": frozenset({"encode", "decode"}),
+    "epd": frozenset({"encode", "prefill", "decode"}),
+}
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency objectives (seconds) and the share of requests that must meet both for a rate to count."""
+
+    ttft: float
+    tbt: float
+    attainment: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.ttft <= 0 or self.tbt <= 0:
+            raise ValueError("SLOs must be positive seconds")
+        if not 0 < self.attainment <= 1:
+            raise ValueError("attainment must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A method and how many instances of each of its kinds, e.g. e+p+d with {"e": 2, "p": 3, "d": 3}."""
+
+    method: Method
+    replicas: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of(cls, method: Method, **replicas: int) -> Deployment:
+        kinds = METHOD_KINDS[method]
+        if set(replicas) != set(kinds):
+            raise ValueError(f"{method} needs replicas for {kinds}, got {sorted(replicas)}")
+        if any(n < 1 for n in replicas.values()):
+            raise ValueError("every kind of a method needs at least one instance")
+        return cls(method, tuple((k, replicas[k]) for k in kinds))
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(self.replicas)
+
+    @property
+    def instances(self) -> int:
+        return sum(n for _, n in self.replicas)
+
+    @property
+    def label(self) -> str:
+        """Short form, e.g. `2E3P3D`, `5EP3D`, `4EPD`."""
+        return "".join(f"{n}{k.upper()}" for k, n in self.replicas)
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "replicas": self.counts, "label": self.label}
+
+
+@dataclass
+class CandidateScore:
+    """One deployment's simulated result: the highest rate with attainment ≥ the SLO's share."""
+
+    deployment: Deployment
+    goodput: float  # requests/s
+    attainment: float  # at that rate
+    ttft_p90: float | None = None
+    tbt_p90: float | None = None
+
+    def to_dict(self) -> dict:
+        return {**self.deployment.to_dict(), **{k: v for k, v in asdict(self).items() if k != "deployment"}}
+
+
+@dataclass
+class PlanResult:
+    """The chosen deployment, its predicted goodput, every candidate's score and what went in."""
+
+    deployment: Deployment
+    goodput: float
+    attainment: float
+    candidates: list[CandidateScore]
+    inputs: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.deployment.method,
+            "replicas": self.deployment.counts,
+            "label": self.deployment.label,
+            "goodput": self.goodput,
+            "attainment": self.attainment,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "inputs": self.inputs,
+        }

@@ -1,0 +1,85 @@
+"""The simulator on cases whose queueing delays can be worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.planner.profiles import ProfileSet, StageCurves, TransferModel
+from common.planner.simulator import Correction, simulate
+from common.planner.trace import TraceEntry
+from common.planner.types import SLO, Deployment
+
+# Encode 0.1 s an image, prefill 1 ms a token, decode 20 ms a step whatever the batch.
+CURVES = StageCurves(
+    encode=((1, 0.1), (2, 0.2)),
+    prefill=((1, 0.001), (1000, 1.0)),
+    decode=((1, 16, 0.02), (64, 16, 0.02), (1, 4096, 0.02), (64, 4096, 0.02)),
+    num_kv_blocks=64,
+)
+HOP = 0.01
+PROFILES = ProfileSet(CURVES, TransferModel(latency=HOP, bandwidth=1e12))
+# α·TTFT = 0.15 s: τe = 1 image (two would take 0.2 s), τt = 150 tokens on E/P instances.
+SLO_ = SLO(ttft=0.3, tbt=0.5)
+
+
+def entry(arrival: float, images: int = 1, prompt: int = 12, output: int = 2) -> TraceEntry:
+    return TraceEntry(arrival, prompt, images, 10 * images, output)
+
+
+def test_one_text_request_on_one_instance_is_prefill_then_decode_steps() -> None:
+    result = simulate([entry(0.0, images=0, prompt=10, output=3)], Deployment.of("epd", epd=1), PROFILES, SLO_)
+    assert result.ttft[0] == pytest.approx(0.010)  # one 10-token prefill
+    assert list(result.gaps) == pytest.approx([0.02, 0.02])
+    assert result.attainment == 1.0 and result.complete
+
+
+def test_e_p_d_queueing_and_hand_offs_add_up_exactly() -> None:
+    # A at 0 encodes 0→0.1; B (at 0.05) waits for the image budget and encodes 0.1→0.2.
+    # Each hand-off is one hop (0.01) to the queue and one (0.01) for the pull: A's 12-token
+    # prefill runs 0.12→0.132, its KV reaches decode at 0.152, its second token at 0.172.
+    result = simulate([entry(0.0), entry(0.05)], Deployment.of("e+p+d", e=1, p=1, d=1), PROFILES, SLO_)
+    assert result.ttft[0] == pytest.approx(0.132)
+    assert result.ttft[1] == pytest.approx(0.232 - 0.05)
+    assert list(result.gaps) == pytest.approx([0.04, 0.04])
+
+
+def test_hybrid_encode_prefill_hands_off_in_memory() -> None:
+    # EP: encode 0→0.1 and prefill 0.1→0.112 on one instance, no hop between them.
+    result = simulate([entry(0.0)], Deployment.of("ep+d", ep=1, d=1), PROFILES, SLO_)
+    assert result.ttft[0] == pytest.approx(0.112)
+
+
+def test_a_busy_instance_batches_the_next_prefill_with_running_decodes() -> None:
+    # Two 100-token prompts at once on one EPD instance (τt = 300 under a 0.3 s TBT SLO). The first
+    # starts alone (0→0.1); the second's prefill rides with the first's decode: 101 tokens, 0.101 s.
+    reqs = [entry(0.0, images=0, prompt=100, output=2), entry(0.0, images=0, prompt=100, output=2)]
+    result = simulate(reqs, Deployment.of("epd", epd=1), PROFILES, SLO(ttft=0.3, tbt=0.3))
+    assert list(result.ttft) == pytest.approx([0.100, 0.201])
+    assert list(result.gaps) == pytest.approx([0.101, 0.02])
+
+
+def test_correction_scales_predicted_latency_and_the_verdict() -> None:
+    trace = [entry(0.0)]
+    plain = simulate(trace, Deployment.of("ep+d", ep=1, d=1), PROFILES, SLO_)
+    slow = simulate(trace, Deployment.of("ep+d", ep=1, d=1), PROFILES, SLO_, correction=Correction(ttft=3.0))
+    assert slow.ttft[0] == pytest.approx(3 * plain.ttft[0])
+    assert plain.attainment == 1.0 and slow.attainment == 0.0
+
+
+def test_stop_early_gives_up_once_attainment_is_out_of_reach() -> None:
+    flood = [entry(0.001 * i) for i in range(200)]
+    result = simulate(flood, Deployment.of("e+p+d", e=1, p=1, d=1), PROFILES, SLO_, stop_early=True)
+    assert not result.complete and result.attainment < 0.9
+
+
+def test_kv_memory_limits_decode_pulls() -> None:
+    # Each request needs 2 blocks (12 + 20 tokens); a decoder with 2 blocks serves them one at a time.
+    small = ProfileSet(
+        StageCurves(CURVES.encode, CURVES.prefill, CURVES.decode, num_kv_blocks=2),
+        PROFILES.transfer,
+    )
+    reqs = [entry(0.0, images=0, output=20), entry(0.0, images=0, output=20)]
+    result = simulate(reqs, Deployment.of("e+p+d", e=1, p=1, d=1), small, SLO(ttft=5, tbt=5))
+    assert result.complete and result.attainment == 1.0
+    # The second request's decoding starts only after the first finished and freed its blocks.
+    assert max(result.gaps) > 19 * 0.02
