@@ -116,12 +116,15 @@ def partition(instances: int, costs: StageCosts) -> tuple[int, int, int]:
     if instances < 3:
         raise ValueError("E+P+D needs at least 3 instances")
     times = [max(costs.encode, 1e-12), max(costs.prefill, 1e-12), max(costs.decode, 1e-12)]
-    spare = instances - 3
-    shares = [spare * t / sum(times) for t in times]
-    counts = [1 + int(s) for s in shares]
-    order = sorted(range(3), key=lambda i: shares[i] - int(shares[i]), reverse=True)
-    for i in order[: instances - sum(counts)]:
-        counts[i] += 1
+    shares = [instances * t / sum(times) for t in times]
+    counts = [max(1, int(s)) for s in shares]
+    by_remainder = sorted(range(3), key=lambda i: shares[i] - counts[i], reverse=True)
+    while sum(counts) < instances:
+        counts[by_remainder[0]] += 1
+        by_remainder = sorted(range(3), key=lambda i: shares[i] - counts[i], reverse=True)
+    while sum(counts) > instances:  # a stage rounded up to one instance took from the others
+        i = max((i for i in range(3) if counts[i] > 1), key=lambda i: counts[i] - shares[i])
+        counts[i] -= 1
     return counts[0], counts[1], counts[2]
 
 
