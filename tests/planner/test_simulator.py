@@ -27,7 +27,8 @@ def entry(arrival: float, images: int = 1, prompt: int = 12, output: int = 2) ->
 
 
 def test_one_text_request_on_one_instance_is_prefill_then_decode_steps() -> None:
-    result = simulate([entry(0.0, images=0, prompt=10, output=3)], Deployment.of("epd", epd=1), PROFILES, SLO_)
+    one = [entry(0.0, images=0, prompt=10, output=3)]
+    result = simulate(one, Deployment.of("epd", epd=1), PROFILES, SLO_)
     assert result.ttft[0] == pytest.approx(0.010)  # one 10-token prefill
     assert list(result.gaps) == pytest.approx([0.02, 0.02])
     assert result.attainment == 1.0 and result.complete
