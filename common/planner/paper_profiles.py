@@ -47,7 +47,9 @@ def _llava_7b_h20() -> ProfileSet:
         max_images=64,
         max_tokens=16384,
     )
-    return ProfileSet(curves, TransferModel(latency=1e-3, bandwidth=50e9), source="paper:llava-1.5-7b")
+    return ProfileSet(
+        curves, TransferModel(latency=1e-3, bandwidth=50e9, hop=1e-3), source="paper:llava-1.5-7b"
+    )
 
 
 _PAPER = {"llava-1.5-7b": _llava_7b_h20}

@@ -40,12 +40,17 @@ def _interp(points: Sequence[tuple[float, float]], x: float) -> float:
 
 @dataclass(frozen=True)
 class TransferModel:
-    """Moving features (E→P) or KV (P→D) between instances: a fixed cost per hand-off (the broker
-    hop, the pull request) plus bytes over bandwidth."""
+    """What moving a request between services costs besides compute.
+
+    - `dispatch`: arrival to the first task queued plus first token to the client (the gateway's
+      processing and the output's way back), a constant on every TTFT;
+    - `hop`: a task published until an idle instance has pulled it (the broker hop);
+    - `latency` + bytes / `bandwidth`: pulling features (E→P) or KV (P→D) once pulled.
+    """
 
     latency: float = 2e-3  # s
     bandwidth: float = 1e9  # bytes/s
-    # From arrival to the first task queued: the gateway's processing (chat template, images, hashing).
+    hop: float = 1e-3  # s
     dispatch: float = 0.0  # s
 
     def time(self, nbytes: float) -> float:

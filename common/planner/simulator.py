@@ -267,7 +267,7 @@ class Simulation:
         if Role.PREFILL not in inst.roles:
             for req in batch.preempted:  # its KV is gone and it cannot prefill here: prefill it again
                 inst.scheduler.remove(req)
-                self._enqueue("prefill", self.now + self.transfer.latency, req)
+                self._enqueue("prefill", self.now + self.transfer.hop, req)
         if batch.empty:
             return
         decodes = batch.decodes
@@ -300,14 +300,14 @@ class Simulation:
             for req, _ in batch.encodes:
                 if not req.needs_encode and req.status != Status.FINISHED:
                     inst.scheduler.remove(req)
-                    self._enqueue("prefill", self.now + self.transfer.latency, req)
+                    self._enqueue("prefill", self.now + self.transfer.hop, req)
         if Role.DECODE not in inst.roles:
             for req, _ in batch.prefills:
                 if req.output_token_ids and req.status == Status.RUNNING:
                     inst.scheduler.remove(req)
                     req.status = Status.HANDED_OFF
                     self.kv_owner[req.request_id] = inst
-                    self._enqueue("decode", self.now + self.transfer.latency, req)
+                    self._enqueue("decode", self.now + self.transfer.hop, req)
 
     def _token(self, inst: _Instance, req: Request) -> None:
         req.output_token_ids.append(0)

@@ -17,7 +17,7 @@ CURVES = StageCurves(
     num_kv_blocks=64,
 )
 HOP = 0.01
-PROFILES = ProfileSet(CURVES, TransferModel(latency=HOP, bandwidth=1e12))
+PROFILES = ProfileSet(CURVES, TransferModel(latency=HOP, bandwidth=1e12, hop=HOP))
 # α·TTFT = 0.15 s: τe = 1 image (two would take 0.2 s), τt = 150 tokens on E/P instances.
 SLO_ = SLO(ttft=0.3, tbt=0.5)
 

@@ -52,11 +52,13 @@ class Cluster:
             [sys.executable, "-m", module], env=self.env(**extra), stdout=log, stderr=subprocess.STDOUT
         )
 
-    def start_method(self, method: str, scale: dict[str, int] | None = None) -> None:
+    def start_method(
+        self, method: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         for name, roles in method_workers(method):
             for i in range((scale or {}).get(name, 1)):
-                self.start(f"{name}-{i}", "services.worker", TRIDENT_ROLES=roles)
-        self.start("gateway", "services.gateway")
+                self.start(f"{name}-{i}", "services.worker", TRIDENT_ROLES=roles, **(env or {}))
+        self.start("gateway", "services.gateway", **(env or {}))
 
     def wait_ready(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
@@ -87,11 +89,17 @@ class Cluster:
 
 
 @contextmanager
-def running_cluster(model: Path, workdir: Path, method: str, scale: dict[str, int] | None = None):
+def running_cluster(
+    model: Path,
+    workdir: Path,
+    method: str,
+    scale: dict[str, int] | None = None,
+    env: dict[str, str] | None = None,
+):
     with NatsServer(workdir=workdir / "nats") as nats, RedisServer(workdir=workdir / "redis") as redis:
         cluster = Cluster(model, workdir, nats, redis)
         try:
-            cluster.start_method(method, scale)
+            cluster.start_method(method, scale, env)
             cluster.wait_ready()
             yield cluster
         finally:
