@@ -1,14 +1,22 @@
 """Budget profiler (000 Algorithm 1, line 5): find the image budget τe and token budget τt by binary
-search on measured iteration latency, and record latency curves the planner consumes.
+search on measured iteration latency, and record latency curves the planner's simulator replays.
 
 An iteration must stay under α·TTFT_SLO on instances without decode (E, EP, P: a request needs at
 least an encode iteration and a prefill iteration before its first token, hence α = 0.5), and
 under TBT_SLO on instances that decode (every decode waits for the whole iteration).
+
+Each curve is measured on a grid first (powers of two), which also brackets the budget; the
+binary search then runs inside the bracket, reusing every point already measured:
+
+    grid     16   32   64  128  256  512 1024 2048 (cap)
+    latency  ok   ok   ok   ok   ok  over over over
+                                 [search 256..511]
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -16,11 +24,24 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from common.engine.block_manager import blocks_needed
 from common.engine.config import Role
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
+from common.protocol import records
 
 ALPHA = 0.5
+PREFILL_GRID_START = 16  # below this a prefill costs about as much as a decode step
+DECODE_CONTEXTS = (64, 256, 1024, 4096, 16384)
+# A curve stops growing past this multiple of the latency limit: larger iterations are never run,
+# and on slow hardware they would make start-up slow.
+CURVE_HEADROOM = 4.0
+# The search stops once the budget is known to within 1/SEARCH_STEPS of the grid point below it:
+# a few percent of τt is within measurement noise, and each step costs one large iteration.
+SEARCH_STEPS = 16
+# A first call that takes longer than this is a sample in its own right: the allocation and kernel
+# selection it pays for are lost in the noise, and a second run would double start-up.
+WARMUP_MATTERS = 0.05
 
 
 def latency_limit(roles: frozenset[Role], ttft_slo: float, tbt_slo: float, alpha: float = ALPHA) -> float:
@@ -28,25 +49,36 @@ def latency_limit(roles: frozenset[Role], ttft_slo: float, tbt_slo: float, alpha
     return tbt_slo if Role.DECODE in roles else alpha * ttft_slo
 
 
-def search_budget(measure: Callable[[int], float], limit: float, hi: int) -> int:
-    """Largest n in [1, hi] with measure(n) <= limit, assuming latency grows with n.
+def search_budget(
+    measure: Callable[[int], float], limit: float, hi: int, lo: int = 1, resolution: int = 1
+) -> int:
+    """Largest n in [lo, hi] with measure(n) <= limit, to within `resolution`, assuming latency
+    grows with n; `lo` is taken to be within the limit (known, or the least acceptable).
 
-    Returns 1 when even one unit is over the limit: an instance that could do nothing would hang
-    its requests, so it runs minimal batches and the SLO miss shows in the measurements instead.
+    Returns `lo` (1 by default) when nothing larger is under the limit: an instance that could do
+    nothing would hang its requests, so it runs minimal batches and the SLO miss shows in the
+    measurements instead.
     """
-    lo, best = 1, 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
+    best = lo  # invariant: best is within the limit, everything above hi is over it
+    while hi - best >= resolution:
+        mid = (best + 1 + hi) // 2
         if measure(mid) <= limit:
-            best, lo = mid, mid + 1
+            best = mid
         else:
             hi = mid - 1
     return best
 
 
+def powers_of_two(start: int, stop: int) -> list[int]:
+    """start, 2·start, 4·start, ... up to and including stop (stop itself always ends the list)."""
+    points = [2**k for k in range(math.ceil(math.log2(start)), stop.bit_length()) if start <= 2**k < stop]
+    return [*points, stop]
+
+
 @dataclass
 class StageProfile:
-    """What an instance measured about itself: budgets and latency curves (seconds)."""
+    """What an instance measured about itself: budgets and latency curves (seconds), and the sizes
+    a simulator needs to replay requests on it (KV memory, E→P feature bytes, limits)."""
 
     roles: list[str]
     latency_limit: float
@@ -55,6 +87,12 @@ class StageProfile:
     encode: list[tuple[int, float]] = field(default_factory=list)  # (images, s)
     prefill: list[tuple[int, float]] = field(default_factory=list)  # (tokens, s)
     decode: list[tuple[int, int, float]] = field(default_factory=list)  # (batch, context, s)
+    num_kv_blocks: int = 0
+    block_size: int = 0
+    kv_bytes_per_token: int = 0  # all layers, K and V, at the engine's dtype
+    feature_bytes_per_image_token: int = 0  # one projected image token as it travels E→P
+    max_num_seqs: int = 0
+    max_model_len: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -62,60 +100,145 @@ class StageProfile:
     @classmethod
     def from_json(cls, text: str) -> StageProfile:
         raw = json.loads(text)
-        raw["encode"] = [tuple(x) for x in raw["encode"]]
-        raw["prefill"] = [tuple(x) for x in raw["prefill"]]
-        raw["decode"] = [tuple(x) for x in raw["decode"]]
+        for curve in ("encode", "prefill", "decode"):
+            raw[curve] = [tuple(x) for x in raw.get(curve, [])]
         return cls(**raw)
+
+    def to_record(self, profile_id: str, model: str = "", hardware: str = "") -> records.StageProfile:
+        """The Redis record (this profile plus who it describes)."""
+        fields = asdict(self)
+        fields["roles"] = tuple(fields["roles"])
+        for curve in ("encode", "prefill", "decode"):
+            fields[curve] = tuple(tuple(x) for x in fields[curve])
+        return records.StageProfile(profile_id=profile_id, model=model, hardware=hardware, **fields)
+
+    @classmethod
+    def from_record(cls, record: records.StageProfile) -> StageProfile:
+        fields = record.model_dump(exclude={"profile_id", "model", "hardware"})
+        fields["roles"] = list(fields["roles"])
+        for curve in ("encode", "prefill", "decode"):
+            fields[curve] = [tuple(x) for x in fields[curve]]
+        return cls(**fields)
 
 
 class BudgetProfiler:
-    """Measures an engine's own iterations on synthetic inputs (random tokens and pixels)."""
+    """Measures an engine's own iterations on synthetic inputs (random tokens and pixels).
+
+    Run it before the engine serves: it borrows KV blocks and frees them after each measurement.
+    """
 
     def __init__(self, engine, repeats: int = 3) -> None:
         self.engine = engine
         self.repeats = repeats
-        self.curves: dict[str, list] = {"encode": [], "prefill": [], "decode": []}
+        self.curves: dict[str, dict] = {"encode": {}, "prefill": {}, "decode": {}}
+        self._warmed: set[str] = set()
 
     def profile(
-        self, ttft_slo: float, tbt_slo: float, max_images: int = 32, max_tokens: int = 8192
-    ) -> StageProfile:
-        roles = self.engine.config.roles
-        limit = latency_limit(roles, ttft_slo, tbt_slo)
+        self, ttft_slo: float, tbt_slo: float, max_images: int = 32, max_tokens: int = 8192,
+        encode_curve_to: int = 32,
+    ) -> StageProfile:  # fmt: skip
+        """Budgets up to `max_images` / `max_tokens` (the configured caps), and the curves: encode
+        at 1..τe and powers of two up to `encode_curve_to`, prefill at powers of two up to the token
+        cap plus the search points, decode on a batch × context grid that fits the KV cache."""
+        e = self.engine
+        limit = latency_limit(e.config.roles, ttft_slo, tbt_slo)
         image_budget = token_budget = 0
-        if Role.ENCODE in roles:
-            image_budget = search_budget(self.encode_latency, limit, max_images)
-        if roles & {Role.PREFILL, Role.DECODE}:
-            cap = min(max_tokens, self.engine.blocks.num_blocks * self.engine.config.block_size)
-            token_budget = search_budget(self.prefill_latency, limit, cap)
-            for batch in (1, 8, 32):
-                self.decode_latency(batch, 256)
+        if e.model.vision is not None:
+            image_budget = self._budget(self.encode_latency, limit, powers_of_two(1, max_images))
+            more = {*range(1, image_budget + 1), *powers_of_two(1, max(encode_curve_to, max_images))}
+            for n in sorted(more):
+                if self.encode_latency(n) > CURVE_HEADROOM * limit:
+                    break
+        cap = min(max_tokens, e.blocks.num_blocks * e.config.block_size)
+        if e.has_lm and cap > 0:
+            grid = powers_of_two(min(PREFILL_GRID_START, cap), cap)
+            token_budget = self._budget(self.prefill_latency, limit, grid)
+            self.decode_grid(limit, max_batch=token_budget)
         return StageProfile(
-            sorted(r.value for r in roles), limit, image_budget, token_budget,
-            sorted(self.curves["encode"]), sorted(self.curves["prefill"]), sorted(self.curves["decode"]),
+            sorted(r.value for r in e.config.roles), limit, image_budget, token_budget,
+            self._points("encode"), self._points("prefill"), self._points("decode"), **self.sizes(),
         )  # fmt: skip
 
+    def sizes(self) -> dict[str, int]:
+        """The engine's memory and length limits, as the profile records them."""
+        e = self.engine
+        dtype_bytes = torch.finfo(e.kv_spec.dtype).bits // 8
+        return {
+            "num_kv_blocks": e.blocks.num_blocks,
+            "block_size": e.config.block_size,
+            "kv_bytes_per_token": e.kv_spec.bytes_per_block // e.config.block_size,
+            "feature_bytes_per_image_token": e.model.config.text_config.hidden_size * dtype_bytes,
+            "max_num_seqs": e.config.max_num_seqs,
+            "max_model_len": e.max_model_len,
+        }
+
+    def decode_grid(self, limit: float, max_batch: int) -> None:
+        """Decode steps at batch 1, 2, 4, ... × contexts 64, 256, 1024, ..., as far as KV,
+        max_num_seqs and the token budget (one token a decode) allow, and not far past the limit."""
+        e = self.engine
+        for context in (c for c in DECODE_CONTEXTS if c < e.max_model_len):
+            per_seq = blocks_needed(context + 1, e.config.block_size)
+            most = min(e.config.max_num_seqs, max_batch, e.blocks.num_blocks // per_seq)
+            if most == 0:
+                break
+            for batch in powers_of_two(1, most):
+                if self.decode_latency(batch, context) > CURVE_HEADROOM * limit:
+                    break
+
+    def _budget(self, measure: Callable[[int], float], limit: float, grid: list[int]) -> int:
+        """Measure the grid (stopping well past the limit), then binary-search the bracket."""
+        below = [0]
+        for n in grid:
+            seconds = measure(n)
+            if seconds <= limit:
+                below.append(n)
+            elif seconds > CURVE_HEADROOM * limit:
+                break
+        over = [n for n in grid if n > below[-1]]
+        if not over:
+            return below[-1]
+        lo = max(1, below[-1])
+        return search_budget(measure, limit, hi=over[0] - 1, lo=lo, resolution=max(1, lo // SEARCH_STEPS))
+
+    def _points(self, curve: str) -> list[tuple]:
+        """A curve as sorted (size..., seconds) tuples."""
+        items = self.curves[curve].items()
+        return sorted((*k, s) if isinstance(k, tuple) else (k, s) for k, s in items)
+
     def encode_latency(self, images: int) -> float:
+        if images in self.curves["encode"]:
+            return self.curves["encode"][images]
         vision = self.engine.model.vision
         size = self.engine.model.config.vision_config.image_size
         dtype = next(vision.parameters()).dtype
         pixels = torch.randn(images, 3, size, size, device=self.engine.device, dtype=dtype)
-        seconds = self._time(lambda: vision(pixels))
-        self.curves["encode"].append((images, seconds))
+        seconds = self._time("encode", lambda: vision(pixels))
+        self.curves["encode"][images] = seconds
         return seconds
 
     def prefill_latency(self, tokens: int) -> float:
-        req = self._fake_request("profile-prefill", tokens, 0)
-        seconds = self._with_blocks([req], tokens, lambda: self.engine.runner.forward([(req, tokens)], []))
-        self.curves["prefill"].append((tokens, seconds))
+        """One iteration prefilling `tokens` prompt tokens: one sequence, or several of at most
+        max_model_len each (no real request is longer)."""
+        if tokens in self.curves["prefill"]:
+            return self.curves["prefill"][tokens]
+        num_seqs = -(-tokens // self.engine.max_model_len)
+        lengths = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+        reqs = [self._fake_request(f"profile-prefill-{i}", n, 0) for i, n in enumerate(lengths)]
+        chunks = list(zip(reqs, lengths, strict=True))
+        seconds = self._with_blocks("prefill", chunks, lambda: self.engine.runner.forward(chunks, []))
+        if math.isfinite(seconds):
+            self.curves["prefill"][tokens] = seconds
         return seconds
 
     def decode_latency(self, batch: int, context: int) -> float:
+        """One decode step of `batch` sequences, each `context` tokens long; inf if KV is short."""
+        if (batch, context) in self.curves["decode"]:
+            return self.curves["decode"][batch, context]
         reqs = [self._fake_request(f"profile-decode-{i}", context, 1) for i in range(batch)]
-        fits = self.engine.can_admit(batch * (context + 1))
-        if not fits:
-            return float("nan")
-        seconds = self._with_blocks(reqs, context + 1, lambda: self.engine.runner.forward([], reqs))
-        self.curves["decode"].append((batch, context, seconds))
+        held = [(r, context + 1) for r in reqs]
+        seconds = self._with_blocks("decode", held, lambda: self.engine.runner.forward([], reqs))
+        if math.isfinite(seconds):
+            self.curves["decode"][batch, context] = seconds
         return seconds
 
     def _fake_request(self, rid: str, prompt_len: int, outputs: int) -> Request:
@@ -126,27 +249,36 @@ class BudgetProfiler:
         req.num_computed_tokens = prompt_len + outputs - 1 if outputs else 0
         return req
 
-    def _with_blocks(self, reqs: list[Request], tokens: int, fn: Callable[[], object]) -> float:
+    def _with_blocks(self, curve: str, reqs: list[tuple[Request, int]], fn: Callable[[], object]) -> float:
+        """Time `fn` with KV blocks for each (request, tokens) held; inf when they do not fit."""
+        blocks = self.engine.blocks
         try:
-            for r in reqs:
-                if self.engine.blocks.allocate(r.request_id, tokens) is None:
+            for r, tokens in reqs:
+                if blocks.allocate(r.request_id, tokens) is None:
                     return float("inf")
-            return self._time(fn)
+            return self._time(curve, fn)
         finally:
-            for r in reqs:
-                self.engine.blocks.free(r.request_id)
+            for r, _ in reqs:
+                blocks.free(r.request_id)
 
-    def _time(self, fn: Callable[[], object]) -> float:
-        with torch.inference_mode():
-            fn()  # warm-up: first calls pay for allocation and kernel selection
-            samples = []
-            for _ in range(self.repeats):
-                _sync(self.engine.device)
-                t = time.perf_counter()
-                fn()
-                _sync(self.engine.device)
-                samples.append(time.perf_counter() - t)
+    def _time(self, curve: str, fn: Callable[[], object]) -> float:
+        """Median seconds of `repeats` runs of `fn`, after a warm-up run where that matters."""
+        if curve not in self._warmed:  # the first run of a model part pays for lazy initialisation
+            self._warmed.add(curve)
+            self._once(fn)
+        first = self._once(fn)
+        samples = [first] if first > WARMUP_MATTERS else []
+        while len(samples) < max(1, self.repeats):
+            samples.append(self._once(fn))
         return statistics.median(samples)
+
+    def _once(self, fn: Callable[[], object]) -> float:
+        with torch.inference_mode():
+            _sync(self.engine.device)
+            t = time.perf_counter()
+            fn()
+            _sync(self.engine.device)
+            return time.perf_counter() - t
 
 
 def _sync(device: torch.device) -> None:

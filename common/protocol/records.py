@@ -56,6 +56,13 @@ class StageProfile(Message):
     encode: tuple[tuple[int, float], ...] = ()  # (images, s)
     prefill: tuple[tuple[int, float], ...] = ()  # (tokens, s)
     decode: tuple[tuple[int, int, float], ...] = ()  # (batch, context, s)
+    # Sizes a simulator needs to replay requests on this instance (0: not recorded).
+    num_kv_blocks: int = Field(0, ge=0)
+    block_size: int = Field(0, ge=0)
+    kv_bytes_per_token: int = Field(0, ge=0)  # all layers, K and V, at the engine's dtype
+    feature_bytes_per_image_token: int = Field(0, ge=0)  # one projected image token, as sent E→P
+    max_num_seqs: int = Field(0, ge=0)
+    max_model_len: int = Field(0, ge=0)
 
 
 class DeadLetter(Message):
