@@ -73,10 +73,10 @@ class StageCosts:
 def stage_costs(work: Workload, curves: StageCurves, slo: SLO) -> StageCosts:
     """Algorithm 2 lines 6-11 per request: each stage's full-load throughput within the batch its
     budget (and for decode, KV memory) allows, turned into seconds of one instance per request."""
+    context = work.prompt_tokens + work.output_tokens / 2
     tau_e, _ = curves.budgets(KIND_ROLES["e"], slo)
     _, tau_p = curves.budgets(KIND_ROLES["p"], slo)
-    _, tau_d = curves.budgets(KIND_ROLES["d"], slo)
-    context = work.prompt_tokens + work.output_tokens / 2
+    _, tau_d = curves.budgets(KIND_ROLES["d"], slo, context)
     per_request_tokens = work.prompt_tokens + work.output_tokens
     by_memory = GAMMA * curves.num_kv_blocks * curves.block_size / max(per_request_tokens, 1)
     batch = max(1, int(min(tau_d, by_memory, curves.max_num_seqs)))
@@ -141,15 +141,19 @@ def every_split(instances: int) -> list[Deployment]:
 
 
 def neighbourhood(instances: int, split: tuple[int, int, int]) -> list[Deployment]:
-    """The partition's deployments for each method and the splits one instance away."""
+    """The partition's deployments for each method and the splits near it: moves of one instance,
+    and of an eighth of N (so that on large N a stage-time estimate that is off still finds the
+    region of the best split)."""
     n_e, n_p, n_d = split
     out: dict[str, Deployment] = {}
 
     def add(d: Deployment) -> None:
         out.setdefault(d.label, d)
 
+    steps = sorted({1, max(1, instances // 8)})
     moves = [(0, 0, 0)] + [
-        tuple(1 if k == a else -1 if k == b else 0 for k in range(3))
+        tuple(step if k == a else -step if k == b else 0 for k in range(3))
+        for step in steps
         for a in range(3)
         for b in range(3)
         if a != b
@@ -158,7 +162,8 @@ def neighbourhood(instances: int, split: tuple[int, int, int]) -> list[Deploymen
         e, p, d = n_e + de, n_p + dp, n_d + dd
         if min(e, p, d) >= 1:
             add(Deployment.of("e+p+d", e=e, p=p, d=d))
-    for delta in (-1, 0, 1):
+    deltas = sorted({0, *steps, *(-s for s in steps)})
+    for delta in deltas:
         ep, d = n_e + n_p + delta, n_d - delta
         if min(ep, d) >= 1:
             add(Deployment.of("ep+d", ep=ep, d=d))
@@ -266,7 +271,8 @@ def plan(
     if progress is not None:
         progress(1.0, f"chose {best.deployment.label}")
     scores.sort(key=lambda s: (-s.goodput, s.deployment.label))
-    tau = {kind: profiles.for_kind(kind).budgets(KIND_ROLES[kind], slo) for kind in KIND_ROLES}
+    context = work.prompt_tokens + work.output_tokens / 2
+    tau = {kind: profiles.for_kind(kind).budgets(KIND_ROLES[kind], slo, context) for kind in KIND_ROLES}
     inputs = {
         "requests": len(trace),
         "replayed": len(replay),

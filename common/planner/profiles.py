@@ -115,9 +115,11 @@ class StageCurves:
 
     # -- budgets (000 Algorithm 1 line 5, Algorithm 2 lines 6-8) ---------------------------------
 
-    def budgets(self, roles: frozenset[str], slo: SLO) -> tuple[int, int]:
+    def budgets(self, roles: frozenset[str], slo: SLO, context: float | None = None) -> tuple[int, int]:
         """(τe, τt) an instance with `roles` finds at start-up for `slo`: the largest batches whose
-        iteration stays under its latency limit (the engine's own search)."""
+        iteration stays under its latency limit (the engine's own search). On an instance that
+        decodes, τt also keeps a step of τt decodes at `context` tokens under the limit: a decode
+        batch reads every context token's KV, which a prefill of the same size does not."""
         engine_roles = frozenset(Role(r) for r in roles)
         limit = latency_limit(engine_roles, slo.ttft, slo.tbt)
         image_budget = token_budget = 1
@@ -126,6 +128,9 @@ class StageCurves:
         if engine_roles & {Role.PREFILL, Role.DECODE}:
             cap = min(self.max_tokens, self.num_kv_blocks * self.block_size)
             token_budget = search_budget(self.prefill_time, limit, cap)
+            if Role.DECODE in engine_roles and context:
+                by_decode = search_budget(lambda b: self.decode_time(b, context), limit, cap)
+                token_budget = min(token_budget, by_decode)
         return image_budget, token_budget
 
     def to_dict(self) -> dict:

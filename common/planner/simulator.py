@@ -82,12 +82,14 @@ class SimResult:
 class _Instance:
     """One simulated engine: the engine's scheduler and block manager, timed by a profile."""
 
-    def __init__(self, name: str, kind: str, curves: StageCurves, slo: SLO, policy: Policy) -> None:
+    def __init__(
+        self, name: str, kind: str, curves: StageCurves, slo: SLO, policy: Policy, context: float
+    ) -> None:
         self.name = name
         self.kind = kind
         self.roles = frozenset(Role(r) for r in KIND_ROLES[kind])
         self.curves = curves
-        image_budget, token_budget = curves.budgets(KIND_ROLES[kind], slo)
+        image_budget, token_budget = curves.budgets(KIND_ROLES[kind], slo, context)
         config = EngineConfig(
             roles=self.roles,
             policy=policy,
@@ -112,6 +114,8 @@ class _Instance:
             waiting=len(self.scheduler.waiting) + len(self.arriving) - self.decode_pulled,
             free_blocks=self.blocks.num_free,
             image_budget=self.scheduler.image_budget,
+            running=len(self.scheduler.running),
+            token_budget=self.scheduler.token_budget,
         )
 
 
@@ -133,8 +137,10 @@ class Simulation:
         self.slo = slo
         self.transfer = profiles.transfer
         self.correction = correction or Correction()
+        # The decode context budgets are sized for: the trace's mean over a request's decode.
+        context = sum(e.prompt_tokens + e.output_tokens / 2 for e in self.trace) / max(len(self.trace), 1)
         self.instances = [
-            _Instance(f"{kind}{i}", kind, profiles.for_kind(kind), slo, policy)
+            _Instance(f"{kind}{i}", kind, profiles.for_kind(kind), slo, policy, context)
             for kind, n in deployment.replicas
             for i in range(n)
         ]
@@ -208,8 +214,9 @@ class Simulation:
 
     def _start_idle(self) -> None:
         for inst in self.instances:
+            # A worker's pull loops run beside its engine; what they fetched joins between steps.
+            self._pull(inst)
             if inst.busy_until is None:
-                self._pull(inst)
                 self._admit_arrived(inst)
                 self._start(inst)
 

@@ -185,6 +185,8 @@ class StageWorker:
             waiting=stats.get("waiting", 0),
             free_blocks=stats.get("free_blocks", 0),
             image_budget=self.engine.scheduler.image_budget,
+            running=stats.get("running", 0),
+            token_budget=self.engine.scheduler.token_budget,
         )
 
     # -- loops -------------------------------------------------------------------------------------
