@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
+from common.infra import free_port
 from common.launcher.compose_file import ComposeError, Method, load_compose, parse_scale, resolve_scale
 from common.launcher.deployment import Deployment
 from common.launcher.state import StateFile, is_alive, send, terminate, wait_gone
@@ -19,6 +20,7 @@ from common.launcher.state import StateFile, is_alive, send, terminate, wait_gon
 HOME = Path(".trident")
 STATE = HOME / "up.json"
 DEFAULT_MODEL = HOME / "models" / "tiny-llava"
+DEFAULT_PLANNER_PORT = 8100
 
 
 def find_compose(file: Path | None) -> Path:
@@ -87,6 +89,17 @@ def up(
     ready_timeout: Annotated[
         float, typer.Option(min=1, help="Seconds to wait for the gateway's /ready before giving up.")
     ] = 120.0,
+    planner_port: Annotated[
+        int,
+        typer.Option(min=0, max=65535, help="The planner's port; 0: 8100 if free, else any free port."),
+    ] = 0,
+    follow_plan: Annotated[
+        bool,
+        typer.Option(
+            "--follow-plan",
+            help="Apply the planner's plans: start and drain workers to match (the launcher actuator).",
+        ),
+    ] = False,
 ) -> None:
     """Run compose.yaml's services as local processes (no Docker); Ctrl-C or `trident down` stops them."""
     try:
@@ -114,8 +127,15 @@ def up(
     if not port_free(port):
         typer.echo(f"error: port {port} is in use; choose another with --port", err=True)
         raise typer.Exit(1)
+    if planner_port and not port_free(planner_port):
+        typer.echo(f"error: port {planner_port} is in use; choose another with --planner-port", err=True)
+        raise typer.Exit(1)
+    if not planner_port:
+        planner_port = DEFAULT_PLANNER_PORT if port_free(DEFAULT_PLANNER_PORT) else free_port()
     model_dir = (model or default_model()).resolve()
-    deployment = Deployment(compose, method, counts, model_dir, port, HOME, ready_timeout, typer.echo)
+    deployment = Deployment(
+        compose, method, counts, model_dir, port, HOME, ready_timeout, typer.echo, planner_port, follow_plan
+    )
     raise typer.Exit(deployment.run())
 
 

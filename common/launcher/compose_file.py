@@ -4,7 +4,8 @@
 only makes sense inside containers: the `nats`/`redis` hostnames (local servers on loopback ports
 instead), the model volume (a local directory), the advertised and bound host (127.0.0.1) and the
 fixed worker port (0: each worker picks a free one). The file's `x-trident-up` key says which
-services are servers, which is the gateway, and which services make up each method.
+services are servers, which is the gateway and which the planner, which services run for every
+method, and which services make up each method.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import shlex
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,7 @@ class Service:
     environment: dict[str, str]
     restart: str
     stop_grace: float
+    profiles: tuple[str, ...] = ()
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -171,12 +173,18 @@ class ComposeFile:
     servers: dict[str, str]  # compose service -> local server kind ("nats" | "redis")
     model_init: str | None
     gateway: str
-    always: tuple[str, ...]
+    always: tuple[str, ...]  # run once each, whatever the method (the planner and its jobs worker)
     methods: dict[Method, tuple[str, ...]]
+    planner: str | None = None  # the service whose port is `trident up --planner-port`
 
     def workers(self, method: Method) -> tuple[str, ...]:
-        """The services that run an engine for `method`, plus those run for every method."""
-        return self.methods[method] + self.always
+        """The services that run an engine for `method` (the ones `--scale` and a plan scale)."""
+        return self.methods[method]
+
+    @property
+    def all_workers(self) -> tuple[str, ...]:
+        """Every service that runs an engine for some method, each once."""
+        return tuple(dict.fromkeys(name for names in self.methods.values() for name in names))
 
 
 def load_compose(path: str | Path, env: Mapping[str, str]) -> ComposeFile:
@@ -205,7 +213,10 @@ def load_compose(path: str | Path, env: Mapping[str, str]) -> ComposeFile:
         raise ComposeError(f"x-trident-up.servers: unknown server kinds {sorted(unknown_kinds)}")
     model_init = known(up["model-init"]) if up.get("model-init") else None
     gateway = known(up.get("gateway"))
+    planner = known(up["planner"]) if up.get("planner") else None
     always = tuple(known(name) for name in up.get("always") or [])
+    if planner is not None and planner not in always:
+        raise ComposeError(f"x-trident-up.planner {planner!r} must be listed in x-trident-up.always")
     methods: dict[Method, tuple[str, ...]] = {}
     for method in Method:
         names = (up.get("methods") or {}).get(method.value)
@@ -214,7 +225,7 @@ def load_compose(path: str | Path, env: Mapping[str, str]) -> ComposeFile:
         methods[method] = tuple(known(name) for name in names)
     run = {gateway, *always, *(name for names in methods.values() for name in names)}
     services = {name: _service(name, raw_services[name], env) for name in sorted(run)}
-    return ComposeFile(path, services, servers, model_init, gateway, always, methods)
+    return ComposeFile(path, services, servers, model_init, gateway, always, methods, planner)
 
 
 def _service(name: str, raw: dict, env: Mapping[str, str]) -> Service:
@@ -230,6 +241,7 @@ def _service(name: str, raw: dict, env: Mapping[str, str]) -> Service:
         environment=_environment(raw.get("environment"), env),
         restart="no" if restart is False else str(restart),
         stop_grace=parse_duration(raw.get("stop_grace_period")),
+        profiles=tuple(str(p) for p in raw.get("profiles") or ()),
     )
 
 
@@ -264,6 +276,24 @@ def resolve_scale(compose: ComposeFile, method: Method, scale: Mapping[str, int]
     return counts
 
 
+# A plan's instance kinds (common.planner.types) as `--scale` names them: a role, or a hybrid's initials.
+_KIND_ALIAS = {"e": "encode", "p": "prefill", "d": "decode", "ep": "ep", "ed": "ed", "epd": "epd"}
+
+
+def plan_scale(compose: ComposeFile, method: Method, replicas: Mapping[str, int]) -> dict[str, int]:
+    """Processes per worker service for a plan: `{"e": 2, "p": 1, "d": 3}` under e+p+d →
+    `{"encoder": 2, "prefill": 1, "decode": 3}`. ValueError for a kind the method does not run."""
+    unknown = sorted(set(replicas) - set(_KIND_ALIAS))
+    if unknown:
+        raise ValueError(f"unknown instance kinds {unknown}")
+    counts = resolve_scale(compose, method, {_KIND_ALIAS[k]: n for k, n in replicas.items() if n > 0})
+    given = {_KIND_ALIAS[k] for k, n in replicas.items() if n > 0}
+    missing = [name for name in counts if not given & {name, *compose.services[name].aliases}]
+    if missing:
+        raise ValueError(f"the plan gives no replicas for {', '.join(missing)} of {method.value}")
+    return counts
+
+
 @dataclass(frozen=True)
 class LocalSetup:
     """What replaces the containers' world on this machine."""
@@ -273,6 +303,8 @@ class LocalSetup:
     hosts: Mapping[str, str]  # compose hostname -> "127.0.0.1:PORT" of the local server
     cpus: int
     user_env: Mapping[str, str]  # the caller's environment; its TRIDENT_NUM_THREADS wins over the split
+    # Variables set on one service's processes over everything else (the planner's port and actuator).
+    service_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -296,29 +328,41 @@ def local_argv(command: tuple[str, ...]) -> tuple[str, ...]:
     return command
 
 
-def plan(
-    compose: ComposeFile, method: Method, scale: Mapping[str, int], setup: LocalSetup
-) -> list[ProcessSpec]:
-    """The processes for `method`, workers first and the gateway last (the order they start in)."""
-    counts = resolve_scale(compose, method, scale)
-    threads = str(thread_split(setup.cpus, sum(counts.values())))
-    local = {
+def _local_env(setup: LocalSetup) -> dict[str, str]:
+    return {
         "TRIDENT_MODEL": str(setup.model),
         "TRIDENT_BIND_HOST": "127.0.0.1",
         "TRIDENT_ADVERTISE_HOST": "127.0.0.1",
         # Children write to log files; unbuffered output keeps the logs current.
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def plan(
+    compose: ComposeFile, method: Method, scale: Mapping[str, int], setup: LocalSetup
+) -> list[ProcessSpec]:
+    """The processes for `method`: workers, then the services run for every method (the planner), then
+    the gateway (the order they start in)."""
+    counts = resolve_scale(compose, method, scale)
     specs: list[ProcessSpec] = []
     for name, count in counts.items():
-        worker_env = {**local, "TRIDENT_HTTP_PORT": "0"}
-        if "TRIDENT_NUM_THREADS" not in setup.user_env:
-            worker_env["TRIDENT_NUM_THREADS"] = threads
-        specs += [_spec(compose.services[name], i, setup, worker_env) for i in range(1, count + 1)]
+        specs += [worker_spec(compose, name, i, setup, sum(counts.values())) for i in range(1, count + 1)]
+    for name in compose.always:
+        specs.append(_spec(compose.services[name], 1, setup, {**_local_env(setup), "TRIDENT_HTTP_PORT": "0"}))
     port = str(setup.port)
-    gateway_env = {**local, "TRIDENT_PORT": port, "TRIDENT_HTTP_PORT": port}
+    gateway_env = {**_local_env(setup), "TRIDENT_PORT": port, "TRIDENT_HTTP_PORT": port}
     specs.append(_spec(compose.services[compose.gateway], 1, setup, gateway_env, gateway=True))
     return specs
+
+
+def worker_spec(
+    compose: ComposeFile, service: str, index: int, setup: LocalSetup, workers: int
+) -> ProcessSpec:
+    """Replica `index` of a worker service, its torch threads a share of the cores among `workers`."""
+    env = {**_local_env(setup), "TRIDENT_HTTP_PORT": "0"}
+    if "TRIDENT_NUM_THREADS" not in setup.user_env:
+        env["TRIDENT_NUM_THREADS"] = str(thread_split(setup.cpus, workers))
+    return _spec(compose.services[service], index, setup, env)
 
 
 def _spec(
@@ -326,6 +370,7 @@ def _spec(
 ) -> ProcessSpec:
     env = {key: map_hosts(value, setup.hosts) for key, value in service.environment.items()}
     env.update(overrides)
+    env.update(setup.service_env.get(service.name, {}))
     return ProcessSpec(
         name=f"{service.name}-{index}",
         service=service.name,

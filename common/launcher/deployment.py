@@ -19,9 +19,11 @@ from typing import Any
 import typer
 
 from common.infra import InfraError, LocalServer, NatsServer, RedisServer
-from common.launcher.compose_file import ComposeFile, LocalSetup, Method, plan
+from common.launcher.compose_file import ComposeFile, LocalSetup, Method, plan, worker_spec
+from common.launcher.follow import Change, PlanSource, change_for
 from common.launcher.processes import Child, stop_children
 from common.launcher.state import StateFile, identity
+from common.protocol import Plan
 
 Echo = Callable[..., None]
 
@@ -57,6 +59,7 @@ class Deployment:
     The gateway goes first on the way down so the requests it holds finish on workers that still run;
     workers drain on SIGTERM. A process that dies after start-up is restarted as compose would
     (`restart: unless-stopped`, with back-off). SIGINT/SIGTERM stop it all; a second one kills.
+    With `follow_plan`, the workers follow the plan the planner's launcher actuator publishes (follow.py).
     """
 
     def __init__(
@@ -69,6 +72,8 @@ class Deployment:
         home: Path,
         ready_timeout: float = 120.0,
         echo: Echo = typer.echo,
+        planner_port: int = 0,
+        follow_plan: bool = False,
     ) -> None:
         self.compose = compose
         self.method = method
@@ -80,6 +85,15 @@ class Deployment:
         self.ready_timeout = ready_timeout
         self.echo = echo
         self.url = f"http://127.0.0.1:{port}"
+        self.planner_port = planner_port
+        self.planner_url = f"http://127.0.0.1:{planner_port}" if compose.planner and planner_port else None
+        self.follow_plan = follow_plan
+        self._plans: PlanSource | None = None
+        self._applied = 0  # decision id of the last plan acted on
+        self._pending: tuple[list[Child], list[Child], float] | None = None  # (started, to retire, deadline)
+        self._retiring: dict[str, float] = {}  # child name -> monotonic time it was sent SIGTERM
+        self._killed: set[str] = set()
+        self._next_follow = 0.0
         self.state = StateFile(home / "up.json")
         self.servers: dict[str, LocalServer] = {}
         self.children: list[Child] = []
@@ -130,21 +144,30 @@ class Deployment:
         self._write_state()
 
     def _start_children(self) -> None:
-        setup = LocalSetup(
+        planner_env: dict[str, str] = {}
+        if self.planner_port:
+            planner_env["TRIDENT_HTTP_PORT"] = str(self.planner_port)
+        if self.follow_plan:
+            planner_env["TRIDENT_PLANNER_ACTUATOR"] = "launcher"
+        self.setup = LocalSetup(
             model=self.model,
             port=self.port,
             hosts={name: f"{s.host}:{s.port}" for name, s in self.servers.items()},
             cpus=len(os.sched_getaffinity(0)),
             user_env=os.environ,
+            service_env={self.compose.planner: planner_env} if self.compose.planner else {},
         )
-        for spec in plan(self.compose, self.method, self.scale, setup):
-            child = Child(spec, self.logs, os.environ)
-            child.start()
-            self.children.append(child)
-            threads = spec.env.get("TRIDENT_NUM_THREADS", os.environ.get("TRIDENT_NUM_THREADS", "default"))
-            roles = f" ({','.join(spec.roles)}; torch threads: {threads})"
-            self.echo(f"{spec.name}: pid {child.pid}{roles if spec.roles else ''}, log {child.log_path}")
+        for spec in plan(self.compose, self.method, self.scale, self.setup):
+            self._start_child(Child(spec, self.logs, os.environ))
         self._write_state()
+
+    def _start_child(self, child: Child) -> None:
+        child.start()
+        self.children.append(child)
+        spec = child.spec
+        threads = spec.env.get("TRIDENT_NUM_THREADS", os.environ.get("TRIDENT_NUM_THREADS", "default"))
+        roles = f" ({','.join(spec.roles)}; torch threads: {threads})"
+        self.echo(f"{spec.name}: pid {child.pid}{roles if spec.roles else ''}, log {child.log_path}")
 
     def _wait_ready(self) -> int | None:
         """None once the gateway is ready, else the exit code (0 if stopped meanwhile, 1 on failure)."""
@@ -171,21 +194,109 @@ class Deployment:
     def _announce(self) -> None:
         model_name = os.environ.get("TRIDENT_MODEL_NAME") or self.model.name
         self.echo(f"gateway: {self.url}")
+        if self.planner_url:
+            following = " (trident up follows its plans)" if self.follow_plan else ""
+            self.echo(f"planner: {self.planner_url}/plan{following}")
         self.echo(f"try: {example_curl(self.url, model_name)}")
         self.echo(f"logs in {self.logs}/, state in {self.state.path}; stop with Ctrl-C or `trident down`")
 
     # -- while running ---------------------------------------------------------------------------
     def _supervise(self) -> int:
-        while not self._stop.wait(0.25):
-            for name, server in self.servers.items():
-                if not server.running:
-                    self.echo(f"{name} exited; restarting it on port {server.port} (log {server.log_path})")
-                    server.start()
-            self._restart_children(time.monotonic())
+        if self.follow_plan:
+            redis_url = next(s.url for n, s in self.servers.items() if self.compose.servers[n] == "redis")
+            self._plans = PlanSource(redis_url, os.environ.get("TRIDENT_NAMESPACE") or "trident")
+        try:
+            while not self._stop.wait(0.25):
+                for name, server in self.servers.items():
+                    if not server.running:
+                        self.echo(
+                            f"{name} exited; restarting it on port {server.port} (log {server.log_path})"
+                        )
+                        server.start()
+                now = time.monotonic()
+                self._restart_children(now)
+                if self._plans is not None and now >= self._next_follow:
+                    self._next_follow = now + 1.0
+                    self._follow(now)
+                self._reap_retired(now)
+        finally:
+            if self._plans is not None:
+                self._plans.close()
         return 0
+
+    # -- following the planner -------------------------------------------------------------------
+    def _follow(self, now: float) -> None:
+        assert self._plans is not None
+        plan_ = self._plans.latest()
+        if plan_ is not None and plan_.decision_id > self._applied:
+            self._applied = plan_.decision_id
+            try:
+                self._apply(plan_, now)
+            except ValueError as exc:
+                self.echo(f"plan {plan_.decision_id}: cannot apply it: {exc}", err=True)
+        if self._pending is not None:
+            started, retire, deadline = self._pending
+            live = self._plans.live_pids()
+            if now >= deadline or all(c.pid in live or not c.running for c in started):
+                self._pending = None
+                for child in retire:
+                    self._retire(child, now)
+
+    def _apply(self, plan_: Plan, now: float) -> None:
+        workers = set(self.compose.all_workers)
+        busy = {c.name for c in self._pending[1]} if self._pending else set()
+        active = [
+            c for c in self.children
+            if c.spec.service in workers and c.name not in self._retiring and c.name not in busy
+        ]  # fmt: skip
+        used: dict[str, set[int]] = {}
+        for c in self.children:
+            used.setdefault(c.spec.service, set()).add(int(c.name.rsplit("-", 1)[1]))
+        change: Change = change_for(self.compose, plan_, active, used)
+        label = ", ".join(f"{n} {s}" for s, n in change.counts.items())
+        if change.empty:
+            self.echo(f"plan {plan_.decision_id} ({plan_.method}: {label}): already running")
+            return
+        self.echo(f"plan {plan_.decision_id} ({plan_.method}: {label}): applying")
+        self.method = change.method
+        total = sum(change.counts.values())
+        started = []
+        for service, index in change.start:
+            child = Child(worker_spec(self.compose, service, index, self.setup, total), self.logs, os.environ)
+            self._start_child(child)
+            started.append(child)
+        self._write_state()
+        previous = self._pending[1] if self._pending else []
+        self._pending = (started, previous + change.retire, now + self.ready_timeout)
+        if change.retire:
+            names = ", ".join(c.name for c in change.retire)
+            self.echo(f"will drain {names} once the new replicas are registered")
+
+    def _retire(self, child: Child, now: float) -> None:
+        self.echo(f"{child.name}: draining (SIGTERM)")
+        child.restart_at = None
+        child.signal(signal.SIGTERM)
+        self._retiring[child.name] = now
+
+    def _reap_retired(self, now: float) -> None:
+        for child in [c for c in self.children if c.name in self._retiring]:
+            if not child.running:
+                if child.proc is not None:
+                    child.proc.wait()
+                self.children.remove(child)
+                del self._retiring[child.name]
+                self._killed.discard(child.name)
+                self.echo(f"{child.name}: stopped (code {child.returncode})")
+                self._write_state()
+            elif now - self._retiring[child.name] >= child.spec.stop_grace and child.name not in self._killed:
+                self._killed.add(child.name)
+                self.echo(f"{child.name} did not drain in {child.spec.stop_grace:.0f} s; killed")
+                child.signal(signal.SIGKILL)
 
     def _restart_children(self, now: float) -> None:
         for child in self.children:
+            if child.name in self._retiring:
+                continue
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     child.start()
@@ -224,6 +335,8 @@ class Deployment:
             "method": self.method.value,
             "gateway": self.url,
             "port": self.port,
+            "planner": self.planner_url,
+            "follow_plan": self.follow_plan,
             "model": str(self.model),
             "compose": str(self.compose.path.resolve()),
             "logs": str(self.logs.resolve()),

@@ -9,6 +9,8 @@
 <p>:profiles                  set    profile ids
 <p>:plan                      string the current Plan
 <p>:plan:seq                  int    last decision id (INCR)
+<p>:plan:apply                string the Plan for `trident up --follow-plan` (the launcher actuator)
+<p>:planjob:<job_id>          string a what-if job the planner accepted (its request summary)   TTL 1 day
 <p>:deadletter                stream DeadLetter records                                  MAXLEN ~10000
 <p>:deadletter:seen:<s>:<n>   string dedup marker per stream sequence                    TTL 7 days
 """
@@ -53,6 +55,13 @@ class Keys:
     @property
     def plan_seq(self) -> str:
         return f"{self.prefix}:plan:seq"
+
+    @property
+    def plan_apply(self) -> str:
+        return f"{self.prefix}:plan:apply"
+
+    def plan_job(self, job_id: str) -> str:
+        return f"{self.prefix}:planjob:{job_id}"
 
     @property
     def dead_letters(self) -> str:
