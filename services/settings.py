@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,3 +64,29 @@ class GatewaySettings(ServiceSettings):
     default_max_tokens: int = 256
     request_timeout: float = 300.0
     max_in_flight: int = 1024  # beyond this, 429
+
+
+class PlannerSettings(ServiceSettings):
+    """The planner service and its what-if jobs worker (docs/running.md, "Planner")."""
+
+    http_port: int = Field(8100, description="REST API, health and metrics")
+    planner_interval: float = Field(60.0, gt=0, description="Seconds between re-plans")
+    planner_shift_threshold: float = Field(
+        0.2, ge=0, le=1, description="Workload distance since the last plan that triggers a re-plan"
+    )
+    planner_shift_check_interval: float = Field(5.0, gt=0, description="Seconds between trace reads")
+    planner_window: int = Field(2000, ge=1, description="Most recent finished requests planned for")
+    planner_min_requests: int = Field(50, ge=1, description="Finished requests needed before the first plan")
+    planner_instances: int = Field(0, ge=0, description="Instances to partition; 0: as many as are live")
+    planner_attainment: float = Field(
+        0.9, gt=0, le=1, description="Share of requests that must meet the SLOs"
+    )
+    planner_profiles: str = Field(
+        "cluster", description="cluster (what instances publish) | paper:<model> | a ProfileSet JSON file"
+    )
+    planner_actuator: Literal["advisory", "launcher", "compose"] = "advisory"
+    planner_compose_run: bool = Field(False, description="compose actuator: run the command, not just log it")
+    planner_compose_file: Path = Field(
+        Path("compose.yaml"), description="The file the compose actuator scales"
+    )
+    planner_jobs_url: str = Field("", description="Celery broker and result backend; default: redis_url")

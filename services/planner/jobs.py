@@ -1,0 +1,94 @@
+"""What-if plans as Celery tasks: `python -m celery --app=services.planner.jobs worker --pool=solo`.
+
+The planner's POST /plan/jobs validates a request, resolves its profiles, and queues `what_if` with a
+self-contained JSON payload; the worker plans, reporting progress as state PROGRESS with
+`{"progress": fraction, "message": ...}`, and returns the PlanResult with a PNG chart (base64).
+Redis is broker and result backend (TRIDENT_PLANNER_JOBS_URL, default TRIDENT_REDIS_URL); every key
+Celery writes is under `<namespace>:jobs:`, so deployments sharing a Redis do not share jobs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery, Task
+
+from services.settings import PlannerSettings
+
+TASK = "trident.planner.what_if"
+RESULT_TTL = 24 * 3600  # seconds a finished job's result is kept
+
+
+def celery_app(settings: PlannerSettings) -> Celery:
+    url = settings.planner_jobs_url or settings.redis_url
+    prefix = {"global_keyprefix": f"{settings.namespace}:jobs:"}
+    app = Celery("trident-planner", broker=url, backend=url)
+    app.conf.update(
+        broker_transport_options=prefix,
+        result_backend_transport_options=prefix,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_expires=RESULT_TTL,
+        task_track_started=True,
+        # One plan at a time per worker, taken only when it is free.
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+app = celery_app(PlannerSettings())
+
+
+def run_what_if(
+    request: dict[str, Any], progress: Callable[[float, str], None] | None = None
+) -> dict[str, Any]:
+    """Plan for a validated job payload (services/planner/job_models.py builds it)."""
+    from common.planner.algorithm import plan
+    from common.planner.profiles import ProfileSet
+    from common.planner.trace import TraceEntry, summary
+    from common.planner.types import SLO
+    from common.planner.workloads import generate
+    from services.planner.chart import goodput_chart
+
+    if request.get("trace") is not None:
+        trace = [TraceEntry(**entry) for entry in request["trace"]]
+    else:
+        trace = generate(**request["workload"])
+    spec = request["profiles"]
+    profiles = ProfileSet.load(spec) if isinstance(spec, str) else ProfileSet.from_dict(spec)
+    slo = SLO(**request["slo"])
+    result = plan(
+        trace, profiles, slo, request["instances"], exhaustive=request.get("exhaustive"), progress=progress
+    )
+    title = f"what-if: {len(trace)} requests on {request['instances']} instances"
+    png = goodput_chart(result, title)
+    return jsonable(
+        {"plan": result.to_dict(), "trace": summary(trace), "chart_png": base64.b64encode(png).decode()}
+    )
+
+
+def jsonable(obj: Any) -> Any:
+    """numpy scalars (and anything else json cannot write) as plain values, for Celery's JSON."""
+    return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+@app.task(bind=True, name=TASK)
+def what_if(self: Task, request: dict[str, Any]) -> dict[str, Any]:
+    last = 0.0
+
+    def progress(fraction: float, message: str) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if fraction >= 1.0 or now - last >= 0.2:  # a state write per simulated candidate is plenty
+            last = now
+            self.update_state(state="PROGRESS", meta={"progress": round(fraction, 4), "message": message})
+
+    self.update_state(state="PROGRESS", meta={"progress": 0.0, "message": "starting"})
+    return run_what_if(request, progress)

@@ -1,0 +1,258 @@
+"""The continuous planner: reads the trace, re-plans on an interval and on a workload shift, and
+publishes each decision (Redis plan key, NATS plan event, REST, metrics, the actuator).
+
+    every planner_shift_check_interval:
+        read new finished requests from the trace stream into the window
+        trigger = first plan | interval elapsed | workload moved > threshold | POST /plan/replan
+        if trigger: correction = observed/predicted on the current deployment
+                    result = plan(window, profiles, SLO, N, correction)     # in a thread: CPU-bound
+                    put_plan → publish → metrics → actuator
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from common.bus import Bus, BusConfig
+from common.planner.algorithm import plan as make_plan
+from common.planner.drift import current_deployment, measure_correction, workload_distance
+from common.planner.profiles import ProfileError, ProfileSet
+from common.planner.simulator import Correction
+from common.planner.trace import TraceEntry, from_records, summary
+from common.planner.types import SLO, PlanResult
+from common.protocol import Plan, TraceRecord
+from common.store import Store, StoreConfig
+from services.planner.actuators import Actuator, make_actuator
+from services.planner.metrics import Metrics
+from services.settings import PlannerSettings
+
+log = logging.getLogger(__name__)
+
+
+class NotPlanned(Exception):
+    """Why no plan can be made now (too few requests, no profiles, no instances)."""
+
+
+@dataclass
+class Decision:
+    """One published plan with everything behind it."""
+
+    plan: Plan  # what went to Redis and NATS
+    result: PlanResult
+    trigger: str
+    duration: float
+    inputs: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "decision_id": self.plan.decision_id,
+            "time": self.plan.time,
+            "trigger": self.trigger,
+            "reason": self.plan.reason,
+            **self.result.to_dict(),
+            "inputs": self.inputs,
+            "duration": round(self.duration, 3),
+        }
+
+
+def load_profiles(source: str, published: list) -> ProfileSet:
+    """`cluster` (the profiles instances published), `paper:<model>` or a ProfileSet JSON file."""
+    if source == "cluster":
+        if not published:
+            raise ProfileError("no instance has published a stage profile yet")
+        return ProfileSet.from_records(published)
+    return ProfileSet.load(source)
+
+
+class Planner:
+    def __init__(self, settings: PlannerSettings) -> None:
+        self.settings = settings
+        self.slo = SLO(settings.ttft_slo, settings.tbt_slo, settings.planner_attainment)
+        self.instance_id = settings.instance_id or f"planner-{socket.gethostname()}-{os.getpid()}"
+        self.metrics = Metrics.create()
+        self.window: deque[TraceRecord] = deque(maxlen=settings.planner_window)
+        self.last_id = "-"  # trace stream id read up to
+        self.since_plan = 0  # finished requests read since the last plan
+        self.planned_for: list[TraceEntry] = []
+        self.decision: Decision | None = None
+        self.status = "starting"
+        self.progress: tuple[float, str] | None = None  # of the plan being computed
+        self.planned_at = 0.0  # monotonic
+        self._wake = asyncio.Event()
+        self._requested: list[asyncio.Future[Decision]] = []  # POST /plan/replan callers
+
+    async def start(self) -> None:
+        s = self.settings
+        self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
+        self.bus = await Bus.connect(BusConfig(url=s.nats_url, prefix=s.namespace, name=self.instance_id))
+        self.actuator: Actuator = make_actuator(s, self.store)
+
+    async def close(self) -> None:
+        await self.bus.close()
+        await self.store.close()
+
+    # -- the loop --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Until cancelled. A failed round is logged and shown in the status; the next one tries again."""
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("planning round failed")
+                self.status = f"last round failed: {exc!r}"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.planner_shift_check_interval)
+            self._wake.clear()
+
+    async def step(self) -> Decision | None:
+        await self.read_trace()
+        requested, self._requested = self._requested, []
+        trigger = "requested" if requested else self.due()
+        if trigger is None:
+            return None
+        try:
+            decision = await self.replan(trigger)
+        except NotPlanned as exc:
+            self.status = f"no plan: {exc}"
+            _settle(requested, error=NotPlanned(str(exc)))
+            return None
+        except BaseException as exc:
+            _settle(requested, error=exc)
+            raise
+        _settle(requested, decision)
+        return decision
+
+    def request(self) -> asyncio.Future[Decision]:
+        """Re-plan at the next round, now; the future gets the decision or NotPlanned."""
+        waiter: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        self._requested.append(waiter)
+        self._wake.set()
+        return waiter
+
+    async def read_trace(self) -> None:
+        while True:
+            rows = await self.store.requests.trace(after=self.last_id, count=1000)
+            for stream_id, record in rows:
+                self.window.append(record)
+                self.last_id = stream_id
+            self.since_plan += len(rows)
+            if len(rows) < 1000:
+                break
+        self.metrics.window.set(len(self.window))
+
+    def due(self) -> str | None:
+        """What triggers a plan now, if anything."""
+        s = self.settings
+        if len(self.window) < s.planner_min_requests:
+            self.status = f"waiting for {s.planner_min_requests} finished requests (have {len(self.window)})"
+            return None
+        if self.decision is None:
+            return "first"
+        if time.monotonic() - self.planned_at >= s.planner_interval:
+            return "interval"
+        if self.since_plan >= s.planner_min_requests:
+            distance = workload_distance(self.recent(), self.planned_for)
+            self.metrics.distance.set(distance)
+            if distance > s.planner_shift_threshold:
+                return f"workload shift {distance:.2f} > {s.planner_shift_threshold}"
+        return None
+
+    def recent(self) -> list[TraceEntry]:
+        """The requests finished since the last plan."""
+        count = min(self.since_plan, len(self.window))
+        return from_records(list(self.window)[-count:]) if count else []
+
+    # -- one plan --------------------------------------------------------------------------------
+    async def replan(self, trigger: str) -> Decision:
+        s = self.settings
+        if len(self.window) < s.planner_min_requests:
+            raise NotPlanned(f"need {s.planner_min_requests} finished requests, have {len(self.window)}")
+        trace = from_records(self.window)
+        try:
+            profiles = load_profiles(s.planner_profiles, await self.store.planning.profiles())
+        except ProfileError as exc:
+            raise NotPlanned(f"stage profiles ({s.planner_profiles}): {exc}") from exc
+        live = await self.store.registry.instances()
+        current = current_deployment([hb.roles for hb in live])
+        instances = s.planner_instances or len(live)
+        if instances < 1:
+            raise NotPlanned("no live instances, and TRIDENT_PLANNER_INSTANCES is 0")
+        self.status = f"planning ({trigger})"
+        started = time.monotonic()
+        correction = Correction()
+        if current is not None:
+            correction = await asyncio.to_thread(measure_correction, trace, current, profiles, self.slo)
+        try:
+            result = await asyncio.to_thread(
+                make_plan,
+                trace,
+                profiles,
+                self.slo,
+                instances,
+                correction=correction,
+                progress=self._on_progress,
+            )
+        except ValueError as exc:  # e.g. too few instances to split
+            raise NotPlanned(str(exc)) from exc
+        finally:
+            self.progress = None
+        duration = time.monotonic() - started
+        reason = f"{trigger}; {len(trace)} requests, {instances} instances"
+        decision_plan = await self.store.planning.put_plan(
+            result.deployment.method, result.deployment.counts, result.goodput, reason
+        )
+        await self.bus.events.plan(decision_plan)
+        inputs = {
+            **result.inputs,
+            "trace": summary(trace),
+            "current": current.to_dict() if current else None,
+            "live_instances": len(live),
+            "correction": dataclasses.asdict(correction),
+            "slo": dataclasses.asdict(self.slo),
+            "instances": instances,
+            "actuator": self.actuator.name,
+        }
+        self.decision = Decision(decision_plan, result, trigger, duration, inputs)
+        self.metrics.record(decision_plan, result, duration, trigger.split()[0])
+        self.planned_for, self.since_plan, self.planned_at = trace, 0, time.monotonic()
+        self.status = "planned"
+        log.info(
+            "plan %d (%s): %s, %.2f req/s at %.0f%% attainment, in %.1f s",
+            decision_plan.decision_id, trigger, result.deployment.label, result.goodput,
+            100 * result.attainment, duration,
+        )  # fmt: skip
+        try:
+            await self.actuator.apply(decision_plan)
+        except Exception:  # the plan stands; applying it is the actuator's business
+            log.exception("the %s actuator failed on plan %d", self.actuator.name, decision_plan.decision_id)
+        return self.decision
+
+    def _on_progress(self, fraction: float, message: str) -> None:
+        self.progress = (fraction, message)  # from the planning thread; a tuple is replaced atomically
+
+
+def _settle(
+    waiters: list[asyncio.Future[Decision]],
+    decision: Decision | None = None,
+    error: BaseException | None = None,
+) -> None:
+    for waiter in waiters:
+        if waiter.done():  # the caller went away
+            continue
+        if isinstance(error, asyncio.CancelledError):
+            waiter.cancel()
+        elif error is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(decision)

@@ -1,0 +1,133 @@
+"""The planner in a running E+P+D cluster (tiny model, real nats-server and redis-server): once a few
+requests have finished, a recommendation appears on every channel — GET /plan, a NATS plan event, the
+Redis plan key (the gateway's /v1/cluster shows it) and the Prometheus gauges — with one decision id."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from common.bus import Bus, BusConfig
+from common.infra import free_port
+from common.planner.types import KIND_ROLES, METHOD_KINDS
+from common.protocol import Plan
+from common.store import Store, StoreConfig
+from tests.engine.conftest import make_image
+from tests.services.cluster import Cluster, running_cluster
+from tests.services.conftest import data_url
+
+MIN_REQUESTS = 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]:
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("planner"), "e+p+d") as c:
+        c.planner_url = f"http://127.0.0.1:{free_port()}"
+        c.start(
+            "planner",
+            "services.planner",
+            TRIDENT_HTTP_PORT=c.planner_url.rsplit(":", 1)[1],
+            TRIDENT_PLANNER_MIN_REQUESTS=str(MIN_REQUESTS),
+            TRIDENT_PLANNER_SHIFT_CHECK_INTERVAL="0.3",
+            TRIDENT_PLANNER_INTERVAL="600",  # only the first plan and the ones asked for
+            TRIDENT_PLANNER_PROFILES="paper:llava-1.5-7b",
+            TRIDENT_TTFT_SLO="1.0",
+            TRIDENT_TBT_SLO="0.2",
+        )
+        c.wait_ready()
+        _wait_for(lambda: httpx.get(c.planner_url + "/ready", timeout=1).status_code == 200, c)
+        yield c
+
+
+def _wait_for(ok, cluster: Cluster, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if ok():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(cluster.log("planner")[-3000:])
+
+
+async def _chat(http: httpx.AsyncClient, url: str, model: str, i: int) -> None:
+    content = [{"type": "text", "text": f"Describe picture {i}."}]
+    if i % 2:
+        content.append({"type": "image_url", "image_url": {"url": data_url(make_image(i))}})
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    reply = await http.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+
+
+def _gauges(text: str) -> dict[str, float]:
+    """The planner's samples by `name{labels}` (label values here hold no spaces)."""
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(trident_planner_\S+) (\S+)$", text, re.M)}
+
+
+async def test_a_plan_reaches_every_channel(cluster: Cluster) -> None:
+    bus = await Bus.connect(BusConfig(url=cluster.nats.url, name="test-planner"))
+    store = await Store.connect(StoreConfig(url=cluster.redis.url))
+    plans = await bus.events.plans()
+    try:
+        async with httpx.AsyncClient() as http:
+            early = await http.get(cluster.planner_url + "/plan")
+            assert early.status_code == 404
+            assert early.json()["error"]["code"] == "no_plan"
+            assert f"waiting for {MIN_REQUESTS} finished requests" in early.json()["error"]["message"]
+
+            model = cluster.model.name
+            await asyncio.gather(*(_chat(http, cluster.url, model, i) for i in range(MIN_REQUESTS + 2)))
+            event = await plans.get(timeout=60)
+            assert isinstance(event, Plan)
+
+            body = (await http.get(cluster.planner_url + "/plan")).json()
+            assert body["decision_id"] == event.decision_id and body["trigger"] == "first"
+            assert (body["method"], body["replicas"]) == (event.method, event.replicas)
+            assert (
+                body["method"] in METHOD_KINDS and sum(body["replicas"].values()) == 3
+            )  # the live instances
+            assert body["candidates"] and body["goodput"] == pytest.approx(event.goodput)
+            inputs = body["inputs"]
+            assert inputs["trace"]["count"] >= MIN_REQUESTS and inputs["instances"] == 3
+            assert inputs["current"]["label"] == "1E1P1D" and inputs["profiles"] == "paper:llava-1.5-7b"
+            assert inputs["slo"] == {"ttft": 1.0, "tbt": 0.2, "attainment": 0.9}
+            assert set(inputs["correction"]) == {"ttft", "tbt"}
+
+            stored = await store.planning.current_plan()
+            assert stored is not None and stored.decision_id == event.decision_id
+            assert stored.replicas == event.replicas
+            cluster_view = (await http.get(cluster.url + "/v1/cluster")).json()
+            assert cluster_view["plan"]["decision_id"] == event.decision_id
+
+            gauges = _gauges((await http.get(cluster.planner_url + "/metrics")).text)
+            assert gauges["trident_planner_decision_id"] == event.decision_id
+            for kind in KIND_ROLES:
+                want = event.replicas.get(kind, 0)
+                assert gauges[f'trident_planner_recommended_replicas{{role="{kind}"}}'] == want
+            for method in METHOD_KINDS:
+                assert gauges[f'trident_planner_method{{method="{method}"}}'] == (method == event.method)
+            assert gauges["trident_planner_predicted_goodput"] == pytest.approx(event.goodput)
+            assert gauges["trident_planner_plan_duration_seconds"] > 0
+
+            # Asked for, a new decision comes at once under the next id, on every channel again.
+            again = await http.post(
+                cluster.planner_url + "/plan/replan", params={"wait": "true"}, timeout=120
+            )
+            assert again.status_code == 200, again.text
+            assert again.json()["decision_id"] == event.decision_id + 1
+            assert again.json()["trigger"] == "requested"
+            second = await plans.get(timeout=10)
+            assert second.decision_id == event.decision_id + 1
+            assert (await store.planning.current_plan()).decision_id == second.decision_id
+            chart = await http.get(cluster.planner_url + "/plan/chart.png")
+            assert chart.status_code == 200 and chart.content.startswith(b"\x89PNG")
+    finally:
+        await plans.close()
+        await bus.close()
+        await store.close()
