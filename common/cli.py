@@ -11,6 +11,7 @@ import typer
 from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters, write_checkpoint
 from common.generate_cmd import generate
 from common.launcher import down, up
+from common.plan_cmd import plan
 
 app = typer.Typer(
     name="trident",
@@ -53,3 +54,4 @@ def make_model(
 app.command("generate")(generate)
 app.command("up")(up)
 app.command("down")(down)
+app.command("plan")(plan)

@@ -1,0 +1,116 @@
+"""`trident plan`: offline planning of a trace file — which method and split of N instances serves the
+most requests per second within the SLOs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+DEFAULT_PROFILE = "paper:llava-1.5-7b"
+
+
+def plan(
+    trace: Annotated[
+        Path,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="Trace file (JSONL, docs/workloads.md), e.g. from `trident trace`.",
+        ),
+    ],
+    ttft_slo: Annotated[float, typer.Option(help="Time-to-first-token SLO, seconds.")],
+    tbt_slo: Annotated[float, typer.Option(help="Time-between-tokens SLO, seconds.")],
+    instances: Annotated[int, typer.Option(min=3, help="Instances to partition among the three stages.")],
+    profile: Annotated[
+        str,
+        typer.Option(
+            help="Stage profiles: a ProfileSet JSON file, or paper:<model> (the papers' GPU figures)."
+        ),
+    ] = DEFAULT_PROFILE,
+    attainment: Annotated[
+        float, typer.Option(help="Share of requests that must meet both SLOs, in (0, 1].")
+    ] = 0.9,
+    exhaustive: Annotated[
+        bool | None,
+        typer.Option(
+            "--exhaustive/--neighbours",
+            help="Simulate every split, or the partition and its neighbours; default: every split up to 16.",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object (the whole result) instead of the table.")
+    ] = False,
+) -> None:
+    """Plan a deployment for a trace: simulate E+P+D, EP+D and ED+P splits and report each one's goodput."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from common.planner.algorithm import plan as make_plan
+    from common.planner.profiles import ProfileError, ProfileSet
+    from common.planner.trace import TraceError, read_trace
+    from common.planner.types import SLO
+
+    try:
+        entries = read_trace(trace).entries
+        profiles = ProfileSet.load(profile)
+        slo = SLO(ttft_slo, tbt_slo, attainment)
+    except (TraceError, ProfileError, ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)  # one line, not wrapped to the terminal
+        raise typer.Exit(2) from None
+    if len(entries) < 2:
+        typer.echo(f"error: {trace} holds {len(entries)} request(s); a plan needs at least 2", err=True)
+        raise typer.Exit(2)
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"))
+    with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("planning", total=1.0)
+
+        def progress(fraction: float, message: str) -> None:
+            bar.update(task, completed=fraction, description=message)
+
+        result = make_plan(entries, profiles, slo, instances, exhaustive=exhaustive, progress=progress)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), default=_plain))
+        return
+    _print_table(result, len(entries), profiles.source or profile)
+
+
+def _plain(obj: object) -> object:
+    """numpy scalars as plain numbers."""
+    return obj.item() if hasattr(obj, "item") else str(obj)
+
+
+def _print_table(result, requests: int, source: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    slo = result.inputs.get("slo", {})
+    table = Table(title=f"{requests} requests, {result.inputs.get('instances')} instances, profiles {source}")
+    for name in ("", "deployment", "method", "goodput (req/s)", "attainment", "TTFT p90 (s)", "TBT p90 (s)"):
+        table.add_column(name, justify="left" if name in ("", "deployment", "method") else "right")
+    for c in result.candidates:
+        chosen = c.deployment == result.deployment
+        table.add_row(
+            "*" if chosen else "",
+            c.deployment.label,
+            c.deployment.method,
+            f"{c.goodput:.3f}",
+            f"{c.attainment:.1%}",
+            _maybe(c.ttft_p90),
+            _maybe(c.tbt_p90),
+            style="bold" if chosen else None,
+        )
+    out = Console()
+    out.print(table)
+    out.print(
+        f"plan: {result.deployment.label} ({result.deployment.method}), {result.goodput:.3f} req/s with "
+        f"{result.attainment:.1%} of requests within TTFT {slo.get('ttft')} s and TBT {slo.get('tbt')} s",
+        highlight=False,
+    )
+
+
+def _maybe(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

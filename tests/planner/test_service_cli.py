@@ -1,0 +1,85 @@
+"""`trident plan`: the planner offline, on a trace file (the same `plan()` the service runs)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from common.planner.trace import write_trace
+from common.planner.types import METHOD_KINDS
+from common.planner.workloads import generate
+
+
+@pytest.fixture(scope="module")
+def app() -> typer.Typer:
+    from common.cli import app
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("trace") / "pope.jsonl"
+    write_trace(path, generate("pope", rate=4.0, num_requests=60, seed=5))
+    return path
+
+
+def _plan(app: typer.Typer, *args: str):
+    return CliRunner().invoke(app, ["plan", "--ttft-slo", "0.5", "--tbt-slo", "0.1", *args])
+
+
+def test_json_is_the_last_line(app: typer.Typer, trace_file: Path) -> None:
+    result = _plan(app, "--trace", str(trace_file), "--instances", "3", "--json")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout.strip().splitlines()[-1])
+    assert body["method"] in METHOD_KINDS and sum(body["replicas"].values()) == 3
+    assert body["candidates"] and body["goodput"] == max(c["goodput"] for c in body["candidates"])
+    assert body["inputs"]["profiles"] == "paper:llava-1.5-7b"  # the default
+    assert body["inputs"]["requests"] == 60
+
+
+def test_table(app: typer.Typer, trace_file: Path, tmp_path: Path) -> None:
+    from common.planner.profiles import ProfileSet
+
+    profile = tmp_path / "profiles.json"
+    ProfileSet.load("paper:llava-1.5-7b").save(profile)
+    result = _plan(app, "--trace", str(trace_file), "--instances", "3", "--profile", str(profile))
+    assert result.exit_code == 0, result.output
+    assert "plan: " in result.stdout and "req/s" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"arrival": 0, "prompt_tokens": "many", "output_tokens": 3}\n', "bad.jsonl:1: prompt_tokens"),
+        ('{"arrival": 0, "prompt_tokens": 9, "output_tokens": 3}\n{"arrival": 1}\n', "bad.jsonl:2: missing"),
+        ("not json\n", "bad.jsonl:1:"),
+    ],
+)
+def test_bad_trace_exits_2(app: typer.Typer, tmp_path: Path, content: str, message: str) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    result = _plan(app, "--trace", str(bad), "--instances", "3")
+    assert result.exit_code == 2
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_usage_errors_exit_2(app: typer.Typer, trace_file: Path, tmp_path: Path) -> None:
+    for args, message in [
+        (["--trace", str(tmp_path / "missing.jsonl"), "--instances", "3"], "does not exist"),
+        (["--trace", str(trace_file), "--instances", "2"], "--instances"),
+        (["--trace", str(trace_file), "--instances", "3", "--profile", "paper:gpt-9"], "no paper profile"),
+        (
+            ["--trace", str(trace_file), "--instances", "3", "--profile", str(tmp_path / "p.json")],
+            "cannot read",
+        ),
+    ]:
+        result = _plan(app, *args)
+        assert result.exit_code == 2, (args, result.output)
+        # typer boxes usage errors and wraps them to the terminal's width
+        assert message in re.sub(r"[\s│]+", " ", result.output), (args, result.output)
