@@ -19,13 +19,14 @@ import typer
 import yaml
 
 from common.launcher import up
-from services.settings import GatewaySettings, WorkerSettings
+from services.settings import GatewaySettings, PlannerSettings, WorkerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "shared" / "data" / "compose-spec.json"
 WORKERS = ("encoder", "prefill", "decode", "worker-ep", "worker-ed", "worker-epd")
-APP = ("gateway", *WORKERS)  # the services built from this repository that keep running
-DEFAULT = {"nats", "redis", "model-init", "gateway", "encoder", "prefill", "decode"}
+APP = ("gateway", *WORKERS)  # the services built from this repository that load the model
+PLANNER = ("planner", "planner-jobs")  # built from this repository too; they need no model
+DEFAULT = {"nats", "redis", "model-init", "gateway", "encoder", "prefill", "decode", *PLANNER}
 # Compose's rule for profile names (a '+' is not allowed, hence ep-d rather than ep+d).
 PROFILE_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
 
@@ -102,11 +103,12 @@ def test_no_container_names(name: str) -> None:
     assert all("container_name" not in mapping for mapping in _walk(_load(name)))
 
 
-def test_only_the_gateway_publishes_ports(compose: dict[str, Any], gpu: dict[str, Any]) -> None:
+def test_only_unscaled_services_publish_ports(compose: dict[str, Any], gpu: dict[str, Any]) -> None:
     for doc in (compose, gpu):
         published = {name for name, service in doc["services"].items() if service.get("ports")}
-        assert published == {"gateway"}
+        assert published == {"gateway", "planner"}
     assert compose["services"]["gateway"]["ports"] == ["${TRIDENT_PORT:-8000}:8000"]
+    assert compose["services"]["planner"]["ports"] == ["${TRIDENT_PLANNER_PORT:-8100}:8100"]
 
 
 def test_start_up_order(compose: dict[str, Any]) -> None:
@@ -120,6 +122,8 @@ def test_start_up_order(compose: dict[str, Any]) -> None:
             assert depends["model-init"] == {"condition": "service_completed_successfully"}, name
     for name in APP:
         assert set(compose["services"][name]["depends_on"]) == {"nats", "redis", "model-init"}
+    assert set(compose["services"]["planner"]["depends_on"]) == {"nats", "redis"}
+    assert set(compose["services"]["planner-jobs"]["depends_on"]) == {"redis"}
 
 
 def test_health_checks(compose: dict[str, Any]) -> None:
@@ -134,6 +138,10 @@ def test_health_checks(compose: dict[str, Any]) -> None:
         assert "os.environ['TRIDENT_HTTP_PORT']" in service["healthcheck"]["test"][-1]
         assert "/health" in service["healthcheck"]["test"][-1]
         assert service["environment"]["TRIDENT_HTTP_PORT"] == ("8000" if name == "gateway" else "9000")
+    planner = compose["services"]["planner"]
+    assert planner["healthcheck"] == compose["services"]["gateway"]["healthcheck"]
+    assert planner["environment"]["TRIDENT_HTTP_PORT"] == "8100"
+    assert "inspect ping" in compose["services"]["planner-jobs"]["healthcheck"]["test"][-1]
 
 
 def test_services_and_profiles(compose: dict[str, Any]) -> None:
@@ -147,6 +155,22 @@ def test_services_and_profiles(compose: dict[str, Any]) -> None:
     methods = compose["x-trident-up"]["methods"]
     assert set(methods) == {"e+p+d", "ep+d", "ed+p", "epd"}
     assert all(name in services for names in methods.values() for name in names)
+    assert compose["x-trident-up"]["always"] == list(PLANNER)
+    assert compose["x-trident-up"]["planner"] == "planner"
+
+
+def test_planner_services(compose: dict[str, Any]) -> None:
+    planner, jobs = (compose["services"][name] for name in PLANNER)
+    assert planner["command"] == ["python", "-m", "services.planner"]
+    # `python -m celery` so that `trident up` runs it with its own interpreter, like every service.
+    assert jobs["command"][:4] == ["python", "-m", "celery", "--app=services.planner.jobs"]
+    assert "--pool=solo" in jobs["command"] and "--concurrency=1" in jobs["command"]
+    for service in (planner, jobs):
+        assert service["environment"]["TRIDENT_REDIS_URL"] == "redis://redis:6379/0"
+        assert service["image"] == "trident:cpu" and service["init"] is True
+    # The compose actuator reads the methods of the file it would scale.
+    assert planner["volumes"] == ["./compose.yaml:/app/compose.yaml:ro"]
+    assert planner["environment"]["TRIDENT_PLANNER_ACTUATOR"] == "${TRIDENT_PLANNER_ACTUATOR:-advisory}"
 
 
 def test_environment(compose: dict[str, Any]) -> None:
@@ -175,7 +199,7 @@ def test_environment(compose: dict[str, Any]) -> None:
 
 
 def test_gpu_override(gpu: dict[str, Any]) -> None:
-    for name in ("model-init", *APP):
+    for name in ("model-init", *APP, *PLANNER):
         service = gpu["services"][name]
         assert service["image"] == "trident:gpu"
         assert service["build"] == {"context": ".", "dockerfile": "Dockerfile.gpu"}
@@ -208,10 +232,13 @@ def test_pyyaml_is_a_runtime_dependency() -> None:
 
 def test_running_md_documents_every_variable_and_flag() -> None:
     doc = (REPO / "docs" / "running.md").read_text()
-    fields = {*WorkerSettings.model_fields, *GatewaySettings.model_fields}
+    fields = {*WorkerSettings.model_fields, *GatewaySettings.model_fields, *PlannerSettings.model_fields}
     missing = sorted(f"TRIDENT_{f.upper()}" for f in fields if f"`TRIDENT_{f.upper()}`" not in doc)
     assert not missing, f"docs/running.md lacks {missing}"
-    app = typer.Typer(add_completion=False)
-    app.command()(up)
-    flags = [opt for param in typer.main.get_command(app).params for opt in param.opts]
-    assert [f for f in flags if f"`{f}" not in doc] == []
+    from common.cli import plan
+
+    for command in (up, plan):
+        app = typer.Typer(add_completion=False)
+        app.command()(command)
+        flags = [opt for param in typer.main.get_command(app).params for opt in param.opts]
+        assert [f for f in flags if f"`{f}" not in doc] == [], command.__name__

@@ -45,6 +45,7 @@ from common.launcher.state import identity, is_alive, start_time
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"
 HOSTS = {"nats": "127.0.0.1:14222", "redis": "127.0.0.1:16379"}
+PLANNER = ["planner-1", "planner-jobs-1"]  # x-trident-up.always: one each, whatever the method
 
 
 def _setup(cpus: int = 8, user_env: dict[str, str] | None = None) -> LocalSetup:
@@ -124,17 +125,18 @@ def test_compose_file_methods() -> None:
 @pytest.mark.parametrize(
     ("method", "names"),
     [
-        (Method.E_P_D, ["encoder-1", "prefill-1", "decode-1", "gateway-1"]),
-        (Method.EP_D, ["worker-ep-1", "decode-1", "gateway-1"]),
-        (Method.ED_P, ["worker-ed-1", "prefill-1", "gateway-1"]),
-        (Method.EPD, ["worker-epd-1", "gateway-1"]),
+        (Method.E_P_D, ["encoder-1", "prefill-1", "decode-1"]),
+        (Method.EP_D, ["worker-ep-1", "decode-1"]),
+        (Method.ED_P, ["worker-ed-1", "prefill-1"]),
+        (Method.EPD, ["worker-epd-1"]),
     ],
 )
 def test_plan_per_method(method: Method, names: list[str]) -> None:
     compose = load_compose(COMPOSE, {"TRIDENT_LOG_LEVEL": "DEBUG"})
     procs = plan(compose, method, {}, _setup(cpus=8))
-    assert [p.name for p in procs] == names
-    workers, gateway = procs[:-1], procs[-1]
+    # Workers, then the services every method runs (the planner), then the gateway.
+    assert [p.name for p in procs] == [*names, *PLANNER, "gateway-1"]
+    workers, gateway = procs[: len(names)], procs[-1]
     threads = str(thread_split(8, len(workers)))
     for proc in procs:
         assert proc.argv[0] == sys.executable  # compose's `python` is this interpreter
@@ -154,17 +156,22 @@ def test_plan_per_method(method: Method, names: list[str]) -> None:
     assert gateway.argv[1:] == ("-m", "services.gateway")
     assert gateway.env["TRIDENT_PORT"] == gateway.env["TRIDENT_HTTP_PORT"] == "8123"
     assert "TRIDENT_NUM_THREADS" not in gateway.env
+    for proc in procs[len(names) : -1]:
+        assert not proc.roles and "TRIDENT_NUM_THREADS" not in proc.env
+        assert proc.env["TRIDENT_HTTP_PORT"] == "0"  # `trident up` sets the planner's own with service_env
 
 
 def test_scale_by_service_role_or_initials() -> None:
     compose = load_compose(COMPOSE, {})
     procs = plan(compose, Method.E_P_D, {"decode": 3, "encode": 2}, _setup(cpus=16))
     assert [p.name for p in procs] == [
-        "encoder-1", "encoder-2", "prefill-1", "decode-1", "decode-2", "decode-3", "gateway-1",
+        "encoder-1", "encoder-2", "prefill-1", "decode-1", "decode-2", "decode-3", *PLANNER, "gateway-1",
     ]  # fmt: skip
-    assert {p.env.get("TRIDENT_NUM_THREADS") for p in procs[:-1]} == {"2"}  # 16 cores / 6 workers
+    assert {p.env.get("TRIDENT_NUM_THREADS") for p in procs[:6]} == {"2"}  # 16 cores / 6 workers
     procs = plan(compose, Method.EP_D, {"ep": 2}, _setup())
-    assert [p.name for p in procs] == ["worker-ep-1", "worker-ep-2", "decode-1", "gateway-1"]
+    assert [p.name for p in procs] == ["worker-ep-1", "worker-ep-2", "decode-1", *PLANNER, "gateway-1"]
+    with pytest.raises(ValueError, match="planner"):
+        resolve_scale(compose, Method.EP_D, {"planner": 2})
     with pytest.raises(ValueError, match="worker-epd"):
         resolve_scale(compose, Method.EPD, {"decode": 2})
     with pytest.raises(ValueError, match="--port"):
@@ -386,7 +393,7 @@ def test_up_runs_method_restarts_and_down_drains(
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
         assert state["method"] == "ep+d" and state["port"] == port
         names = [p["name"] for p in state["processes"]]
-        assert names == ["worker-ep-1", "decode-1", "decode-2", "gateway-1"]
+        assert names == ["worker-ep-1", "decode-1", "decode-2", *PLANNER, "gateway-1"]
         for p in state["processes"]:
             assert Path(p["log"]).is_file()
         records = {p["name"]: _record(tmp_path, p["pid"]) for p in state["processes"]}
@@ -398,7 +405,10 @@ def test_up_runs_method_restarts_and_down_drains(
         assert worker_env["TRIDENT_HTTP_PORT"] == "0"
         assert worker_env["TRIDENT_LOG_LEVEL"] == "DEBUG"
         threads = thread_split(len(os.sched_getaffinity(0)), 3)
-        assert {records[n]["env"]["TRIDENT_NUM_THREADS"] for n in names[:-1]} == {str(threads)}
+        assert {records[n]["env"]["TRIDENT_NUM_THREADS"] for n in names[:3]} == {str(threads)}
+        planner = records["planner-1"]["env"]
+        assert planner["TRIDENT_HTTP_PORT"] == str(state["planner"].rsplit(":", 1)[1])
+        assert "TRIDENT_PLANNER_ACTUATOR" not in planner or planner["TRIDENT_PLANNER_ACTUATOR"] == "advisory"
         assert records["decode-2"]["env"]["TRIDENT_ROLES"] == "decode"
 
         # A crashed worker is restarted (compose's restart: unless-stopped) and the state file follows.
@@ -437,7 +447,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     try:
         _read_until(lines, "gateway:")
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
-        assert [p["name"] for p in state["processes"]] == ["worker-epd-1", "gateway-1"]
+        assert [p["name"] for p in state["processes"]] == ["worker-epd-1", *PLANNER, "gateway-1"]
         assert (
             _record(tmp_path, state["processes"][0]["pid"])["env"]["TRIDENT_ROLES"] == "encode,prefill,decode"
         )

@@ -47,6 +47,7 @@ def planner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Red
             "--loglevel=INFO",
             "--without-heartbeat",
             "--without-gossip",
+            "--without-mingle",
         ]
         commands = {
             "planner": [sys.executable, "-m", "services.planner"],
