@@ -82,7 +82,8 @@ def stage_costs(work: Workload, curves: StageCurves, slo: SLO) -> StageCosts:
     batch = max(1, int(min(tau_d, by_memory, curves.max_num_seqs)))
     encode = prefill = decode = 0.0
     if work.images:
-        encode = _best_unit_cost(curves.encode_time, tau_e, [n for n, _ in curves.encode]) * work.images
+        per_image = _best_unit_cost(curves.encode_time, tau_e, [n for n, _ in curves.encode])
+        encode = per_image * curves.image_units(work.image_tokens, work.images)
     if work.prompt_tokens:
         per_token = _best_unit_cost(curves.prefill_time, tau_p, [t for t, _ in curves.prefill])
         prefill = per_token * work.prompt_tokens

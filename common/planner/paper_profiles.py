@@ -46,6 +46,7 @@ def _llava_7b_h20() -> ProfileSet:
         max_num_seqs=1024,
         max_images=64,
         max_tokens=16384,
+        tokens_per_image=576,  # a 336 px image; LLaVA-NeXT's up-to-five tiles cost up to five
     )
     return ProfileSet(
         curves, TransferModel(latency=1e-3, bandwidth=50e9, hop=1e-3), source="paper:llava-1.5-7b"

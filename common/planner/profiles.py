@@ -71,6 +71,9 @@ class StageCurves:
     max_num_seqs: int = 256
     max_images: int = 32  # the budget searches' upper bounds
     max_tokens: int = 8192
+    # Tokens of the image the encode curve was measured with; an image of k times as many tokens
+    # (LLaVA-NeXT's tiles) costs k of them. 0: every image costs one.
+    tokens_per_image: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -80,7 +83,7 @@ class StageCurves:
 
     # -- one iteration ---------------------------------------------------------------------------
 
-    def encode_time(self, images: int) -> float:
+    def encode_time(self, images: float) -> float:
         if images <= 0:
             return 0.0
         if not self.encode:
@@ -99,7 +102,11 @@ class StageCurves:
         by_context = [(c, _interp(row, batch)) for c, row in rows]
         return _interp(by_context, context)
 
-    def iteration_time(self, images: int, prefill_tokens: int, decodes: int, context: float) -> float:
+    def image_units(self, image_tokens: float, images: float) -> float:
+        """What `images` images of `image_tokens` tokens in all cost the vision tower, in profiled images."""
+        return image_tokens / self.tokens_per_image if self.tokens_per_image else images
+
+    def iteration_time(self, images: float, prefill_tokens: int, decodes: int, context: float) -> float:
         """One engine iteration. The vision tower and the LLM run one after the other (CPU; the
         conservative bound on GPU). A mixed LLM batch costs a prefill over all its tokens plus the
         context-dependent part of the decodes' attention."""
@@ -151,7 +158,7 @@ class StageCurves:
 
 _INT_FIELDS = (
     "num_kv_blocks", "block_size", "kv_bytes_per_token", "feature_bytes_per_image_token", "max_num_seqs",
-    "max_images", "max_tokens",
+    "max_images", "max_tokens", "tokens_per_image",
 )  # fmt: skip
 
 
@@ -177,23 +184,29 @@ class ProfileSet:
 
     @classmethod
     def from_records(cls, records: Sequence, transfer: TransferModel | None = None) -> ProfileSet:
-        """From the StageProfile records instances publish in Redis: the record with the most
-        stages supplies the shared curves; each role set's own record becomes that kind's."""
-        usable = [r for r in records if getattr(r, "prefill", ()) and getattr(r, "decode", ())]
-        if not usable:
-            raise ProfileError("no published profile has prefill and decode curves")
+        """From the StageProfile records instances publish in Redis. The shared curves take the
+        vision curve from a record that has one and the LLM curves from one that has them (an
+        encoder holds no LLM, a prefill instance no vision tower); each role set's own record
+        becomes that kind's, its gaps filled from the shared ones. A record's budgets cap the
+        simulated ones: an instance never searched beyond its configured caps."""
+        vision = [r for r in records if r.encode]
+        llm = [r for r in records if r.prefill and r.decode]
+        if not llm:
+            raise ProfileError("no published profile has prefill and decode curves (is an LLM instance up?)")
+        most_roles = lambda r: (len(r.roles), r.profile_id)  # noqa: E731
+        enc = max(vision, key=most_roles) if vision else None
+        lm = max(llm, key=most_roles)
+        base = _record_curves(lm, enc, image_cap=max((r.image_budget for r in vision), default=0))
         by_kind: dict[str, StageCurves] = {}
-        for record in usable:
+        for record in records:
             kind = _kind_of(record.roles)
-            if kind is not None:
-                by_kind[kind] = _record_curves(record)
-        with_encode = [r for r in usable if getattr(r, "encode", ())]
-        base = max(with_encode or usable, key=lambda r: (len(r.roles), r.profile_id))
-        curves = _record_curves(base)
-        if not curves.encode and with_encode:
-            curves = _record_curves(with_encode[0])
-        source = ", ".join(sorted({r.profile_id for r in usable}))
-        return cls(curves, transfer or TransferModel(), by_kind, f"cluster: {source}")
+            if kind is None:
+                continue
+            own_llm = record if record.prefill and record.decode else lm
+            own_vision = record if record.encode else enc
+            by_kind[kind] = _record_curves(own_llm, own_vision, image_cap=record.image_budget)
+        source = ", ".join(sorted({r.profile_id for r in records}))
+        return cls(base, transfer or TransferModel(), by_kind, f"cluster: {source}")
 
     # -- files -----------------------------------------------------------------------------------
 
@@ -243,10 +256,18 @@ def _kind_of(roles: Sequence[str]) -> str | None:
     return next((k for k, r in KIND_ROLES.items() if r == names), None)
 
 
-def _record_curves(record) -> StageCurves:
-    """A protocol StageProfile record → StageCurves (fields the record lacks keep their defaults)."""
-    extra = {k: int(getattr(record, k)) for k in _INT_FIELDS if getattr(record, k, None)}
-    extra.setdefault("num_kv_blocks", 1)
+def _record_curves(llm, vision, image_cap: int = 0) -> StageCurves:
+    """StageCurves from protocol StageProfile records: LLM curves and sizes from `llm`, the vision
+    curve from `vision` (None: none); budgets found become the search caps."""
+    sizes = {k: int(getattr(llm, k)) for k in _INT_FIELDS if getattr(llm, k, None)}
+    sizes.setdefault("num_kv_blocks", 1)
+    if llm.token_budget:
+        sizes["max_tokens"] = llm.token_budget
+    if image_cap:
+        sizes["max_images"] = image_cap
     return StageCurves(
-        encode=tuple(record.encode), prefill=tuple(record.prefill), decode=tuple(record.decode), **extra
+        encode=tuple(vision.encode) if vision is not None else (),
+        prefill=tuple(llm.prefill),
+        decode=tuple(llm.decode),
+        **sizes,
     )

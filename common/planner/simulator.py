@@ -280,7 +280,9 @@ class Simulation:
         decodes = batch.decodes
         context = sum(r.num_tokens for r in decodes) / len(decodes) if decodes else 0.0
         prefill_tokens = sum(n for _, n in batch.prefills)
-        seconds = inst.curves.iteration_time(batch.num_images, prefill_tokens, len(decodes), context)
+        image_tokens = sum(req.images[k].num_tokens for req, idx in batch.encodes for k in idx)
+        images = inst.curves.image_units(image_tokens, batch.num_images)
+        seconds = inst.curves.iteration_time(images, prefill_tokens, len(decodes), context)
         inst.batch = batch
         inst.busy_until = self.now + seconds
         inst.busy_time += seconds
