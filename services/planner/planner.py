@@ -28,7 +28,7 @@ from common.planner.drift import current_deployment, measure_correction, workloa
 from common.planner.profiles import ProfileError, ProfileSet
 from common.planner.simulator import Correction
 from common.planner.trace import TraceEntry, from_records, summary
-from common.planner.types import SLO, PlanResult
+from common.planner.types import SLO, Deployment, PlanResult
 from common.protocol import Plan, TraceRecord
 from common.store import Store, StoreConfig
 from services.planner.actuators import Actuator, make_actuator
@@ -183,9 +183,9 @@ class Planner:
             profiles = load_profiles(s.planner_profiles, await self.store.planning.profiles())
         except ProfileError as exc:
             raise NotPlanned(f"stage profiles ({s.planner_profiles}): {exc}") from exc
-        live = await self.store.registry.instances()
+        live = [hb for hb in await self.store.registry.instances() if not hb.draining]
         current = current_deployment([hb.roles for hb in live])
-        instances = s.planner_instances or len(live)
+        instances = s.planner_instances or self._instances(current, len(live))
         if instances < 1:
             raise NotPlanned("no live instances, and TRIDENT_PLANNER_INSTANCES is 0")
         self.status = f"planning ({trigger})"
@@ -237,6 +237,16 @@ class Planner:
         except Exception:  # the plan stands; applying it is the actuator's business
             log.exception("the %s actuator failed on plan %d", self.actuator.name, decision_plan.decision_id)
         return self.decision
+
+    def _instances(self, current: Deployment | None, live: int) -> int:
+        """N when TRIDENT_PLANNER_INSTANCES leaves it to the cluster: the live deployment's size; while
+        the live instances form no one method (a deployment moving to the last plan: new replicas up,
+        old ones not yet drained), the last plan's size, so a transition does not inflate N."""
+        if current is not None:
+            return current.instances
+        if self.decision is not None:
+            return self.decision.result.deployment.instances
+        return live
 
     def _on_progress(self, fraction: float, message: str) -> None:
         self.progress = (fraction, message)  # from the planning thread; a tuple is replaced atomically

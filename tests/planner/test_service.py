@@ -14,14 +14,64 @@ import pytest
 
 from common.bus import Bus, BusConfig
 from common.infra import free_port
-from common.planner.types import KIND_ROLES, METHOD_KINDS
-from common.protocol import Plan
+from common.planner.trace import from_records
+from common.planner.types import KIND_ROLES, METHOD_KINDS, Deployment, PlanResult
+from common.protocol import Plan, TraceRecord
 from common.store import Store, StoreConfig
+from services.planner.planner import Decision, Planner
+from services.settings import PlannerSettings
 from tests.engine.conftest import make_image
 from tests.services.cluster import Cluster, running_cluster
 from tests.services.conftest import data_url
 
 MIN_REQUESTS = 4
+
+
+def _records(n: int, prompt: int, start: float = 0.0, gap: float = 0.5) -> list[TraceRecord]:
+    return [
+        TraceRecord(
+            request_id=f"r{start}-{i}", arrival=start + i * gap, prompt_tokens=prompt, output_tokens=8
+        )
+        for i in range(n)
+    ]
+
+
+def _decision() -> Decision:
+    """A published 1ED2P plan."""
+    plan = Plan(decision_id=1, method="ed+p", replicas={"ed": 1, "p": 2}, time=0.0)
+    return Decision(plan, PlanResult(Deployment.of("ed+p", ed=1, p=2), 1.0, 1.0, []), "first", 0.1, {})
+
+
+def test_triggers() -> None:
+    """First plan once enough requests finished, then on the interval or a shift of the workload."""
+    planner = Planner(
+        PlannerSettings(planner_min_requests=10, planner_interval=60, planner_shift_threshold=0.2)
+    )
+    planner.window.extend(_records(9, prompt=100))
+    assert planner.due() is None and "waiting for 10 finished requests (have 9)" in planner.status
+    planner.window.extend(_records(1, prompt=100, start=4.5))
+    assert planner.due() == "first"
+    planner.decision = _decision()
+    planner.planned_for, planner.planned_at = from_records(planner.window), time.monotonic()
+    more = _records(10, prompt=100, start=5.0)
+    planner.window.extend(more)
+    planner.since_plan = len(more)
+    assert planner.due() is None  # the same workload
+    longer = _records(10, prompt=900, start=10.0)
+    planner.window.extend(longer)
+    planner.since_plan = len(longer)
+    assert planner.due() == "workload shift 1.00 > 0.2"
+    planner.planned_at -= 61
+    assert planner.due() == "interval"
+
+
+def test_instances_follow_the_live_deployment() -> None:
+    planner = Planner(PlannerSettings())
+    assert planner._instances(Deployment.of("ep+d", ep=2, d=1), live=3) == 3
+    assert planner._instances(None, live=5) == 5
+    planner.decision = _decision()
+    # Moving to 1ED2P from 1E1P1D: five live instances of no one method; N stays the plan's.
+    assert planner._instances(None, live=5) == 3
 
 
 @pytest.fixture(scope="module")
