@@ -70,10 +70,10 @@ def _brute_force(trace, slo: SLO, instances: int):
     [("textcaps", SLO(ttft=4, tbt=0.08)), ("mme", SLO(ttft=0.6, tbt=0.08)), ("mix", SLO(ttft=2, tbt=0.04))],
 )
 def test_the_pick_equals_brute_force_over_every_split(shape: str, slo: SLO) -> None:
-    trace = generate(shape, rate=5, num_requests=120, seed=7)
-    best = _brute_force(trace, slo, 6)
-    result = plan(trace, PROFILES, slo, 6)
+    trace = generate(shape, rate=5, num_requests=80, seed=7)
+    best = _brute_force(trace, slo, 5)
+    result = plan(trace, PROFILES, slo, 5)
     assert result.goodput == pytest.approx(best.goodput)
     assert result.deployment.label == best.deployment.label or result.goodput == best.goodput
-    heuristic = plan(trace, PROFILES, slo, 6, exhaustive=False)
+    heuristic = plan(trace, PROFILES, slo, 5, exhaustive=False)
     assert heuristic.goodput == pytest.approx(best.goodput, rel=0.05)
