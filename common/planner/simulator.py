@@ -154,6 +154,7 @@ class Simulation:
         # Stop once more requests are sure to miss their TTFT than the attainment allows.
         self._allowed_failures = math.floor((1 - slo.attainment) * len(self.trace)) if stop_early else None
         self._failures = 0
+        self._turn = 0
 
     # -- the event loop --------------------------------------------------------------------------
 
@@ -213,10 +214,14 @@ class Simulation:
     # -- instances pull, batch and run -----------------------------------------------------------
 
     def _start_idle(self) -> None:
-        for inst in self.instances:
-            # A worker's pull loops run beside its engine; what they fetched joins between steps.
+        # Pull loops run beside each engine, so busy instances fetch too, but the broker serves the
+        # waiting fetches in turn: idle instances first, in rotation, then the busy ones.
+        self._turn = (self._turn + 1) % len(self.instances)
+        order = self.instances[self._turn :] + self.instances[: self._turn]
+        for inst in sorted(order, key=lambda i: i.busy_until is not None):
             self._pull(inst)
-            if inst.busy_until is None:
+        for inst in self.instances:
+            if inst.busy_until is None:  # what was fetched joins the engine between steps
                 self._admit_arrived(inst)
                 self._start(inst)
 
