@@ -105,7 +105,7 @@ SLO = {"ttft": 0.5, "tbt": 0.1}
 
 def test_workload_job_runs_to_a_chart(planner: tuple[str, RedisServer]) -> None:
     url, redis_server = planner
-    workload = {"shape": "textcaps", "rate": 4.0, "num_requests": 120, "seed": 3}
+    workload = {"shape": "textcaps", "rate": 4.0, "num_requests": 80, "seed": 3}
     reply = httpx.post(
         f"{url}/plan/jobs",
         json={"workload": workload, "slo": SLO, "instances": 4, "profiles": "paper:llava-1.5-7b"},
@@ -116,11 +116,11 @@ def test_workload_job_runs_to_a_chart(planner: tuple[str, RedisServer]) -> None:
     body, states = _finish(url, job_id)
     assert body["state"] == "SUCCESS", body["error"]
     assert states <= {"PENDING", "STARTED", "PROGRESS", "SUCCESS"}
-    assert body["progress"] == 1.0 and body["requests"] == 120 and body["instances"] == 4
+    assert body["progress"] == 1.0 and body["requests"] == 80 and body["instances"] == 4
     plan = body["result"]["plan"]
     assert plan["method"] in METHOD_KINDS and sum(plan["replicas"].values()) == 4
     assert plan["candidates"] and plan["goodput"] == max(c["goodput"] for c in plan["candidates"])
-    assert body["result"]["trace"]["count"] == 120
+    assert body["result"]["trace"]["count"] == 80
     png = httpx.get(url + body["chart"], timeout=10)
     assert png.status_code == 200 and png.headers["content-type"] == "image/png"
     assert png.content.startswith(b"\x89PNG\r\n\x1a\n")

@@ -1,4 +1,4 @@
-"""The planner in a running E+P+D cluster (tiny model, real nats-server and redis-server): once a few
+"""The planner in a running cluster (tiny model, real nats-server and redis-server): once a few
 requests have finished, a recommendation appears on every channel — GET /plan, a NATS plan event, the
 Redis plan key (the gateway's /v1/cluster shows it) and the Prometheus gauges — with one decision id."""
 
@@ -76,13 +76,15 @@ def test_instances_follow_the_live_deployment() -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]:
-    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("planner"), "e+p+d") as c:
+    # One EPD instance starts fastest; the planner partitions N = 3 all the same.
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("planner"), "epd") as c:
         c.planner_url = f"http://127.0.0.1:{free_port()}"
         c.start(
             "planner",
             "services.planner",
             TRIDENT_HTTP_PORT=c.planner_url.rsplit(":", 1)[1],
             TRIDENT_PLANNER_MIN_REQUESTS=str(MIN_REQUESTS),
+            TRIDENT_PLANNER_INSTANCES="3",
             TRIDENT_PLANNER_SHIFT_CHECK_INTERVAL="0.3",
             TRIDENT_PLANNER_INTERVAL="600",  # only the first plan and the ones asked for
             TRIDENT_PLANNER_PROFILES="paper:llava-1.5-7b",
@@ -139,13 +141,11 @@ async def test_a_plan_reaches_every_channel(cluster: Cluster) -> None:
             body = (await http.get(cluster.planner_url + "/plan")).json()
             assert body["decision_id"] == event.decision_id and body["trigger"] == "first"
             assert (body["method"], body["replicas"]) == (event.method, event.replicas)
-            assert (
-                body["method"] in METHOD_KINDS and sum(body["replicas"].values()) == 3
-            )  # the live instances
+            assert body["method"] in METHOD_KINDS and sum(body["replicas"].values()) == 3
             assert body["candidates"] and body["goodput"] == pytest.approx(event.goodput)
             inputs = body["inputs"]
             assert inputs["trace"]["count"] >= MIN_REQUESTS and inputs["instances"] == 3
-            assert inputs["current"]["label"] == "1E1P1D" and inputs["profiles"] == "paper:llava-1.5-7b"
+            assert inputs["current"]["label"] == "1EPD" and inputs["profiles"] == "paper:llava-1.5-7b"
             assert inputs["slo"] == {"ttft": 1.0, "tbt": 0.2, "attainment": 0.9}
             assert set(inputs["correction"]) == {"ttft", "tbt"}
 
