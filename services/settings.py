@@ -25,6 +25,10 @@ class ServiceSettings(BaseSettings):
     http_port: int = Field(0, description="Health/metrics port; 0 picks a free one")
     instance_id: str = Field("", description="Unique id; default: <roles>-<host>-<pid>")
     log_level: str = "INFO"
+    # The latency objectives (seconds). Workers size their per-iteration budgets from them; the
+    # gateway judges each request against them. The defaults suit the tiny model on a CPU.
+    ttft_slo: float = Field(5.0, gt=0, description="Time-to-first-token objective, seconds")
+    tbt_slo: float = Field(0.5, gt=0, description="Time-between-tokens objective (p90), seconds")
 
     @property
     def served_model_name(self) -> str:
@@ -40,8 +44,16 @@ class WorkerSettings(ServiceSettings):
     num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default")
     kv_cache_bytes: int = 256 << 20
     block_size: int = 16
+    # Upper caps: with profiling on, the budgets in use are the largest within the SLO-derived
+    # iteration latency limit, at most these.
     token_budget: int = 2048
     image_budget: int = 8
+    profile: Literal["auto", "measure", "off"] = Field(
+        "auto",
+        description="auto (reuse a profile in Redis with the same fingerprint, else measure and store it) "
+        "| measure (always) | off (use the budgets as configured, publish nothing)",
+    )
+    profile_repeats: int = Field(2, ge=1, description="Timed runs per profiled point (the median counts)")
     max_num_seqs: int = 256
     feature_cache_bytes: int = 64 << 20
     transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")

@@ -7,6 +7,7 @@
 <p>:instances                 zset   instance id -> expiry time (index over inst:*)
 <p>:profile:<profile_id>      string StageProfile
 <p>:profiles                  set    profile ids
+<p>:profile:<id>:claim        string instance measuring that profile now                  TTL claim_ttl
 <p>:plan                      string the current Plan
 <p>:plan:seq                  int    last decision id (INCR)
 <p>:plan:apply                string the Plan for `trident up --follow-plan` (the launcher actuator)
@@ -43,6 +44,9 @@ class Keys:
 
     def profile(self, profile_id: str) -> str:
         return f"{self.prefix}:profile:{profile_id}"
+
+    def profile_claim(self, profile_id: str) -> str:
+        return f"{self.prefix}:profile:{profile_id}:claim"
 
     @property
     def profiles(self) -> str:

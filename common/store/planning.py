@@ -33,6 +33,21 @@ class Planning:
         raw = await self._r.get(self._keys.profile(profile_id))
         return None if raw is None else decode(raw, expect=StageProfile)
 
+    async def claim_profile(self, profile_id: str, owner: str, ttl: float) -> bool:
+        """Whether `owner` may measure this profile now: it took the claim, or already held it (and
+        the claim is renewed). Instances with the same fingerprint measure once; the others wait for
+        `get_profile`. A claim whose owner died lapses after `ttl` seconds."""
+        key = self._keys.profile_claim(profile_id)
+        if await self._r.set(key, owner, nx=True, ex=max(1, int(ttl))):
+            return True
+        if await self._r.get(key) == owner.encode():
+            await self._r.expire(key, max(1, int(ttl)))
+            return True
+        return False
+
+    async def release_profile_claim(self, profile_id: str) -> None:
+        await self._r.delete(self._keys.profile_claim(profile_id))
+
     async def profiles(self) -> list[StageProfile]:
         ids = sorted(i.decode() for i in await self._r.smembers(self._keys.profiles))
         found = [await self.get_profile(i) for i in ids]

@@ -43,10 +43,19 @@ class WorkerCollector:
             ("waiting_requests", w.loop.stats.get("waiting", 0), "Requests admitted, not yet scheduled"),
             ("held_requests", len(w.held), "Requests inside this instance"),
             ("engine_steps", w.loop.steps, "Engine iterations so far"),
+            ("image_budget", w.engine.scheduler.image_budget, "Images encoded per iteration at most (τe)"),
+            ("token_budget", w.engine.scheduler.token_budget, "Tokens per iteration at most (τt)"),
         ]:
             metric = GaugeMetricFamily(f"trident_{name}", doc, labels=labels)
             metric.add_metric(values, value)
             yield metric
+        info = GaugeMetricFamily(
+            "trident_profile_info", "The stage profile in use (1; no sample with profiling off)",
+            labels=[*labels, "profile_id"],
+        )  # fmt: skip
+        if w.profile_id:
+            info.add_metric([*values, w.profile_id], 1)
+        yield info
 
 
 def make_app(worker: StageWorker) -> FastAPI:

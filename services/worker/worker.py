@@ -16,12 +16,13 @@ from common.engine import Engine, EngineConfig, Policy, RequestOutput, Role, par
 from common.engine.admission import pull_room
 from common.protocol import Budgets, Heartbeat, RequestSpec
 from common.store import Heartbeater, Store, StoreConfig
+from common.store.recorder import StageRecorder
 from common.transfer import TransferConfig, create_backend
 from services.settings import WorkerSettings
+from services.worker import profiling
 from services.worker.engine_loop import EngineLoop
 from services.worker.handlers import HANDLERS
 from services.worker.outputs import KV_TTL, publish_outputs
-from services.worker.recorder import StageRecorder
 from services.worker.state import Counters, Held, KeptKV
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class StageWorker:
         self.counters = Counters()
         self.draining = False
         self.http_address = ""
+        self.profile_id = ""
         self._outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._stop = asyncio.Event()
 
@@ -68,6 +70,7 @@ class StageWorker:
         )
         self.engine = await asyncio.to_thread(Engine, s.model, config)
         self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
+        self.profile_id = await profiling.establish(self)  # before any task: budgets come from it
         self.bus = await Bus.connect(
             BusConfig(url=s.nats_url, prefix=s.namespace, name=self.instance_id), self.store
         )
@@ -170,6 +173,7 @@ class StageWorker:
                 image_budget=self.engine.scheduler.image_budget,
                 token_budget=self.engine.scheduler.token_budget,
             ),
+            profile_id=self.profile_id,
             draining=self.draining,
             started_at=self.counters.started_at,
             time=time.time(),
