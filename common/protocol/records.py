@@ -28,7 +28,7 @@ class FeatureEntry(Message):
 
 
 class TraceRecord(Message):
-    """One finished request, the planner's input: sizes, outcome and the stage timestamps (wall clock)."""
+    """One finished request, the planner's input: sizes, stage timestamps (wall clock) and outcome."""
 
     KIND: ClassVar[str] = "rec.trace"
     request_id: str
@@ -39,6 +39,12 @@ class TraceRecord(Message):
     output_tokens: int = Field(0, ge=0)
     finish_reason: str = ""
     stages: dict[str, float] = Field(default_factory=dict)
+    # What the client saw, measured at the gateway; None when the gateway never reported (it died,
+    # or the client left first). ttft counts from the HTTP request's arrival at the gateway; tbt_p90
+    # is None with at most one output token (no gap to measure).
+    ttft: float | None = Field(None, ge=0)
+    tbt_p90: float | None = Field(None, ge=0)
+    slo_met: bool | None = None
 
 
 class StageProfile(Message):

@@ -1,8 +1,13 @@
 """Request-record writes off the request's critical path.
 
-Each stage mark is a Redis round trip; awaited inline, the marks of one hand-off add up to
-milliseconds of TTFT. Marks are queued with the time they describe and written, in order, by
-one task the worker owns; `flush()` empties the queue before shutdown.
+Each write is a Redis round trip; awaited inline, the marks of one hand-off add up to
+milliseconds of TTFT. Writes are queued with the time they describe and made, in order, by one
+task the owning service runs; `flush()` empties the queue before shutdown.
+
+The trace entry of a request needs the worker's end mark and the gateway's outcome, whichever
+comes second appends it. A worker that marks an end also keeps the request for `trace_grace`
+seconds and then appends the entry itself if it is still missing (the gateway died, or its
+client left): every finished request is traced, exactly once.
 """
 
 from __future__ import annotations
@@ -10,16 +15,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from typing import TYPE_CHECKING
 
-from common.store import Stage, Store
+from common.store.requests import Stage
+
+if TYPE_CHECKING:
+    from common.store import Store
 
 log = logging.getLogger(__name__)
+TRACE_GRACE = 5.0  # seconds the gateway has to report an outcome after a request's end
 
 
 class StageRecorder:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, trace_grace: float = TRACE_GRACE) -> None:
         self.store = store
+        self.trace_grace = trace_grace
         self._queue: asyncio.Queue[tuple] = asyncio.Queue()
+        self._unreported: deque[tuple[float, str]] = deque()  # (due, request id), due ascending
         self.failures = 0
 
     def mark(self, request_id: str, stage: Stage, **info: str) -> None:
@@ -28,25 +41,49 @@ class StageRecorder:
     def finish(self, request_id: str, output_tokens: int, finish_reason: str) -> None:
         self._queue.put_nowait(("finish", request_id, output_tokens, finish_reason, time.time()))
 
+    def outcome(self, request_id: str, ttft: float, tbt_p90: float | None, slo_met: bool) -> None:
+        self._queue.put_nowait(("outcome", request_id, ttft, tbt_p90, slo_met))
+
     async def run(self) -> None:
         while True:
-            await self._write(await self._queue.get())
+            wait = self._unreported[0][0] - time.monotonic() if self._unreported else None
+            try:
+                item = await asyncio.wait_for(self._queue.get(), wait)
+            except TimeoutError:
+                await self._trace_unreported(time.monotonic())
+                continue
+            await self._write(item)
             self._queue.task_done()
 
     async def flush(self, timeout: float = 5.0) -> None:
+        """Write what is queued, and trace now the requests still waiting for an outcome."""
         try:
             await asyncio.wait_for(self._queue.join(), timeout)
+            await asyncio.wait_for(self._trace_unreported(float("inf")), timeout)
         except TimeoutError:
-            log.warning("%d request-record writes not flushed", self._queue.qsize())
+            log.warning("%d request-record writes not flushed", self._queue.qsize() + len(self._unreported))
+
+    async def _trace_unreported(self, now: float) -> None:
+        while self._unreported and self._unreported[0][0] <= now:
+            _, rid = self._unreported.popleft()
+            await self._guarded(self.store.requests.append_trace(rid))
 
     async def _write(self, item: tuple) -> None:
+        requests = self.store.requests
+        match item:
+            case ("mark", rid, stage, at, info):
+                await self._guarded(requests.mark(rid, stage, at=at, **info))
+            case ("finish", rid, tokens, reason, at):
+                ended = requests.finish(rid, output_tokens=tokens, finish_reason=reason, at=at)
+                if await self._guarded(ended):
+                    self._unreported.append((time.monotonic() + self.trace_grace, rid))
+            case ("outcome", rid, ttft, tbt_p90, slo_met):
+                await self._guarded(requests.outcome(rid, ttft=ttft, tbt_p90=tbt_p90, slo_met=slo_met))
+
+    async def _guarded(self, write):
         try:
-            if item[0] == "mark":
-                _, rid, stage, at, info = item
-                await self.store.requests.mark(rid, stage, at=at, **info)
-            else:
-                _, rid, tokens, reason, at = item
-                await self.store.requests.finish(rid, output_tokens=tokens, finish_reason=reason, at=at)
+            return await write
         except Exception as exc:  # metadata only: a Redis outage must not fail requests
             self.failures += 1
             log.warning("request record write failed: %r", exc)
+            return None

@@ -33,6 +33,19 @@ class Stage(StrEnum):
 
 # Integer facts about a request, kept beside the timestamps in the same hash.
 _SIZE_FIELDS = ("prompt_tokens", "num_images", "image_tokens", "max_tokens", "output_tokens")
+# What the client saw, as the gateway measured it (seconds; slo_met 0 or 1).
+_OUTCOME_FIELDS = ("ttft", "tbt_p90", "slo_met")
+
+# The end and the sizes that come with it, set together and only once (a redelivered final step
+# changes nothing): -1 if already ended, else whether the gateway's outcome is in (1) or not (0).
+_FINISH_ONCE = """
+if redis.call('HSETNX', KEYS[1], 'end', ARGV[1]) == 0 then
+    return -1
+end
+redis.call('HSET', KEYS[1], 'output_tokens', ARGV[2], 'finish_reason', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return redis.call('HEXISTS', KEYS[1], 'ttft')
+"""
 
 
 @dataclass
@@ -41,6 +54,8 @@ class RequestRecord:
     stages: dict[str, float] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     info: dict[str, str] = field(default_factory=dict)  # finish_reason, instance ids per stage
+    outcome: dict[str, float] = field(default_factory=dict)  # ttft, tbt_p90, slo_met (gateway)
+    traced: bool = False  # its trace entry was appended
 
 
 class RequestLog:
@@ -51,6 +66,7 @@ class RequestLog:
         self._keys = keys
         self._ttl = int(ttl)
         self._trace_maxlen = trace_maxlen
+        self._finish_once = redis.register_script(_FINISH_ONCE)
 
     async def create(
         self, request_id: str, *, arrival: float, prompt_tokens: int, num_images: int = 0,
@@ -79,24 +95,40 @@ class RequestLog:
     async def finish(
         self, request_id: str, *, output_tokens: int, finish_reason: str, at: float | None = None
     ) -> bool:
-        """Mark the end and append the request to the trace. Only the first call for a request
-        writes the trace (a redelivered final step would otherwise count it twice)."""
-        key = self._keys.request(request_id)
+        """Mark the end (the worker that produced the last token). Only the first call counts: a
+        redelivered final step changes nothing and returns False. The trace entry is appended here
+        if the gateway's outcome is already in, else by `outcome()` or, failing that, `append_trace()`."""
         end = time.time() if at is None else at
-        if not await self._r.hsetnx(key, Stage.END.value, repr(end)):
-            return False
-        await self._r.hset(key, mapping={"output_tokens": output_tokens, "finish_reason": finish_reason})
+        args = [repr(end), output_tokens, finish_reason, self._ttl]
+        state = await self._finish_once(keys=[self._keys.request(request_id)], args=args)
+        if state == 1:
+            await self.append_trace(request_id)
+        return state >= 0
+
+    async def outcome(self, request_id: str, *, ttft: float, tbt_p90: float | None, slo_met: bool) -> bool:
+        """Record what the client saw (the gateway, once the request ended there), and append the
+        trace entry if the end is already marked. Returns whether this call appended it."""
+        key = self._keys.request(request_id)
+        fields = {"ttft": repr(ttft), "slo_met": int(slo_met)}
+        if tbt_p90 is not None:
+            fields["tbt_p90"] = repr(tbt_p90)
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, self._ttl)
+            pipe.hexists(key, Stage.END.value)
+            *_, ended = await pipe.execute()
+        return bool(ended) and await self.append_trace(request_id)
+
+    async def append_trace(self, request_id: str) -> bool:
+        """Append the request's trace entry with whatever the record holds now, unless it was
+        appended already (the worker and the gateway may both get here; one wins the flag)."""
         record = await self.get(request_id)
-        if record is None:
+        if record is None or Stage.END.value not in record.stages:
             return False
-        trace = TraceRecord(
-            request_id=request_id, arrival=record.stages.get(Stage.ARRIVAL.value, end),
-            prompt_tokens=record.sizes.get("prompt_tokens", 0), num_images=record.sizes.get("num_images", 0),
-            image_tokens=record.sizes.get("image_tokens", 0), output_tokens=output_tokens,
-            finish_reason=finish_reason, stages=record.stages,
-        )  # fmt: skip
+        if not await self._r.hsetnx(self._keys.request(request_id), "traced", 1):
+            return False
         await self._r.xadd(
-            self._keys.trace, {"r": trace.to_bytes()}, maxlen=self._trace_maxlen, approximate=True
+            self._keys.trace, {"r": _to_trace(record).to_bytes()}, maxlen=self._trace_maxlen, approximate=True
         )
         return True
 
@@ -112,6 +144,10 @@ class RequestLog:
                 record.stages[name] = float(value)
             elif name in _SIZE_FIELDS:
                 record.sizes[name] = int(value)
+            elif name in _OUTCOME_FIELDS:
+                record.outcome[name] = float(value)
+            elif name == "traced":
+                record.traced = True
             else:
                 record.info[name] = value
         return record
@@ -122,3 +158,21 @@ class RequestLog:
         start = after if after == "-" else f"({after}"
         rows = await self._r.xrange(self._keys.trace, min=start, max="+", count=count)
         return [(rid.decode(), decode(fields[b"r"], expect=TraceRecord)) for rid, fields in rows]
+
+
+def _to_trace(record: RequestRecord) -> TraceRecord:
+    sizes, outcome = record.sizes, record.outcome
+    met = outcome.get("slo_met")
+    return TraceRecord(
+        request_id=record.request_id,
+        arrival=record.stages.get(Stage.ARRIVAL.value, record.stages[Stage.END.value]),
+        prompt_tokens=sizes.get("prompt_tokens", 0),
+        num_images=sizes.get("num_images", 0),
+        image_tokens=sizes.get("image_tokens", 0),
+        output_tokens=sizes.get("output_tokens", 0),
+        finish_reason=record.info.get("finish_reason", ""),
+        stages=record.stages,
+        ttft=outcome.get("ttft"),
+        tbt_p90=outcome.get("tbt_p90"),
+        slo_met=None if met is None else bool(met),
+    )

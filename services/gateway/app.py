@@ -42,6 +42,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
+        request.state.arrived = time.perf_counter()  # a request's TTFT counts from here
         if gw.api_keys and request.url.path.startswith("/v1/"):
             token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             if token not in gw.api_keys:
@@ -114,7 +115,10 @@ async def serve(gw: Gateway, request: Request, body: SamplingFields, prompt, ima
     except BaseException:
         await stream.close()
         raise
-    collector = OutputCollector(stream, gw.processor.tokenizer, params.stop, gw.settings.request_timeout)
+    collector = OutputCollector(
+        stream, gw.processor.tokenizer, params.stop, gw.settings.request_timeout,
+        arrival=getattr(request.state, "arrived", time.perf_counter()),
+    )  # fmt: skip
     gw.in_flight += 1
     run = _Run(gw, rid, kind, body, collector, stream)
     if body.stream:
@@ -235,12 +239,16 @@ class _Run:
     def _mark_first(self) -> None:
         if self.first is None:
             self.first = time.perf_counter()
-            self.gw.metrics.ttft.observe(self.first - self.start)
+            self.gw.metrics.ttft.observe(self.collector.clock.ttft or 0.0)
 
     async def _end(self, done: bool) -> None:
-        """Always runs: a request that did not finish is cancelled everywhere, freeing its memory."""
+        """Always runs: a request that did not finish is cancelled everywhere, freeing its memory;
+        one that did has its outcome recorded for the trace."""
         self.gw.in_flight -= 1
         await self.stream.close()
+        clock, s = self.collector.clock, self.gw.settings
+        if self.collector.complete and clock.ttft is not None:
+            self.gw.record.outcome(self.rid, clock.ttft, clock.tbt_p90, clock.slo_met(s.ttft_slo, s.tbt_slo))
         status = "ok" if done else "cancelled"
         self.gw.metrics.requests.labels(self.kind, status).inc()
         self.gw.metrics.latency.observe(time.perf_counter() - self.start)

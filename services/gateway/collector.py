@@ -1,9 +1,14 @@
 """Gathering one request's outputs: deltas arrive from prefill (first token) and decode (the rest)
 over different connections, so they are put back in order by index and turned into text here,
-with the same stop strings the engine applied, so text is right across the P→D hand-off."""
+with the same stop strings the engine applied, so text is right across the P→D hand-off.
+
+The collector also times the tokens as they reach the gateway (not as the client reads them), for
+the request's TTFT and time between tokens (TBT) in the trace."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -28,13 +33,63 @@ class Outcome:
     completion_tokens: int = 0
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) with linear interpolation between order statistics (numpy's default)."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class TokenClock:
+    """When a request's output tokens reached the gateway (perf_counter seconds).
+
+    A delta may carry several tokens; it counts as that many tokens, the gap since the previous
+    token split evenly among them. Tokens that come with the first one have no gap before them
+    (0 s): the first token's wait is the TTFT, not a TBT.
+    """
+
+    arrival: float  # the HTTP request reached the gateway
+    first: float | None = None
+    last: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+    def add(self, count: int, at: float) -> None:
+        if self.first is None:
+            self.first = self.last = at
+            self.gaps += [0.0] * (count - 1)
+            return
+        self.gaps += [(at - self.last) / count] * count
+        self.last = at
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.arrival
+
+    @property
+    def tbt_p90(self) -> float | None:
+        """None with at most one output token: there is no gap to measure."""
+        return percentile(self.gaps, 0.9) if self.gaps else None
+
+    def slo_met(self, ttft_slo: float, tbt_slo: float) -> bool:
+        """Both objectives met (the TBT one vacuously with at most one token)."""
+        ttft, tbt = self.ttft, self.tbt_p90
+        return ttft is not None and ttft <= ttft_slo and (tbt is None or tbt <= tbt_slo)
+
+
 class OutputCollector:
-    def __init__(self, stream: EventStream, tokenizer, stop: tuple[str, ...], timeout: float) -> None:
+    def __init__(
+        self, stream: EventStream, tokenizer, stop: tuple[str, ...], timeout: float, arrival: float
+    ) -> None:
         self.stream = stream
         self.detok = IncrementalDetokenizer(tokenizer, stop)
         self.timeout = timeout
         self.outcome = Outcome()
+        self.clock = TokenClock(arrival)
         self.started = False  # any output reached the client
+        self.complete = False  # every output arrived, up to the final one
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Text pieces in order; ends after the final output (raises APIError on an error output)."""
@@ -45,6 +100,7 @@ class OutputCollector:
                 msg = await self.stream.get(timeout=self.timeout)
             except TimeoutError as exc:
                 raise APIError(504, f"no output for {self.timeout:g}s; the request was cancelled") from exc
+            now = time.perf_counter()
             if isinstance(msg, ErrorOutput):
                 raise APIError(ERROR_STATUS.get(msg.code, 500), msg.message, code=msg.code)
             if isinstance(msg, FinalOutput):
@@ -58,8 +114,10 @@ class OutputCollector:
             while next_index in pending:
                 ids = list(pending.pop(next_index))
                 next_index += len(ids)
+                self.clock.add(len(ids), now)
                 self.started = True
                 yield Piece(self.detok.add(ids), ids)
+        self.complete = True
         tail = self.detok.flush()
         if tail:
             yield Piece(tail)

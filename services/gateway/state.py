@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ from common.bus import Bus, BusConfig
 from common.engine.loader import load_config
 from common.engine.processor import RequestProcessor
 from common.store import Store, StoreConfig
+from common.store.recorder import StageRecorder
 from common.transfer import TransferConfig, create_backend
 from services.gateway.images import ImagePolicy
 from services.settings import GatewaySettings
@@ -64,6 +67,8 @@ class Gateway:
     async def start(self) -> None:
         s = self.settings
         self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
+        self.record = StageRecorder(self.store)  # outcomes for the trace, written off the response path
+        self._recording = asyncio.create_task(self.record.run())
         self.bus = await Bus.connect(
             BusConfig(url=s.nats_url, prefix=s.namespace, name=self.instance_id), self.store
         )
@@ -72,6 +77,10 @@ class Gateway:
         await self.transfer.start()
 
     async def close(self) -> None:
+        await self.record.flush()
+        self._recording.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._recording
         await self.bus.close()
         await self.transfer.close()
         await self.store.close()

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import httpx
 import pytest
 import torch
 
+from common.protocol import TraceRecord
+from common.store import Store, StoreConfig
 from tests.engine.conftest import make_image
 from tests.services.conftest import client_for
 
@@ -62,3 +68,57 @@ def test_completions_endpoint_with_text_and_token_ids(cluster):
     assert text.usage.completion_tokens == 6 and text.choices[0].finish_reason == "length"
     ids = client.completions.create(model="tiny-llava", prompt=[[1, 50, 60, 70]], max_tokens=4, temperature=0)
     assert ids.usage.completion_tokens == 4
+
+
+def test_the_trace_has_each_outcome_and_instances_publish_their_profiles(cluster):
+    """Issue 5's inputs to the planner: every finished request is traced with the TTFT, TBT p90 and
+    SLO verdict the gateway measured, and every worker published the profile its heartbeat names."""
+    client = client_for(cluster)
+    answer = client.completions.create(
+        model="tiny-llava", prompt="USER: hi ASSISTANT:", max_tokens=6, temperature=0, stream=True
+    )
+    rid = {chunk.id for chunk in answer}.pop()
+
+    def traced() -> TraceRecord | None:
+        found = [t for _, t in read_store(cluster, lambda s: s.requests.trace()) if t.request_id == rid]
+        return found[0] if found else None
+
+    deadline = time.monotonic() + 10
+    while (trace := traced()) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert trace is not None and trace.output_tokens == 6 and trace.finish_reason == "length"
+    assert trace.ttft is not None and 0 < trace.ttft < 60
+    assert trace.tbt_p90 is not None and 0 <= trace.tbt_p90 < 60
+    assert trace.slo_met == (trace.ttft <= 5.0 and trace.tbt_p90 <= 0.5)  # the default SLOs
+    if "first_token" in trace.stages:  # the gateway's TTFT starts before routing and ends on receipt
+        assert trace.ttft >= trace.stages["first_token"] - trace.stages["arrival"] - 0.05
+
+    profiles = {p.profile_id: p for p in read_store(cluster, lambda s: s.planning.profiles())}
+    instances = httpx.get(cluster.url + "/v1/cluster", timeout=5).json()["instances"]
+    assert instances and len(profiles) == len({tuple(i["roles"]) for i in instances})
+    for inst in instances:
+        profile = profiles[inst["profile_id"]]
+        assert list(profile.roles) == sorted(inst["roles"]) and profile.model == "tiny-llava"
+        assert profile.hardware.startswith("cpu:") and profile.max_model_len == 2048
+        if "encode" in inst["roles"]:  # the budgets in use are the profile's
+            assert profile.encode and profile.feature_bytes_per_image_token == 64 * 4
+            assert profile.image_budget == inst["budgets"]["image_budget"]
+        if {"prefill", "decode"} & set(inst["roles"]):
+            assert profile.prefill and profile.decode and profile.num_kv_blocks > 0
+            assert profile.token_budget == inst["budgets"]["token_budget"]
+        metrics = httpx.get(inst["http_address"] + "/metrics", timeout=5).text
+        assert f'profile_id="{inst["profile_id"]}"' in metrics
+        assert "trident_token_budget{" in metrics
+
+
+def read_store(cluster, read):
+    """One read of the cluster's Redis, from this (synchronous) test."""
+
+    async def main():
+        store = await Store.connect(StoreConfig(url=cluster.redis.url))
+        try:
+            return await read(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())

@@ -10,6 +10,7 @@ import pytest
 from common.infra import RedisServer
 from common.protocol import DeadLetter, FeatureEntry, Heartbeat, StageProfile, TensorRef
 from common.store import Heartbeater, Stage, Store, StoreConfig
+from common.store.recorder import StageRecorder
 from tests.substrate.helpers import eventually, run
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,19 +38,106 @@ def test_request_record_collects_stage_times_and_finishes_into_the_trace(redis_s
             await log.mark("r1", stage, at=101.0 + i)
         await log.mark("r1", Stage.PREFILL_STARTED, at=102.5, prefill_instance="p-1")
         assert await log.finish("r1", output_tokens=64, finish_reason="length", at=110.0)
-        # A redelivered final step finishes again: the trace must not count the request twice.
-        assert not await log.finish("r1", output_tokens=64, finish_reason="length")
+        # A redelivered final step finishes again: it changes nothing.
+        assert not await log.finish("r1", output_tokens=63, finish_reason="stop")
+        assert await log.trace() == []  # the trace entry waits for the gateway's outcome
+        assert await log.outcome("r1", ttft=4.2, tbt_p90=0.05, slo_met=True)
         record = await log.get("r1")
         assert record is not None
         assert record.stages["arrival"] == 100.0 and record.stages["end"] == 110.0
         assert record.sizes == {**sizes, "output_tokens": 64}
         assert record.info == {"prefill_instance": "p-1", "finish_reason": "length"}
+        assert record.outcome == {"ttft": 4.2, "tbt_p90": 0.05, "slo_met": 1.0} and record.traced
         ((entry_id, trace),) = await log.trace()
         assert (trace.request_id, trace.prompt_tokens, trace.image_tokens) == ("r1", 700, 576)
-        assert trace.output_tokens == 64
+        assert (trace.output_tokens, trace.finish_reason) == (64, "length")
+        assert (trace.ttft, trace.tbt_p90, trace.slo_met) == (4.2, 0.05, True)
         assert trace.stages["first_token"] == 104.0
         assert await log.trace(after=entry_id) == []
         assert await log.get("missing") is None
+        await store.close()
+
+    run(main())
+
+
+def test_each_request_is_traced_once_whoever_reports_last(redis_server: RedisServer) -> None:
+    """The worker's end and the gateway's outcome come in either order; the second appends the
+    entry. Without an outcome the fallback appends it alone, and nothing appends it twice."""
+
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        log = store.requests
+        for rid in ("early", "late", "silent"):
+            await log.create(rid, arrival=100.0, prompt_tokens=10, max_tokens=2)
+        # The gateway's outcome first (a single token: no TBT), then the worker's end.
+        assert not await log.outcome("early", ttft=6.0, tbt_p90=None, slo_met=False)
+        assert await log.finish("early", output_tokens=1, finish_reason="length", at=106.0)
+        # The end first, then the outcome; the fallback after it finds the entry written.
+        assert await log.finish("late", output_tokens=2, finish_reason="stop", at=101.0)
+        assert await log.outcome("late", ttft=0.5, tbt_p90=0.1, slo_met=True)
+        assert not await log.append_trace("late")
+        # No gateway report at all: the fallback traces without an outcome, once.
+        assert await log.finish("silent", output_tokens=2, finish_reason="stop", at=102.0)
+        assert await log.append_trace("silent")
+        assert not await log.append_trace("silent")
+        assert not await log.outcome("silent", ttft=9.0, tbt_p90=0.2, slo_met=False)  # too late
+        assert not await log.append_trace("missing")
+        traces = {t.request_id: t for _, t in await log.trace()}
+        assert sorted(traces) == ["early", "late", "silent"]
+        assert (traces["early"].ttft, traces["early"].tbt_p90, traces["early"].slo_met) == (6.0, None, False)
+        assert traces["early"].output_tokens == 1
+        assert (traces["late"].ttft, traces["late"].tbt_p90, traces["late"].slo_met) == (0.5, 0.1, True)
+        assert (traces["silent"].ttft, traces["silent"].slo_met, traces["silent"].output_tokens) == (
+            None,
+            None,
+            2,
+        )
+        await store.close()
+
+    run(main())
+
+
+def test_recorders_trace_with_the_outcome_or_after_the_grace_without(redis_server: RedisServer) -> None:
+    """The worker's and the gateway's recorders write off the request path; a request the gateway
+    never reports on is traced by the worker's recorder once the grace period is over."""
+
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        worker, gateway = StageRecorder(store, trace_grace=0.3), StageRecorder(store)
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(worker.run()), tg.create_task(gateway.run())]
+            for rid in ("reported", "orphan"):
+                await store.requests.create(rid, arrival=time.time(), prompt_tokens=5, max_tokens=3)
+                worker.finish(rid, 3, "length")
+            gateway.outcome("reported", 0.2, 0.01, True)
+
+            async def both_traced() -> bool:
+                return len(await store.requests.trace()) == 2
+
+            assert await eventually(both_traced, timeout=5)
+            await asyncio.sleep(0.5)  # past the grace: the fallback must not add a second entry
+            for task in tasks:
+                task.cancel()
+        traces = {t.request_id: t for _, t in await store.requests.trace()}
+        assert len(await store.requests.trace()) == 2
+        assert traces["reported"].slo_met is True and traces["orphan"].slo_met is None
+        assert worker.failures == gateway.failures == 0
+        await store.close()
+
+    run(main())
+
+
+def test_one_instance_measures_a_profile_while_the_others_wait(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        planning = store.planning
+        assert await planning.claim_profile("tiny-p-1", "p-a", ttl=1)
+        assert not await planning.claim_profile("tiny-p-1", "p-b", ttl=1)
+        assert await planning.claim_profile("tiny-p-1", "p-a", ttl=1)  # the owner renews
+        await asyncio.sleep(2.1)  # the owner died: its claim lapses
+        assert await planning.claim_profile("tiny-p-1", "p-b", ttl=1)
+        await planning.release_profile_claim("tiny-p-1")
+        assert await planning.claim_profile("tiny-p-1", "p-c", ttl=1)
         await store.close()
 
     run(main())
