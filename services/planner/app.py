@@ -21,7 +21,7 @@ from services.gateway.errors import APIError, api_error_handler, validation_erro
 from services.planner.chart import goodput_chart
 from services.planner.job_models import JobRequest
 from services.planner.jobs import RESULT_TTL, TASK, celery_app
-from services.planner.planner import NotPlanned, Planner
+from services.planner.planner import NotPlanned, Planner, load_profiles
 from services.settings import PlannerSettings
 
 REPLAN_WAIT = 300.0  # seconds POST /plan/replan?wait=true waits for the plan
@@ -158,7 +158,7 @@ async def _resolve_profiles(planner: Planner, spec: str | dict) -> str | dict:
                 raise ProfileError(
                     "no instance has published a stage profile; name paper:llava-1.5-7b or give profiles"
                 )
-            return ProfileSet.from_records(published).to_dict()
+            return load_profiles("cluster", published, planner.window).to_dict()
         if isinstance(spec, str):
             if not spec.startswith("paper:"):
                 raise ProfileError('expected "cluster", "paper:<model>" or a profile set object')

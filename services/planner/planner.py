@@ -19,11 +19,13 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from common.bus import Bus, BusConfig
 from common.planner.algorithm import plan as make_plan
+from common.planner.calibrate import transfer_model
 from common.planner.drift import current_deployment, measure_correction, workload_distance
 from common.planner.profiles import ProfileError, ProfileSet
 from common.planner.simulator import Correction
@@ -64,12 +66,13 @@ class Decision:
         }
 
 
-def load_profiles(source: str, published: list) -> ProfileSet:
-    """`cluster` (the profiles instances published), `paper:<model>` or a ProfileSet JSON file."""
+def load_profiles(source: str, published: list, trace: Sequence[TraceRecord] = ()) -> ProfileSet:
+    """`cluster` (the profiles instances published, with the fixed costs between them measured from
+    the trace's stage marks), `paper:<model>` or a ProfileSet JSON file."""
     if source == "cluster":
         if not published:
             raise ProfileError("no instance has published a stage profile yet")
-        return ProfileSet.from_records(published)
+        return ProfileSet.from_records(published, transfer_model(trace))
     return ProfileSet.load(source)
 
 
@@ -180,7 +183,7 @@ class Planner:
             raise NotPlanned(f"need {s.planner_min_requests} finished requests, have {len(self.window)}")
         trace = from_records(self.window)
         try:
-            profiles = load_profiles(s.planner_profiles, await self.store.planning.profiles())
+            profiles = load_profiles(s.planner_profiles, await self.store.planning.profiles(), self.window)
         except ProfileError as exc:
             raise NotPlanned(f"stage profiles ({s.planner_profiles}): {exc}") from exc
         live = [hb for hb in await self.store.registry.instances() if not hb.draining]
