@@ -286,8 +286,8 @@ class Deployment:
                 self.children.remove(child)
                 del self._retiring[child.name]
                 self._killed.discard(child.name)
+                self._write_state()  # before saying so, as for a restart
                 self.echo(f"{child.name}: stopped (code {child.returncode})")
-                self._write_state()
             elif now - self._retiring[child.name] >= child.spec.stop_grace and child.name not in self._killed:
                 self._killed.add(child.name)
                 self.echo(f"{child.name} did not drain in {child.spec.stop_grace:.0f} s; killed")

@@ -135,8 +135,12 @@ def test_trident_up_follows_the_plan(tmp_path: Path) -> None:
         for p in started:
             _register(r, p["pid"], ("encode", "prefill"))
         _read_until(lines, "encoder-1: draining")
-        _read_until(lines, "prefill-1: stopped")
-        _wait_for(lambda: "encoder-1" not in (tmp_path / ".trident" / "up.json").read_text())
+
+        def gone() -> bool:
+            text = (tmp_path / ".trident" / "up.json").read_text()
+            return "encoder-1" not in text and "prefill-1" not in text
+
+        _wait_for(gone)
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
         names = sorted(p["name"] for p in state["processes"])
         assert names == ["decode-1", "gateway-1", "planner-1", "planner-jobs-1", "worker-ep-1", "worker-ep-2"]
