@@ -9,11 +9,14 @@ instances would pick at start-up.
 
 from __future__ import annotations
 
-import bisect
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
+
+import numpy as np
 
 from common.engine.config import Role
 from common.engine.profiler import latency_limit, search_budget
@@ -24,18 +27,27 @@ class ProfileError(ValueError):
     """A profile that cannot drive the simulator (missing curves, unreadable file)."""
 
 
-def _interp(points: Sequence[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear through sorted (x, y) points; linear extrapolation from the end segments."""
-    if not points:
-        raise ProfileError("empty latency curve")
-    if len(points) == 1:
-        x0, y0 = points[0]
-        return y0 * max(x, 1.0) / max(x0, 1.0)  # one point: proportional
-    xs = [p[0] for p in points]
-    i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1
-    return max(y, 0.0)
+def fit_nonnegative(columns: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[float, ...]:
+    """Least squares in relative error with every coefficient ≥ 0: each subset of the columns is
+    fitted and the best one whose coefficients are all non-negative wins (a handful of columns).
+
+    Relative error, because a profile spans batches whose latencies differ by 100×, and the small
+    ones are what an unloaded request sees."""
+    x = np.asarray(columns, float).T
+    target = np.asarray(y, float)
+    weight = 1.0 / np.maximum(target, 1e-9)
+    best, best_err = np.zeros(x.shape[1]), np.inf
+    for k in range(1, x.shape[1] + 1):
+        for subset in itertools.combinations(range(x.shape[1]), k):
+            cols = list(subset)
+            coef, *_ = np.linalg.lstsq(x[:, cols] * weight[:, None], target * weight, rcond=None)
+            if (coef < 0).any():
+                continue
+            err = float(np.sum(((x[:, cols] @ coef - target) * weight) ** 2))
+            if err < best_err:
+                best_err, best = err, np.zeros(x.shape[1])
+                best[cols] = coef
+    return tuple(float(c) for c in best)
 
 
 @dataclass(frozen=True)
@@ -82,25 +94,52 @@ class StageCurves:
             raise ProfileError("a profile needs the number of KV blocks an instance holds")
 
     # -- one iteration ---------------------------------------------------------------------------
+    # Measured points are noisy (a profile is taken while other processes start), so each stage is a
+    # least-squares fit of the shape its cost has, not an interpolation through every point:
+    #   encode(n)     = a + b·n                 (weights once, then per image)
+    #   prefill(t)    = a + b·t + c·t²          (weights once, per token, attention over the prompt)
+    #   decode(n, c)  = a + b·n + d·n·c         (weights once, per sequence, KV read per context token)
+
+    @cached_property
+    def _encode_fit(self) -> tuple[float, ...]:
+        if not self.encode:
+            return ()
+        return fit_nonnegative(
+            [[1.0] * len(self.encode), [n for n, _ in self.encode]], [s for _, s in self.encode]
+        )
+
+    @cached_property
+    def _prefill_fit(self) -> tuple[float, ...]:
+        tokens = [t for t, _ in self.prefill]
+        return fit_nonnegative(
+            [[1.0] * len(tokens), tokens, [t * t for t in tokens]], [s for _, s in self.prefill]
+        )
+
+    @cached_property
+    def _decode_fit(self) -> tuple[float, ...]:
+        rows = self.decode
+        columns = [[1.0] * len(rows), [b for b, _, _ in rows], [b * c for b, c, _ in rows]]
+        return fit_nonnegative(columns, [s for _, _, s in rows])
 
     def encode_time(self, images: float) -> float:
         if images <= 0:
             return 0.0
         if not self.encode:
             raise ProfileError("this profile has no encode curve")
-        return _interp(sorted(self.encode), images)
+        a, b = self._encode_fit
+        return a + b * images
 
     def prefill_time(self, tokens: int) -> float:
-        return 0.0 if tokens <= 0 else _interp(sorted(self.prefill), tokens)
+        if tokens <= 0:
+            return 0.0
+        a, b, c = self._prefill_fit
+        return a + b * tokens + c * tokens * tokens
 
     def decode_time(self, batch: int, context: float) -> float:
-        """Bilinear in (batch, mean context) over the measured grid."""
         if batch <= 0:
             return 0.0
-        contexts = sorted({c for _, c, _ in self.decode})
-        rows = [(c, sorted((b, s) for b, cc, s in self.decode if cc == c)) for c in contexts]
-        by_context = [(c, _interp(row, batch)) for c, row in rows]
-        return _interp(by_context, context)
+        a, b, d = self._decode_fit
+        return a + b * batch + d * batch * context
 
     def image_units(self, image_tokens: float, images: float) -> float:
         """What `images` images of `image_tokens` tokens in all cost the vision tower, in profiled images."""
@@ -112,10 +151,7 @@ class StageCurves:
         context-dependent part of the decodes' attention."""
         llm = 0.0
         if prefill_tokens:
-            llm = self.prefill_time(prefill_tokens + decodes)
-            if decodes:
-                base = min(c for _, c, _ in self.decode)
-                llm += max(0.0, self.decode_time(decodes, context) - self.decode_time(decodes, base))
+            llm = self.prefill_time(prefill_tokens + decodes) + self._decode_fit[2] * decodes * context
         elif decodes:
             llm = self.decode_time(decodes, context)
         return self.encode_time(images) + llm
