@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -262,7 +261,8 @@ class BudgetProfiler:
                 blocks.free(r.request_id)
 
     def _time(self, curve: str, fn: Callable[[], object]) -> float:
-        """Median seconds of `repeats` runs of `fn`, after a warm-up run where that matters."""
+        """The least seconds of `repeats` runs of `fn`, after a warm-up run where that matters: other
+        processes (instances starting beside this one) can only add time to a run, never take it."""
         if curve not in self._warmed:  # the first run of a model part pays for lazy initialisation
             self._warmed.add(curve)
             self._once(fn)
@@ -270,7 +270,7 @@ class BudgetProfiler:
         samples = [first] if first > WARMUP_MATTERS else []
         while len(samples) < max(1, self.repeats):
             samples.append(self._once(fn))
-        return statistics.median(samples)
+        return min(samples)
 
     def _once(self, fn: Callable[[], object]) -> float:
         with torch.inference_mode():
