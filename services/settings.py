@@ -53,7 +53,7 @@ class WorkerSettings(ServiceSettings):
         description="auto (reuse a profile in Redis with the same fingerprint, else measure and store it) "
         "| measure (always) | off (use the budgets as configured, publish nothing)",
     )
-    profile_repeats: int = Field(2, ge=1, description="Timed runs per profiled point (the median counts)")
+    profile_repeats: int = Field(2, ge=1, description="Timed runs per profiled point (the least time counts)")
     max_num_seqs: int = 256
     feature_cache_bytes: int = 64 << 20
     transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")

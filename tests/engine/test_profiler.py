@@ -80,7 +80,7 @@ def test_powers_of_two_end_at_the_cap():
 
 def test_profile_curves_cover_the_grid_and_grow_with_size(make_engine):
     engine = make_engine(roles=frozenset(Role), kv_cache_bytes=4 << 20, max_num_seqs=64)
-    # One thread and the median of 3 a point, so a burst of load from other processes on a shared
+    # One thread and the least of 3 runs a point, so a burst of load from other processes on a shared
     # CPU does not decide a comparison below.
     with one_torch_thread():
         profile = BudgetProfiler(engine, repeats=3).profile(
