@@ -1,11 +1,11 @@
 """The planner's simulator against real runs on this machine (issue 5, "validated against real runs").
 
-    python bench/planner_validation.py [--presets tiny-llava,small-llava] [--methods e+p+d,ep+d,ed+p]
-                                       [--loads 0.1,0.25,0.4] [--requests 40]
+    python bench/planner_validation.py [--presets tiny-llava] [--methods e+p+d,ep+d,ed+p]
+                                       [--rates 2,4,8] [--requests 40]
 
 For each preset and method a real deployment (one instance per kind, nats-server, redis-server) is
 started; unloaded requests calibrate the fixed costs; then a 50 % text / 50 % one-image workload is
-sent at three rates — fractions of the throughput bound the instances' own profiles give — and the
+sent at three rates and the
 gateway-measured TTFT p50/p90 and per-request TBT p90 (median over requests) are compared with the
 simulator's prediction for the same requests. A table goes to stdout; the last line is one JSON
 object with every comparison and the largest relative error.
@@ -33,17 +33,17 @@ def _cell(name: str, measured: float, predicted: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--presets", default="tiny-llava,small-llava")
+    ap.add_argument("--presets", default="tiny-llava")
     ap.add_argument("--methods", default="e+p+d,ep+d,ed+p")
-    ap.add_argument("--loads", default="0.1,0.25,0.4", help="fractions of the profiles' throughput bound")
+    ap.add_argument("--rates", default="2,4,8", help="requests/s")
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--ttft-slo", type=float, default=5.0)
     ap.add_argument("--tbt-slo", type=float, default=0.5)
     args = ap.parse_args()
-    loads = [float(x) for x in args.loads.split(",")]
+    rates = [float(x) for x in args.rates.split(",")]
     slo = SLO(args.ttft_slo, args.tbt_slo)
-    report: dict = {"loads": loads, "requests": args.requests, "runs": []}
+    report: dict = {"rates": rates, "requests": args.requests, "calibration": [], "runs": []}
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
@@ -53,9 +53,12 @@ def main() -> None:
             for method in args.methods.split(","):
                 workdir = Path(tmp) / f"{preset}-{method.replace('+', '')}"
                 workdir.mkdir()
-                for c in validate(
-                    model, method, loads, args.requests, workdir, slo, max_output=args.max_output
-                ):
+                calibration, comparisons = validate(
+                    model, method, rates, args.requests, workdir, slo, max_output=args.max_output
+                )
+                print(f"{preset:12} {method:6} calibration {json.dumps(calibration)}", flush=True)
+                report["calibration"].append({"preset": preset, "method": method, **calibration})
+                for c in comparisons:
                     errors = c.errors
                     worst = max([worst, *(abs(e) for e in errors.values())])
                     report["runs"].append({"preset": preset, "method": method, **c.to_dict()})

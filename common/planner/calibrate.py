@@ -8,29 +8,36 @@ many requests, which is what it costs when nothing queues — so the estimate ho
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
-from common.planner.profiles import TransferModel
+from common.planner.profiles import ProfileSet, StageCurves, TransferModel
+from common.planner.simulator import simulate
 
 QUANTILE = 10  # percent: the unloaded cost of an interval that queueing can only lengthen
 MIN_SAMPLES = 5
 
 
-def _interval(records: Sequence, start: str, end: str) -> float | None:
+def _interval(records: Sequence, start: str, end: str, quantile: float) -> float | None:
     values = [r.stages[end] - r.stages[start] for r in records if start in r.stages and end in r.stages]
     values = [v for v in values if v >= 0]
-    return float(np.percentile(values, QUANTILE)) if len(values) >= MIN_SAMPLES else None
+    return float(np.percentile(values, quantile)) if len(values) >= MIN_SAMPLES else None
 
 
-def transfer_model(records: Sequence, base: TransferModel | None = None) -> TransferModel:
+def transfer_model(
+    records: Sequence, base: TransferModel | None = None, quantile: float = QUANTILE
+) -> TransferModel:
     """A TransferModel whose fixed costs are measured from trace records (TraceRecord: `stages`
-    wall-clock marks, optional gateway-measured `ttft`); costs with too few samples keep `base`'s."""
+    wall-clock marks, optional gateway-measured `ttft`); costs with too few samples keep `base`'s.
+    Records of requests sent one at a time may use the median (`quantile=50`)."""
     base = base or TransferModel()
     queued = [_first_queued(r) for r in records]
     to_queue = [
-        q - r.stages["arrival"] for r, q in zip(records, queued, strict=True) if q and "arrival" in r.stages
+        (q - r.stages["arrival"], r.num_images)
+        for r, q in zip(records, queued, strict=True)
+        if q and "arrival" in r.stages
     ]
     # The first token's way back: what the gateway measured beyond the instance's first-token mark.
     back = [
@@ -38,24 +45,31 @@ def transfer_model(records: Sequence, base: TransferModel | None = None) -> Tran
         for r in records
         if getattr(r, "ttft", None) is not None and "first_token" in r.stages and "arrival" in r.stages
     ]
-    dispatch = base.dispatch
+    dispatch, per_image = base.dispatch, base.dispatch_per_image
+    text = [t for t, n in to_queue if n == 0]
+    images = [(t, n) for t, n in to_queue if n > 0]
     if len(to_queue) >= MIN_SAMPLES:
-        dispatch = float(np.percentile(to_queue, QUANTILE))
+        dispatch = float(
+            np.percentile(text if len(text) >= MIN_SAMPLES else [t for t, _ in to_queue], quantile)
+        )
+        if len(images) >= MIN_SAMPLES:
+            extra = float(np.percentile([t - dispatch for t, _ in images], quantile))
+            per_image = max(0.0, extra / float(np.mean([n for _, n in images])))
         if len(back) >= MIN_SAMPLES:
-            dispatch += max(0.0, float(np.percentile(back, QUANTILE)))
+            dispatch += max(0.0, float(np.percentile(back, quantile)))
     hops = [
         h
         for h in (
-            _interval(records, "encode_queued", "encode_started"),
-            _interval(records, "prefill_queued", "prefill_started"),
+            _interval(records, "encode_queued", "encode_started", quantile),
+            _interval(records, "prefill_queued", "prefill_started", quantile),
         )
         if h is not None
     ]
     pulls = [
         p
         for p in (
-            _interval(records, "ep_transfer_started", "ep_transfer_ended"),
-            _interval(records, "pd_transfer_started", "pd_transfer_ended"),
+            _interval(records, "ep_transfer_started", "ep_transfer_ended", quantile),
+            _interval(records, "pd_transfer_started", "pd_transfer_ended", quantile),
         )
         if p is not None
     ]
@@ -64,9 +78,81 @@ def transfer_model(records: Sequence, base: TransferModel | None = None) -> Tran
         bandwidth=base.bandwidth,
         hop=float(np.mean(hops)) if hops else base.hop,
         dispatch=dispatch,
+        dispatch_per_image=per_image,
     )
 
 
 def _first_queued(record) -> float | None:
     marks = [record.stages[k] for k in ("encode_queued", "prefill_queued") if k in record.stages]
     return min(marks) if marks else None
+
+
+FACTOR_RANGE = (0.5, 10.0)
+
+
+def stage_factors(records: Sequence, curves: StageCurves) -> dict[str, float]:
+    """How much longer each stage took in the deployed processes than the profile says, from
+    requests sent one at a time: median observed/predicted of encode, prefill and decode steps.
+
+    A profile times the model alone at start-up; deployed, the same step also pays for the
+    worker's Python around it and shares the cores with the other services on the machine."""
+    ratios: dict[str, list[float]] = {"encode": [], "prefill": [], "decode": []}
+    for r in records:
+        st = r.stages
+        if r.num_images and "encode_started" in st and "encode_ended" in st and curves.encode:
+            ratios["encode"].append(
+                (st["encode_ended"] - st["encode_started"]) / curves.encode_time(r.num_images)
+            )
+        if "prefill_started" in st and "prefill_ended" in st:
+            ratios["prefill"].append(
+                (st["prefill_ended"] - st["prefill_started"]) / curves.prefill_time(r.prompt_tokens)
+            )
+        start = st.get("decode_started", st.get("first_token"))
+        if start is not None and "end" in st and r.output_tokens > 1:
+            step = (st["end"] - start) / (r.output_tokens - 1)
+            ratios["decode"].append(step / curves.decode_time(1, r.prompt_tokens + r.output_tokens / 2))
+    low, high = FACTOR_RANGE
+    return {
+        stage: round(min(high, max(low, float(np.median(v)))), 4) if len(v) >= MIN_SAMPLES else 1.0
+        for stage, v in ratios.items()
+    }
+
+
+def jitter(records: Sequence) -> float:
+    """σ of a mean-preserving log-normal spread of step times, from requests sent one at a time:
+    each one's TBT p90 (the gateway's) against its mean step (its marks). For such a factor
+    p90/mean = exp(1.2816·σ − σ²/2); the median ratio is solved for σ."""
+    ratios = []
+    for r in records:
+        start = r.stages.get("decode_started", r.stages.get("first_token"))
+        p90 = getattr(r, "tbt_p90", None)
+        if start is None or "end" not in r.stages or r.output_tokens < 4 or not p90:
+            continue
+        mean_step = (r.stages["end"] - start) / (r.output_tokens - 1)
+        if mean_step > 0:
+            ratios.append(p90 / mean_step)
+    if len(ratios) < MIN_SAMPLES:
+        return 0.0
+    target = float(np.log(max(1.0, np.median(ratios))))
+    # exp(z·σ − σ²/2) rises with σ up to σ = z: solve z·σ − σ²/2 = target there.
+    z = 1.2816
+    if target >= z * z / 2:
+        return z
+    return round(z - float(np.sqrt(z * z - 2 * target)), 4)
+
+
+def fit_dispatch(entries: Sequence, deployment, profiles: ProfileSet, slo) -> TransferModel:
+    """The gateway's share of TTFT, from requests sent one at a time (TraceEntry with a measured
+    `ttft`): what the measurement has beyond a replay without any dispatch cost — its median over
+    text-only requests, and per image over the others."""
+    measured = [e for e in entries if e.ttft is not None]
+    if len(measured) < MIN_SAMPLES:
+        return profiles.transfer
+    bare = dataclasses.replace(profiles.transfer, dispatch=0.0, dispatch_per_image=0.0)
+    replay = simulate(measured, deployment, dataclasses.replace(profiles, transfer=bare), slo)
+    residual = [(e.ttft - float(p), e.num_images) for e, p in zip(measured, replay.ttft, strict=True)]
+    text = [r for r, n in residual if n == 0]
+    dispatch = max(0.0, float(np.median(text if len(text) >= MIN_SAMPLES // 2 else [r for r, _ in residual])))
+    images = [(r - dispatch) / n for r, n in residual if n > 0]
+    per_image = max(0.0, float(np.median(images))) if images else 0.0
+    return dataclasses.replace(profiles.transfer, dispatch=dispatch, dispatch_per_image=per_image)

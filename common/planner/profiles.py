@@ -9,6 +9,7 @@ instances would pick at start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Sequence
@@ -54,8 +55,8 @@ def fit_nonnegative(columns: Sequence[Sequence[float]], y: Sequence[float]) -> t
 class TransferModel:
     """What moving a request between services costs besides compute.
 
-    - `dispatch`: arrival to the first task queued plus first token to the client (the gateway's
-      processing and the output's way back), a constant on every TTFT;
+    - `dispatch` (+ `dispatch_per_image` per image): arrival to the first task queued plus first
+      token to the client (the gateway's processing and the output's way back), on every TTFT;
     - `hop`: a task published until an idle instance has pulled it (the broker hop);
     - `latency` + bytes / `bandwidth`: pulling features (E→P) or KV (P→D) once pulled.
     """
@@ -64,6 +65,7 @@ class TransferModel:
     bandwidth: float = 1e9  # bytes/s
     hop: float = 1e-3  # s
     dispatch: float = 0.0  # s
+    dispatch_per_image: float = 0.0  # s: fetching, decoding, preprocessing and hashing an image
 
     def time(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
@@ -176,6 +178,15 @@ class StageCurves:
                 token_budget = min(token_budget, by_decode)
         return image_budget, token_budget
 
+    def scaled(self, encode: float = 1.0, prefill: float = 1.0, decode: float = 1.0) -> StageCurves:
+        """The same curves with each stage's latencies multiplied (see calibrate.stage_factors)."""
+        return dataclasses.replace(
+            self,
+            encode=tuple((n, s * encode) for n, s in self.encode),
+            prefill=tuple((t, s * prefill) for t, s in self.prefill),
+            decode=tuple((b, c, s * decode) for b, c, s in self.decode),
+        )
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -210,6 +221,13 @@ class ProfileSet:
     transfer: TransferModel = TransferModel()
     by_kind: dict[str, StageCurves] = field(default_factory=dict)
     source: str = ""
+    # Spread of one iteration's time around the curve: σ of a mean-preserving log-normal factor
+    # (0: every iteration takes exactly what the curve says).
+    jitter: float = 0.0
+    # Instances sharing one host's CPU cores (a CPU deployment on one machine): an iteration that
+    # starts while more instances are busy than there are cores runs that much slower. 0: every
+    # instance has its own device (GPUs).
+    host_cores: int = 0
 
     def for_kind(self, kind: str) -> StageCurves:
         if kind not in KIND_ROLES:
@@ -252,6 +270,8 @@ class ProfileSet:
             "version": 1,
             "source": self.source,
             "transfer": asdict(self.transfer),
+            "jitter": self.jitter,
+            "host_cores": self.host_cores,
             "curves": self.curves.to_dict(),
             "by_kind": {k: v.to_dict() for k, v in self.by_kind.items()},
         }
@@ -265,7 +285,15 @@ class ProfileSet:
         unknown = set(by_kind) - set(KIND_ROLES)
         if unknown:
             raise ProfileError(f"unknown instance kinds in by_kind: {sorted(unknown)}")
-        return cls(StageCurves.from_dict(raw["curves"]), transfer, by_kind, raw.get("source", ""))
+        curves = StageCurves.from_dict(raw["curves"])
+        return cls(
+            curves,
+            transfer,
+            by_kind,
+            raw.get("source", ""),
+            float(raw.get("jitter", 0.0)),
+            int(raw.get("host_cores", 0)),
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -306,4 +334,21 @@ def _record_curves(llm, vision, image_cap: int = 0) -> StageCurves:
         prefill=tuple(llm.prefill),
         decode=tuple(llm.decode),
         **sizes,
+    )
+
+
+def scale_profiles(
+    profiles: ProfileSet,
+    factors: dict[str, float],
+    transfer: TransferModel | None = None,
+    jitter: float | None = None,
+) -> ProfileSet:
+    """Every kind's curves scaled by per-stage factors; optionally a new transfer model and jitter."""
+    return ProfileSet(
+        profiles.curves.scaled(**factors),
+        transfer or profiles.transfer,
+        {k: v.scaled(**factors) for k, v in profiles.by_kind.items()},
+        profiles.source,
+        profiles.jitter if jitter is None else jitter,
+        profiles.host_cores,
     )

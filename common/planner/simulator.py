@@ -132,10 +132,14 @@ class Simulation:
         policy: Policy = Policy.STAGE,
         correction: Correction | None = None,
         stop_early: bool = False,
+        seed: int = 0,
     ) -> None:
         self.trace = sorted(trace, key=lambda e: e.arrival)
         self.slo = slo
         self.transfer = profiles.transfer
+        self.jitter = profiles.jitter
+        self.host_cores = profiles.host_cores
+        self._rng = np.random.default_rng(seed)
         self.correction = correction or Correction()
         # The decode context budgets are sized for: the trace's mean over a request's decode.
         context = sum(e.prompt_tokens + e.output_tokens / 2 for e in self.trace) / max(len(self.trace), 1)
@@ -160,7 +164,8 @@ class Simulation:
 
     def run(self) -> SimResult:
         for i, entry in enumerate(self.trace):
-            self._push(entry.arrival + self.transfer.dispatch, "arrive", (i, entry))
+            dispatch = self.transfer.dispatch + self.transfer.dispatch_per_image * entry.num_images
+            self._push(entry.arrival + dispatch, "arrive", (i, entry))
         complete = True
         while self._events:
             self.now, _, kind, payload = heapq.heappop(self._events)
@@ -288,6 +293,11 @@ class Simulation:
         image_tokens = sum(req.images[k].num_tokens for req, idx in batch.encodes for k in idx)
         images = inst.curves.image_units(image_tokens, batch.num_images)
         seconds = inst.curves.iteration_time(images, prefill_tokens, len(decodes), context)
+        if self.jitter:
+            seconds *= float(np.exp(self.jitter * self._rng.standard_normal() - self.jitter**2 / 2))
+        if self.host_cores:
+            busy = 1 + sum(1 for other in self.instances if other.busy_until is not None)
+            seconds *= max(1.0, busy / self.host_cores)
         inst.batch = batch
         inst.busy_until = self.now + seconds
         inst.busy_time += seconds
@@ -365,11 +375,20 @@ def simulate(
     policy: Policy = Policy.STAGE,
     correction: Correction | None = None,
     stop_early: bool = False,
+    seed: int = 0,
 ) -> SimResult:
     """Replay `trace` (TraceEntry-like: arrival, prompt_tokens, num_images, image_tokens,
-    output_tokens) on `deployment`; with `stop_early`, stop once attainment cannot be reached."""
+    output_tokens) on `deployment`; with `stop_early`, stop once attainment cannot be reached.
+    `seed` drives the profile's iteration jitter, if it has any."""
     sim = Simulation(
-        trace, deployment, profiles, slo, policy=policy, correction=correction, stop_early=stop_early
+        trace,
+        deployment,
+        profiles,
+        slo,
+        policy=policy,
+        correction=correction,
+        stop_early=stop_early,
+        seed=seed,
     )
     return sim.run()
 

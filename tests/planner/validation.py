@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,9 +27,8 @@ import openai
 from PIL import Image
 
 from common.engine.loader import load_config
-from common.planner.algorithm import Workload, stage_costs, throughput_bound
-from common.planner.calibrate import transfer_model
-from common.planner.profiles import ProfileSet
+from common.planner.calibrate import fit_dispatch, jitter, stage_factors, transfer_model
+from common.planner.profiles import ProfileSet, scale_profiles
 from common.planner.simulator import simulate
 from common.planner.trace import TraceEntry
 from common.planner.types import SLO, Deployment
@@ -196,10 +197,29 @@ def compare(
     return Comparison(rate, observed, predict(measured, deployment, profiles, slo))
 
 
-def calibrated_profiles(profile_records: list, trace_records: list) -> ProfileSet:
-    """Curves from the instances' published profiles; fixed costs from unloaded requests' marks."""
+def calibrated_profiles(
+    profile_records: list, trace_records: list, quiet: Sequence[Measured], deployment: Deployment, slo: SLO
+) -> tuple[ProfileSet, dict]:
+    """Curves from the instances' published profiles, scaled by how the deployed stages compared
+    with them, with the spread of their step times; hops and pulls from the same unloaded requests'
+    marks (medians), the gateway's dispatch from what their TTFT has beyond a replay; instances
+    share this machine's cores. Returns the profiles and what the calibration found."""
     base = ProfileSet.from_records(profile_records)
-    return ProfileSet(base.curves, transfer_model(trace_records, base.transfer), base.by_kind, base.source)
+    factors = stage_factors(trace_records, base.curves)
+    transfer = transfer_model(trace_records, base.transfer, quantile=50)
+    spread = jitter(trace_records)
+    profiles = dataclasses.replace(
+        scale_profiles(base, factors, transfer, spread), host_cores=os.cpu_count() or 1
+    )
+    entries = [dataclasses.replace(m.entry, ttft=m.ttft) for m in quiet]
+    profiles = dataclasses.replace(profiles, transfer=fit_dispatch(entries, deployment, profiles, slo))
+    found = {
+        "stage_factors": factors,
+        "transfer": dataclasses.asdict(profiles.transfer),
+        "jitter": spread,
+        "host_cores": profiles.host_cores,
+    }
+    return profiles, found
 
 
 DEPLOYMENTS = {
@@ -227,18 +247,18 @@ def _traced(redis_url: str, measured: list[Measured], timeout: float = 10.0) -> 
 def validate(
     model_dir: Path,
     method: str,
-    loads: Sequence[float],
+    rates: Sequence[float],
     requests: int,
     workdir: Path,
     slo: SLO,
     *,
     shape: str = "mix",
     max_output: int = 16,
-    calibration: int = 12,
+    calibration: int = 16,
     seed: int = 0,
-) -> list[Comparison]:
-    """Measure `method` at each load (a fraction of the throughput bound the profiles give for this
-    workload) and compare with the simulator's prediction (module docstring)."""
+) -> tuple[dict, list[Comparison]]:
+    """Measure `method` at each rate (requests/s) and compare with the simulator's prediction
+    (module docstring)."""
     from tests.services.cluster import running_cluster
 
     tokens_per_image = load_config(model_dir).image_seq_length
@@ -254,22 +274,13 @@ def validate(
             image_tokens=tokens_per_image,
             max_output_tokens=max_output,
         )
-        asyncio.run(send(cluster.url, model, quiet, tokens_per_image, seed=999))
+        unloaded = asyncio.run(send(cluster.url, model, quiet, tokens_per_image, seed=999))
+        _traced(cluster.redis.url, unloaded)
         profile_records, records = asyncio.run(cluster_inputs(cluster.redis.url))
-        profiles = calibrated_profiles(profile_records, records)
         deployment = DEPLOYMENTS[method]
-        sample = generate(
-            shape,
-            rate=1.0,
-            num_requests=requests,
-            seed=seed,
-            image_tokens=tokens_per_image,
-            max_output_tokens=max_output,
-        )
-        bound = throughput_bound(deployment, stage_costs(Workload.of(sample), profiles.curves, slo))
+        profiles, calibration = calibrated_profiles(profile_records, records, unloaded, deployment, slo)
         results = []
-        for i, load in enumerate(loads):
-            rate = round(load * bound, 3)
+        for i, rate in enumerate(rates):
             entries = generate(
                 shape,
                 rate=rate,
@@ -281,4 +292,4 @@ def validate(
             measured = asyncio.run(send(cluster.url, model, entries, tokens_per_image, seed=i + 1))
             _traced(cluster.redis.url, measured)
             results.append(compare(rate, measured, deployment, profiles, slo))
-    return results
+    return calibration, results
