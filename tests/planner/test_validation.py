@@ -1,0 +1,39 @@
+"""The simulator against a real deployment on this machine (issue 5): E+P+D on the tiny model at
+three rates, calibrated on unloaded requests first (tests/planner/validation.py).
+
+The issue's goal is 20 % on TTFT p50/p90 and TBT p90. On this 2-core machine the gateway, the client
+and three workers share the cores; the errors measured with `python bench/planner_validation.py`
+(docs/planner.md, "Validation") reach 20–40 % on TTFT p50 and up to 75 % on the TTFT tail, and vary
+run to run by as much. A test at 20 % would fail at random, so this one only holds the prediction to
+within a factor of three of the measurement — it catches a simulator or calibration that is broken,
+not one that is imprecise. The goal itself is not met here (see the issue notes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.planner.types import SLO
+from tests.planner.validation import validate
+
+FACTOR = 3.0
+RATES = (1.0, 2.0, 4.0)
+
+
+@pytest.mark.timeout(300)
+def test_simulated_latencies_are_within_a_factor_of_a_real_deployment(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    method = "e+p+d"
+    calibration, comparisons = validate(tiny_model_dir, method, RATES, 20, tmp_path, SLO(ttft=5.0, tbt=0.5))
+    assert [c.rate for c in comparisons] == list(RATES)
+    for c in comparisons:
+        for metric, measured in c.measured.items():
+            ratio = c.predicted[metric] / measured
+            error = ratio - 1
+            assert 1 / FACTOR <= ratio <= FACTOR, (
+                f"{method} at {c.rate} req/s: {metric} measured {c.measured[metric] * 1000:.1f} ms, "
+                f"predicted {c.predicted[metric] * 1000:.1f} ms ({error:+.0%}); calibration {calibration}"
+            )
