@@ -76,6 +76,8 @@ def main() -> None:
 def _best_by_method(result) -> dict[str, float]:
     best: dict[str, float] = {}
     for c in result.candidates:
+        if c.pruned:
+            continue
         m = c.deployment.method
         best[m] = max(best.get(m, 0.0), c.goodput)
     return best

@@ -51,7 +51,7 @@ def main() -> None:
             if not is_checkpoint_dir(model):
                 write_checkpoint(model, preset, seed=0)
             for method in args.methods.split(","):
-                workdir = Path(tmp) / f"{preset}-{method.replace('+', '')}"
+                workdir = Path(tmp) / f"{preset}-{method.replace('+', '-')}"
                 workdir.mkdir()
                 calibration, comparisons = validate(
                     model, method, rates, args.requests, workdir, slo, max_output=args.max_output

@@ -208,7 +208,7 @@ def goodput(
     # look fine), so the search runs below it and a pass at the bound scores the bound.
     low = run(bound / 64)
     if low.attainment < slo.attainment:
-        return CandidateScore(deployment, 0.0, round(low.attainment, 4))
+        return CandidateScore(deployment, 0.0, round(low.attainment, 4), bound=round(bound, 4))
     lo, best_result = bound / 64, low
     top = run(bound)
     if top.attainment >= slo.attainment:
@@ -229,6 +229,7 @@ def goodput(
         round(best_result.attainment, 4),
         round(best_result.ttft_percentile(90), 4),
         round(best_result.tbt_percentile(90), 4),
+        bound=round(bound, 4),
     )
 
 
@@ -263,6 +264,9 @@ def plan(
             progress(i / len(candidates), f"simulating {candidate.label}")
         if best is not None and bounds[candidate.label] < best.goodput:
             skipped += 1
+            scores.append(
+                CandidateScore(candidate, None, None, bound=round(bounds[candidate.label], 4), pruned=True)
+            )
             continue
         bound = bounds[candidate.label]
         score = goodput(replay, candidate, profiles, slo, bound=bound, correction=correction)
@@ -271,7 +275,8 @@ def plan(
             best = score
     if progress is not None:
         progress(1.0, f"chose {best.deployment.label}")
-    scores.sort(key=lambda s: (-s.goodput, s.deployment.label))
+    # Simulated ones best first, then the pruned ones by their bound.
+    scores.sort(key=lambda s: (s.pruned, -(s.goodput if not s.pruned else s.bound), s.deployment.label))
     context = work.prompt_tokens + work.output_tokens / 2
     tau = {kind: profiles.for_kind(kind).budgets(KIND_ROLES[kind], slo, context) for kind in KIND_ROLES}
     inputs = {
@@ -284,7 +289,7 @@ def plan(
         "slo": dataclasses.asdict(slo),
         "instances": instances,
         "search": "every split" if exhaustive else "partition and neighbouring splits",
-        "candidates_simulated": len(scores),
+        "candidates_simulated": len(scores) - skipped,
         "candidates_pruned": skipped,
         "correction": dataclasses.asdict(correction or Correction()),
         "profiles": profiles.source,

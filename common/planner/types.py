@@ -76,13 +76,18 @@ class Deployment:
 
 @dataclass
 class CandidateScore:
-    """One deployment's simulated result: the highest rate with attainment ≥ the SLO's share."""
+    """One deployment's simulated result: the highest rate with attainment ≥ the SLO's share.
+
+    A pruned candidate was not simulated: its throughput `bound` was already below the best goodput
+    found, so its goodput (≤ bound) could not win; `goodput` and `attainment` are then None."""
 
     deployment: Deployment
-    goodput: float  # requests/s
-    attainment: float  # at that rate
+    goodput: float | None  # requests/s
+    attainment: float | None  # at that rate
     ttft_p90: float | None = None
     tbt_p90: float | None = None
+    bound: float | None = None  # requests/s no run of this deployment can sustain beyond
+    pruned: bool = False
 
     def to_dict(self) -> dict:
         return {**self.deployment.to_dict(), **{k: v for k, v in asdict(self).items() if k != "deployment"}}

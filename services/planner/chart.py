@@ -18,11 +18,16 @@ def goodput_chart(result: PlanResult, title: str = "") -> bytes:
     from matplotlib.figure import Figure
 
     labels = [c.deployment.label for c in result.candidates]
-    values = [c.goodput for c in result.candidates]
+    # A pruned candidate shows its throughput bound, hatched: its goodput is at most that.
+    values = [c.bound if c.pruned else c.goodput for c in result.candidates]
     colors = [CHOSEN if c.deployment == result.deployment else OTHER for c in result.candidates]
     fig = Figure(figsize=(max(4.0, 0.5 * len(labels) + 1.5), 3.6), dpi=100)
     ax = fig.add_subplot()
-    ax.bar(range(len(labels)), values, color=colors)
+    bars = ax.bar(range(len(labels)), values, color=colors)
+    for bar, c in zip(bars, result.candidates, strict=True):
+        if c.pruned:
+            bar.set_fill(False)
+            bar.set_hatch("//")
     ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("goodput (requests/s)")
     slo = result.inputs.get("slo", {})

@@ -38,7 +38,9 @@ def test_json_is_the_last_line(app: typer.Typer, trace_file: Path) -> None:
     assert result.exit_code == 0, result.output
     body = json.loads(result.stdout.strip().splitlines()[-1])
     assert body["method"] in METHOD_KINDS and sum(body["replicas"].values()) == 3
-    assert body["candidates"] and body["goodput"] == max(c["goodput"] for c in body["candidates"])
+    simulated = [c["goodput"] for c in body["candidates"] if not c["pruned"]]
+    assert simulated and body["goodput"] == max(simulated)
+    assert all(c["bound"] < body["goodput"] for c in body["candidates"] if c["pruned"])
     assert body["inputs"]["profiles"] == "paper:llava-1.5-7b"  # the default
     assert body["inputs"]["requests"] == 60
 
