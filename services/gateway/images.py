@@ -1,5 +1,9 @@
 """Fetching a message's images: data: URLs, and http(s) URLs with a size cap, a timeout and an
-address policy that refuses loopback, private and link-local hosts unless configured."""
+address policy that refuses loopback, private and link-local hosts unless configured.
+
+The host is resolved once, its addresses checked, and the connection made to the checked address
+(the Host header and TLS SNI keep the name), so a name that resolves to a public address for the
+check and to an internal one for the fetch (DNS rebinding) cannot slip through."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from services.gateway.errors import APIError
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 @dataclass(frozen=True)
@@ -31,11 +37,17 @@ async def fetch_image(url: str, policy: ImagePolicy) -> bytes:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise APIError(400, "image_url must be a data: URL or an http(s) URL", param="image_url")
-    await _check_address(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), policy)
+    host = parts.hostname
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    addr = await _resolve_checked(host, port, policy)
+    pinned = parts._replace(netloc=f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}").geturl()
+    default_port = port == (443 if parts.scheme == "https" else 80)
+    headers = {"Host": host if default_port else f"{host}:{port}"}
+    extensions = {"sni_hostname": host} if parts.scheme == "https" else {}
     try:
         async with (
             httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False) as client,
-            client.stream("GET", url) as resp,
+            client.stream("GET", pinned, headers=headers, extensions=extensions) as resp,
         ):
             if resp.status_code != 200:
                 raise APIError(400, f"fetching image_url returned HTTP {resp.status_code}", param="image_url")
@@ -68,24 +80,33 @@ def _decode_data_url(url: str, policy: ImagePolicy) -> bytes:
         raise APIError(400, "data: image URL is not valid base64", param="image_url") from exc
 
 
-async def _check_address(host: str, port: int, policy: ImagePolicy) -> None:
-    """Resolve the host and refuse it if any address is internal (unless allowed)."""
-    if policy.allow_private:
-        return
+async def _resolve_checked(host: str, port: int, policy: ImagePolicy) -> IPAddress:
+    """Resolve the host once; refuse it if any address is internal (unless allowed); return the
+    address to connect to."""
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise APIError(400, f"cannot resolve image_url host {host!r}", param="image_url") from exc
-    for info in infos:
-        addr = ipaddress.ip_address(info[4][0])
-        if addr.is_loopback or addr.is_private or addr.is_link_local or addr.is_reserved or addr.is_multicast:
-            raise APIError(
-                400,
-                f"image_url host {host!r} resolves to a non-public address ({addr}); "
-                "set TRIDENT_ALLOW_PRIVATE_IMAGE_URLS=1 to allow it",
-                param="image_url",
-                code="image_url_forbidden",
-            )
+    addresses = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
+    if not addresses:
+        raise APIError(400, f"cannot resolve image_url host {host!r}", param="image_url")
+    if not policy.allow_private:
+        for addr in addresses:
+            if (
+                addr.is_loopback
+                or addr.is_private
+                or addr.is_link_local
+                or addr.is_reserved
+                or addr.is_multicast
+            ):
+                raise APIError(
+                    400,
+                    f"image_url host {host!r} resolves to a non-public address ({addr}); "
+                    "set TRIDENT_ALLOW_PRIVATE_IMAGE_URLS=1 to allow it",
+                    param="image_url",
+                    code="image_url_forbidden",
+                )
+    return addresses[0]
 
 
 def _too_large(policy: ImagePolicy) -> APIError:

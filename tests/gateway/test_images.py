@@ -87,3 +87,21 @@ async def test_timeout_and_http_errors_are_400(server):
         await fetch_image(server + "/missing", OPEN)
     with pytest.raises(APIError, match="data: URL or an http"):
         await fetch_image("ftp://example.com/x.png", OPEN)
+
+
+async def test_the_fetch_goes_to_the_address_that_was_checked(server, monkeypatch):
+    # A name only this test's resolver knows: were the fetch to resolve it again (the step DNS
+    # rebinding exploits), it would fail; it succeeds because it connects to the checked address.
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    real = loop.getaddrinfo
+    port = int(server.rsplit(":", 1)[1])
+
+    async def fake(host, *args, **kwargs):
+        return await real("127.0.0.1" if host == "images.rebind.test" else host, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "getaddrinfo", fake)
+    assert await fetch_image(f"http://images.rebind.test:{port}/img", OPEN) == PAYLOAD
+    with pytest.raises(APIError, match="non-public"):
+        await fetch_image(f"http://images.rebind.test:{port}/img", ImagePolicy())
