@@ -56,7 +56,8 @@ def main() -> None:
                 calibration, comparisons = validate(
                     model, method, rates, args.requests, workdir, slo, max_output=args.max_output
                 )
-                print(f"{preset:12} {method:6} calibration {json.dumps(calibration)}", flush=True)
+                brief = {k: v for k, v in calibration.items() if k != "profiles"}
+                print(f"{preset:12} {method:6} calibration {json.dumps(brief)}", flush=True)
                 report["calibration"].append({"preset": preset, "method": method, **calibration})
                 for c in comparisons:
                     errors = c.errors

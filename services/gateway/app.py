@@ -81,7 +81,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
         blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))
         try:
-            pil = [load_image(b) for b in blobs]
+            pil = await gw.off_loop(lambda: [load_image(b) for b in blobs])
         except InputError as exc:
             raise APIError(400, str(exc), param="image_url") from exc
         prompt = gw.processor.chat_prompt(messages)
@@ -98,7 +98,7 @@ async def serve(gw: Gateway, request: Request, body: SamplingFields, prompt, ima
     _check_model(gw, body.model)
     if gw.in_flight >= gw.settings.max_in_flight:
         raise APIError(429, "too many requests in flight; retry shortly", code="queue_full")
-    processed = _process(gw, prompt, images)
+    processed = await gw.off_loop(_process, gw, prompt, images)
     params = body.sampling_params(gw.settings.default_max_tokens)
     if len(processed.token_ids) + params.max_tokens > gw.max_model_len:
         raise APIError(

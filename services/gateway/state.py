@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -63,6 +64,14 @@ class Gateway:
         self.api_keys = {k.strip() for k in settings.api_keys.split(",") if k.strip()}
         self.metrics = Metrics.create()
         self.in_flight = 0
+        # Decoding images and running the HF processor take milliseconds of CPU per request; on the
+        # event loop they would hold back every other request's tokens. One thread: the tokenizer
+        # is not safe to share between threads, and the work stays in arrival order.
+        self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-processor")
+
+    async def off_loop(self, fn, *args):
+        """Run CPU-bound request processing on the processor thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
 
     async def start(self) -> None:
         s = self.settings
@@ -84,3 +93,4 @@ class Gateway:
         await self.bus.close()
         await self.transfer.close()
         await self.store.close()
+        self.cpu.shutdown(wait=False, cancel_futures=True)

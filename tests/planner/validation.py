@@ -218,6 +218,7 @@ def calibrated_profiles(
         "transfer": dataclasses.asdict(profiles.transfer),
         "jitter": spread,
         "host_cores": profiles.host_cores,
+        "profiles": profiles.to_dict(),  # to replay offline
     }
     return profiles, found
 
