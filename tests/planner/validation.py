@@ -143,13 +143,25 @@ def attach(measured: Sequence[Measured], records: Sequence) -> None:
 
 
 async def send(
-    url: str, model: str, entries: Sequence[TraceEntry], tokens_per_image: int, seed: int = 0
+    url: str,
+    model: str,
+    entries: Sequence[TraceEntry],
+    tokens_per_image: int,
+    seed: int = 0,
+    one_at_a_time: bool = False,
 ) -> list[Measured]:
-    """Send `entries` at their arrival times (open loop) and measure each at the client."""
+    """Send `entries` at their arrival times (open loop) and measure each at the client; with
+    `one_at_a_time`, each request only after the previous one finished (nothing overlaps)."""
     async with openai.AsyncOpenAI(
         base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300
     ) as client:
         start = time.monotonic() + 0.1
+        if one_at_a_time:
+            done = []
+            for i, e in enumerate(entries):
+                now = dataclasses.replace(e, arrival=max(0.0, time.monotonic() - start))
+                done.append(await _one(client, model, now, seed * 100_000 + i, start, tokens_per_image))
+            return done
         jobs = [
             _one(client, model, e, seed * 100_000 + i, start, tokens_per_image) for i, e in enumerate(entries)
         ]
@@ -266,7 +278,8 @@ def validate(
     env = {"TRIDENT_TTFT_SLO": str(slo.ttft), "TRIDENT_TBT_SLO": str(slo.tbt)}
     with running_cluster(model_dir, workdir, method, env=env) as cluster:
         model = model_dir.name
-        # Unloaded requests, one at a time: they warm every process up and calibrate the fixed costs.
+        # Requests one at a time (none overlaps another): they warm every process up and calibrate
+        # the stages against their profiles, the spread of step times and the fixed costs.
         quiet = generate(
             shape,
             rate=2.0,
@@ -275,7 +288,9 @@ def validate(
             image_tokens=tokens_per_image,
             max_output_tokens=max_output,
         )
-        unloaded = asyncio.run(send(cluster.url, model, quiet, tokens_per_image, seed=999))
+        unloaded = asyncio.run(
+            send(cluster.url, model, quiet, tokens_per_image, seed=999, one_at_a_time=True)
+        )
         _traced(cluster.redis.url, unloaded)
         profile_records, records = asyncio.run(cluster_inputs(cluster.redis.url))
         deployment = DEPLOYMENTS[method]
