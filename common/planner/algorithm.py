@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 from common.planner.profiles import ProfileSet, StageCurves
 from common.planner.simulator import Correction, simulate
-from common.planner.types import KIND_ROLES, METHOD_KINDS, SLO, CandidateScore, Deployment, PlanResult
+from common.planner.types import KIND_ROLES, SLO, CandidateScore, Deployment, PlanResult
 
-PLANNED_METHODS = ("e+p+d", "ep+d", "ed+p")
 EXHAUSTIVE_UP_TO = 16  # every split is simulated at or below this many instances
 GAMMA = 0.9  # share of KV memory decode may fill (000 §4.4)
 MAX_REPLAY = 400  # requests replayed per simulation: the most recent ones
@@ -303,6 +302,3 @@ def _better(a: CandidateScore, b: CandidateScore) -> bool:
     if a.goodput != b.goodput:
         return a.goodput > b.goodput
     return (a.ttft_p90 or 0.0, a.deployment.label) < (b.ttft_p90 or 0.0, b.deployment.label)
-
-
-__all__ = ["METHOD_KINDS", "PLANNED_METHODS", "goodput", "plan"]

@@ -247,9 +247,8 @@ class ProfileSet:
         llm = [r for r in records if r.prefill and r.decode]
         if not llm:
             raise ProfileError("no published profile has prefill and decode curves (is an LLM instance up?)")
-        most_roles = lambda r: (len(r.roles), r.profile_id)  # noqa: E731
-        enc = max(vision, key=most_roles) if vision else None
-        lm = max(llm, key=most_roles)
+        enc = max(vision, key=_most_roles) if vision else None
+        lm = max(llm, key=_most_roles)
         base = _record_curves(lm, enc, image_cap=max((r.image_budget for r in vision), default=0))
         by_kind: dict[str, StageCurves] = {}
         for record in records:
@@ -313,6 +312,11 @@ class ProfileSet:
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{path} is not JSON: {exc}") from exc
         return cls.from_dict(raw)
+
+
+def _most_roles(record) -> tuple[int, str]:
+    """Prefer the record of the instance with the most stages (then the id, for a stable choice)."""
+    return len(record.roles), record.profile_id
 
 
 def _kind_of(roles: Sequence[str]) -> str | None:
