@@ -100,12 +100,18 @@ class Engine:
         req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
         self._admit(req)
         req.num_computed_tokens = req.num_tokens - 1
-        if self.blocks.allocate(request_id, req.num_computed_tokens) is None:
+        # An instance without prefill could not recompute a request it preempted, so it reserves
+        # the blocks of the request's whole length now and never preempts it.
+        reserve = req.num_computed_tokens
+        if Role.PREFILL not in self.config.roles:
+            reserve = max(reserve, len(req.prompt_token_ids) + params.max_tokens)
+        if self.blocks.allocate(request_id, reserve) is None:
             raise AdmissionError(f"no free KV blocks for {request_id}; pull it only when can_admit() says so")
+        table = self.blocks.table(request_id)
         start = 0
         for buf in kv:
             layers = range(start, start + buf.shape[0])
-            self.cache.import_blocks(self.blocks.table(request_id), layers, buf)
+            self.cache.import_blocks(table[: buf.shape[2]], layers, buf)
             start = layers.stop
         req.detokenizer.add(req.output_token_ids)  # their text was streamed by the prefill instance
         self.requests[request_id] = req

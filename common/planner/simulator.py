@@ -256,8 +256,12 @@ class Simulation:
         elif stage == "decode":
             ready += self.transfer.time(req.num_computed_tokens * inst.curves.kv_bytes_per_token)
             inst.decode_pulled += 1
-            # Reserve the blocks now so two pulls cannot both count on them.
-            inst.blocks.allocate(req.request_id, req.num_computed_tokens)
+            # Reserve the blocks now so two pulls cannot both count on them; an instance that cannot
+            # prefill reserves the request's whole length, as the engine does.
+            reserve = req.num_computed_tokens
+            if Role.PREFILL not in inst.roles:
+                reserve = max(reserve, len(req.prompt_token_ids) + req.params.max_tokens)
+            inst.blocks.allocate(req.request_id, reserve)
         heapq.heappush(inst.arriving, (ready, next(self._seq), req, stage == "decode"))
         self._push(ready, "wake", None)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from services.worker.worker import StageWorker
 
 log = logging.getLogger(__name__)
+ADMIT_POLL = 0.02  # seconds between looks for free KV blocks while a decode task waits
 
 
 async def handle_encode(w: StageWorker, task: Task) -> None:
@@ -118,10 +120,25 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
     msg: DecodeTask = task.message
     rid = msg.request_id
     need = len(msg.prompt_token_ids) + msg.sampling.max_tokens
-    if not await w.loop.call(lambda: w.engine.can_admit(need)):
-        await task.nak(delay=0.05)  # no room after all: another replica (or we, later) takes it
+    capacity = w.engine.blocks.num_blocks * w.engine.config.block_size
+    if need > capacity:
+        await fail_request(
+            w, rid, "service_unavailable",
+            f"the request needs {need} tokens of KV cache and a decode instance holds {capacity}",
+        )  # fmt: skip
         return
+    # Hold the task while blocks free up, rather than give it back: every nak counts as a delivery,
+    # and a request that waits out its deliveries would be dead-lettered and never answered. The
+    # keep-alive loop extends a held task's ack deadline; this instance pulls nothing else meanwhile.
     w.begin(Held(rid, task))
+    while not await w.loop.call(lambda: w.engine.can_admit(need)):
+        if rid not in w.held:
+            return  # cancelled while waiting
+        if w.draining:
+            w.held.pop(rid, None)
+            await task.nak()  # another replica takes it
+            return
+        await asyncio.sleep(ADMIT_POLL)
     w.record.mark(rid, Stage.PD_TRANSFER_STARTED, decode_instance=w.instance_id)
     buffers, refs = [], iter(msg.kv.refs())
     try:

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.services.cluster import running_cluster
 from tests.services.conftest import client_for, start
 from tests.services.test_e2e import user_message
 
@@ -110,3 +111,22 @@ def test_cancelled_stream_releases_its_kv_blocks(two_decoders):
     assert free_blocks() == total_blocks()
     time.sleep(0.5)
     assert generated() - before < 1000, "the request should have been cancelled, not run to max_tokens"
+
+
+def test_requests_wait_for_scarce_decode_kv_instead_of_being_dropped(tiny_model_dir, tmp_path_factory):
+    # KV for ~200 tokens per instance: a decoder holds two of these requests at a time, so most wait
+    # for blocks. Each must be answered: a decode task that waits is held, not given back until it
+    # runs out of deliveries and is dead-lettered.
+    workdir = tmp_path_factory.mktemp("scarce-kv")
+    kv = {"TRIDENT_KV_CACHE_BYTES": str(200 << 10)}
+    with running_cluster(tiny_model_dir, workdir, "e+p+d", env=kv) as c:
+        client = client_for(c)
+
+        def ask(i: int):
+            return client.chat.completions.create(
+                model="tiny-llava", messages=user_message([], f"question {i}"), max_tokens=48, temperature=0
+            )
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+        assert all(a.usage.completion_tokens > 0 and a.choices[0].finish_reason for a in answers)
