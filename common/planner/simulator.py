@@ -164,8 +164,13 @@ class Simulation:
 
     def run(self) -> SimResult:
         for i, entry in enumerate(self.trace):
+            # Tracks in trace order, so results line up with the trace whatever order requests
+            # reach their first queue in (dispatch differs with the number of images).
+            rid = entry.request_id or f"r{i}"
+            rid = rid if rid not in self.tracks else f"{rid}#{i}"
+            self.tracks[rid] = _Track(entry.arrival, max(entry.output_tokens, 1))
             dispatch = self.transfer.dispatch + self.transfer.dispatch_per_image * entry.num_images
-            self._push(entry.arrival + dispatch, "arrive", (i, entry))
+            self._push(entry.arrival + dispatch, "arrive", (rid, entry))
         complete = True
         while self._events:
             self.now, _, kind, payload = heapq.heappop(self._events)
@@ -187,10 +192,7 @@ class Simulation:
 
     # -- the gateway -----------------------------------------------------------------------------
 
-    def _arrive(self, index: int, entry) -> None:
-        rid = entry.request_id or f"r{index}"
-        if rid in self.tracks:
-            rid = f"{rid}#{index}"
+    def _arrive(self, rid: str, entry) -> None:
         per_image = _split(entry.image_tokens, entry.num_images)
         images = [ImageInput(f"{rid}/{k}", n) for k, n in enumerate(per_image)]
         req = Request(
@@ -200,7 +202,6 @@ class Simulation:
             images,
             arrival_time=entry.arrival,
         )
-        self.tracks[rid] = _Track(entry.arrival, max(entry.output_tokens, 1))
         self._enqueue("encode" if images else "prefill", self.now, req)
         self._push(entry.arrival + self.slo.ttft / self.correction.ttft, "deadline", rid)
 
@@ -356,8 +357,7 @@ class Simulation:
 
     def _result(self, complete: bool) -> SimResult:
         c = self.correction
-        tracks = list(self.tracks.values())  # in arrival order; requests not yet arrived count as missed
-        tracks += [_Track(e.arrival, e.output_tokens) for e in self.trace[len(tracks) :]]
+        tracks = list(self.tracks.values())  # in trace order; one stopped early before its token misses
         ttft = np.array(
             [(t.first_token - t.arrival) * c.ttft if t.first_token is not None else np.nan for t in tracks]
         )
