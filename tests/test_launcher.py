@@ -322,6 +322,19 @@ def _stand_in_compose(tmp_path: Path, decode_mode: str = "worker") -> Path:
     return path
 
 
+def _stop_up(proc: subprocess.Popen) -> None:
+    """After a failed test: Ctrl-C first, so `trident up` stops the servers and services it started
+    (a SIGKILL would orphan them), then SIGKILL if it does not exit."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], queue.Queue[str | None]]:
     """`trident up` in tmp_path. typer.run over the command itself skips importing the model stack."""
     out = tmp_path / "out"
@@ -427,9 +440,7 @@ def test_up_runs_method_restarts_and_down_drains(
         assert "stopped" in result.output
         assert proc.wait(timeout=10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop_up(proc)
     # Every service got SIGTERM and drained; the servers are gone and so is the state file.
     for p in state["processes"]:
         assert _record(tmp_path, p["pid"]).get("drained"), p["name"]
@@ -455,9 +466,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
         assert "stopped" in _read_until(lines, None)
         assert proc.wait(timeout=10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop_up(proc)
     assert all(_record(tmp_path, p["pid"]).get("drained") for p in state["processes"])
     assert not any(is_alive(server) for server in state["servers"].values())
 

@@ -22,7 +22,7 @@ from common.protocol import Heartbeat, Plan, decode
 from common.store import Store, StoreConfig
 from common.store.keys import Keys
 from services.planner.actuators import LauncherActuator, compose_command
-from tests.test_launcher import _read_until, _record, _stand_in_compose, _start_up, _wait_for
+from tests.test_launcher import _read_until, _record, _stand_in_compose, _start_up, _stop_up, _wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = load_compose(REPO / "compose.yaml", {})
@@ -151,6 +151,4 @@ def test_trident_up_follows_the_plan(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop_up(proc)
