@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from common.planner.profiles import ProfileSet, StageCurves
 from common.planner.simulator import Correction, simulate
+from common.planner.trace import rescale
 from common.planner.types import KIND_ROLES, SLO, CandidateScore, Deployment, PlanResult
 
 EXHAUSTIVE_UP_TO = 16  # every split is simulated at or below this many instances
@@ -174,14 +175,12 @@ def neighbourhood(instances: int, split: tuple[int, int, int]) -> list[Deploymen
 
 
 def at_rate(trace: Sequence, rate: float) -> list:
-    """The trace with its inter-arrival times scaled so that it runs at `rate` requests/s."""
+    """The trace with its inter-arrival times scaled so that it runs at `rate` requests/s (requests
+    that all arrive at once are spaced evenly instead)."""
     entries = sorted(trace, key=lambda e: e.arrival)
-    start = entries[0].arrival
-    span = entries[-1].arrival - start
-    if len(entries) < 2 or span <= 0:
+    if len(entries) < 2 or entries[-1].arrival <= entries[0].arrival:
         return [dataclasses.replace(e, arrival=i / rate) for i, e in enumerate(entries)]
-    k = (len(entries) - 1) / rate / span
-    return [dataclasses.replace(e, arrival=(e.arrival - start) * k) for e in entries]
+    return rescale(entries, rate)
 
 
 def goodput(

@@ -11,6 +11,7 @@ import numpy as np
 
 from common.planner.profiles import ProfileSet
 from common.planner.simulator import Correction, simulate
+from common.planner.trace import rate
 from common.planner.types import KIND_ROLES, METHOD_KINDS, SLO, Deployment
 
 MIN_MEASURED = 20  # requests with measured latencies needed before a correction is trusted
@@ -35,19 +36,13 @@ def ks_statistic(a: Sequence[float], b: Sequence[float]) -> float:
     return float(np.max(np.abs(cdf_a - cdf_b)))
 
 
-def _rate(entries: Sequence) -> float:
-    times = sorted(e.arrival for e in entries)
-    span = times[-1] - times[0] if len(times) > 1 else 0.0
-    return (len(times) - 1) / span if span > 0 else 0.0
-
-
 def workload_distance(recent: Sequence, planned_for: Sequence) -> float:
     """How far the recent requests are from those the current plan was made for, in [0, 1]: the
     largest KS statistic over the request sizes, or the rate's change (a doubling or halving is 1)."""
     if not recent or not planned_for:
         return 1.0 if recent or planned_for else 0.0
     size = max(ks_statistic([f(e) for e in recent], [f(e) for e in planned_for]) for f in _FEATURES.values())
-    r_new, r_old = _rate(recent), _rate(planned_for)
+    r_new, r_old = rate(recent), rate(planned_for)
     rate_shift = min(1.0, abs(math.log2(r_new / r_old))) if r_new > 0 and r_old > 0 else 0.0
     return max(size, rate_shift)
 
