@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from common.bench.commands import bench_app
 from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters, write_checkpoint
 from common.generate_cmd import generate
 from common.launcher import down, up
@@ -55,3 +56,4 @@ app.command("generate")(generate)
 app.command("up")(up)
 app.command("down")(down)
 app.command("plan")(plan)
+app.add_typer(bench_app, name="bench")

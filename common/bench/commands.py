@@ -1,0 +1,13 @@
+"""`trident bench`: the commands."""
+
+from __future__ import annotations
+
+import typer
+
+from common.bench.serve_cmd import serve
+
+bench_app = typer.Typer(
+    help="Measure SLO attainment and goodput of OpenAI-compatible servers (docs/benchmarks.md).",
+    no_args_is_help=True,
+)
+bench_app.command("serve", epilog="The last line of output is one JSON object: the whole result.")(serve)

@@ -1,0 +1,147 @@
+"""`trident bench serve`: SLO attainment and goodput of any OpenAI-compatible server under an
+open-loop workload (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from common.bench.workload import ARRIVALS
+
+
+@contextmanager
+def progress_reporter(label: str):
+    """A progress bar on stderr (stdout keeps the table and the JSON line) and the three callbacks
+    a sweep reports through: a rate starts, a request is done, a rate is summarised."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    current: list = []
+
+    def on_start(rate: float, count: int) -> None:
+        current[:] = [bar.add_task(f"{label} {rate:g} req/s", total=count)]
+
+    def on_done(_result) -> None:
+        bar.advance(current[0])
+
+    def on_rate(s) -> None:
+        bar.remove_task(current[0])
+        typer.echo(format_summary(label, s))
+
+    with bar:
+        yield on_start, on_done, on_rate
+
+
+def _ms(value: float | None) -> str:
+    return "     -" if value is None else f"{value * 1000:6.0f}"
+
+
+def format_summary(label: str, s) -> str:
+    return (
+        f"{label:14} {s.rate:6g} req/s  attainment {100 * s.attainment:5.1f} %  "
+        f"TTFT p50/p90 {_ms(s.ttft_p50)}/{_ms(s.ttft_p90)} ms  "
+        f"TBT p50/p90 {_ms(s.tbt_p50)}/{_ms(s.tbt_p90)} ms  "
+        f"done {s.completed}/{s.sent}  {s.throughput:.2f} req/s"
+    )
+
+
+def serve(
+    url: Annotated[str, typer.Option(help="The server's base URL, e.g. http://127.0.0.1:8000.")],
+    ttft_slo: Annotated[float, typer.Option(help="TTFT SLO, seconds.")],
+    tbt_slo: Annotated[float, typer.Option(help="p90 TBT SLO, seconds.")],
+    duration: Annotated[float, typer.Option(help="Seconds of arrivals per rate.")],
+    workload: Annotated[
+        str | None, typer.Option(help="A workload shape (docs/workloads.md): mix, textcaps, pope, ...")
+    ] = None,
+    trace: Annotated[
+        Path | None, typer.Option(exists=True, dir_okay=False, help="A trace file (JSONL) to replay.")
+    ] = None,
+    rate: Annotated[float | None, typer.Option(help="One request rate, requests/s.")] = None,
+    sweep: Annotated[str | None, typer.Option(help="Rates A:B:STEP, requests/s.")] = None,
+    arrivals: Annotated[
+        str, typer.Option(help=f"Arrival times for a workload: {', '.join(ARRIVALS)} or a trace file.")
+    ] = "poisson",
+    model: Annotated[
+        str | None, typer.Option(help="Model name to request; default: the first listed.")
+    ] = None,
+    out: Annotated[
+        Path, typer.Option(help="Directory for results.json, per-request JSONL and plots.")
+    ] = Path(".trident/bench"),
+    attainment: Annotated[float, typer.Option(min=0.0, max=1.0, help="Attainment goodput needs.")] = 0.9,
+    max_output_tokens: Annotated[int | None, typer.Option(min=1, help="Cap on each output.")] = None,
+    max_prompt_tokens: Annotated[int | None, typer.Option(min=1, help="Cap on each prompt.")] = None,
+    image_size: Annotated[
+        str | None, typer.Option(help="WxH for every image; default: each image's size from the workload.")
+    ] = None,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos/--no-ignore-eos", help="Ask for exactly the trace's output length.")
+    ] = True,
+    seed: Annotated[int, typer.Option(help="Requests and arrival times depend only on the seed.")] = 0,
+    api_key: Annotated[
+        str, typer.Option(envvar="OPENAI_API_KEY", help="Bearer key, if the server wants one.")
+    ] = "",
+    name: Annotated[str, typer.Option(help="Label for this system in tables and plots.")] = "server",
+) -> None:
+    """Open-loop streaming load at each rate; per-request TTFT, TBTs and end-to-end latency; SLO
+    attainment per rate and goodput over the sweep."""
+    from common.bench import client
+    from common.bench.metrics import SLO
+    from common.bench.sweep import LoadSpec, parse_rates, run_sweep
+    from common.bench.workload import WorkloadError
+
+    try:
+        slo = SLO(ttft_slo, tbt_slo, attainment)
+        if workload is None and trace is None:
+            workload = "mix"
+        load = LoadSpec(
+            rates=parse_rates(rate, sweep),
+            duration=duration,
+            workload=workload if trace is None else None,
+            trace=trace,
+            arrivals=arrivals,
+            seed=seed,
+            max_prompt_tokens=max_prompt_tokens,
+            max_output_tokens=max_output_tokens,
+        )
+        size = parse_size(image_size) if image_size else None
+        load.entries(load.rates[0])  # a bad workload or trace fails now, before any load is sent
+    except (ValueError, WorkloadError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        model = model or asyncio.run(client.served_model(url, api_key))
+    except Exception as exc:
+        typer.echo(f"error: cannot list models at {url}/v1/models: {exc}", err=True)
+        raise typer.Exit(2) from None
+    opts = client.RequestOptions(model=model, ignore_eos=ignore_eos, image_size=size, seed=seed)
+    with progress_reporter(name) as (on_start, on_done, on_rate):
+        result = run_sweep(
+            name, url, model, load, slo, out,
+            options=opts, api_key=api_key, on_start=on_start, on_done=on_done, on_rate=on_rate,
+        )  # fmt: skip
+    typer.echo(
+        f"goodput: {result.goodput:g} req/s at {100 * slo.attainment:g} % attainment; results in {out}"
+    )
+    typer.echo(json.dumps({**result.to_dict(), "out": str(out)}))
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--image-size takes WxH, e.g. 336x336; got {text!r}") from None
+    if w < 1 or h < 1:
+        raise ValueError(f"--image-size must be positive, got {text!r}")
+    return w, h

@@ -1,0 +1,145 @@
+"""One system under a sweep of request rates: the same requests (same seed) at each rate, measured,
+summarised and saved, then goodput over the sweep.
+
+Files written to the output directory: `results.json` (the whole result, the same object as the
+command's last line), `requests-<rate>.jsonl` (every request's measurements), `attainment.png` and
+`latency_cdf.png`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.bench import client, plots, workload
+from common.bench.metrics import SLO, RateSummary, RequestResult, goodput, summarise
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What to send: a workload shape or a trace, the arrival process, for how long, at what rates."""
+
+    rates: tuple[float, ...]
+    duration: float
+    workload: str | None = "mix"
+    trace: Path | None = None
+    arrivals: str = "poisson"
+    cv: float = 2.0
+    seed: int = 0
+    image_tokens: int | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+
+    def entries(self, rate: float) -> list[workload.TraceEntry]:
+        return workload.build(
+            rate=rate,
+            duration=self.duration,
+            workload=self.workload if self.trace is None else None,
+            trace=self.trace,
+            arrivals=self.arrivals,
+            cv=self.cv,
+            seed=self.seed,
+            image_tokens=self.image_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_output_tokens=self.max_output_tokens,
+        )
+
+    def describe(self) -> dict:
+        return {
+            "workload": self.workload if self.trace is None else None,
+            "trace": str(self.trace) if self.trace else None,
+            "arrivals": self.arrivals,
+            "duration": self.duration,
+            "seed": self.seed,
+            "max_output_tokens": self.max_output_tokens,
+        }
+
+
+def parse_rates(rate: float | None, sweep: str | None) -> tuple[float, ...]:
+    """`--rate R` or `--sweep A:B:STEP` (A, A+STEP, ... up to B inclusive)."""
+    if (rate is None) == (sweep is None):
+        raise ValueError("give --rate or --sweep, not both and not neither")
+    if rate is not None:
+        if not rate > 0:
+            raise ValueError(f"--rate must be > 0, got {rate}")
+        return (rate,)
+    try:
+        a, b, step = (float(x) for x in sweep.split(":"))
+    except ValueError:
+        raise ValueError(f"--sweep takes A:B:STEP (e.g. 1:8:1), got {sweep!r}") from None
+    if not (0 < a <= b and step > 0):
+        raise ValueError(f"--sweep needs 0 < A <= B and STEP > 0, got {sweep!r}")
+    count = int((b - a) / step + 1e-9) + 1
+    return tuple(round(a + i * step, 6) for i in range(count))
+
+
+@dataclass
+class SweepResult:
+    name: str
+    url: str
+    model: str
+    slo: SLO
+    load: dict
+    summaries: list[RateSummary] = field(default_factory=list)
+    requests: dict[float, list[RequestResult]] = field(default_factory=dict)
+
+    @property
+    def goodput(self) -> float:
+        return goodput([(s.rate, s.attainment) for s in self.summaries], self.slo.attainment)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "model": self.model,
+            "slo": {"ttft": self.slo.ttft, "tbt": self.slo.tbt, "attainment": self.slo.attainment},
+            "load": self.load,
+            "goodput": self.goodput,
+            "rates": [s.to_dict() for s in self.summaries],
+        }
+
+
+def run_sweep(
+    name: str,
+    url: str,
+    model: str,
+    load: LoadSpec,
+    slo: SLO,
+    out: Path,
+    *,
+    options: client.RequestOptions | None = None,
+    api_key: str = "",
+    on_start: Callable[[float, int], None] | None = None,
+    on_done: Callable[[RequestResult], None] | None = None,
+    on_rate: Callable[[RateSummary], None] | None = None,
+) -> SweepResult:
+    """Every rate of `load` against `url` in turn; saves as it goes (module docstring)."""
+    out.mkdir(parents=True, exist_ok=True)
+    opts = options or client.RequestOptions(model=model, seed=load.seed)
+    result = SweepResult(name, url, model, slo, load.describe())
+    for rate in load.rates:
+        entries = load.entries(rate)
+        if on_start is not None:
+            on_start(rate, len(entries))
+        measured = asyncio.run(client.run(url, entries, opts, api_key=api_key, on_done=on_done))
+        result.requests[rate] = measured
+        summary = summarise(rate, measured, slo)
+        result.summaries.append(summary)
+        with (out / f"requests-{rate:g}.jsonl").open("w") as f:
+            for r in measured:
+                f.write(json.dumps(r.to_dict()) + "\n")
+        if on_rate is not None:
+            on_rate(summary)
+    save(result, out)
+    return result
+
+
+def save(result: SweepResult, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    points = [(s.rate, s.attainment) for s in result.summaries]
+    plots.attainment_plot({result.name: points}, result.slo, out / "attainment.png")
+    runs = {f"{rate:g} req/s": rs for rate, rs in result.requests.items()}
+    plots.cdf_plot(runs, result.slo, out / "latency_cdf.png")
