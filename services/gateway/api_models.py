@@ -58,6 +58,7 @@ class SamplingFields(_Lenient):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension; `vllm bench serve` sends 1.0
     logprobs: bool | int | None = None
 
     @model_validator(mode="after")
@@ -66,6 +67,8 @@ class SamplingFields(_Lenient):
             raise ValueError("only n=1 is supported; send separate requests for more choices")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
+        if self.repetition_penalty != 1.0:
+            raise ValueError("repetition_penalty is not supported; leave it at 1.0")
         if self.logprobs:
             raise ValueError("logprobs are not supported")
         if isinstance(self.stop, list) and len(self.stop) > 4:

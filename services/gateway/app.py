@@ -9,12 +9,13 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
+import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import generate_latest
 
-from common.engine.processor import InputError, load_image
+from common.engine.processor import InputError, ProcessedPrompt, load_image
 from common.protocol import Cancel
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from services.gateway.collector import OutputCollector
@@ -120,7 +121,7 @@ async def serve(gw: Gateway, request: Request, body: SamplingFields, prompt, ima
         arrival=getattr(request.state, "arrived", time.perf_counter()),
     )  # fmt: skip
     gw.in_flight += 1
-    run = _Run(gw, rid, kind, body, collector, stream)
+    run = _Run(gw, rid, kind, body, collector, stream, prompt_tokens=len(processed.token_ids))
     if body.stream:
         return StreamingResponse(run.sse(), media_type="text/event-stream")
     return await run.whole(request)
@@ -134,20 +135,41 @@ def _check_model(gw: Gateway, model: str) -> None:
 
 
 def _process(gw: Gateway, prompt, images):
+    if isinstance(prompt, list):
+        return _token_prompt(gw, prompt)
     try:
-        if isinstance(prompt, list):  # token ids (/v1/completions)
-            text = gw.processor.tokenizer.decode(prompt)
-            return gw.processor.process(text, images)
         return gw.processor.process(prompt, images)
     except InputError as exc:
         raise APIError(400, str(exc)) from exc
 
 
+def _token_prompt(gw: Gateway, ids: list[int]) -> ProcessedPrompt:
+    """A `/v1/completions` prompt given as token ids goes to the engine as those ids: decoding and
+    re-tokenising would change them (merges, special tokens, a second BOS), and benchmarks that
+    send ids expect exactly that prompt length."""
+    bad = next((t for t in ids if not 0 <= t < gw.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400, f"prompt token id {bad} is outside the vocabulary [0, {gw.vocab_size})", param="prompt"
+        )
+    if gw.processor.image_token_id in ids:
+        raise APIError(
+            400,
+            f"prompt holds the image token id {gw.processor.image_token_id}, but /v1/completions takes "
+            "no images; send images to /v1/chat/completions as image_url parts",
+            param="prompt",
+        )
+    return ProcessedPrompt(list(ids), [], torch.empty(0, dtype=torch.long))
+
+
 class _Run:
     """One accepted request's life at the gateway: its output, and its cancellation if abandoned."""
 
-    def __init__(self, gw: Gateway, rid: str, kind: str, body: SamplingFields, collector, stream) -> None:
+    def __init__(
+        self, gw: Gateway, rid: str, kind: str, body: SamplingFields, collector, stream, prompt_tokens: int
+    ) -> None:
         self.gw, self.rid, self.kind, self.body = gw, rid, kind, body
+        self.prompt_tokens = prompt_tokens
         self.collector, self.stream = collector, stream
         self.created = int(time.time())
         self.start = time.perf_counter()
@@ -188,7 +210,9 @@ class _Run:
                 yield self._chunk({"role": "assistant", "content": ""}, None)
             async for piece in self.collector.pieces():
                 self._mark_first()
-                if piece.text:
+                # A token whose text is held back (part of a UTF-8 character or of a stop string)
+                # still gets its chunk, as vLLM sends it: clients time TTFT and ITL per chunk.
+                if piece.text or piece.token_ids:
                     yield self._chunk(piece.text, None)
             yield self._chunk(None, self.collector.outcome.finish_reason)
             if self.body.include_usage:
@@ -220,12 +244,14 @@ class _Run:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.gw.model_name}
 
     def _usage(self) -> dict:
+        """The final usage once the request is done; while streaming (`continuous_usage_stats`)
+        the prompt as the gateway tokenised it and the output tokens received so far."""
         o = self.collector.outcome
-        return {
-            "prompt_tokens": o.prompt_tokens,
-            "completion_tokens": o.completion_tokens,
-            "total_tokens": o.prompt_tokens + o.completion_tokens,
-        }
+        if self.collector.complete:
+            prompt, completion = o.prompt_tokens, o.completion_tokens
+        else:
+            prompt, completion = self.prompt_tokens, self.collector.received
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _body(self, text: str) -> dict:
         reason = self.collector.outcome.finish_reason

@@ -88,6 +88,7 @@ class OutputCollector:
         self.timeout = timeout
         self.outcome = Outcome()
         self.clock = TokenClock(arrival)
+        self.received = 0  # output tokens so far, for usage reported while streaming
         self.started = False  # any output reached the client
         self.complete = False  # every output arrived, up to the final one
 
@@ -114,6 +115,7 @@ class OutputCollector:
             while next_index in pending:
                 ids = list(pending.pop(next_index))
                 next_index += len(ids)
+                self.received = next_index
                 self.clock.add(len(ids), now)
                 self.started = True
                 yield Piece(self.detok.add(ids), ids)

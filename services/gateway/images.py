@@ -35,6 +35,14 @@ async def fetch_image(url: str, policy: ImagePolicy) -> bytes:
     if url.startswith("data:"):
         return _decode_data_url(url, policy)
     parts = urlsplit(url)
+    if parts.scheme == "file":
+        raise APIError(
+            400,
+            "image_url: file:// URLs are not read from the server's disk; send the image inline as a "
+            "base64 data: URL (vllm bench serve: --custom-ensure-client-side-data) or by http(s)",
+            param="image_url",
+            code="image_url_forbidden",
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise APIError(400, "image_url must be a data: URL or an http(s) URL", param="image_url")
     host = parts.hostname

@@ -54,7 +54,9 @@ class Gateway:
         self.model_name = settings.served_model_name
         self.instance_id = settings.instance_id or f"gateway-{socket.gethostname()}-{os.getpid()}"
         self.processor = RequestProcessor(settings.model)
-        self.max_model_len = load_config(settings.model).text_config.max_position_embeddings
+        text_config = load_config(settings.model).text_config
+        self.max_model_len = text_config.max_position_embeddings
+        self.vocab_size = text_config.vocab_size  # token-id prompts must index the embedding table
         self.images = ImagePolicy(
             max_bytes=settings.max_image_bytes,
             timeout_s=settings.image_fetch_timeout,

@@ -50,6 +50,7 @@ def test_sampling_params_and_max_completion_tokens_precedence():
         ({"temperature": 3}, "less than or equal to 2"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
         ({"presence_penalty": 0.5}, "not supported"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty is not supported"),
         ({"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]}, "does not match"),
     ],
 )
@@ -64,3 +65,14 @@ def test_completion_prompt_forms():
     assert CompletionRequest.model_validate({"model": "m", "prompt": [5, 6]}).prompt == [5, 6]
     with pytest.raises(ValidationError, match="one prompt"):
         CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]})
+
+
+def test_what_vllm_bench_serve_sends_validates():
+    """`vllm bench serve --backend openai` sends vLLM's `repetition_penalty: 1.0` and `logprobs: null`."""
+    body = {"model": "m", "prompt": "hi", "repetition_penalty": 1.0, "logprobs": None, "max_tokens": 8,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+    req = CompletionRequest.model_validate(body)
+    assert req.include_usage and req.sampling_params(100).ignore_eos
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9,
+                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    assert chat(**chat_body).sampling_params(100).max_tokens == 9
