@@ -58,6 +58,11 @@ class WorkerSettings(ServiceSettings):
     feature_cache_bytes: int = 64 << 20
     transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
+    prefetch: bool = Field(
+        True,
+        description="Fetch a prefill task's image features as soon as it arrives (002 §3.2); "
+        "off: only when the engine would run it",
+    )
     heartbeat_interval: float = 1.0
     heartbeat_ttl: float = 5.0
     drain_timeout: float = 30.0

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from common.bus import Task
 from common.engine import AdmissionError, Role
+from common.engine.admission import PREFILL_WAITING
 from common.engine.processor import InputError
 from common.protocol import DecodeTask, EncodeTask, PrefillTask, Release, RequestSpec, TensorRef
 from common.store import Stage
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from services.worker.worker import StageWorker
 
 log = logging.getLogger(__name__)
-ADMIT_POLL = 0.02  # seconds between looks for free KV blocks while a decode task waits
+ADMIT_POLL = 0.02  # seconds between looks at the engine while a task waits (KV blocks, its turn)
 
 
 async def handle_encode(w: StageWorker, task: Task) -> None:
@@ -41,6 +43,8 @@ async def handle_prefill(w: StageWorker, task: Task) -> None:
     spec = task.message.request
     rid = spec.request_id
     w.begin(Held(rid, task), spec)
+    if spec.images and not w.settings.prefetch and not await _wait_for_turn(w, rid):
+        return  # cancelled while it waited
     features, pixels = await _pull_features(w, rid, spec), [None] * len(spec.images)
     if features is None:  # lost: recompute here if we hold the vision tower, else send it back
         if Role.ENCODE not in w.roles:
@@ -57,8 +61,23 @@ async def handle_prefill(w: StageWorker, task: Task) -> None:
     await _admit(w, rid, spec, pixels, features)
 
 
+async def _wait_for_turn(w: StageWorker, rid: str) -> bool:
+    """Without prefetch: wait until the engine has no request waiting to start, so that this one
+    would be scheduled next, and only then pull its features: the transfer is not overlapped with
+    queueing. False if the request was cancelled meanwhile.
+
+    The wait is bounded: the tasks fetched with this one wait unheld behind it, and JetStream
+    redelivers a task not settled or marked in progress within ack_wait."""
+    deadline = time.monotonic() + w.bus.config.ack_wait / (2 * PREFILL_WAITING)
+    while w.loop.stats.get("waiting", 0) > 0 and time.monotonic() < deadline:
+        if rid not in w.held:
+            return False
+        await asyncio.sleep(ADMIT_POLL)
+    return rid in w.held
+
+
 async def _pull_features(w: StageWorker, rid: str, spec) -> list[torch.Tensor] | None:
-    """Fetch every image's features as soon as the task arrives (event-driven prefetch, 002 §3.2).
+    """Fetch every image's features (as soon as the task arrives: event-driven prefetch, 002 §3.2).
     None when any cannot be had (owner gone, evicted): the caller recomputes."""
     if not spec.images:
         return []
