@@ -13,7 +13,7 @@ $(BIN)/python:
 # torch first, pinned, so pip takes the CPU build from local disk instead of a multi-GB CUDA build.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 install: system-deps $(STAMP)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import subprocess
 import sys
@@ -35,7 +36,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 VLLM = HERE / ".venv-vllm" / "bin" / "vllm"
 AIPERF = HERE / ".venv-aiperf" / "bin" / "aiperf"
-TOOLS = ("vllm", "aiperf")
+TOOLS = ("vllm", "aiperf", "trident")
+TRIDENT = HERE.parents[1] / ".venv" / "bin" / "trident"  # our own client, `trident bench serve`
 Summary = dict[str, float | int | None]
 
 
@@ -56,12 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32, help="output tokens per request (ignore_eos)")
     p.add_argument("--image-size", type=int, default=256, help="square image side, pixels")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of vllm,aiperf")
+    p.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of vllm,aiperf,trident")
     return p.parse_args(argv)
 
 
 def check_venvs(tools: list[str]) -> None:
-    exes = {"vllm": VLLM, "aiperf": AIPERF}
+    exes = {"vllm": VLLM, "aiperf": AIPERF, "trident": TRIDENT}
     missing = [str(exes[t]) for t in tools if not exes[t].exists()]
     if missing:
         sys.exit(f"missing {', '.join(missing)}: run bench/third_party/setup.sh first")
@@ -190,6 +192,9 @@ def measure(tool: str, a: argparse.Namespace, model: str, out: Path) -> Summary:
     if tool == "vllm":
         run_logged(vllm_command(a, model, out / "vllm"), out / "vllm" / "log.txt", timeout)
         summary = vllm_summary(json.loads((out / "vllm" / "result.json").read_text()))
+    elif tool == "trident":
+        run_logged(trident_command(a, model, out / "trident"), out / "trident" / "log.txt", timeout)
+        summary = trident_summary(json.loads((out / "trident" / "results.json").read_text()))
     else:
         run_logged(aiperf_command(a, model, out / "aiperf"), out / "aiperf" / "log.txt", timeout)
         result = json.loads((out / "aiperf" / "profile_export_aiperf.json").read_text())
@@ -199,6 +204,43 @@ def measure(tool: str, a: argparse.Namespace, model: str, out: Path) -> Summary:
     served = after[1] - before[1]
     summary["gateway_ttft_mean_ms"] = (after[0] - before[0]) / served * 1000 if served else None
     return summary
+
+
+def trident_command(a: argparse.Namespace, model: str, out: Path) -> list[str]:
+    """`trident bench serve` replaying a trace of the same requests: `input_len` words of text, one
+    image of `image_size` pixels, `output_len` tokens, arriving at `rate` (Poisson or constant)."""
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(a.seed)
+    t, lines = 0.0, [json.dumps({"format": "trident-trace", "version": 1})]
+    for _ in range(a.num_prompts):
+        lines.append(json.dumps({
+            "arrival": t, "prompt_tokens": a.input_len, "num_images": 1, "image_tokens": 0,
+            "output_tokens": a.output_len, "image_sizes": [[a.image_size, a.image_size]],
+        }))  # fmt: skip
+        t += rng.expovariate(a.rate) if a.arrival == "poisson" else 1 / a.rate
+    trace = out / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    return [
+        str(TRIDENT), "bench", "serve", "--url", a.url, "--model", model, "--trace", str(trace),
+        "--rate", str(a.rate), "--duration", str(a.num_prompts / a.rate + 1), "--ttft-slo", str(a.ttft_slo),
+        "--tbt-slo", str(a.tbt_slo), "--every-rate", "--name", "trident", "--out", str(out),
+    ]  # fmt: skip
+
+
+def trident_summary(result: dict) -> Summary:
+    """Ours judges TBT on each request's p90 gap (the others on its mean); `goodput` here is the
+    requests that met both SLOs per second, as theirs is."""
+    r = result["rates"][0]
+
+    def ms(key: str) -> float | None:
+        return None if r[key] is None else r[key] * 1000
+
+    return {
+        "completed": r["completed"], "failed": r["failed"], "request_throughput": r["throughput"],
+        "goodput": r["attainment"] * r["sent"] / r["duration"] if r["duration"] else None,
+        "ttft_p50_ms": ms("ttft_p50"), "ttft_p90_ms": ms("ttft_p90"), "ttft_p99_ms": ms("ttft_p99"),
+        "itl_p50_ms": ms("tbt_p50"), "itl_p90_ms": ms("tbt_p90"),
+    }  # fmt: skip
 
 
 def table(results: dict[str, Summary]) -> str:

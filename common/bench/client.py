@@ -36,6 +36,9 @@ class RequestOptions:
     temperature: float = 0.0
     image_size: tuple[int, int] | None = None  # None: each image's size from the trace
     seed: int = 0
+    # How to ask this server for exactly max_tokens tokens, when it does not take `ignore_eos`
+    # (e.g. deployments.Served.ignoring_eos); None: send `ignore_eos`.
+    fix_length: Callable[[dict], dict] | None = None
 
 
 def image_data_url(seed: int, size: tuple[int, int]) -> str:
@@ -70,7 +73,7 @@ def chat_body(entry: TraceEntry, index: int, opts: RequestOptions) -> dict:
         "stream_options": {"include_usage": True},
     }
     if opts.ignore_eos:
-        body["ignore_eos"] = True
+        body = opts.fix_length(body) if opts.fix_length else {**body, "ignore_eos": True}
     return body
 
 

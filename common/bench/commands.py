@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from common.bench.compare_cmd import compare
 from common.bench.serve_cmd import serve
 
 bench_app = typer.Typer(
@@ -11,3 +12,6 @@ bench_app = typer.Typer(
     no_args_is_help=True,
 )
 bench_app.command("serve", epilog="The last line of output is one JSON object: the whole result.")(serve)
+bench_app.command("compare", epilog="The last line of output is one JSON object: every system's results.")(
+    compare
+)

@@ -94,6 +94,9 @@ def serve(
         str, typer.Option(envvar="OPENAI_API_KEY", help="Bearer key, if the server wants one.")
     ] = "",
     name: Annotated[str, typer.Option(help="Label for this system in tables and plots.")] = "server",
+    every_rate: Annotated[
+        bool, typer.Option("--every-rate", help="Run every rate; default: stop after one misses the SLO.")
+    ] = False,
 ) -> None:
     """Open-loop streaming load at each rate; per-request TTFT, TBTs and end-to-end latency; SLO
     attainment per rate and goodput over the sweep."""
@@ -130,6 +133,7 @@ def serve(
         result = run_sweep(
             name, url, model, load, slo, out,
             options=opts, api_key=api_key, on_start=on_start, on_done=on_done, on_rate=on_rate,
+            every_rate=every_rate,
         )  # fmt: skip
     typer.echo(
         f"goodput: {result.goodput:g} req/s at {100 * slo.attainment:g} % attainment; results in {out}"

@@ -115,12 +115,16 @@ def run_sweep(
     on_start: Callable[[float, int], None] | None = None,
     on_done: Callable[[RequestResult], None] | None = None,
     on_rate: Callable[[RateSummary], None] | None = None,
+    every_rate: bool = False,
 ) -> SweepResult:
-    """Every rate of `load` against `url` in turn; saves as it goes (module docstring)."""
+    """The rates of `load` against `url` in turn, lowest first, until one misses the SLO's
+    attainment (no higher rate can count towards goodput; a server far past its capacity only
+    takes long to drain) or, with `every_rate`, through all of them. Saves as it goes (module
+    docstring)."""
     out.mkdir(parents=True, exist_ok=True)
     opts = options or client.RequestOptions(model=model, seed=load.seed)
     result = SweepResult(name, url, model, slo, load.describe())
-    for rate in load.rates:
+    for rate in sorted(load.rates):
         entries = load.entries(rate)
         if on_start is not None:
             on_start(rate, len(entries))
@@ -133,6 +137,8 @@ def run_sweep(
                 f.write(json.dumps(r.to_dict()) + "\n")
         if on_rate is not None:
             on_rate(summary)
+        if summary.attainment < slo.attainment and not every_rate:
+            break
     save(result, out)
     return result
 

@@ -25,6 +25,15 @@ def test_a_short_sweep_against_a_live_cluster(tiny_model_dir: Path, tmp_path: Pa
                 "--image-size", "96x96", "--out", str(out), "--name", "e+p+d",
             ],
         )  # fmt: skip
+        # An SLO nothing meets: the sweep stops after its first rate, and goodput is 0.
+        missed = CliRunner().invoke(
+            app,
+            [
+                "bench", "serve", "--url", cluster.url, "--sweep", "2:4:2", "--duration", "2",
+                "--ttft-slo", "0.0001", "--tbt-slo", "0.5", "--max-output-tokens", "4",
+                "--out", str(tmp_path / "missed"),
+            ],
+        )  # fmt: skip
     assert run.exit_code == 0, run.output
     result = json.loads(run.output.strip().splitlines()[-1])
     assert result["model"] == tiny_model_dir.name and result["name"] == "e+p+d"
@@ -41,6 +50,10 @@ def test_a_short_sweep_against_a_live_cluster(tiny_model_dir: Path, tmp_path: Pa
     assert any(r["num_images"] for r in records) and any(not r["num_images"] for r in records)
     for plot in ("attainment.png", "latency_cdf.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert missed.exit_code == 0, missed.output
+    missed_result = json.loads(missed.output.strip().splitlines()[-1])
+    assert [r["rate"] for r in missed_result["rates"]] == [2.0]
+    assert missed_result["rates"][0]["attainment"] == 0.0 and missed_result["goodput"] == 0.0
 
 
 def test_bad_arguments_are_usage_errors_before_any_load() -> None:

@@ -74,3 +74,18 @@ def test_result_files_are_summarised_alike(run):
     )
     assert a["arrival_rate"] == pytest.approx(2.5)
     assert "ttft_p50_ms" in run.table({"vllm": v, "aiperf": a})
+
+
+def test_our_client_replays_the_same_requests_as_a_trace(run, tmp_path):
+    from common.planner.trace import read_trace, summary
+
+    a = args(run, "--arrival", "constant")
+    cmd = run.trident_command(a, "tiny-llava", tmp_path)
+    assert cmd[1:3] == ["bench", "serve"] and "--every-rate" in cmd
+    assert cmd[cmd.index("--ttft-slo") + 1] == "2.0" and cmd[cmd.index("--tbt-slo") + 1] == "0.5"
+    entries = read_trace(cmd[cmd.index("--trace") + 1]).entries
+    assert len(entries) == a.num_prompts
+    s = summary(entries)
+    assert s["rate"] == pytest.approx(a.rate) and s["images_per_request"] == 1
+    assert {e.output_tokens for e in entries} == {a.output_len}
+    assert {e.image_sizes for e in entries} == {((a.image_size, a.image_size),)}

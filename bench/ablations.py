@@ -1,0 +1,109 @@
+"""Ablations as the papers run them, each as goodput and TTFT/TBT p50/p90 in one table.
+
+    python bench/ablations.py [--preset small-llava] [--sweep 0.75:1.75:0.25] [--duration 25]
+                              [--ttft-slo 2] [--tbt-slo 0.2] [--with-epd] [--out .trident/ablations]
+
+1. Batching (seed 000 §5.3), on a TextCaps-shaped workload: the planner's pick, evenly split
+   E+P+D with the stage-level batcher (Algorithm 1), and the same E+P+D with `prefill-first`
+   (vLLM v0) and `decode-first` (Sarathi-style) batching instead; EPD with each policy too, where
+   one instance runs every stage and the batcher has the most to decide.
+2. Transfer (seed 002 Table 2), on the same workload: E+P+D as shipped, without feature prefetch
+   (TRIDENT_PREFETCH=0: a prefill instance pulls an image's features only when it would run the
+   request), and with the KV cache sent as one transfer instead of groups of layers.
+
+Every system runs alone on the machine, one after another, under the same requests
+(`trident bench compare` machinery); E+P+D as shipped is run once and appears in both tables. The
+EPD rows run only with `--with-epd`. The last line is one JSON object: each table's goodputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.bench.compare import PLANNER, Comparison, System, compare, table
+from common.bench.metrics import SLO
+from common.bench.serve_cmd import progress_reporter
+from common.bench.sweep import LoadSpec, parse_rates
+from common.checkpoints import is_checkpoint_dir, write_checkpoint
+
+ONE_TRANSFER = "1000000"  # layers per KV transfer: more than any model has, so all in one
+
+
+BATCHING = ["e+p+d", PLANNER, "e+p+d prefill-first", "e+p+d decode-first"]
+BATCHING_EPD = ["epd", "epd prefill-first", "epd decode-first"]
+TRANSFER = ["e+p+d", "e+p+d no prefetch", "e+p+d one KV transfer"]
+
+
+def systems(with_epd: bool) -> list[System]:
+    """Every system of both tables once, the shared E+P+D first (the planner plans from it)."""
+    chosen = [
+        System("e+p+d", method="e+p+d"),
+        System(PLANNER),
+        System("e+p+d prefill-first", method="e+p+d", env={"TRIDENT_POLICY": "prefill-first"}),
+        System("e+p+d decode-first", method="e+p+d", env={"TRIDENT_POLICY": "decode-first"}),
+        System("e+p+d no prefetch", method="e+p+d", env={"TRIDENT_PREFETCH": "0"}),
+        System("e+p+d one KV transfer", method="e+p+d", env={"TRIDENT_KV_LAYER_GROUP": ONE_TRANSFER}),
+    ]
+    if with_epd:
+        chosen += [
+            System("epd", method="epd"),
+            System("epd prefill-first", method="epd", env={"TRIDENT_POLICY": "prefill-first"}),
+            System("epd decode-first", method="epd", env={"TRIDENT_POLICY": "decode-first"}),
+        ]
+    return chosen
+
+
+def subset(result: Comparison, names: list[str]) -> Comparison:
+    part = Comparison(result.slo, result.load)
+    part.results = [r for name in names for r in result.results if r.name == name]
+    part.notes = {k: v for k, v in result.notes.items() if k in names}
+    return part
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small-llava")
+    ap.add_argument("--model", type=Path, help="a checkpoint directory instead of a preset")
+    ap.add_argument("--workload", default="textcaps")
+    ap.add_argument("--arrivals", default="poisson")
+    ap.add_argument("--sweep", default="0.75:1.75:0.25")
+    ap.add_argument("--duration", type=float, default=25.0)
+    ap.add_argument("--ttft-slo", type=float, default=2.0)
+    ap.add_argument("--tbt-slo", type=float, default=0.2)
+    ap.add_argument("--max-output-tokens", type=int, default=64)
+    ap.add_argument("--image-size", default="336x336")
+    ap.add_argument("--with-epd", action="store_true", help="also EPD under each batching policy")
+    ap.add_argument("--out", type=Path, default=Path(".trident/ablations"))
+    args = ap.parse_args()
+
+    model = args.model or Path(".trident/models") / args.preset
+    if args.model is None and not is_checkpoint_dir(model):
+        write_checkpoint(model, args.preset, seed=0)
+    slo = SLO(args.ttft_slo, args.tbt_slo)
+    load = LoadSpec(
+        rates=parse_rates(None, args.sweep),
+        duration=args.duration,
+        workload=args.workload,
+        arrivals=args.arrivals,
+        max_output_tokens=args.max_output_tokens,
+    )
+    size = tuple(int(x) for x in args.image_size.split("x"))
+    result = compare(
+        systems(args.with_epd), model, load, slo, args.out, image_size=size, reporter=progress_reporter
+    )
+    tables = {"batching": BATCHING + (BATCHING_EPD if args.with_epd else []), "transfer": TRANSFER}
+    report = {}
+    for name, names in tables.items():
+        part = subset(result, names)
+        print(f"\n## {name}\n\n{table(part)}", flush=True)
+        report[name] = {"goodput": part.goodputs(), "notes": part.notes}
+    print(json.dumps({"slo": {"ttft": slo.ttft, "tbt": slo.tbt}, "load": load.describe(), **report}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Several deployments on one checkpoint, one after another, under the same sweep from the same
+client: each is started, measured at every rate, and stopped before the next starts, so they never
+share the machine. Also the ablations' engine (bench/ablations.py).
+
+A system named `planner` is the planner's pick: the deployment the planner service of an earlier
+Trident system (the first one run) recommends for the traffic that system just served, at the same
+SLOs and instance count. Its recommendation is recorded with the results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from common.bench import deployments, plots
+from common.bench.metrics import SLO
+from common.bench.sweep import LoadSpec, SweepResult, run_sweep
+from common.infra import free_port
+
+PEER = "transformers-serve"
+PLANNER = "planner"
+KIND_SERVICE = {"e": "encode", "p": "prefill", "d": "decode", "ep": "ep", "ed": "ed", "epd": "epd"}
+
+
+@dataclass(frozen=True)
+class System:
+    """One deployment to measure: a Trident method (with replica counts and environment), the
+    planner's pick, or the peer server."""
+
+    name: str
+    method: str = ""  # e+p+d | ep+d | ed+p | epd; empty for the peer and the planner's pick
+    scale: dict[str, int] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    peer: bool = False
+    continuous_batching: bool = False  # the peer's option
+
+    @classmethod
+    def parse(cls, spec: str) -> System:
+        """`e+p+d`, `ep+d`, `ed+p`, `epd`, `planner`, `transformers-serve` or `transformers-serve-cb`
+        (the peer with continuous batching)."""
+        if spec in ("e+p+d", "ep+d", "ed+p", "epd"):
+            return cls(spec, method=spec)
+        if spec == PLANNER:
+            return cls(PLANNER)
+        if spec in (PEER, PEER + "-cb"):
+            return cls(spec, peer=True, continuous_batching=spec.endswith("-cb"))
+        raise ValueError(
+            f"unknown system {spec!r}; known: e+p+d, ep+d, ed+p, epd, planner, {PEER}, {PEER}-cb"
+        )
+
+
+@dataclass
+class Comparison:
+    slo: SLO
+    load: dict
+    results: list[SweepResult] = field(default_factory=list)
+    notes: dict[str, str] = field(default_factory=dict)  # system -> why it has no result, or what it was
+
+    def goodputs(self) -> dict[str, float]:
+        return {r.name: r.goodput for r in self.results}
+
+    def headline(self) -> dict:
+        """Trident's best goodput against the peer's (the issue's 3x goal), when both ran."""
+        ours = {r.name: r.goodput for r in self.results if not r.name.startswith(PEER)}
+        peers = {r.name: r.goodput for r in self.results if r.name.startswith(PEER)}
+        best = max(ours, key=ours.get) if ours else None
+        peer = max(peers, key=peers.get) if peers else None
+        ratio = None
+        if best and peer:
+            ratio = round(ours[best] / peers[peer], 3) if peers[peer] > 0 else float("inf")
+        return {
+            "best": best,
+            "best_goodput": ours.get(best),
+            "peer": peer,
+            "peer_goodput": peers.get(peer),
+            "ratio": ratio,
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "slo": {"ttft": self.slo.ttft, "tbt": self.slo.tbt, "attainment": self.slo.attainment},
+            "load": self.load,
+            "goodput": self.goodputs(),
+            **self.headline(),
+            "notes": self.notes,
+            "systems": [r.to_dict() for r in self.results],
+        }
+
+
+def planner_pick(planner_url: str, timeout: float = 300.0) -> dict:
+    """The planner service's recommendation now (POST /plan/replan?wait=true)."""
+    response = httpx.post(planner_url.rstrip("/") + "/plan/replan", params={"wait": "true"}, timeout=timeout)
+    if response.status_code != 200:
+        raise RuntimeError(f"the planner gave no plan ({response.status_code}): {response.text[:300]}")
+    return response.json()
+
+
+def picked_system(plan: dict) -> System:
+    scale = {KIND_SERVICE[kind]: n for kind, n in plan["replicas"].items()}
+    return System(PLANNER, method=plan["method"], scale=scale)
+
+
+@contextlib.contextmanager
+def started(system: System, model: Path, slo: SLO, log_dir: Path) -> Iterator[deployments.Served]:
+    port = free_port()
+    if system.peer:
+        with deployments.transformers_serve(
+            model, port=port, continuous_batching=system.continuous_batching, log_dir=log_dir
+        ) as served:
+            yield served
+        return
+    # The deployment's planner and profiles work to the same SLOs as the bench judges by.
+    # It plans as soon as a short sweep's first rate has finished enough requests.
+    env = {
+        "TRIDENT_TTFT_SLO": str(slo.ttft),
+        "TRIDENT_TBT_SLO": str(slo.tbt),
+        "TRIDENT_PLANNER_MIN_REQUESTS": "20",
+        **system.env,
+    }
+    with deployments.trident(
+        model, system.method, port=port, scale=system.scale, env=env, log_dir=log_dir
+    ) as served:
+        yield served
+
+
+def compare(
+    systems: list[System],
+    model: Path,
+    load: LoadSpec,
+    slo: SLO,
+    out: Path,
+    *,
+    ignore_eos: bool = True,
+    image_size: tuple[int, int] | None = None,
+    reporter: Callable[[str], contextlib.AbstractContextManager] | None = None,
+) -> Comparison:
+    """Each system in turn under `load`; results, a table and plots in `out` (module docstring)."""
+    from common.bench.client import RequestOptions
+
+    result = Comparison(slo, load.describe())
+    plan: dict | None = None
+    wants_plan = any(s.name == PLANNER for s in systems)
+    for system in systems:
+        if system.name == PLANNER:
+            if plan is None:
+                result.notes.setdefault(PLANNER, "no plan: run a Trident method before `planner`")
+                continue
+            system = picked_system(plan)
+        log_dir = out / "logs" / system.name
+        try:
+            with started(system, model, slo, log_dir) as served:
+                opts = RequestOptions(
+                    model=served.model, ignore_eos=ignore_eos, image_size=image_size, seed=load.seed,
+                    fix_length=served.ignoring_eos,
+                )  # fmt: skip
+                with (
+                    reporter(system.name) if reporter else contextlib.nullcontext((None, None, None)) as hooks
+                ):
+                    on_start, on_done, on_rate = hooks
+                    sweep = run_sweep(
+                        system.name, served.url, served.model, load, slo, out / system.name,
+                        options=opts, on_start=on_start, on_done=on_done, on_rate=on_rate,
+                    )  # fmt: skip
+                result.results.append(sweep)
+                if wants_plan and plan is None and not system.peer and served.planner_url:
+                    try:
+                        plan = planner_pick(served.planner_url)
+                        result.notes[PLANNER] = (
+                            f"{plan['label']} (predicted goodput {plan['goodput']:.3g} req/s)"
+                        )
+                    except (RuntimeError, httpx.HTTPError) as exc:
+                        result.notes[PLANNER] = f"no plan: {exc}"
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            result.notes[system.name] = f"did not run: {exc}"
+        save(result, out)
+    return result
+
+
+def table(result: Comparison) -> str:
+    """A Markdown table: goodput and, at each rate, attainment and TTFT/TBT p50/p90."""
+    rows = [
+        "| system | goodput (req/s) | rate | attainment | TTFT p50 / p90 (ms) | TBT p50 / p90 (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.0f}"
+
+    for r in result.results:
+        for i, s in enumerate(r.summaries):
+            name, good = (r.name, f"{r.goodput:g}") if i == 0 else ("", "")
+            rows.append(
+                f"| {name} | {good} | {s.rate:g} | {100 * s.attainment:.0f} % | "
+                f"{ms(s.ttft_p50)} / {ms(s.ttft_p90)} | {ms(s.tbt_p50)} / {ms(s.tbt_p90)} |"
+            )
+    for name, note in result.notes.items():
+        rows.append(f"\n{name}: {note}")
+    return "\n".join(rows) + "\n"
+
+
+def save(result: Comparison, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    (out / "compare.md").write_text(table(result))
+    if not result.results:
+        return
+    series = {r.name: [(s.rate, s.attainment) for s in r.summaries] for r in result.results}
+    plots.attainment_plot(series, result.slo, out / "attainment.png")
+    rates = sorted({rate for r in result.results for rate in r.requests})
+    middle = rates[len(rates) // 2]
+    runs = {r.name: r.requests[middle] for r in result.results if middle in r.requests}
+    plots.cdf_plot(runs, result.slo, out / f"latency_cdf-{middle:g}.png")

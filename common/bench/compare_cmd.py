@@ -1,0 +1,61 @@
+"""`trident bench compare`: Trident's methods, the planner's pick and `transformers serve` on one
+checkpoint under one sweep, one after another (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from common.bench.workload import ARRIVALS
+
+DEFAULT_SYSTEMS = "e+p+d,ep+d,ed+p,epd,planner,transformers-serve"
+
+
+def compare(
+    model: Annotated[
+        Path, typer.Option(exists=True, file_okay=False, help="HF-format checkpoint directory.")
+    ],
+    ttft_slo: Annotated[float, typer.Option(help="TTFT SLO, seconds.")],
+    tbt_slo: Annotated[float, typer.Option(help="p90 TBT SLO, seconds.")],
+    duration: Annotated[float, typer.Option(help="Seconds of arrivals per rate.")],
+    sweep: Annotated[str, typer.Option(help="Rates A:B:STEP, requests/s.")],
+    systems: Annotated[
+        str, typer.Option(help="Comma-separated: e+p+d, ep+d, ed+p, epd, planner, transformers-serve[-cb].")
+    ] = DEFAULT_SYSTEMS,
+    workload: Annotated[str, typer.Option(help="A workload shape (docs/workloads.md).")] = "mix",
+    arrivals: Annotated[
+        str, typer.Option(help=f"Arrival times: {', '.join(ARRIVALS)} or a file.")
+    ] = "poisson",
+    out: Annotated[Path, typer.Option(help="Directory for the results, table, plots and logs.")] = Path(
+        ".trident/compare"
+    ),
+    attainment: Annotated[float, typer.Option(min=0.0, max=1.0, help="Attainment goodput needs.")] = 0.9,
+    max_output_tokens: Annotated[int | None, typer.Option(min=1, help="Cap on each output.")] = None,
+    image_size: Annotated[str | None, typer.Option(help="WxH for every image.")] = None,
+    seed: Annotated[int, typer.Option(help="Requests and arrival times depend only on the seed.")] = 0,
+) -> None:
+    """Start each system in turn, run the sweep against it, stop it; one table, one plot."""
+    from common.bench.compare import System
+    from common.bench.compare import compare as run_compare
+    from common.bench.metrics import SLO
+    from common.bench.serve_cmd import parse_size, progress_reporter
+    from common.bench.sweep import LoadSpec, parse_rates
+    from common.bench.workload import WorkloadError
+
+    try:
+        slo = SLO(ttft_slo, tbt_slo, attainment)
+        chosen = [System.parse(s.strip()) for s in systems.split(",") if s.strip()]
+        load = LoadSpec(
+            rates=parse_rates(None, sweep), duration=duration, workload=workload, arrivals=arrivals,
+            seed=seed, max_output_tokens=max_output_tokens,
+        )  # fmt: skip
+        load.entries(load.rates[0])
+        size = parse_size(image_size) if image_size else None
+    except (ValueError, WorkloadError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    result = run_compare(chosen, model, load, slo, out, image_size=size, reporter=progress_reporter)
+    typer.echo((out / "compare.md").read_text())
+    typer.echo(json.dumps({**result.to_dict(), "out": str(out)}))

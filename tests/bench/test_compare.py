@@ -1,0 +1,59 @@
+"""`trident bench compare`'s bookkeeping: which systems it knows, the planner's pick as a deployment,
+the headline ratio against the peer, and the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.bench.compare import PLANNER, Comparison, System, picked_system, table
+from common.bench.metrics import SLO, RequestResult, summarise
+from common.bench.sweep import SweepResult
+
+SLO_ = SLO(2.0, 0.2)
+
+
+def sweep(name: str, points: list[tuple[float, float]]) -> SweepResult:
+    """A sweep whose rate `r` had a share `a` of ten requests meet the SLO."""
+    result = SweepResult(name, "http://x", "m", SLO_, {})
+    for rate, share in points:
+        met = round(10 * share)
+        rs = [
+            RequestResult(i, float(i), float(i), ok=True, ttft=0.1 if i < met else 5.0, e2e=1.0, tbts=[0.01])
+            for i in range(10)
+        ]
+        result.summaries.append(summarise(rate, rs, SLO_))
+        result.requests[rate] = rs
+    return result
+
+
+def test_systems_by_name():
+    assert System.parse("ep+d") == System("ep+d", method="ep+d")
+    assert System.parse("transformers-serve").peer
+    assert System.parse("transformers-serve-cb").continuous_batching
+    assert System.parse(PLANNER).method == ""
+    with pytest.raises(ValueError, match="unknown system 'vllm'"):
+        System.parse("vllm")
+
+
+def test_the_planners_pick_becomes_a_deployment():
+    plan = {"method": "ep+d", "replicas": {"ep": 1, "d": 2}, "label": "EP+D 1+2", "goodput": 3.0}
+    assert picked_system(plan) == System(PLANNER, method="ep+d", scale={"ep": 1, "decode": 2})
+    plan = {"method": "e+p+d", "replicas": {"e": 1, "p": 2, "d": 1}}
+    assert picked_system(plan).scale == {"encode": 1, "prefill": 2, "decode": 1}
+
+
+def test_the_headline_is_our_best_goodput_over_the_peers():
+    c = Comparison(SLO_, {})
+    c.results = [
+        sweep("e+p+d", [(1, 1.0), (2, 1.0), (3, 0.9), (4, 0.5)]),
+        sweep("epd", [(1, 1.0), (2, 0.8), (3, 1.0), (4, 0.2)]),
+        sweep("transformers-serve", [(1, 1.0), (2, 0.4), (3, 0.1), (4, 0.0)]),
+    ]
+    assert c.goodputs() == {"e+p+d": 3.0, "epd": 1.0, "transformers-serve": 1.0}
+    head = c.headline()
+    assert (head["best"], head["peer"], head["ratio"]) == ("e+p+d", "transformers-serve", 3.0)
+    text = table(c)
+    assert "| e+p+d | 3 | 1 | 100 % |" in text
+    assert "| transformers-serve | 1 | 1 | 100 % |" in text
+    c.results[-1] = sweep("transformers-serve", [(1, 0.5)])
+    assert c.headline()["ratio"] == float("inf")  # the peer meets the target at no rate measured
