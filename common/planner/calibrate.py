@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from common.planner.profiles import ProfileSet, StageCurves, TransferModel
+from common.planner.profiles import ProfileSet, StageCurves, TransferModel, scale_profiles
 from common.planner.simulator import simulate
 
 QUANTILE = 10  # percent: the unloaded cost of an interval that queueing can only lengthen
@@ -156,3 +156,21 @@ def fit_dispatch(entries: Sequence, deployment, profiles: ProfileSet, slo) -> Tr
     images = [(r - dispatch) / n for r, n in residual if n > 0]
     per_image = max(0.0, float(np.median(images))) if images else 0.0
     return dataclasses.replace(profiles.transfer, dispatch=dispatch, dispatch_per_image=per_image)
+
+
+def fit_decode(entries: Sequence, deployment, profiles: ProfileSet, slo) -> tuple[ProfileSet, float]:
+    """Decode steps scaled so that a replay of requests sent one at a time gives the TBT p90 the
+    gateway measured for them (TraceEntry with a measured `tbt_p90`): the median ratio over those
+    requests. A token's gap as the client sees it holds more than the step the decoder's marks
+    time: publishing the token, the gateway's handling of it, and the other processes' share of
+    the cores. Returns the profiles and the factor applied."""
+    measured = [e for e in entries if e.tbt_p90 and e.output_tokens > 2]
+    if len(measured) < MIN_SAMPLES:
+        return profiles, 1.0
+    replay = simulate(measured, deployment, profiles, slo)
+    ratios = [e.tbt_p90 / float(p) for e, p in zip(measured, replay.tbt_p90, strict=True) if p > 0]
+    if len(ratios) < MIN_SAMPLES:
+        return profiles, 1.0
+    low, high = FACTOR_RANGE
+    factor = round(min(high, max(low, float(np.median(ratios)))), 4)
+    return scale_profiles(profiles, {"decode": factor}), factor

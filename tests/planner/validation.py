@@ -27,7 +27,7 @@ import openai
 from PIL import Image
 
 from common.engine.loader import load_config
-from common.planner.calibrate import fit_dispatch, jitter, stage_factors, transfer_model
+from common.planner.calibrate import fit_decode, fit_dispatch, jitter, stage_factors, transfer_model
 from common.planner.profiles import ProfileSet, scale_profiles
 from common.planner.simulator import simulate
 from common.planner.trace import TraceEntry
@@ -223,10 +223,12 @@ def calibrated_profiles(
     profiles = dataclasses.replace(
         scale_profiles(base, factors, transfer, spread), host_cores=os.cpu_count() or 1
     )
-    entries = [dataclasses.replace(m.entry, ttft=m.ttft) for m in quiet]
+    entries = [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in quiet]
     profiles = dataclasses.replace(profiles, transfer=fit_dispatch(entries, deployment, profiles, slo))
+    profiles, decode_fit = fit_decode(entries, deployment, profiles, slo)
     found = {
         "stage_factors": factors,
+        "decode_fit": decode_fit,
         "transfer": dataclasses.asdict(profiles.transfer),
         "jitter": spread,
         "host_cores": profiles.host_cores,
