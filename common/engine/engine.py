@@ -20,7 +20,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.outputs import Completion, RequestOutput
 from common.engine.processor import InputError, ProcessedPrompt, RequestProcessor, load_image
 from common.engine.request import Request, Status
-from common.engine.sampling import SamplingParams, sample
+from common.engine.sampling import SamplingParams, make_generator, sample
 from common.engine.scheduler import Batch, Scheduler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,14 +71,31 @@ class Engine:
         images: list[Image.Image | bytes | str | Path] = (),
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> Request:
-        """Admit a request from a raw prompt (with one image token per image) or a processed one."""
+        """Admit a request from a raw prompt (with one image token per image) or a processed one.
+
+        `output_token_ids` resume a request whose earlier instance died: the tokens it had
+        generated (and the client has seen) are computed as context with the prompt, and
+        generation continues after them. If they already end the request, it ends at once."""
         if isinstance(prompt, str):
             prompt = self.processor.process(prompt, [load_image(i) for i in images])
         params = params or SamplingParams()
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, prompt.token_ids, params, prompt.images, image_positions=prompt.image_positions)
+        req = Request(
+            rid, prompt.token_ids, params, prompt.images, image_positions=prompt.image_positions,
+            output_token_ids=list(output_token_ids),
+        )  # fmt: skip
         self._admit(req)
+        if req.output_token_ids:
+            req.detokenizer.add(req.output_token_ids)  # streamed before: only the stop check needs it
+            if reason := self._stop_reason(req):
+                out = RequestOutput(rid, num_prompt_tokens=len(req.prompt_token_ids))
+                out.num_output_tokens = len(req.output_token_ids)
+                req.status, req.finish_reason = Status.FINISHED, reason
+                out.finished, out.finish_reason = True, reason
+                self._pending.append(out)
+                return req
         for img in req.images:
             cached = self.features.get(img.content_hash) if img.features is None else None
             if cached is not None:
@@ -150,7 +167,8 @@ class Engine:
         self._advance(batch)
         if result.sampled:
             params = [r.params for r in result.sampled]
-            tokens = sample(result.logits, params, [r.generator for r in result.sampled])
+            draws = [make_generator(r.params.seed, len(r.output_token_ids)) for r in result.sampled]
+            tokens = sample(result.logits, params, draws)
             outputs += [self._append_token(r, t) for r, t in zip(result.sampled, tokens, strict=True)]
         outputs += self._hand_offs(batch)
         return outputs
@@ -167,16 +185,7 @@ class Engine:
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         req.output_token_ids.append(token)
         text = req.detokenizer.add([token]) if self.config.detokenize or req.params.stop else ""
-        p = req.params
-        reason = None
-        if (
-            (token in self.eos_ids and not p.ignore_eos)
-            or token in p.stop_token_ids
-            or req.detokenizer.stopped
-        ):
-            reason = "stop"
-        elif len(req.output_token_ids) >= p.max_tokens:
-            reason = "length"
+        reason = self._stop_reason(req)
         out = RequestOutput(req.request_id, [token], text, num_prompt_tokens=len(req.prompt_token_ids))
         out.num_output_tokens = len(req.output_token_ids)
         if reason:
@@ -184,6 +193,19 @@ class Engine:
                 out.text += req.detokenizer.flush()
             self._finish(req, reason, out)
         return out
+
+    def _stop_reason(self, req: Request) -> str | None:
+        """Why the request ends with its last output token, if it does."""
+        token, p = req.output_token_ids[-1], req.params
+        if (
+            (token in self.eos_ids and not p.ignore_eos)
+            or token in p.stop_token_ids
+            or req.detokenizer.stopped
+        ):
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens:
+            return "length"
+        return None
 
     def _hand_offs(self, batch: Batch) -> list[RequestOutput]:
         """Requests whose next stage this instance does not run leave it here."""

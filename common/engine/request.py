@@ -15,7 +15,7 @@ from enum import StrEnum
 import torch
 
 from common.engine.detokenizer import IncrementalDetokenizer
-from common.engine.sampling import SamplingParams, make_generator
+from common.engine.sampling import SamplingParams
 
 
 class Status(StrEnum):
@@ -48,12 +48,8 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     detokenizer: IncrementalDetokenizer | None = None
-    generator: torch.Generator | None = None
     # Positions of image placeholder tokens in the prompt, in order: image features fill them.
     image_positions: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        self.generator = make_generator(self.params.seed)
 
     @property
     def all_token_ids(self) -> list[int]:

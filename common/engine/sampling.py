@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +36,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(seed: int | None) -> torch.Generator | None:
-    """A CPU generator for a seeded request; None means draw from the global RNG."""
+def make_generator(seed: int | None, index: int = 0) -> torch.Generator | None:
+    """The generator for a seeded request's `index`-th output token; None (unseeded) draws from the
+    global RNG. A function of the seed and the position alone, so a request that moves between
+    instances (the P→D hand-off, a resume after its decoder died) draws exactly what it would have
+    drawn staying on one."""
     if seed is None:
         return None
+    # torch's CPU generator keeps 32 bits of a seed: hash (seed, index) down to them.
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=4).digest()
     gen = torch.Generator()
-    gen.manual_seed(seed)
+    gen.manual_seed(int.from_bytes(digest, "little"))
     return gen
 
 

@@ -119,3 +119,40 @@ def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, images):
     while dec.has_unfinished():
         dec.step()
     assert dreq.output_token_ids == hf_generate(prompt, images[:2], 20)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_request_resumed_from_its_streamed_tokens_ends_as_if_never_interrupted(
+    make_engine, hf_generate, images, sampling
+):
+    """A request whose decoder died resumes on another instance from the tokens the client has
+    seen: that instance computes them as context and continues. Greedy output still equals HF's,
+    and seeded sampling draws what it would have drawn uninterrupted (a draw depends on the seed
+    and the token's index, not on which instance samples it)."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    if sampling == "seeded":
+        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, top_p=0.9, seed=7)
+    prompt = make_engine().chat_prompt(QUESTIONS[1], 1)
+    (whole,) = make_engine().generate([prompt], [images[:1]], params)
+    if sampling == "greedy":
+        assert whole.token_ids == hf_generate(prompt, images[:1], 24)
+    seen = whole.token_ids[:9]  # what reached the client before the death
+    engine = make_engine()
+    req = engine.add_request(prompt, images[:1], params, output_token_ids=seen)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert req.output_token_ids == whole.token_ids
+    new = [t for o in outs for t in o.new_token_ids]
+    assert new == whole.token_ids[9:]  # nothing the client has is sent again
+    assert outs[-1].finish_reason == "length"
+
+
+def test_a_resumed_request_whose_tokens_already_end_it_finishes_without_computing(make_engine):
+    engine = make_engine()
+    prompt = engine.chat_prompt(QUESTIONS[0], 0)
+    req = engine.add_request(prompt, params=SamplingParams(max_tokens=3), output_token_ids=[5, 6, 7])
+    (out,) = engine.step()
+    assert out.finished and out.finish_reason == "length" and out.new_token_ids == []
+    assert out.num_output_tokens == 3 and req.output_token_ids == [5, 6, 7]
+    assert not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_blocks

@@ -19,6 +19,21 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ():
     assert len(draws) > 1
 
 
+def test_a_seeded_draw_depends_on_the_seed_and_the_token_index_alone():
+    """Instances that sample one request in turn (prefill the first token, decode the rest) draw
+    what one instance would: the generator for token i is made from (seed, i), not carried along."""
+    logits = torch.zeros(1, 1000)  # uniform: any token can come
+    p = SamplingParams(temperature=1.0, seed=3)
+
+    def draw(seed, index):
+        return sample(logits, [p], [make_generator(seed, index)])[0]
+
+    assert [draw(3, i) for i in range(8)] == [draw(3, i) for i in range(8)]
+    assert len({draw(3, i) for i in range(8)}) > 1  # the index matters
+    assert [draw(3, i) for i in range(8)] != [draw(4, i) for i in range(8)]  # so does the seed
+    assert make_generator(None, 5) is None
+
+
 def test_top_k_and_top_p_restrict_the_choices():
     logits = torch.tensor([[5.0, 4.0, 0.0, -1.0, -2.0]])
     for seed in range(30):
