@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.bus import BusConfig
+
 
 class ServiceSettings(BaseSettings):
     """What every service needs: the model, the broker, the store, and how to be reached."""
@@ -29,6 +31,13 @@ class ServiceSettings(BaseSettings):
     # gateway judges each request against them. The defaults suit the tiny model on a CPU.
     ttft_slo: float = Field(5.0, gt=0, description="Time-to-first-token objective, seconds")
     tbt_slo: float = Field(0.5, gt=0, description="Time-between-tokens objective (p90), seconds")
+    # A task whose instance stops answering (killed, frozen) is redelivered after this long; a
+    # live instance extends its held tasks every third of it. Shorter finds a dead instance's
+    # requests sooner, at the cost of more keep-alive messages.
+    task_ack_wait: float = Field(30.0, ge=1, description="Seconds before a dead instance's task is retried")
+
+    def bus_config(self, name: str) -> BusConfig:
+        return BusConfig(url=self.nats_url, prefix=self.namespace, name=name, ack_wait=self.task_ack_wait)
 
     @property
     def served_model_name(self) -> str:

@@ -54,6 +54,9 @@ class RequestSpec(Record):
     images: tuple[ImageSpec, ...] = ()
     sampling: SamplingSpec = SamplingSpec()
     arrival_time: float  # wall clock (time.time()) at the gateway
+    # Tokens already generated and streamed, when the request resumes after the instance that
+    # was generating it died: prefill computes them as context and generation continues after.
+    output_token_ids: tuple[TokenId, ...] = ()
 
     def without_pixels(self) -> RequestSpec:
         """The same request with pixels dropped: what travels on after encoding."""

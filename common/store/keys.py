@@ -1,6 +1,7 @@
 """The Redis key schema, in one place (docs/substrate.md has the same table).
 
 <p>:req:<request_id>          hash   per-stage timestamps and sizes of one request      TTL request_ttl
+<p>:req:<request_id>:out      list   output token ids the gateway has streamed (journal)  TTL outputs_ttl
 <p>:trace                     stream one TraceRecord per finished request (planner)  MAXLEN ~trace_maxlen
 <p>:feat:<content_hash>       hash   owner + FeatureEntry of an image's features         TTL per entry
 <p>:inst:<instance_id>        string Heartbeat of a live instance                        TTL heartbeat_ttl
@@ -27,6 +28,9 @@ class Keys:
 
     def request(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
+
+    def outputs(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{request_id}:out"
 
     @property
     def trace(self) -> str:

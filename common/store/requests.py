@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -131,6 +132,23 @@ class RequestLog:
             self._keys.trace, {"r": _to_trace(record).to_bytes()}, maxlen=self._trace_maxlen, approximate=True
         )
         return True
+
+    async def journal_outputs(self, streamed: dict[str, list[int]], ended: Iterable[str], ttl: float) -> None:
+        """Append each request's newly streamed output token ids to its journal, and drop the
+        journals of requests that ended (their tokens are needed only while they run). A journal
+        lives `ttl` seconds past its last append."""
+        async with self._r.pipeline(transaction=False) as pipe:
+            for rid, ids in streamed.items():
+                key = self._keys.outputs(rid)
+                pipe.rpush(key, *ids)
+                pipe.expire(key, int(ttl))
+            for rid in ended:
+                pipe.delete(self._keys.outputs(rid))
+            await pipe.execute()
+
+    async def streamed_outputs(self, request_id: str) -> list[int]:
+        """The output token ids journaled for a running request, in order (empty if none)."""
+        return [int(t) for t in await self._r.lrange(self._keys.outputs(request_id), 0, -1)]
 
     async def get(self, request_id: str) -> RequestRecord | None:
         raw = await self._r.hgetall(self._keys.request(request_id))

@@ -119,6 +119,7 @@ async def serve(gw: Gateway, request: Request, body: SamplingFields, prompt, ima
     collector = OutputCollector(
         stream, gw.processor.tokenizer, params.stop, gw.settings.request_timeout,
         arrival=getattr(request.state, "arrived", time.perf_counter()),
+        on_tokens=lambda ids: gw.journal.add(rid, ids),
     )  # fmt: skip
     gw.in_flight += 1
     run = _Run(gw, rid, kind, body, collector, stream, prompt_tokens=len(processed.token_ids))
@@ -271,6 +272,7 @@ class _Run:
         """Always runs: a request that did not finish is cancelled everywhere, freeing its memory;
         one that did has its outcome recorded for the trace."""
         self.gw.in_flight -= 1
+        self.gw.journal.end(self.rid)
         await self.stream.close()
         clock, s = self.collector.clock, self.gw.settings
         if self.collector.complete and clock.ttft is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common.bus import EventStream
@@ -81,9 +81,11 @@ class TokenClock:
 
 class OutputCollector:
     def __init__(
-        self, stream: EventStream, tokenizer, stop: tuple[str, ...], timeout: float, arrival: float
-    ) -> None:
+        self, stream: EventStream, tokenizer, stop: tuple[str, ...], timeout: float, arrival: float,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> None:  # fmt: skip
         self.stream = stream
+        self.on_tokens = on_tokens  # told each run of tokens as it is released, in order
         self.detok = IncrementalDetokenizer(tokenizer, stop)
         self.timeout = timeout
         self.outcome = Outcome()
@@ -117,6 +119,8 @@ class OutputCollector:
                 next_index += len(ids)
                 self.received = next_index
                 self.clock.add(len(ids), now)
+                if self.on_tokens is not None:
+                    self.on_tokens(ids)
                 self.started = True
                 yield Piece(self.detok.add(ids), ids)
         self.complete = True

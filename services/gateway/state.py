@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.bus import Bus, BusConfig
+from common.bus import Bus
 from common.engine.loader import load_config
 from common.engine.processor import RequestProcessor
 from common.store import Store, StoreConfig
 from common.store.recorder import StageRecorder
 from common.transfer import TransferConfig, create_backend
 from services.gateway.images import ImagePolicy
+from services.gateway.journal import OutputJournal
 from services.settings import GatewaySettings
 
 
@@ -80,18 +81,20 @@ class Gateway:
         self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
         self.record = StageRecorder(self.store)  # outcomes for the trace, written off the response path
         self._recording = asyncio.create_task(self.record.run())
-        self.bus = await Bus.connect(
-            BusConfig(url=s.nats_url, prefix=s.namespace, name=self.instance_id), self.store
-        )
+        self.journal = OutputJournal(self.store)  # streamed tokens, for resuming after a death
+        self._journaling = asyncio.create_task(self.journal.run())
+        self.bus = await Bus.connect(s.bus_config(self.instance_id), self.store)
         host = socket.gethostname() if s.advertise_host == "auto" else s.advertise_host
         self.transfer = create_backend(TransferConfig(backend="tcp", host=s.bind_host, advertise_host=host))
         await self.transfer.start()
 
     async def close(self) -> None:
         await self.record.flush()
-        self._recording.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._recording
+        for task in (self._recording, self._journaling):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.journal.write()
         await self.bus.close()
         await self.transfer.close()
         await self.store.close()

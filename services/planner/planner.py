@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.bus import Bus, BusConfig
+from common.bus import Bus
 from common.planner.algorithm import plan as make_plan
 from common.planner.calibrate import transfer_model
 from common.planner.drift import current_deployment, measure_correction, workload_distance
@@ -96,7 +96,7 @@ class Planner:
     async def start(self) -> None:
         s = self.settings
         self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
-        self.bus = await Bus.connect(BusConfig(url=s.nats_url, prefix=s.namespace, name=self.instance_id))
+        self.bus = await Bus.connect(s.bus_config(self.instance_id))
         self.actuator: Actuator = make_actuator(s, self.store)
 
     async def close(self) -> None:

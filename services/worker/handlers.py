@@ -28,7 +28,7 @@ ADMIT_POLL = 0.02  # seconds between looks at the engine while a task waits (KV 
 
 
 async def handle_encode(w: StageWorker, task: Task) -> None:
-    spec = task.message.request
+    spec = await _resumed(w, task)
     rid = spec.request_id
     w.begin(Held(rid, task), spec)
     w.record.mark(rid, Stage.ENCODE_STARTED, encode_instance=w.instance_id)
@@ -40,7 +40,7 @@ async def handle_encode(w: StageWorker, task: Task) -> None:
 
 
 async def handle_prefill(w: StageWorker, task: Task) -> None:
-    spec = task.message.request
+    spec = await _resumed(w, task)
     rid = spec.request_id
     w.begin(Held(rid, task), spec)
     if spec.images and not w.settings.prefetch and not await _wait_for_turn(w, rid):
@@ -150,6 +150,14 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
     # and a request that waits out its deliveries would be dead-lettered and never answered. The
     # keep-alive loop extends a held task's ack deadline; this instance pulls nothing else meanwhile.
     w.begin(Held(rid, task))
+    if task.deliveries > 1:
+        # The decoder that had it may have died mid-generation: the KV this task points to covers
+        # only the tokens before the task, and the client has seen more. Resume from those.
+        streamed = await _streamed(w, rid, msg.output_token_ids)
+        if len(streamed) > len(msg.output_token_ids):
+            await _release(w, msg)
+            await _back_to_prefill(w, msg, streamed)
+            return
     while not await w.loop.call(lambda: w.engine.can_admit(need)):
         if rid not in w.held:
             return  # cancelled while waiting
@@ -164,19 +172,11 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
         for group in msg.kv.groups:  # one transfer per group of layers (002 §3.3)
             buffers.append(group.inline.to_tensor() if group.inline else await _pull_tensor(w, next(refs)))
     except TransferError as exc:
-        # The prefill instance is gone or dropped the KV: prefill the request again. The first
-        # tokens come again with the same indices, and the gateway keeps the ones it has.
+        # The prefill instance is gone or dropped the KV (or released it to a decoder that died):
+        # prefill the request again over its prompt and the tokens the client has already seen.
         log.warning("KV of %s unavailable (%s); sending it back to prefill", rid, exc)
         w.counters.kv_pull_failures += 1
-        spec = RequestSpec(
-            request_id=rid,
-            prompt_token_ids=msg.prompt_token_ids,
-            images=msg.images,
-            sampling=msg.sampling,
-            arrival_time=msg.arrival_time,
-        )
-        await w.bus.tasks.publish(PrefillTask(request=spec), msg_id=w.msg_id(rid, "prefill"))
-        await w.settle(rid)
+        await _back_to_prefill(w, msg, await _streamed(w, rid, msg.output_token_ids))
         return
     w.record.mark(rid, Stage.PD_TRANSFER_ENDED)
     params = to_params(msg.sampling)
@@ -189,18 +189,64 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
     except AdmissionError as exc:
         await fail_request(w, rid, "invalid_request_error", str(exc))
         return
-    await w.bus.events.release(
-        Release(request_id=rid, owner=msg.kv.owner, handles=tuple(r.handle for r in msg.kv.refs()))
-    )
+    await _release(w, msg)
     w.record.mark(rid, Stage.DECODE_STARTED)
     w.counters.decodes_admitted += 1
+
+
+async def _release(w: StageWorker, msg: DecodeTask) -> None:
+    """Tell the prefill instance that holds the request's KV to free it."""
+    handles = tuple(r.handle for r in msg.kv.refs())
+    await w.bus.events.release(Release(request_id=msg.request_id, owner=msg.kv.owner, handles=handles))
+
+
+async def _back_to_prefill(w: StageWorker, msg: DecodeTask, outputs: tuple[int, ...]) -> None:
+    """Queue the request for prefill again, over its prompt and `outputs` (the tokens the client has)."""
+    spec = RequestSpec(
+        request_id=msg.request_id,
+        prompt_token_ids=msg.prompt_token_ids,
+        images=msg.images,
+        sampling=msg.sampling,
+        arrival_time=msg.arrival_time,
+        output_token_ids=outputs,
+    )
+    await w.bus.tasks.publish(PrefillTask(request=spec), msg_id=w.msg_id(msg.request_id, "prefill"))
+    await w.settle(msg.request_id)
+
+
+async def _resumed(w: StageWorker, task: Task) -> RequestSpec:
+    """The task's request, resuming from the tokens already streamed if this is a redelivery: the
+    instance that had it may have died while generating (a hybrid holds its task until the end)."""
+    spec: RequestSpec = task.message.request
+    if task.deliveries == 1:
+        return spec
+    return spec.model_copy(
+        update={"output_token_ids": await _streamed(w, spec.request_id, spec.output_token_ids)}
+    )
+
+
+async def _streamed(w: StageWorker, rid: str, known: tuple[int, ...]) -> tuple[int, ...]:
+    """The output tokens a request resumes from: the gateway's journal of what it streamed, when
+    that extends what the task knows (`known`: tokens generated before the task was queued)."""
+    try:
+        journal = tuple(await w.store.requests.streamed_outputs(rid))
+    except Exception as exc:  # no journal: resume from what the task knows, still correct
+        log.warning("output journal of %s unreadable: %r", rid, exc)
+        return known
+    if len(journal) > len(known) and journal[: len(known)] == known:
+        w.counters.resumed_tokens += len(journal) - len(known)
+        return journal
+    return known
 
 
 async def _admit(w: StageWorker, rid: str, spec, pixels, features) -> None:
     params = to_params(spec.sampling)
     try:
         prompt = to_prompt(spec, w.engine.processor.image_token_id, pixels, features)
-        await w.loop.call(lambda: w.engine.add_request(prompt, params=params, request_id=rid))
+        outputs = spec.output_token_ids
+        await w.loop.call(
+            lambda: w.engine.add_request(prompt, params=params, request_id=rid, output_token_ids=outputs)
+        )
     except (AdmissionError, InputError, ValueError) as exc:
         await fail_request(w, rid, "invalid_request_error", str(exc))
 

@@ -31,6 +31,7 @@ class WorkerCollector:
             ("request_errors", c.errors, "Requests failed here"),
             ("feature_fetch_failures", c.feature_fetch_failures, "Image features that could not be pulled"),
             ("kv_pull_failures", c.kv_pull_failures, "KV pulls that failed"),
+            ("resumed_tokens", c.resumed_tokens, "Streamed tokens requests resumed from after a loss"),
             ("feature_cache_hits", w.loop.stats.get("feature_hits", 0), "Images found in the feature cache"),
         ]:
             metric = CounterMetricFamily(f"trident_{name}", doc, labels=labels)

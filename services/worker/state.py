@@ -38,4 +38,5 @@ class Counters:
     errors: int = 0
     feature_fetch_failures: int = 0
     kv_pull_failures: int = 0
+    resumed_tokens: int = 0
     started_at: float = field(default_factory=time.time)

@@ -11,7 +11,7 @@ import os
 import socket
 import time
 
-from common.bus import Bus, BusConfig, Task
+from common.bus import Bus, Task
 from common.engine import Engine, EngineConfig, Policy, RequestOutput, Role, parse_roles
 from common.engine.admission import pull_room
 from common.protocol import Budgets, Heartbeat, RequestSpec
@@ -71,9 +71,7 @@ class StageWorker:
         self.engine = await asyncio.to_thread(Engine, s.model, config)
         self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
         self.profile_id = await profiling.establish(self)  # before any task: budgets come from it
-        self.bus = await Bus.connect(
-            BusConfig(url=s.nats_url, prefix=s.namespace, name=self.instance_id), self.store
-        )
+        self.bus = await Bus.connect(s.bus_config(self.instance_id), self.store)
         transfer_host = "0.0.0.0" if s.bind_host == "0.0.0.0" else self.host
         self.transfer = create_backend(
             TransferConfig(backend=s.transfer, host=transfer_host, advertise_host=self.host)

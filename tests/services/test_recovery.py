@@ -7,6 +7,9 @@ import signal
 import threading
 import time
 
+import pytest
+
+from tests.services.cluster import running_cluster
 from tests.services.conftest import client_for, start
 from tests.services.test_behaviour import instances, metric
 from tests.services.test_e2e import user_message
@@ -90,3 +93,43 @@ def test_sigterm_drains_a_decoder_mid_stream(tiny_model_dir, tmp_path_factory):
         proc = next(p for name, p in cluster.procs.items() if name.startswith("decode"))
         assert proc.wait(30) == 0
         assert instances(cluster, "decode") == []
+
+
+@pytest.mark.parametrize(("method", "scale"), [("e+p+d", {"decode": 2}), ("epd", {"worker-epd": 2})])
+def test_a_request_whose_decoder_dies_resumes_from_the_tokens_the_client_has(
+    tiny_model_dir, tmp_path, image_urls, method, scale
+):
+    """The instance decoding a streamed request is killed: its task is redelivered, the request is
+    prefilled again over its prompt and the tokens already streamed (the gateway's journal), and
+    decoding goes on elsewhere. Seeded sampling makes the uninterrupted answer the oracle: a resume
+    from anything but exactly the streamed tokens, or a repeat of them, would change the text."""
+    role = "decode"
+    with running_cluster(tiny_model_dir, tmp_path, method, scale, {"TRIDENT_TASK_ACK_WAIT": "3"}) as cluster:
+        deadline = time.monotonic() + 30
+        while len(instances(cluster, role)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(instances(cluster, role)) == 2
+        client = client_for(cluster)
+        ask = dict(
+            model="tiny-llava", messages=user_message(image_urls[:1], "Tell me a long story"),
+            max_tokens=400, temperature=1.0, top_p=0.9, seed=11, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        expected = client.chat.completions.create(**ask).choices[0].message.content
+        stream = client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+        pieces, killed, usage = [], None, None
+        for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+            usage = chunk.usage or usage
+            if len(pieces) == 20 and killed is None:
+                killed = next(i for i in instances(cluster, role) if held(i) == 1)
+                os.kill(pid_of(killed), signal.SIGKILL)
+        assert killed is not None
+        assert "".join(pieces) == expected
+        assert usage.completion_tokens == 400
+        survivors = [i for i in instances(cluster, role) if i["instance_id"] != killed["instance_id"]]
+        assert sum(metric(i["http_address"], "trident_resumed_tokens_total") for i in survivors) >= 19
+
+
+def held(instance: dict) -> float:
+    return metric(instance["http_address"], "trident_held_requests")
