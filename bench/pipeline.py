@@ -1,14 +1,18 @@
 """Per-request latency breakdown through the deployed pipeline (seed 000 Figure 11), and the TTFT
 that disaggregation adds over the coupled EPD baseline at low load.
 
-    python bench/pipeline.py [--presets tiny-llava,small-llava] [--requests 20] [--max-tokens 16]
+    python bench/pipeline.py [--presets tiny-llava,small-llava] [--requests 40] [--max-tokens 16]
 
-For each preset, a real deployment is started twice — EPD (one instance, all roles) and E+P+D
-(three instances) — with nats-server and redis-server, and requests with one distinct image
-each are sent one at a time (low load) over the OpenAI API, streaming. The client measures TTFT
-and end-to-end latency; the stage timestamps the services write to Redis give the breakdown:
-encode queue/exec, E→P transfer, prefill queue/exec, P→D transfer, decode (queue + exec).
-A table goes to stdout and the key figures as one JSON object on the last line.
+For each preset, two real deployments run side by side — EPD (one instance, all roles) and E+P+D
+(three instances), each with its own nats-server and redis-server — and requests with one distinct
+image each are sent strictly one at a time, alternating between them (low load), over the OpenAI
+API, streaming. Alternating makes the comparison paired: the two see the same machine at the
+same moments, so drift in the machine's speed (other tenants, frequency) cancels instead of
+landing on whichever deployment ran second. The client measures TTFT and end-to-end latency; the
+stage timestamps the services write to Redis give the breakdown: encode queue/exec, E→P
+transfer, prefill queue/exec, P→D transfer, decode (queue + exec). The added TTFT is the median
+of the per-pair differences. A table goes to stdout and the key figures as one JSON object on the
+last line.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import statistics
@@ -34,6 +39,7 @@ from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.store import Store, StoreConfig
 from tests.services.cluster import running_cluster
 
+METHODS = ("epd", "e+p+d")
 # (name, from stage, to stage): the intervals of one request's path, in order.
 INTERVALS = [
     ("encode_queue", "encode_queued", "encode_started"),
@@ -53,31 +59,28 @@ def image_url(seed: int, size: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def run_requests(url: str, model: str, n: int, max_tokens: int, seed0: int) -> list[dict]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    results = []
-    for i in range(n):
-        content = [
-            {"type": "image_url", "image_url": {"url": image_url(seed0 + i, 96)}},
-            {"type": "text", "text": f"Describe picture {i} in detail"},
-        ]
-        start = time.perf_counter()
-        first, rid = None, None
-        stream = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": content}],
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        for chunk in stream:
-            rid = chunk.id
-            if first is None and chunk.choices and chunk.choices[0].delta.content:
-                first = time.perf_counter()
-        end = time.perf_counter()
-        results.append({"id": rid, "ttft": (first or end) - start, "latency": end - start})
-    return results
+def ask(client: openai.OpenAI, model: str, i: int, max_tokens: int) -> dict:
+    """One streamed request with picture `i`: its id, TTFT and latency (seconds)."""
+    content = [
+        {"type": "image_url", "image_url": {"url": image_url(i, 96)}},
+        {"type": "text", "text": f"Describe picture {i} in detail"},
+    ]
+    start = time.perf_counter()
+    first, rid = None, None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        rid = chunk.id
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return {"id": rid, "ttft": (first or end) - start, "latency": end - start}
 
 
 async def stage_records(redis_url: str, ids: list[str]) -> list[dict[str, float]]:
@@ -86,7 +89,7 @@ async def stage_records(redis_url: str, ids: list[str]) -> list[dict[str, float]
         records = [await store.requests.get(rid) for rid in ids]
     finally:
         await store.close()
-    return [r.stages for r in records if r is not None]
+    return [r.stages if r is not None else {} for r in records]  # aligned with `ids`
 
 
 def breakdown(stages: list[dict[str, float]]) -> dict[str, float]:
@@ -99,11 +102,7 @@ def breakdown(stages: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def measure(model_dir: Path, method: str, n: int, max_tokens: int, workdir: Path) -> dict:
-    with running_cluster(model_dir, workdir / method.replace("+", ""), method) as cluster:
-        run_requests(cluster.url, model_dir.name, 2, 4, seed0=10_000)  # warm-up: first-call costs
-        results = run_requests(cluster.url, model_dir.name, n, max_tokens, seed0=0)
-        stages = asyncio.run(stage_records(cluster.redis.url, [r["id"] for r in results]))
+def summarise(results: list[dict], stages: list[dict[str, float]]) -> dict:
     ttft = [r["ttft"] * 1000 for r in results]
     latency = [r["latency"] * 1000 for r in results]
     parts = breakdown(stages)
@@ -122,10 +121,43 @@ def measure(model_dir: Path, method: str, n: int, max_tokens: int, workdir: Path
     }
 
 
+def measure(model_dir: Path, n: int, max_tokens: int, workdir: Path) -> tuple[dict, float, float]:
+    """Both methods side by side, requests alternating; per method its summary, and the median
+    per-pair TTFT that E+P+D adds, at the client and at the server."""
+    with contextlib.ExitStack() as stack:
+        clusters = {
+            m: stack.enter_context(running_cluster(model_dir, workdir / m.replace("+", "-"), m))
+            for m in METHODS
+        }
+        clients = {
+            m: openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            for m, c in clusters.items()
+        }
+        for m in METHODS:  # warm-up: first-call costs
+            for i in range(2):
+                ask(clients[m], model_dir.name, 10_000 + i, 4)
+        results: dict[str, list[dict]] = {m: [] for m in METHODS}
+        for i in range(n):
+            for m in METHODS if i % 2 else METHODS[::-1]:  # neither always goes first
+                results[m].append(ask(clients[m], model_dir.name, i, max_tokens))
+        stages = {
+            m: asyncio.run(stage_records(c.redis.url, [r["id"] for r in results[m]]))
+            for m, c in clusters.items()
+        }
+    added = [(b["ttft"] - a["ttft"]) * 1000 for a, b in zip(results["epd"], results["e+p+d"], strict=True)]
+    server = [
+        ((b["first_token"] - b["arrival"]) - (a["first_token"] - a["arrival"])) * 1000
+        for a, b in zip(stages["epd"], stages["e+p+d"], strict=True)
+        if {"first_token", "arrival"} <= a.keys() & b.keys()
+    ]
+    per = {m: summarise(results[m], stages[m]) for m in METHODS}
+    return per, statistics.median(added), statistics.median(server)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="tiny-llava,small-llava")
-    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
     summary: dict = {"requests": args.requests, "max_tokens": args.max_tokens}
@@ -134,12 +166,11 @@ def main() -> None:
             model_dir = Path(".trident/models") / preset
             if not is_checkpoint_dir(model_dir):
                 write_checkpoint(model_dir, preset, seed=0)
-            per = {
-                m: measure(model_dir, m, args.requests, args.max_tokens, Path(tmp)) for m in ("epd", "e+p+d")
-            }
-            added = per["e+p+d"]["ttft_p50_ms"] - per["epd"]["ttft_p50_ms"]
-            added_server = per["e+p+d"]["server_ttft_p50_ms"] - per["epd"]["server_ttft_p50_ms"]
-            print(f"\n{preset}: {args.requests} sequential requests, 1 image, {args.max_tokens} tokens")
+            per, added, added_server = measure(model_dir, args.requests, args.max_tokens, Path(tmp))
+            print(
+                f"\n{preset}: {args.requests} sequential requests to each, alternating, 1 image, "
+                f"{args.max_tokens} tokens"
+            )
             print(f"{'method':8} {'TTFT p50':>10} {'server TTFT':>12} {'latency p50':>12} {'transfers':>15}")
             for m, r in per.items():
                 ttft, lat, share = r["ttft_p50_ms"], r["latency_p50_ms"], r["transfer_fraction"]
@@ -150,7 +181,10 @@ def main() -> None:
                 "E+P+D breakdown p50 (ms): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in per["e+p+d"]["breakdown_p50_ms"].items())
             )
-            print(f"E+P+D adds {added:.1f} ms p50 TTFT over EPD (client), {added_server:.1f} ms (server)")
+            print(
+                f"E+P+D adds {added:.1f} ms TTFT over EPD (client), {added_server:.1f} ms (server): "
+                "median of the per-pair differences"
+            )
             summary[preset] = {
                 **per,
                 "ttft_added_ms": round(added, 2),
