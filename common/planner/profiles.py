@@ -224,9 +224,9 @@ class ProfileSet:
     # Spread of one iteration's time around the curve: σ of a mean-preserving log-normal factor
     # (0: every iteration takes exactly what the curve says).
     jitter: float = 0.0
-    # Instances sharing one host's CPU cores (a CPU deployment on one machine): an iteration that
-    # starts while more instances are busy than there are cores runs that much slower. 0: every
-    # instance has its own device (GPUs).
+    # Instances sharing one host's CPU cores (a CPU deployment on one machine): while more
+    # iterations run than there are cores, each runs that much slower, for as long as that lasts
+    # (processor sharing). 0: every instance has its own device (GPUs).
     host_cores: int = 0
 
     def for_kind(self, kind: str) -> StageCurves:

@@ -100,9 +100,17 @@ class _Instance:
         )
         self.blocks = BlockManager(curves.num_kv_blocks, curves.block_size)
         self.scheduler = Scheduler(config, self.blocks)
-        self.busy_until: float | None = None
+        self.busy_until: float | None = None  # when the running iteration ends; None when idle
         self.busy_time = 0.0
         self.batch: Batch | None = None
+        # On shared cores an iteration's end moves as other instances start and stop: the work it
+        # has left (seconds at full speed), the speed it runs at, since when, and a version that
+        # retires its superseded end events.
+        self.work = 0.0
+        self.speed = 1.0
+        self.since = 0.0
+        self.started = 0.0
+        self.version = 0
         self.arriving: list[tuple[float, int, Request, bool]] = []  # (ready, seq, request, prefilled)
         self.decode_pulled = 0  # decode tasks taken whose KV is still on its way
 
@@ -177,7 +185,12 @@ class Simulation:
             if kind == "arrive":
                 self._arrive(*payload)
             elif kind == "iteration":
-                self._end_iteration(payload)
+                inst, version = payload
+                if version != inst.version:
+                    continue  # superseded: the cores were shared out again since
+                self._end_iteration(inst)
+                if self.host_cores:
+                    self._share_cores()  # the others speed up
             elif kind == "deadline":
                 self._deadline(payload)
             # "wake": data an instance pulled has arrived; the idle instances look below
@@ -300,18 +313,34 @@ class Simulation:
         seconds = inst.curves.iteration_time(images, prefill_tokens, len(decodes), context)
         if self.jitter:
             seconds *= float(np.exp(self.jitter * self._rng.standard_normal() - self.jitter**2 / 2))
+        inst.batch, inst.started = batch, self.now
+        inst.work, inst.speed, inst.since = seconds, 1.0, self.now
         if self.host_cores:
-            busy = 1 + sum(1 for other in self.instances if other.busy_until is not None)
-            seconds *= max(1.0, busy / self.host_cores)
-        inst.batch = batch
-        inst.busy_until = self.now + seconds
-        inst.busy_time += seconds
-        self._push(inst.busy_until, "iteration", inst)
+            self._share_cores()
+        else:
+            self._schedule_end(inst)
+
+    def _share_cores(self) -> None:
+        """Instances on one host share its cores: while n iterations run on c cores, each
+        progresses at min(1, c/n) of its full speed (processor sharing). Called whenever an
+        iteration starts or ends, it moves every running iteration's end accordingly."""
+        running = [i for i in self.instances if i.batch is not None]
+        speed = min(1.0, self.host_cores / len(running)) if running else 1.0
+        for inst in running:
+            inst.work = max(0.0, inst.work - (self.now - inst.since) * inst.speed)
+            inst.speed, inst.since = speed, self.now
+            self._schedule_end(inst)
+
+    def _schedule_end(self, inst: _Instance) -> None:
+        inst.version += 1
+        inst.busy_until = self.now + inst.work / inst.speed
+        self._push(inst.busy_until, "iteration", (inst, inst.version))
 
     # -- what an iteration did (the engine's step, with the model's output replaced) --------------
 
     def _end_iteration(self, inst: _Instance) -> None:
         batch, inst.batch, inst.busy_until = inst.batch, None, None
+        inst.busy_time += self.now - inst.started
         for req, indices in batch.encodes:
             for k in indices:
                 req.images[k].features = _ENCODED

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from common.planner.profiles import ProfileSet, StageCurves, TransferModel
@@ -57,6 +59,16 @@ def test_a_busy_instance_batches_the_next_prefill_with_running_decodes() -> None
     result = simulate(reqs, Deployment.of("epd", epd=1), PROFILES, SLO(ttft=0.3, tbt=0.3))
     assert list(result.ttft) == pytest.approx([0.100, 0.201])
     assert list(result.gaps) == pytest.approx([0.101, 0.02])
+
+
+def test_instances_on_shared_cores_slow_each_other_only_while_they_overlap() -> None:
+    """Processor sharing on one core. A's 0.1 s prefill runs alone 0→0.05, then beside B's at half
+    speed, so its last 0.05 s of work ends at 0.15; B has done 0.05 s by then and finishes alone at
+    0.2. (Slowing an iteration by the instances busy when it starts gave A 0.1 and B 0.2.)"""
+    shared = dataclasses.replace(PROFILES, host_cores=1)
+    reqs = [entry(0.0, images=0, prompt=100, output=1), entry(0.05, images=0, prompt=100, output=1)]
+    result = simulate(reqs, Deployment.of("epd", epd=2), shared, SLO(ttft=1.0, tbt=0.5))
+    assert list(result.ttft) == pytest.approx([0.15, 0.15])
 
 
 def test_correction_scales_predicted_latency_and_the_verdict() -> None:
