@@ -72,6 +72,9 @@ class Comparison:
     rate: float
     measured: dict[str, float]
     predicted: dict[str, float]
+    # The requests as sent, each with the TTFT and TBT p90 the gateway measured: enough to replay
+    # them in a changed simulator without running the deployment again.
+    requests: list[TraceEntry] = dataclasses.field(default_factory=list)
 
     @property
     def errors(self) -> dict[str, float]:
@@ -206,7 +209,16 @@ def compare(
     rate: float, measured: Sequence[Measured], deployment: Deployment, profiles: ProfileSet, slo: SLO
 ) -> Comparison:
     observed = summarise([m.ttft for m in measured], [m.tbt_p90 for m in measured])
-    return Comparison(rate, observed, predict(measured, deployment, profiles, slo))
+    sent = [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in measured]
+    return Comparison(rate, observed, predict(measured, deployment, profiles, slo), sent)
+
+
+def replay(
+    rate: float, requests: Sequence[TraceEntry], deployment: Deployment, profiles: ProfileSet, slo: SLO
+) -> Comparison:
+    """A saved comparison predicted again (a changed simulator or calibration, the same measurement)."""
+    measured = [Measured(e.request_id, e, e.ttft, e.tbt_p90 or 0.0) for e in requests]
+    return compare(rate, measured, deployment, profiles, slo)
 
 
 def calibrated_profiles(
