@@ -16,7 +16,9 @@ Both tools judge the TBT objective on each request's *mean* gap after the first 
 aiperf's inter_token_latency), while our gateway's trace and `trident bench serve` use each
 request's p90 gap: with steady decoding they agree, with stalls the third-party goodput is higher.
 `itl` is per SSE chunk (vllm's ITL, aiperf's inter_chunk_latency). The gateway's own mean TTFT over
-each run (from its /metrics) is printed beside, so client-side overhead shows as the difference.
+each run (from its /metrics) is printed beside, so client-side overhead shows as the difference,
+and so is the CPU time each client used: where client and server share the machine's cores, a
+client that needs more CPU slows the server it measures.
 
 A table goes to stdout, then one JSON object on the last line. Stdlib only: any Python 3.11 runs it.
 """
@@ -27,6 +29,7 @@ import argparse
 import json
 import random
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -185,9 +188,16 @@ def aiperf_summary(result: dict, records: list[dict]) -> Summary:
     }
 
 
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process's finished children, their own children included."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(tool: str, a: argparse.Namespace, model: str, out: Path) -> Summary:
-    """Run one tool and summarise its result file, with the gateway's mean TTFT over the run."""
-    before = gateway_ttft(a.url)
+    """Run one tool and summarise its result file, with the gateway's mean TTFT over the run and
+    the CPU time the client itself used (on a machine the server shares, a busier client slows it)."""
+    before, cpu = gateway_ttft(a.url), cpu_seconds()
     timeout = 3 * a.num_prompts / a.rate + 600
     if tool == "vllm":
         run_logged(vllm_command(a, model, out / "vllm"), out / "vllm" / "log.txt", timeout)
@@ -200,6 +210,7 @@ def measure(tool: str, a: argparse.Namespace, model: str, out: Path) -> Summary:
         result = json.loads((out / "aiperf" / "profile_export_aiperf.json").read_text())
         records = (out / "aiperf" / "profile_export.jsonl").read_text().splitlines()
         summary = aiperf_summary(result, [json.loads(line) for line in records if line.strip()])
+    summary["client_cpu_s"] = cpu_seconds() - cpu
     after = gateway_ttft(a.url)
     served = after[1] - before[1]
     summary["gateway_ttft_mean_ms"] = (after[0] - before[0]) / served * 1000 if served else None
