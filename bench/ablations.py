@@ -1,7 +1,8 @@
 """Ablations as the papers run them, each as goodput and TTFT/TBT p50/p90 in one table.
 
     python bench/ablations.py [--preset small-llava] [--sweep 0.75:1.75:0.25] [--duration 25]
-                              [--ttft-slo 2] [--tbt-slo 0.2] [--with-epd] [--out .trident/ablations]
+                              [--ttft-slo 2] [--tbt-slo 0.2] [--with-epd] [--only NAMES]
+                              [--out .trident/ablations]
 
 1. Batching (seed 000 §5.3), on a TextCaps-shaped workload: the planner's pick, evenly split
    E+P+D with the stage-level batcher (Algorithm 1), and the same E+P+D with `prefill-first`
@@ -78,6 +79,9 @@ def main() -> None:
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--image-size", default="336x336")
     ap.add_argument("--with-epd", action="store_true", help="also EPD under each batching policy")
+    ap.add_argument(
+        "--only", help="comma-separated system names to run (e.g. the EPD rows, added to an earlier run)"
+    )
     ap.add_argument("--out", type=Path, default=Path(".trident/ablations"))
     args = ap.parse_args()
 
@@ -93,9 +97,13 @@ def main() -> None:
         max_output_tokens=args.max_output_tokens,
     )
     size = tuple(int(x) for x in args.image_size.split("x"))
-    result = compare(
-        systems(args.with_epd), model, load, slo, args.out, image_size=size, reporter=progress_reporter
-    )
+    chosen = systems(args.with_epd)
+    if args.only:
+        wanted = {name.strip() for name in args.only.split(",")}
+        if unknown := wanted - {s.name for s in chosen}:
+            ap.error(f"--only names systems not in this run: {sorted(unknown)}")
+        chosen = [s for s in chosen if s.name in wanted]
+    result = compare(chosen, model, load, slo, args.out, image_size=size, reporter=progress_reporter)
     tables = {"batching": BATCHING + (BATCHING_EPD if args.with_epd else []), "transfer": TRANSFER}
     report = {}
     for name, names in tables.items():
