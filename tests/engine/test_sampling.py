@@ -1,11 +1,10 @@
-"""Seeded sampling, stop conditions, and streamed text pieces that never split a character."""
+"""Seeded sampling and stop conditions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.processor import InputError
 from common.engine.sampling import SamplingParams, make_generator, sample
 
@@ -62,30 +61,6 @@ def test_engine_sampled_output_reproducible_with_seed(make_engine):
     assert first.token_ids == second.token_ids
     other = engine.generate([prompt], params=SamplingParams(max_tokens=12, temperature=0.8, seed=43))[0]
     assert other.token_ids != first.token_ids
-
-
-def stream(tokenizer, ids, stop=()):
-    detok = IncrementalDetokenizer(tokenizer, stop)
-    pieces = [detok.add([i]) for i in ids]
-    return [*pieces, detok.flush()], detok
-
-
-def test_streamed_pieces_concatenate_to_the_full_decode_and_never_split_utf8(make_engine):
-    tok = make_engine(roles=frozenset({"encode"})).tokenizer
-    text = "Café crème 🙂 — naïve 日本 ok"
-    ids = tok.encode(text, add_special_tokens=False)
-    assert len(ids) > len(text) / 2, "multi-byte characters should span several byte-level tokens"
-    pieces, _ = stream(tok, ids)
-    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
-    assert not any("\ufffd" in p for p in pieces)
-
-
-def test_stop_string_truncates_and_is_never_streamed(make_engine):
-    tok = make_engine(roles=frozenset({"encode"})).tokenizer
-    ids = tok.encode("the cat sat on the mat today", add_special_tokens=False)
-    pieces, detok = stream(tok, ids, stop=("on the",))
-    assert "".join(pieces) == "the cat sat "
-    assert detok.stopped
 
 
 def test_engine_stops_on_stop_string(make_engine):
