@@ -128,8 +128,9 @@ class ModelRunner:
         inside = (pos >= start) & (pos < start + n)
         if not inside.any():
             return []
-        feature_rows = inside.nonzero().squeeze(1)
-        return [(offset + pos[inside] - start, req.image_features()[feature_rows])]
+        rows = inside.nonzero().squeeze(1)  # placeholders are in prompt order: one contiguous run
+        first, last = int(rows[0]), int(rows[-1])
+        return [(offset + pos[inside] - start, req.image_feature_rows(first, last + 1))]
 
     def _metadata(self, slot_mapping, seqs, num_prefill, decodes, decode_ctx) -> AttentionMetadata:
         dev = self.device

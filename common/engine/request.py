@@ -78,8 +78,14 @@ class Request:
     def images_to_encode(self) -> list[int]:
         return [i for i, img in enumerate(self.images) if img.features is None]
 
-    def image_features(self) -> torch.Tensor | None:
-        """All images' features concatenated in prompt order: [total_image_tokens, hidden]."""
-        if not self.images:
-            return None
-        return torch.cat([img.features for img in self.images])
+    def image_feature_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of all images' features concatenated in prompt order, taken from
+        the images that hold them (a prefill chunk touches one or two, not all)."""
+        pieces, base = [], 0
+        for img in self.images:
+            n = img.features.shape[0]
+            lo, hi = max(start, base), min(stop, base + n)
+            if lo < hi:
+                pieces.append(img.features[lo - base : hi - base])
+            base += n
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
