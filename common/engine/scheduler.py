@@ -6,6 +6,11 @@ Each iteration is built in three named steps, within an image budget τe and a t
 2. continuing work — prefill chunks and encodes of requests already started;
 3. new work — waiting requests, prefill-ready ones into τt (chunked), image ones into τe.
 
+τe and τt are each the most one iteration can hold within the instance's latency limit, so on an
+instance that runs the vision tower and the LLM in one iteration (EP, ED, EPD) they share it:
+images/τe + tokens/τt ≤ 1. Filling both (as Algorithm 1 reads) ran small-llava EPD iterations at
+240 ms against a 200 ms TBT limit.
+
 `prefill-first` (vLLM v0) runs whole prefills, their images encoded in the same iteration, and
 decodes only when no prefill waits. `decode-first` (Sarathi) takes all decodes, then fills τt with
 prefill chunks whose images are encoded inline, with no image budget.
@@ -52,6 +57,12 @@ class Scheduler:
         self.blocks = blocks
         self.token_budget = config.token_budget
         self.image_budget = config.image_budget
+        # Encodes and LLM tokens in one iteration share its latency limit (module docstring).
+        self.shared_limit = (
+            config.policy == Policy.STAGE
+            and Role.ENCODE in config.roles
+            and bool(config.roles & {Role.PREFILL, Role.DECODE})
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -157,7 +168,7 @@ class Scheduler:
         return len(self.running) >= self.config.max_num_seqs
 
     def _take_encode(self, req: Request, batch: Batch) -> bool:
-        room = self.image_budget - batch.num_images
+        room = self._images_left(batch)
         if Role.ENCODE not in self.config.roles or room <= 0:
             return False
         batch.encodes.append((req, req.images_to_encode()[:room]))
@@ -174,7 +185,16 @@ class Scheduler:
         return True
 
     def _tokens_left(self, batch: Batch) -> int:
+        if self.shared_limit:  # what the images leave of the limit, in tokens (exact integer floor)
+            tau_t, tau_e = self.token_budget, self.image_budget
+            return tau_t * max(0, tau_e - batch.num_images) // tau_e - batch.num_tokens
         return self.token_budget - batch.num_tokens
+
+    def _images_left(self, batch: Batch) -> int:
+        if self.shared_limit:
+            tau_t, tau_e = self.token_budget, self.image_budget
+            return tau_e * max(0, tau_t - batch.num_tokens) // tau_t - batch.num_images
+        return self.image_budget - batch.num_images
 
     def _start(self, req: Request) -> None:
         self.waiting.remove(req)

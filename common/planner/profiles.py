@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from common.engine.config import Role
-from common.engine.profiler import latency_limit, search_budget
+from common.engine.profiler import budget_target, latency_limit, search_budget
 from common.planner.types import KIND_ROLES, SLO
 
 
@@ -162,11 +162,11 @@ class StageCurves:
 
     def budgets(self, roles: frozenset[str], slo: SLO, context: float | None = None) -> tuple[int, int]:
         """(τe, τt) an instance with `roles` finds at start-up for `slo`: the largest batches whose
-        iteration stays under its latency limit (the engine's own search). On an instance that
+        iteration stays under its latency limit's budget target (the engine's own search). On an instance that
         decodes, τt also keeps a step of τt decodes at `context` tokens under the limit: a decode
         batch reads every context token's KV, which a prefill of the same size does not."""
         engine_roles = frozenset(Role(r) for r in roles)
-        limit = latency_limit(engine_roles, slo.ttft, slo.tbt)
+        limit = budget_target(latency_limit(engine_roles, slo.ttft, slo.tbt))
         image_budget = token_budget = 1
         if Role.ENCODE in engine_roles and self.encode:
             image_budget = search_budget(self.encode_time, limit, self.max_images)

@@ -67,14 +67,35 @@ def scenario(s: Scheduler) -> list[dict]:
 
 def test_stage_policy_follows_algorithm_1():
     steps = scenario(make(Policy.STAGE))
-    # Decodes first; the image request takes τe = 2 images; the text request fills τt with a chunk.
-    assert steps[0] == {"encode": [("img", 2)], "prefill": [("txt", 9)], "decode": ["d"]}
-    # Continuing work: the rest of the image and of the text chunk; img cannot prefill while encoding.
-    assert steps[1] == {"encode": [("img", 1)], "prefill": [("txt", 5)], "decode": ["d"]}
-    # img prefills (its 6-token prompt) alongside both decodes.
-    assert steps[2] == {"encode": [], "prefill": [("img", 6)], "decode": ["d", "txt"]}
-    # Running order is admission order, and new prefills are admitted before new encodes.
-    assert steps[3] == {"encode": [], "prefill": [], "decode": ["d", "txt", "img"]}
+    # Decodes first; then new work, prefill-ready requests before image ones: txt fills τt with a
+    # chunk, which spends the iteration's limit, so no image is encoded beside it.
+    assert steps[0] == {"encode": [], "prefill": [("txt", 9)], "decode": ["d"]}
+    # Continuing work: the rest of txt's prompt. 6 of τt = 10 tokens leave 0.8 of an image: none.
+    assert steps[1] == {"encode": [], "prefill": [("txt", 5)], "decode": ["d"]}
+    # Two decodes leave 8/10 of the limit: one image of τe = 2; img cannot prefill while encoding.
+    assert steps[2] == {"encode": [("img", 1)], "prefill": [], "decode": ["d", "txt"]}
+    assert steps[3] == {"encode": [("img", 1)], "prefill": [], "decode": ["d", "txt"]}
+
+
+def test_images_and_tokens_share_the_iteration_limit_where_both_run_in_one():
+    """τe and τt are each a whole iteration's worth: together, images/τe + tokens/τt ≤ 1."""
+    for roles in (frozenset(Role), frozenset({Role.ENCODE, Role.PREFILL})):
+        s = make(Policy.STAGE, tokens=24, images=3, blocks=512, roles=roles)
+        reqs = [r for i in range(4) for r in (req(f"img{i}", 5, images=1 + i % 3), req(f"txt{i}", 9 + 4 * i))]
+        for r in reqs:
+            s.add(r)
+        mixed = 0
+        for _ in range(30):
+            b = s.schedule()
+            complete(b)
+            assert b.num_images * 24 + b.num_tokens * 3 <= 24 * 3
+            mixed += bool(b.encodes and b.prefills)
+        assert mixed, "no iteration held both an encode and a prefill chunk"
+        assert all(r.output_token_ids for r in reqs), "a request never finished its prefill"
+    # Where an iteration runs only one of them, each budget is the whole limit.
+    p = make(Policy.STAGE, tokens=12, images=3, roles=frozenset({Role.PREFILL, Role.DECODE}))
+    p.add(req("long", 30))
+    assert names(p.schedule())["prefill"] == [("long", 12)]
 
 
 def test_prefill_first_runs_whole_prefills_before_any_decode():
