@@ -162,9 +162,10 @@ class StageCurves:
 
     def budgets(self, roles: frozenset[str], slo: SLO, context: float | None = None) -> tuple[int, int]:
         """(τe, τt) an instance with `roles` finds at start-up for `slo`: the largest batches whose
-        iteration stays under its latency limit's budget target (the engine's own search). On an instance that
-        decodes, τt also keeps a step of τt decodes at `context` tokens under the limit: a decode
-        batch reads every context token's KV, which a prefill of the same size does not."""
+        iteration stays under the share of its latency limit that budgets are sized to (the
+        engine's own search). On an instance that decodes, τt also keeps a step of τt decodes at
+        `context` tokens under it: a decode batch reads every context token's KV, which a prefill
+        of the same size does not."""
         engine_roles = frozenset(Role(r) for r in roles)
         limit = budget_target(latency_limit(engine_roles, slo.ttft, slo.tbt))
         image_budget = token_budget = 1
