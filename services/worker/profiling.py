@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # Bump when the profiler measures differently, so profiles cached by an older build are not reused.
-PROFILER_VERSION = 2
+PROFILER_VERSION = 3
 CLAIM_TTL = 30.0  # seconds a measuring instance's claim lasts without renewal
 POLL = 0.25  # seconds between looks for a profile another instance is measuring
 
