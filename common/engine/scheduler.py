@@ -9,7 +9,8 @@ Each iteration is built in three named steps, within an image budget τe and a t
 τe and τt are each the most one iteration can hold within the instance's latency limit, so on an
 instance that runs the vision tower and the LLM in one iteration (EP, ED, EPD) they share it:
 images/τe + tokens/τt ≤ 1. Filling both (as Algorithm 1 reads) ran small-llava EPD iterations
-that held an encode and a prefill chunk at 242 ms p50, against a 200 ms TBT limit.
+that held an encode and a prefill chunk at 218 ms p50, against a 200 ms TBT limit
+(bench/step_limits.py).
 
 `prefill-first` (vLLM v0) runs whole prefills, their images encoded in the same iteration, and
 decodes only when no prefill waits. `decode-first` (Sarathi) takes all decodes, then fills τt with
