@@ -1,8 +1,8 @@
 """Ablations as the papers run them, each as goodput and TTFT/TBT p50/p90 in one table.
 
     python bench/ablations.py [--preset small-llava] [--sweep 0.75:1.75:0.25] [--duration 25]
-                              [--ttft-slo 2] [--tbt-slo 0.2] [--with-epd] [--only NAMES]
-                              [--out .trident/ablations]
+                              [--ttft-slo 2] [--tbt-slo 0.2] [--with-epd] [--epd-token-cap N]
+                              [--only NAMES] [--out .trident/ablations]
 
 1. Batching (seed 000 §5.3), on a TextCaps-shaped workload: the planner's pick, evenly split
    E+P+D with the stage-level batcher (Algorithm 1), and the same E+P+D with `prefill-first`
@@ -14,7 +14,9 @@
 
 Every system runs alone on the machine, one after another, under the same requests
 (`trident bench compare` machinery); E+P+D as shipped is run once and appears in both tables. The
-EPD rows run only with `--with-epd`. The last line is one JSON object: each table's goodputs.
+EPD rows run only with `--with-epd`; `--epd-token-cap N` adds EPD with its token budget capped at
+N (TRIDENT_TOKEN_BUDGET), for a host where steps run slower in service than the start-up profile
+that sized them. The last line is one JSON object: each table's goodputs.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ BATCHING_EPD = ["epd", "epd prefill-first", "epd decode-first"]
 TRANSFER = ["e+p+d", "e+p+d no prefetch", "e+p+d one KV transfer"]
 
 
-def systems(with_epd: bool) -> list[System]:
+def epd_capped(cap: int) -> System:
+    return System(f"epd token budget <= {cap}", method="epd", env={"TRIDENT_TOKEN_BUDGET": str(cap)})
+
+
+def systems(with_epd: bool, epd_token_cap: int | None = None) -> list[System]:
     """Every system of both tables once, the shared E+P+D first (the planner plans from it)."""
     chosen = [
         System("e+p+d", method="e+p+d"),
@@ -56,6 +62,8 @@ def systems(with_epd: bool) -> list[System]:
             System("epd prefill-first", method="epd", env={"TRIDENT_POLICY": "prefill-first"}),
             System("epd decode-first", method="epd", env={"TRIDENT_POLICY": "decode-first"}),
         ]
+        if epd_token_cap:
+            chosen.append(epd_capped(epd_token_cap))
     return chosen
 
 
@@ -79,6 +87,7 @@ def main() -> None:
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--image-size", default="336x336")
     ap.add_argument("--with-epd", action="store_true", help="also EPD under each batching policy")
+    ap.add_argument("--epd-token-cap", type=int, help="with --with-epd: also EPD with τt capped at this")
     ap.add_argument(
         "--only", help="comma-separated system names to run (e.g. the EPD rows, added to an earlier run)"
     )
@@ -97,14 +106,15 @@ def main() -> None:
         max_output_tokens=args.max_output_tokens,
     )
     size = tuple(int(x) for x in args.image_size.split("x"))
-    chosen = systems(args.with_epd)
+    chosen = systems(args.with_epd, args.epd_token_cap)
     if args.only:
         wanted = {name.strip() for name in args.only.split(",")}
         if unknown := wanted - {s.name for s in chosen}:
             ap.error(f"--only names systems not in this run: {sorted(unknown)}")
         chosen = [s for s in chosen if s.name in wanted]
     result = compare(chosen, model, load, slo, args.out, image_size=size, reporter=progress_reporter)
-    tables = {"batching": BATCHING + (BATCHING_EPD if args.with_epd else []), "transfer": TRANSFER}
+    epd_rows = BATCHING_EPD + ([epd_capped(args.epd_token_cap).name] if args.epd_token_cap else [])
+    tables = {"batching": BATCHING + (epd_rows if args.with_epd else []), "transfer": TRANSFER}
     report = {}
     for name, names in tables.items():
         part = subset(result, names)
