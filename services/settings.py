@@ -63,6 +63,11 @@ class WorkerSettings(ServiceSettings):
         "| measure (always) | off (use the budgets as configured, publish nothing)",
     )
     profile_repeats: int = Field(2, ge=1, description="Timed runs per profiled point (the least time counts)")
+    adapt_budgets: bool = Field(
+        True,
+        description="Scale the profiled budgets down while full steps run slower than profiled "
+        "(cores shared with other processes), and back up when they do not",
+    )
     max_num_seqs: int = 256
     feature_cache_bytes: int = 64 << 20
     transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")

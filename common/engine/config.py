@@ -58,6 +58,9 @@ class EngineConfig:
     # Seed 000 batches encodes beside prefill chunks; seed 001's variant (False) encodes only in
     # iterations without prefill, so a prefill chunk never waits for the vision tower.
     encode_with_prefill: bool = True
+    # After a profile is applied, scale τe and τt down (and back up, never past the profile) while
+    # full steps run slower than the profile said (governor.py).
+    adapt_budgets: bool = True
     # Upper bound on concurrently running sequences, so one iteration's decode batch stays bounded.
     max_num_seqs: int = 256
     # Image features kept for reuse, keyed by content hash (0 disables the cache).

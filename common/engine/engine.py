@@ -4,6 +4,8 @@ schedule a batch, run it, then turn sampled tokens into outputs and stage hand-o
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -13,16 +15,19 @@ from common.engine.block_manager import BlockManager, blocks_needed
 from common.engine.config import EngineConfig, Role
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.feature_cache import FeatureCache
+from common.engine.governor import BudgetGovernor
 from common.engine.kv_cache import KVCache, KVSpec, layer_groups, num_blocks_for
 from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import Completion, RequestOutput
 from common.engine.processor import InputError, ProcessedPrompt, RequestProcessor, load_image
+from common.engine.profiler import budget_target
 from common.engine.request import Request, Status
 from common.engine.sampling import SamplingParams, make_generator, sample
 from common.engine.scheduler import Batch, Scheduler
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,6 +60,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.features = FeatureCache(config.feature_cache_bytes)
         self.scheduler = Scheduler(config, self.blocks)
+        self.governor: BudgetGovernor | None = None  # set when a profile is applied
         self.runner = ModelRunner(self.model, self.cache, self.blocks.table, self.features, self.device)
         self.requests: dict[str, Request] = {}
         self.handed_off: dict[str, Request] = {}
@@ -160,6 +166,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run, sample, and report what changed."""
         outputs, self._pending = self._pending, []
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.empty:
             return outputs
@@ -171,7 +178,20 @@ class Engine:
             tokens = sample(result.logits, params, draws)
             outputs += [self._append_token(r, t) for r, t in zip(result.sampled, tokens, strict=True)]
         outputs += self._hand_offs(batch)
+        if self.governor is not None:
+            self._govern(batch, time.perf_counter() - started)
         return outputs
+
+    def _govern(self, batch: Batch, seconds: float) -> None:
+        """Tell the governor how long this step took for the share of the budgets it used."""
+        s = self.scheduler
+        share = batch.num_images / max(1, s.image_budget) + batch.num_tokens / max(1, s.token_budget)
+        if self.governor.observe(share, seconds):
+            s.image_budget, s.token_budget = self.governor.budgets
+            log.info(
+                "budgets now %d images, %d tokens (%.0f %% of profiled): full steps ran %.2fx the target",
+                s.image_budget, s.token_budget, 100 * self.governor.scale, self.governor.last_ratio,
+            )  # fmt: skip
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
@@ -257,11 +277,15 @@ class Engine:
         return [self.cache.export_blocks(table, g) for g in layer_groups(self.kv_spec.num_layers, group_size)]
 
     def apply_profile(self, profile) -> None:
-        """Adopt the budgets a BudgetProfiler found (τe, τt) for every later iteration."""
+        """Adopt the budgets a BudgetProfiler found (τe, τt) for every later iteration; with
+        `adapt_budgets`, a governor scales them while steps run slower than profiled."""
         if profile.image_budget:
             self.scheduler.image_budget = profile.image_budget
         if profile.token_budget:
             self.scheduler.token_budget = profile.token_budget
+        if self.config.adapt_budgets and profile.latency_limit > 0:
+            target = budget_target(profile.latency_limit)
+            self.governor = BudgetGovernor(self.scheduler.image_budget, self.scheduler.token_budget, target)
 
     def check_integrity(self) -> None:
         """Blocks and feature cache are consistent, and every request's blocks cover its tokens."""

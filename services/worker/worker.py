@@ -67,6 +67,7 @@ class StageWorker:
             detokenize=False,  # the gateway makes the text
             device=s.device,
             num_threads=s.num_threads or None,
+            adapt_budgets=s.adapt_budgets,
         )
         self.engine = await asyncio.to_thread(Engine, s.model, config)
         self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
