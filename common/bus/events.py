@@ -70,7 +70,8 @@ class EventStream:
 
     async def get(self, timeout: float | None = None) -> Message:
         """The next message; raises TimeoutError after `timeout` seconds, EOFError once closed."""
-        item = await asyncio.wait_for(self._queue.get(), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for, which on 3.11 can drop a cancel
+            item = await self._queue.get()
         if item is None:
             self._queue.put_nowait(None)  # keep later readers ending too
             raise EOFError("event stream closed")

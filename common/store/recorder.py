@@ -48,7 +48,10 @@ class StageRecorder:
         while True:
             wait = self._unreported[0][0] - time.monotonic() if self._unreported else None
             try:
-                item = await asyncio.wait_for(self._queue.get(), wait)
+                # Not wait_for: on 3.11 it drops a cancel that lands as the item arrives, and a
+                # task group stopping this task would then wait for it forever.
+                async with asyncio.timeout(wait):
+                    item = await self._queue.get()
             except TimeoutError:
                 await self._trace_unreported(time.monotonic())
                 continue

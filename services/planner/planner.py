@@ -114,8 +114,9 @@ class Planner:
             except Exception as exc:
                 log.exception("planning round failed")
                 self.status = f"last round failed: {exc!r}"
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.planner_shift_check_interval)
+            with contextlib.suppress(TimeoutError):  # not wait_for, which on 3.11 can drop a cancel
+                async with asyncio.timeout(self.settings.planner_shift_check_interval):
+                    await self._wake.wait()
             self._wake.clear()
 
     async def step(self) -> Decision | None:

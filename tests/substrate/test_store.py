@@ -127,6 +127,31 @@ def test_recorders_trace_with_the_outcome_or_after_the_grace_without(redis_serve
     run(main())
 
 
+def test_the_recorder_stops_on_a_cancel_that_lands_as_a_write_arrives(redis_server: RedisServer) -> None:
+    """A task group stops its children with one cancel each. One that lands in the same loop turn
+    as a queued write must still end the recorder, or the group (and a draining worker) waits forever."""
+
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        recorder = StageRecorder(store, trace_grace=60)
+        await store.requests.create("r1", arrival=time.time(), prompt_tokens=5, max_tokens=3)
+        recorder.finish("r1", 3, "length")  # awaiting its outcome: the recorder waits with a deadline
+        task = asyncio.create_task(recorder.run())
+        assert await eventually(lambda: _true(bool(recorder._unreported)), timeout=5)
+        await asyncio.sleep(0)  # the finish is written; the recorder waits for the next item
+        recorder.mark("r1", Stage.FIRST_TOKEN)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=2)
+        assert done and task.cancelled()
+        await store.close()
+
+    run(main())
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 def test_one_instance_measures_a_profile_while_the_others_wait(redis_server: RedisServer) -> None:
     async def main() -> None:
         store = await Store.connect(StoreConfig(url=redis_server.url))
