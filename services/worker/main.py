@@ -9,12 +9,15 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 
 import uvicorn
 
 from services.settings import WorkerSettings
 from services.worker.http import make_app
 from services.worker.worker import StageWorker, _Stopped
+
+log = logging.getLogger(__name__)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -27,18 +30,36 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class HttpServer(uvicorn.Server):
+    """uvicorn with its signal handling left to the worker. Its own catches SIGTERM, stops serving at
+    once and raises the signal again on the way out: health and metrics would vanish while the
+    worker drains, and the drain would be asked for twice."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 async def serve(settings: WorkerSettings) -> None:
     worker = StageWorker(settings)
     await worker.start()
     sock = bind(settings.bind_host, settings.http_port)
     worker.http_address = f"http://{worker.host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(make_app(worker), log_level="warning", lifespan="off"))
-    server.install_signal_handlers = lambda: None  # ours drain first
+    server = HttpServer(uvicorn.Config(make_app(worker), log_level="warning", lifespan="off"))
     loop = asyncio.get_running_loop()
-    drain_tasks: list[asyncio.Task] = []
+    drains: list[asyncio.Task] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not drains:
+            log.info("%s: %s, draining", worker.instance_id, sig.name)
+            drains.append(asyncio.ensure_future(worker.drain()))
+        else:  # a second signal: no more waiting, held tasks go back to the queue
+            log.warning("%s: %s again, giving held tasks back now", worker.instance_id, sig.name)
+            worker.hurry_drain()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: drain_tasks.append(asyncio.ensure_future(worker.drain())))
-    logging.getLogger(__name__).info("%s http %s", worker.instance_id, worker.http_address)
+        loop.add_signal_handler(sig, on_signal, sig)
+    log.info("%s http %s", worker.instance_id, worker.http_address)
     print(f"worker {worker.instance_id} http {worker.http_address}", flush=True)
     http = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
@@ -46,12 +67,13 @@ async def serve(settings: WorkerSettings) -> None:
     except* _Stopped:  # the task group's way of ending after a stop request
         pass
     finally:
-        for task in drain_tasks:
+        for task in drains:
             with contextlib.suppress(Exception):
                 await task
         server.should_exit = True
         await http
         await worker.close()
+        log.info("%s stopped", worker.instance_id)
 
 
 def main(roles: str | None = None) -> None:

@@ -27,6 +27,7 @@ from services.worker.state import Counters, Held, KeptKV
 
 log = logging.getLogger(__name__)
 PULL_ORDER = ("decode", "prefill", "encode")  # finish what is started before taking new work
+CLOSE_STEP_TIMEOUT = 5.0  # seconds each part of shutdown may take
 
 
 def advertise_host(value: str) -> str:
@@ -50,6 +51,7 @@ class StageWorker:
         self.profile_id = ""
         self._outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._stop = asyncio.Event()
+        self._drain_deadline = float("inf")
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -113,16 +115,26 @@ class StageWorker:
     async def drain(self) -> None:
         """SIGTERM: stop pulling, finish what is held (up to drain_timeout), then leave the registry."""
         self.draining = True
-        deadline = time.monotonic() + self.settings.drain_timeout
-        while (self.held or self.kept_kv) and time.monotonic() < deadline:
+        began = time.monotonic()
+        self._drain_deadline = began + self.settings.drain_timeout
+        while (self.held or self.kept_kv) and time.monotonic() < self._drain_deadline:
             await asyncio.sleep(0.1)
         for rid in list(self.held):  # still held at the deadline: give the tasks back for others
             held = self.held.pop(rid)
+            log.warning("%s: %s still held when draining ended; its task goes back", self.instance_id, rid)
             if held.task is not None and not held.task.settled:
-                await held.task.nak()
+                with contextlib.suppress(Exception):
+                    await held.task.nak()
+        log.info("%s drained in %.1fs", self.instance_id, time.monotonic() - began)
         self.request_stop()
 
+    def hurry_drain(self) -> None:
+        """End a drain now: what is still held goes back to the queue."""
+        self._drain_deadline = 0.0
+
     async def close(self) -> None:
+        """Release everything in order, each step bounded: one stuck peer must not keep a stopping
+        process alive (an orchestrator would kill it, losing the deregistration after it)."""
         await self.record.flush()
         for step in (
             self.heartbeats.stop,
@@ -131,8 +143,17 @@ class StageWorker:
             self.transfer.close,
             self.store.close,
         ):
-            with contextlib.suppress(Exception):
-                await step()
+            try:
+                await asyncio.wait_for(step(), CLOSE_STEP_TIMEOUT)
+            except TimeoutError:
+                log.warning(
+                    "%s: %s took over %.0fs; going on",
+                    self.instance_id,
+                    step.__qualname__,
+                    CLOSE_STEP_TIMEOUT,
+                )
+            except Exception as exc:
+                log.warning("%s: %s failed: %r", self.instance_id, step.__qualname__, exc)
 
     # -- bookkeeping -------------------------------------------------------------------------------
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
+import httpx
 import pytest
 
 from tests.services.cluster import running_cluster
@@ -72,7 +74,8 @@ def test_kv_of_a_dead_prefill_instance_is_prefilled_again(tiny_model_dir, tmp_pa
 
 
 def test_sigterm_drains_a_decoder_mid_stream(tiny_model_dir, tmp_path_factory):
-    """SIGTERM: stop pulling, finish what is held, deregister, exit 0 — the stream is not cut."""
+    """SIGTERM: stop pulling, finish what is held, deregister, exit 0 — the stream is not cut, and
+    the instance answers /ready (503, draining) and /metrics until it leaves."""
     with start(tiny_model_dir, tmp_path_factory, "e+p+d") as cluster:
         (decode,) = instances(cluster, "decode")
         stream = client_for(cluster).chat.completions.create(
@@ -84,25 +87,43 @@ def test_sigterm_drains_a_decoder_mid_stream(tiny_model_dir, tmp_path_factory):
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        chunks = []
+        chunks, while_draining = [], []
         for chunk in stream:
             chunks.append(chunk)
             if len(chunks) == 5:
                 os.kill(pid_of(decode), signal.SIGTERM)
+            if len(chunks) == 200:
+                while_draining.append(httpx.get(decode["http_address"] + "/ready", timeout=5).status_code)
+                while_draining.append(metric(decode["http_address"], "trident_held_requests"))
         assert chunks[-1].usage.completion_tokens == 400
-        proc = next(p for name, p in cluster.procs.items() if name.startswith("decode"))
-        assert proc.wait(30) == 0
+        assert while_draining == [503, 1]
+        name, proc = next((n, p) for n, p in cluster.procs.items() if n.startswith("decode"))
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"the decoder was still running 30 s after its stream ended:\n{cluster.log(name)[-3000:]}"
+            )
+        assert code == 0, cluster.log(name)[-3000:]
         assert instances(cluster, "decode") == []
 
 
-@pytest.mark.parametrize(("method", "scale"), [("e+p+d", {"decode": 2}), ("epd", {"worker-epd": 2})])
+@pytest.mark.parametrize(
+    ("method", "scale", "stop"),
+    [
+        ("e+p+d", {"decode": 2}, "kill"),
+        ("epd", {"worker-epd": 2}, "kill"),
+        ("e+p+d", {"decode": 2}, "term-twice"),
+    ],
+)
 def test_a_request_whose_decoder_dies_resumes_from_the_tokens_the_client_has(
-    tiny_model_dir, tmp_path, image_urls, method, scale
+    tiny_model_dir, tmp_path, image_urls, method, scale, stop
 ):
-    """The instance decoding a streamed request is killed: its task is redelivered, the request is
-    prefilled again over its prompt and the tokens already streamed (the gateway's journal), and
-    decoding goes on elsewhere. Seeded sampling makes the uninterrupted answer the oracle: a resume
-    from anything but exactly the streamed tokens, or a repeat of them, would change the text."""
+    """The instance decoding a streamed request is killed (or told twice to stop, which gives its
+    held tasks back at once): the task is redelivered, the request is prefilled again over its
+    prompt and the tokens already streamed (the gateway's journal), and decoding goes on elsewhere.
+    Seeded sampling makes the uninterrupted answer the oracle: a resume from anything but exactly
+    the streamed tokens, or a repeat of them, would change the text."""
     role = "decode"
     with running_cluster(tiny_model_dir, tmp_path, method, scale, {"TRIDENT_TASK_ACK_WAIT": "3"}) as cluster:
         deadline = time.monotonic() + 30
@@ -123,12 +144,20 @@ def test_a_request_whose_decoder_dies_resumes_from_the_tokens_the_client_has(
             usage = chunk.usage or usage
             if len(pieces) == 20 and killed is None:
                 killed = next(i for i in instances(cluster, role) if held(i) == 1)
-                os.kill(pid_of(killed), signal.SIGKILL)
+                if stop == "kill":
+                    os.kill(pid_of(killed), signal.SIGKILL)
+                else:
+                    os.kill(pid_of(killed), signal.SIGTERM)
+                    time.sleep(0.2)
+                    os.kill(pid_of(killed), signal.SIGTERM)
         assert killed is not None
         assert "".join(pieces) == expected
         assert usage.completion_tokens == 400
         survivors = [i for i in instances(cluster, role) if i["instance_id"] != killed["instance_id"]]
         assert sum(metric(i["http_address"], "trident_resumed_tokens_total") for i in survivors) >= 19
+        if stop == "term-twice":
+            proc = next(p for p in cluster.procs.values() if p.pid == pid_of(killed))
+            assert proc.wait(10) == 0
 
 
 def held(instance: dict) -> float:
