@@ -133,8 +133,8 @@ class StageWorker:
         self._drain_deadline = 0.0
 
     async def close(self) -> None:
-        """Release everything in order, each step bounded: one stuck peer must not keep a stopping
-        process alive (an orchestrator would kill it, losing the deregistration after it)."""
+        """Release everything in order, each step bounded: one stuck client must not keep a stopping
+        process alive until its orchestrator kills it, skipping the steps after."""
         await self.record.flush()
         for step in (
             self.heartbeats.stop,
