@@ -71,17 +71,15 @@ def test_text_skips_the_encoder_and_a_repeated_image_is_encoded_once(two_decoder
 
 
 def test_cancelled_stream_releases_its_kv_blocks(two_decoders):
+    # Block counts from each instance's /metrics, not from the registry: a heartbeat's second of
+    # lag would let the request decode on, unread, for hundreds of tokens before the test cancels.
+    engines = instances(two_decoders, "decode") + instances(two_decoders, "prefill")
+
     def free_blocks() -> int:
-        return sum(
-            i["free_kv_blocks"]
-            for i in instances(two_decoders, "decode") + instances(two_decoders, "prefill")
-        )
+        return sum(metric(i["http_address"], "trident_free_kv_blocks") for i in engines)
 
     def total_blocks() -> int:
-        return sum(
-            i["total_kv_blocks"]
-            for i in instances(two_decoders, "decode") + instances(two_decoders, "prefill")
-        )
+        return sum(metric(i["http_address"], "trident_total_kv_blocks") for i in engines)
 
     def generated() -> float:
         return sum(
@@ -100,17 +98,19 @@ def test_cancelled_stream_releases_its_kv_blocks(two_decoders):
         got += bool(chunk.choices and chunk.choices[0].delta.content)
         if got >= 5:
             break
-    deadline = time.monotonic() + 5  # the registry sees KV use one heartbeat (1 s) later
+    deadline = time.monotonic() + 5
     while free_blocks() == total_blocks() and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.02)
     assert free_blocks() < total_blocks(), "the request should hold KV while it runs"
     stream.close()
     deadline = time.monotonic() + 15
     while free_blocks() != total_blocks() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert free_blocks() == total_blocks()
+    stopped_at = generated()
     time.sleep(0.5)
-    assert generated() - before < 1000, "the request should have been cancelled, not run to max_tokens"
+    assert generated() == stopped_at, "the request should have stopped decoding"
+    assert stopped_at - before < 1000, "the request should have been cancelled, not run to max_tokens"
 
 
 def test_requests_wait_for_scarce_decode_kv_instead_of_being_dropped(tiny_model_dir, tmp_path_factory):
