@@ -60,5 +60,5 @@ def test_an_engine_adapts_only_after_a_profile_and_only_when_asked(make_engine):
     engine.scheduler.token_budget, engine.scheduler.image_budget = 32, 2
     prompt = engine.chat_prompt("hello " * 40)
     engine.add_request(prompt)
-    engine.step()  # a step that fills τt completes the window; its median full step is 2x the target
+    engine.step()  # a step that fills τt completes the window; its upper-quartile full step is 2x the target
     assert (engine.scheduler.image_budget, engine.scheduler.token_budget) == (1, 16)

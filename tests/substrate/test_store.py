@@ -137,7 +137,11 @@ def test_the_recorder_stops_on_a_cancel_that_lands_as_a_write_arrives(redis_serv
         await store.requests.create("r1", arrival=time.time(), prompt_tokens=5, max_tokens=3)
         recorder.finish("r1", 3, "length")  # awaiting its outcome: the recorder waits with a deadline
         task = asyncio.create_task(recorder.run())
-        assert await eventually(lambda: _true(bool(recorder._unreported)), timeout=5)
+
+        async def finish_written() -> bool:
+            return bool(recorder._unreported)
+
+        assert await eventually(finish_written, timeout=5)
         await asyncio.sleep(0)  # the finish is written; the recorder waits for the next item
         recorder.mark("r1", Stage.FIRST_TOKEN)
         task.cancel()
@@ -146,10 +150,6 @@ def test_the_recorder_stops_on_a_cancel_that_lands_as_a_write_arrives(redis_serv
         await store.close()
 
     run(main())
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 def test_one_instance_measures_a_profile_while_the_others_wait(redis_server: RedisServer) -> None:
