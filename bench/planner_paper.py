@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.planner.algorithm import goodput, plan
 from common.planner.profiles import ProfileSet
-from common.planner.types import SLO, Deployment
+from common.planner.types import Deployment
 from common.planner.workloads import generate, llava15_tokens, llava_next_tokens
+from common.stats import SLO
 
 # 000 Table 3 (TTFT s, TBT s) per model and dataset.
 PAPER_SLOS = {

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.planner.profiles import ProfileSet
 from common.planner.trace import read_trace, write_trace
-from common.planner.types import SLO
+from common.stats import SLO
 from tests.planner.validation import DEPLOYMENTS, Comparison, replay, validate
 
 

@@ -31,6 +31,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.profiler import BudgetProfiler
 from common.engine.sampling import SamplingParams
+from common.stats import quantile
 
 
 def serve(engine: Engine, arrivals: np.ndarray, images: list[Image.Image]) -> list[tuple[float, str]]:
@@ -70,8 +71,8 @@ def summary(steps: list[tuple[float, str]], limit: float) -> dict:
         "steps": len(steps),
         "over_limit_pct": round(100 * over / len(steps), 2),
         "by_content": {
-            k: {"n": len(v), "p50_ms": round(1e3 * float(np.median(v)), 1),
-                "p90_ms": round(1e3 * float(np.percentile(v, 90)), 1), "over": int(sum(s > limit for s in v))}
+            k: {"n": len(v), "p50_ms": round(1e3 * quantile(v, 0.5), 1),
+                "p90_ms": round(1e3 * quantile(v, 0.9), 1), "over": int(sum(s > limit for s in v))}
             for k, v in sorted(by_content.items())
         },
     }  # fmt: skip

@@ -31,7 +31,7 @@ from common.protocol import (
     Message,
     PrefillTask,
     RequestSpec,
-    SamplingSpec,
+    SamplingParams,
     TokenDelta,
     decode,
 )
@@ -46,7 +46,7 @@ def samples() -> dict[str, Message]:
         request_id="chatcmpl-7f3a",
         prompt_token_ids=prompt,
         images=(image,),
-        sampling=SamplingSpec(max_tokens=256),
+        sampling=SamplingParams(max_tokens=256),
         arrival_time=time.time(),
     )
     group = KvGroup(layer_start=0, layer_end=32, handle="kv-0", shape=(32, 2, 40, 16, 32, 128))
@@ -54,13 +54,8 @@ def samples() -> dict[str, Message]:
     kv = KvLocation(
         owner="prefill-0", address=address, num_tokens=640, block_size=16, dtype="float16", groups=(group,)
     )
-    decode_task = DecodeTask(
-        request_id=request.request_id,
-        prompt_token_ids=prompt,
-        output_token_ids=(29871,),
-        kv=kv,
-        arrival_time=request.arrival_time,
-    )
+    first_token = request.without_pixels().model_copy(update={"images": (), "output_token_ids": (29871,)})
+    decode_task = DecodeTask(request=first_token, kv=kv)
     heartbeat = Heartbeat(
         instance_id="decode-3",
         roles=("decode",),
@@ -75,7 +70,7 @@ def samples() -> dict[str, Message]:
         "encode task (pixels inline)": EncodeTask(request=request),
         "prefill task": PrefillTask(request=request.without_pixels()),
         "decode task": decode_task,
-        "token delta": TokenDelta(request_id=request.request_id, index=17, token_ids=(1576,), text=" the"),
+        "token delta": TokenDelta(request_id=request.request_id, index=17, token_ids=(1576,)),
         "heartbeat": heartbeat,
     }
 

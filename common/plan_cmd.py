@@ -52,7 +52,7 @@ def plan(
     from common.planner.algorithm import plan as make_plan
     from common.planner.profiles import ProfileError, ProfileSet
     from common.planner.trace import TraceError, read_trace
-    from common.planner.types import SLO
+    from common.stats import SLO
 
     try:
         entries = read_trace(trace).entries

@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 
 from common.bench import deployments, plots
-from common.bench.metrics import SLO
 from common.bench.sweep import LoadSpec, SweepResult, run_sweep
 from common.infra import free_port
+from common.stats import SLO
 
 PEER = "transformers-serve"
 PLANNER = "planner"

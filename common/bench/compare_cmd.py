@@ -40,10 +40,10 @@ def compare(
     """Start each system in turn, run the sweep against it, stop it; one table, one plot."""
     from common.bench.compare import System
     from common.bench.compare import compare as run_compare
-    from common.bench.metrics import SLO
     from common.bench.serve_cmd import parse_size, progress_reporter
     from common.bench.sweep import LoadSpec, parse_rates
     from common.bench.workload import WorkloadError
+    from common.stats import SLO
 
     try:
         slo = SLO(ttft_slo, tbt_slo, attainment)

@@ -1,10 +1,9 @@
-"""What a benchmark run measured, and the SLO arithmetic of seed 000 §2.2.
+"""What a benchmark run measured, judged as common/stats.py judges every request.
 
-A request meets its SLO when it completed, its TTFT is within the TTFT SLO and 90 % of its TBTs
-(gaps between consecutive streamed chunks that carry text) are within the TBT SLO. Attainment is
-the share of the requests sent that met it (a failed request is a miss). Goodput is the highest
-request rate whose attainment reaches the target (0.9) with every lower measured rate reaching it
-too: one lucky rate above a failing one does not count.
+A request's TBTs are the gaps between consecutive streamed chunks that carry text. Attainment is
+the share of the requests sent that met their SLOs (a failed request is a miss). Goodput is the
+highest request rate whose attainment reaches the target (0.9) with every lower measured rate
+reaching it too: one lucky rate above a failing one does not count.
 """
 
 from __future__ import annotations
@@ -13,14 +12,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
+from common.stats import SLO, quantile, request_tbt, slo_met
+from common.stats import attainment as share_met
 
-from common.planner.types import SLO
-
-TBT_QUANTILE = 90  # 90 % of a request's TBTs must be within the TBT SLO
 DEFAULT_ATTAINMENT = 0.9
 
-__all__ = ["SLO", "RateSummary", "RequestResult", "attainment", "goodput", "summarise"]
+__all__ = ["RateSummary", "RequestResult", "attainment", "goodput", "summarise"]
 
 
 @dataclass
@@ -42,11 +39,11 @@ class RequestResult:
 
     @property
     def tbt_p90(self) -> float:
-        """The request's TBT at the SLO's quantile; 0 with fewer than two text chunks."""
-        return float(np.percentile(self.tbts, TBT_QUANTILE)) if self.tbts else 0.0
+        """The request's TBT as its SLO judges it; 0 with fewer than two text chunks."""
+        return request_tbt(self.tbts) or 0.0
 
     def meets(self, slo: SLO) -> bool:
-        return self.ok and self.ttft <= slo.ttft and self.tbt_p90 <= slo.tbt
+        return self.ok and slo_met(self.ttft, request_tbt(self.tbts), slo)
 
     def to_dict(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
@@ -57,7 +54,7 @@ class RequestResult:
 
 
 def _pct(values: Sequence[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 6) if len(values) else None
+    return round(quantile(values, q / 100), 6) if len(values) else None
 
 
 @dataclass
@@ -120,7 +117,7 @@ def summarise(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
 
 def attainment(results: Sequence[RequestResult], slo: SLO) -> float:
     """The share of requests sent that met both SLOs; 0.0 for no requests."""
-    return sum(r.meets(slo) for r in results) / len(results) if results else 0.0
+    return share_met(r.meets(slo) for r in results)
 
 
 def goodput(points: Sequence[tuple[float, float]], target: float = DEFAULT_ATTAINMENT) -> float:

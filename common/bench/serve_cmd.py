@@ -101,9 +101,9 @@ def serve(
     """Open-loop streaming load at each rate; per-request TTFT, TBTs and end-to-end latency; SLO
     attainment per rate and goodput over the sweep."""
     from common.bench import client
-    from common.bench.metrics import SLO
     from common.bench.sweep import LoadSpec, parse_rates, run_sweep
     from common.bench.workload import WorkloadError
+    from common.stats import SLO
 
     try:
         slo = SLO(ttft_slo, tbt_slo, attainment)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.bench import client, plots, workload
-from common.bench.metrics import SLO, RateSummary, RequestResult, goodput, summarise
+from common.bench.metrics import RateSummary, RequestResult, goodput, summarise
+from common.stats import SLO
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@
 bus = await Bus.connect(BusConfig(url=...), dead_letters=store)
 await bus.tasks.publish(PrefillTask(...))
 consumer = await bus.consumer("prefill")
-for task in await consumer.fetch(max_tasks=free_slots):
-    async with task.keep_alive():
-        ...
-    await task.ack()
+tasks = await consumer.fetch(max_tasks=free_slots)
+keeper = asyncio.create_task(keep_alive(lambda: tasks, config.keep_alive_period))
+...                                  # work that may outlast ack_wait
+await task.ack()
 await bus.close()
 """
 
@@ -19,8 +19,9 @@ from nats.aio.client import Client as NATS
 from common.bus.connection import BusConfig, connect_nats, consumer_config, ensure_task_stream
 from common.bus.deadletter import DeadLetterWatcher
 from common.bus.events import EventBus, EventStream
-from common.bus.subjects import ROLES, Subjects, check_token
-from common.bus.tasks import DeadLetterSink, PublishError, Task, TaskConsumer, TaskPublisher
+from common.bus.subjects import TASK_KINDS, Subjects, check_token
+from common.bus.tasks import DeadLetterSink, PublishError, Task, TaskConsumer, TaskPublisher, keep_alive
+from common.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class Bus:
             raise
         return bus
 
-    async def consumer(self, role: str) -> TaskConsumer:
+    async def consumer(self, role: Role) -> TaskConsumer:
         """A puller on `role`'s shared durable consumer."""
         consumer = TaskConsumer(self.nc, self.js, self.config, role, self._dead_letters)
         await consumer.start()
@@ -80,7 +81,7 @@ class Bus:
 
 
 __all__ = [
-    "ROLES",
+    "TASK_KINDS",
     "Bus",
     "BusConfig",
     "DeadLetterSink",
@@ -96,4 +97,5 @@ __all__ = [
     "connect_nats",
     "consumer_config",
     "ensure_task_stream",
+    "keep_alive",
 ]

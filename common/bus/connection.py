@@ -11,7 +11,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
-from common.bus.subjects import ROLES, Subjects
+from common.bus.subjects import Subjects
+from common.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,11 @@ class BusConfig:
     duplicate_window: float = 120.0
     max_task_bytes: int = 8 * 1024 * 1024
     extra_servers: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def keep_alive_period(self) -> float:
+        """How often a held task is marked in progress: three chances per ack_wait."""
+        return max(0.1, self.ack_wait / 3)
 
     @property
     def subjects(self) -> Subjects:
@@ -90,7 +96,7 @@ async def ensure_task_stream(js: JetStreamContext, config: BusConfig) -> None:
     subjects = config.subjects
     stream = StreamConfig(
         name=subjects.task_stream,
-        subjects=[subjects.task(role) for role in ROLES],
+        subjects=[subjects.task(role) for role in Role],
         # Work queue: a task is removed once acked, and each subject has exactly one consumer.
         retention=RetentionPolicy.WORK_QUEUE,
         # File storage: tasks survive a NATS restart; unacked ones are redelivered afterwards.
@@ -103,11 +109,11 @@ async def ensure_task_stream(js: JetStreamContext, config: BusConfig) -> None:
         await js.add_stream(stream)
     except BadRequestError:
         await js.update_stream(stream)
-    for role in ROLES:
+    for role in Role:
         await js.add_consumer(subjects.task_stream, consumer_config(config, role))
 
 
-def consumer_config(config: BusConfig, role: str) -> ConsumerConfig:
+def consumer_config(config: BusConfig, role: Role) -> ConsumerConfig:
     """The durable pull consumer that all replicas of `role` share."""
     name = config.subjects.consumer(role)
     return ConsumerConfig(

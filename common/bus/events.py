@@ -1,4 +1,4 @@
-"""Core-NATS events: per-request outputs, cancel/release/drain broadcasts, plan events, heartbeats.
+"""Core-NATS events: per-request outputs, cancel/release broadcasts, plan events, heartbeats.
 
 Core NATS is at-most-once and fast; it fits messages whose loss the system tolerates or repairs
 (a lost delta shows as a gap the gateway can fill from the final's count, a lost release is
@@ -22,7 +22,6 @@ from common.protocol import (
     OUTPUT_KINDS,
     Cancel,
     DeadLetter,
-    Drain,
     Heartbeat,
     Message,
     Plan,
@@ -142,12 +141,6 @@ class EventBus:
 
     async def releases(self, owner: str) -> EventStream:
         return await self.subscribe(self.subjects.release(owner), (Release,))
-
-    async def drain(self, message: Drain) -> None:
-        await self.publish(self.subjects.drain(message.instance_id), message)
-
-    async def drains(self, instance_id: str) -> EventStream:
-        return await self.subscribe(self.subjects.drain(instance_id), (Drain,))
 
     async def plan(self, message: Plan) -> None:
         await self.publish(self.subjects.plan, message)

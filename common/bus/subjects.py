@@ -4,7 +4,6 @@
     <p>.out.<request_id>               core: TokenDelta / FinalOutput / ErrorOutput for one request
     <p>.ctl.cancel                     core: Cancel, broadcast to every instance
     <p>.ctl.release.<owner>            core: Release, to the instance that holds the KV
-    <p>.ctl.drain.<instance_id>        core: Drain, to one instance
     <p>.plan                           core: Plan events from the planner
     <p>.hb.<instance_id>               core: Heartbeat (the registry in Redis is the source of truth)
 
@@ -16,15 +15,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from common.protocol import DecodeTask, EncodeTask, Message, PrefillTask
+from common.protocol import DecodeTask, EncodeTask, PrefillTask, StageTask
+from common.roles import Role
 
-ROLES = ("encode", "prefill", "decode")
-TASK_KIND_BY_ROLE: dict[str, type[Message]] = {
-    "encode": EncodeTask,
-    "prefill": PrefillTask,
-    "decode": DecodeTask,
-}
-ROLE_BY_TASK_KIND: dict[type[Message], str] = {v: k for k, v in TASK_KIND_BY_ROLE.items()}
+TASK_KINDS: dict[Role, type[StageTask]] = {kind.ROLE: kind for kind in (EncodeTask, PrefillTask, DecodeTask)}
 
 # A subject token may not hold '.', whitespace or the wildcards; ids that go into subjects are checked.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-:=+/@]+$")
@@ -50,22 +44,15 @@ class Subjects:
     def task_stream(self) -> str:
         return f"{self.prefix.upper().replace('-', '_')}_TASKS"
 
-    def task(self, role: str) -> str:
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}")
-        return f"{self.prefix}.task.{role}"
+    def task(self, role: Role) -> str:
+        return f"{self.prefix}.task.{_role(role)}"
 
-    def consumer(self, role: str) -> str:
+    def consumer(self, role: Role) -> str:
         """The durable pull consumer every replica of `role` shares."""
-        self.task(role)
-        return f"{self.prefix}-{role}"
+        return f"{self.prefix}-{_role(role)}"
 
     def output(self, request_id: str) -> str:
         return f"{self.prefix}.out.{check_token(request_id, 'request id')}"
-
-    @property
-    def outputs_all(self) -> str:
-        return f"{self.prefix}.out.*"
 
     @property
     def cancel(self) -> str:
@@ -73,9 +60,6 @@ class Subjects:
 
     def release(self, owner: str) -> str:
         return f"{self.prefix}.ctl.release.{check_token(owner, 'instance id')}"
-
-    def drain(self, instance_id: str) -> str:
-        return f"{self.prefix}.ctl.drain.{check_token(instance_id, 'instance id')}"
 
     @property
     def plan(self) -> str:
@@ -91,3 +75,10 @@ class Subjects:
     def max_deliveries_advisory(self) -> str:
         """JetStream's advisory when a message of this stream ran out of deliveries (any consumer)."""
         return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.task_stream}.*"
+
+
+def _role(role: Role | str) -> Role:
+    try:
+        return Role(role)
+    except ValueError:
+        raise ValueError(f"unknown role {role!r}") from None

@@ -12,8 +12,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import NoReturn, Protocol
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -22,8 +22,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import NoStreamResponseError
 
 from common.bus.connection import BusConfig
-from common.bus.subjects import ROLE_BY_TASK_KIND, TASK_KIND_BY_ROLE
-from common.protocol import DeadLetter, Message, ProtocolError, decode
+from common.bus.subjects import TASK_KINDS
+from common.protocol import DeadLetter, ProtocolError, StageTask, decode
+from common.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class TaskPublisher:
         self._js = js
         self._config = config
 
-    async def publish(self, task: Message, msg_id: str | None = None) -> int:
+    async def publish(self, task: StageTask, msg_id: str | None = None) -> int:
         """Store a task in the stream and return its stream sequence.
 
         Retries through a NATS restart until `publish_timeout`. Every attempt carries the same
@@ -65,10 +66,9 @@ class TaskPublisher:
         Pass a `msg_id` of your own (e.g. "<request id>:prefill") to also drop the copy a
         redelivered upstream task would publish again.
         """
-        role = ROLE_BY_TASK_KIND.get(type(task))
-        if role is None:
+        if not isinstance(task, StageTask):
             raise TypeError(f"{type(task).__name__} is not a stage task")
-        subject = self._config.subjects.task(role)
+        subject = self._config.subjects.task(task.ROLE)
         data = task.to_bytes()
         headers = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
         deadline = time.monotonic() + self._config.publish_timeout
@@ -92,10 +92,11 @@ class Task:
     """One delivered task: the decoded message and the means to settle it.
 
     Settle every task exactly once: `ack()` when done, `fail()` when the handler failed, `nak()`
-    to hand it back untouched (e.g. no room after all). Long work runs inside `keep_alive()`.
+    to hand it back untouched (e.g. no room after all). Work that outlasts ack_wait is kept
+    alive with `in_progress()` (see `keep_alive`).
     """
 
-    def __init__(self, msg: Msg, message: Message, consumer: TaskConsumer) -> None:
+    def __init__(self, msg: Msg, message: StageTask, consumer: TaskConsumer) -> None:
         self.msg = msg
         self.message = message
         self._consumer = consumer
@@ -144,25 +145,23 @@ class Task:
         else:
             await self.msg.nak(delay=self._consumer.config.nak_delay)
 
-    @contextlib.asynccontextmanager
-    async def keep_alive(self, interval: float | None = None) -> AsyncIterator[None]:
-        """Extend the ack deadline while the body runs (for work longer than ack_wait)."""
-        period = interval or max(0.1, self._consumer.config.ack_wait / 3)
-        beat = asyncio.create_task(self._beat(period), name=f"keepalive-{self.stream_seq}")
+    async def in_progress(self) -> None:
+        """Push the redelivery deadline back by ack_wait; a missed beat is logged, not raised (a NATS
+        restart may drop one, and the next beat comes a third of ack_wait later)."""
         try:
-            yield
-        finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            await self.msg.in_progress()
+        except Exception as exc:
+            log.warning("in-progress ack for task %d failed: %r", self.stream_seq, exc)
 
-    async def _beat(self, period: float) -> None:
-        while True:
-            await asyncio.sleep(period)
-            try:
-                await self.msg.in_progress()
-            except Exception as exc:  # a missed beat is not fatal; a restart may have dropped it
-                log.warning("in-progress ack for task %d failed: %r", self.stream_seq, exc)
+
+async def keep_alive(tasks: Callable[[], Iterable[Task]], period: float) -> NoReturn:
+    """Mark every unsettled task `tasks()` names in progress every `period` seconds, for as long as
+    this runs: one loop for all the tasks a worker holds, however long their requests take."""
+    while True:
+        await asyncio.sleep(period)
+        for task in list(tasks()):
+            if not task.settled:
+                await task.in_progress()
 
 
 class TaskConsumer:
@@ -173,14 +172,14 @@ class TaskConsumer:
         nc: NATS,
         js: JetStreamContext,
         config: BusConfig,
-        role: str,
+        role: Role,
         dead_letters: DeadLetterSink | None,
     ) -> None:
         self._nc = nc
         self._js = js
         self.config = config
-        self.role = role
-        self._kind = TASK_KIND_BY_ROLE[role]
+        self.role = Role(role)
+        self._kind = TASK_KINDS[self.role]
         self._sink = dead_letters
         self._sub: JetStreamContext.PullSubscription | None = None
 

@@ -1,6 +1,6 @@
 """A compact multimodal inference engine: vision encode, paged-KV prefill and decode, stage-level batching."""
 
-from common.engine.config import EngineConfig, Policy, Role, parse_roles
+from common.engine.config import EngineConfig, Policy
 from common.engine.engine import AdmissionError, Engine
 from common.engine.outputs import Completion, RequestOutput
 from common.engine.sampling import SamplingParams
@@ -12,7 +12,5 @@ __all__ = [
     "EngineConfig",
     "Policy",
     "RequestOutput",
-    "Role",
     "SamplingParams",
-    "parse_roles",
 ]

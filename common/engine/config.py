@@ -5,30 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-
-class Role(StrEnum):
-    """A stage an engine instance can run; an instance holds a non-empty set of them."""
-
-    ENCODE = "encode"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-ALL_ROLES = frozenset(Role)
-
-
-def parse_roles(text: str | None) -> frozenset[Role]:
-    """Parse `encode,prefill` (or the short forms `ep`, `e+p`) into a role set; empty means all three."""
-    if not text:
-        return ALL_ROLES
-    short = {"e": Role.ENCODE, "p": Role.PREFILL, "d": Role.DECODE}
-    parts = [p.strip().lower() for p in text.replace("+", ",").split(",") if p.strip()]
-    if len(parts) == 1 and set(parts[0]) <= set(short) and parts[0] not in {r.value for r in Role}:
-        return frozenset(short[c] for c in parts[0])
-    try:
-        return frozenset(Role(p) for p in parts)
-    except ValueError as exc:
-        raise ValueError(f"unknown role in {text!r}; expected a subset of encode,prefill,decode") from exc
+from common.roles import ALL_ROLES, Role
 
 
 class Policy(StrEnum):

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from common.engine.block_manager import BlockManager, blocks_needed
-from common.engine.config import EngineConfig, Role
+from common.engine.config import EngineConfig
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.feature_cache import FeatureCache
 from common.engine.governor import BudgetGovernor
@@ -26,6 +26,7 @@ from common.engine.profiler import budget_target
 from common.engine.request import Request, Status
 from common.engine.sampling import SamplingParams, make_generator, sample
 from common.engine.scheduler import Batch, Scheduler
+from common.roles import Role
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -18,6 +18,8 @@ decodes) say nothing about a full one and are ignored.
 
 from __future__ import annotations
 
+from common.stats import quantile
+
 WINDOW = 8  # full steps per decision
 QUANTILE = 0.75  # of a window's full steps, the one held to the target
 FULL = 0.75  # a step using at least this share of its budgets counts as full
@@ -47,19 +49,10 @@ class BudgetGovernor:
         self._ratios.append(seconds / share / self.target)
         if len(self._ratios) < WINDOW:
             return False
-        ratio = self.last_ratio = _quantile(self._ratios, QUANTILE)
+        ratio = self.last_ratio = quantile(self._ratios, QUANTILE)
         self._ratios.clear()
         if GROW_BELOW <= ratio <= 1.0:
             return False
         scale = min(1.0, max(FLOOR, self.scale / ratio))
         before, self.scale = self.budgets, scale
         return self.budgets != before
-
-
-def _quantile(values: list[float], q: float) -> float:
-    """The q-quantile of `values`, interpolating between the two nearest."""
-    ordered = sorted(values)
-    at = q * (len(ordered) - 1)
-    low = int(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)

@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from common.engine.block_manager import blocks_needed
-from common.engine.config import Role
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.protocol import records
+from common.roles import Role
 
 ALPHA = 0.5
 # Budgets are searched against this share of the latency limit. The profile keeps the least time

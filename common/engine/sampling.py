@@ -1,39 +1,13 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""The sampler: greedy, temperature, top-k, top-p, per-request seeds (the parameters are
+`common.protocol.SamplingParams`, the one type the gateway, the wire and the engine share)."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a request asks of generation; validated here so bad values fail at admission."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be non-negative, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from common.protocol.sampling import SamplingParams
 
 
 def make_generator(seed: int | None, index: int = 0) -> torch.Generator | None:

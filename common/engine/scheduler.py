@@ -23,8 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.engine.block_manager import BlockManager
-from common.engine.config import EngineConfig, Policy, Role
+from common.engine.config import EngineConfig, Policy
 from common.engine.request import Request, Status
+from common.roles import Role
 
 
 @dataclass

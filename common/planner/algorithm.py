@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from common.planner.profiles import ProfileSet, StageCurves
 from common.planner.simulator import Correction, simulate
 from common.planner.trace import rescale
-from common.planner.types import KIND_ROLES, SLO, CandidateScore, Deployment, PlanResult
+from common.planner.types import KIND_ROLES, CandidateScore, Deployment, PlanResult
+from common.stats import SLO
 
 EXHAUSTIVE_UP_TO = 16  # every split is simulated at or below this many instances
 GAMMA = 0.9  # share of KV memory decode may fill (000 §4.4)

@@ -15,6 +15,12 @@ import numpy as np
 
 from common.planner.profiles import ProfileSet, StageCurves, TransferModel, scale_profiles
 from common.planner.simulator import simulate
+from common.stats import quantile
+
+
+def quantile_of(values: Sequence[float], percent: float) -> float:
+    return quantile(values, percent / 100)
+
 
 QUANTILE = 10  # percent: the unloaded cost of an interval that queueing can only lengthen
 MIN_SAMPLES = 5
@@ -23,7 +29,7 @@ MIN_SAMPLES = 5
 def _interval(records: Sequence, start: str, end: str, quantile: float) -> float | None:
     values = [r.stages[end] - r.stages[start] for r in records if start in r.stages and end in r.stages]
     values = [v for v in values if v >= 0]
-    return float(np.percentile(values, quantile)) if len(values) >= MIN_SAMPLES else None
+    return quantile_of(values, quantile) if len(values) >= MIN_SAMPLES else None
 
 
 def transfer_model(
@@ -50,13 +56,13 @@ def transfer_model(
     images = [(t, n) for t, n in to_queue if n > 0]
     if len(to_queue) >= MIN_SAMPLES:
         dispatch = float(
-            np.percentile(text if len(text) >= MIN_SAMPLES else [t for t, _ in to_queue], quantile)
+            quantile_of(text if len(text) >= MIN_SAMPLES else [t for t, _ in to_queue], quantile)
         )
         if len(images) >= MIN_SAMPLES:
-            extra = float(np.percentile([t - dispatch for t, _ in images], quantile))
+            extra = quantile_of([t - dispatch for t, _ in images], quantile)
             per_image = max(0.0, extra / float(np.mean([n for _, n in images])))
         if len(back) >= MIN_SAMPLES:
-            dispatch += max(0.0, float(np.percentile(back, quantile)))
+            dispatch += max(0.0, quantile_of(back, quantile))
     hops = [
         h
         for h in (

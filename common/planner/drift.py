@@ -12,7 +12,8 @@ import numpy as np
 from common.planner.profiles import ProfileSet
 from common.planner.simulator import Correction, simulate
 from common.planner.trace import rate
-from common.planner.types import KIND_ROLES, METHOD_KINDS, SLO, Deployment
+from common.planner.types import KIND_ROLES, METHOD_KINDS, Deployment
+from common.stats import SLO
 
 MIN_MEASURED = 20  # requests with measured latencies needed before a correction is trusted
 CORRECTION_RANGE = (0.25, 4.0)

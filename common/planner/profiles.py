@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common.engine.config import Role
 from common.engine.profiler import budget_target, latency_limit, search_budget
-from common.planner.types import KIND_ROLES, SLO
+from common.planner.types import KIND_ROLES
+from common.roles import Role
+from common.stats import SLO
 
 
 class ProfileError(ValueError):

@@ -24,12 +24,14 @@ import numpy as np
 
 from common.engine.admission import pull_room
 from common.engine.block_manager import BlockManager, blocks_needed
-from common.engine.config import EngineConfig, Policy, Role
+from common.engine.config import EngineConfig, Policy
 from common.engine.request import ImageInput, Request, Status
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Batch, Scheduler
 from common.planner.profiles import ProfileSet, StageCurves
-from common.planner.types import KIND_ROLES, SLO, Deployment
+from common.planner.types import KIND_ROLES, Deployment
+from common.roles import Role
+from common.stats import SLO, quantile, request_tbt, slo_met
 
 _ENCODED = np.empty(0)  # stands in for an image's features once it has been encoded
 _STAGE_ORDER = ("decode", "prefill", "encode")  # the order workers pull in
@@ -73,10 +75,14 @@ class SimResult:
         return float(self.met.mean()) if len(self.met) else 1.0
 
     def ttft_percentile(self, q: float) -> float:
-        return float(np.nanpercentile(self.ttft, q)) if len(self.ttft) else 0.0
+        """Over the requests that got a first token (nan if none did; 0.0 for no requests)."""
+        if not len(self.ttft):
+            return 0.0
+        reached = [t for t in self.ttft.tolist() if not math.isnan(t)]
+        return quantile(reached, q / 100) if reached else math.nan
 
     def tbt_percentile(self, q: float) -> float:
-        return float(np.percentile(self.gaps, q)) if len(self.gaps) else 0.0
+        return quantile(self.gaps.tolist(), q / 100) if len(self.gaps) else 0.0
 
 
 class _Instance:
@@ -387,16 +393,16 @@ class Simulation:
     def _result(self, complete: bool) -> SimResult:
         c = self.correction
         tracks = list(self.tracks.values())  # in trace order; one stopped early before its token misses
-        ttft = np.array(
-            [(t.first_token - t.arrival) * c.ttft if t.first_token is not None else np.nan for t in tracks]
-        )
-        tbt = np.array([np.percentile(t.gaps, 90) * c.tbt if t.gaps else 0.0 for t in tracks])
+        ttft = [(t.first_token - t.arrival) * c.ttft if t.first_token is not None else None for t in tracks]
+        tbt = [_scaled(request_tbt(t.gaps), c.tbt) for t in tracks]
+        met = [
+            t.done is not None and slo_met(f, g, self.slo) for t, f, g in zip(tracks, ttft, tbt, strict=True)
+        ]
         gaps = np.concatenate([np.asarray(t.gaps) for t in tracks if t.gaps] or [np.empty(0)]) * c.tbt
-        finished = np.array([t.done is not None for t in tracks])
-        met = finished & (np.nan_to_num(ttft, nan=np.inf) <= self.slo.ttft) & (tbt <= self.slo.tbt)
+        ttft, tbt = np.array([np.nan if f is None else f for f in ttft]), np.array([g or 0.0 for g in tbt])
         span = max(self.now, 1e-9)
         utilisation = {inst.name: min(1.0, inst.busy_time / span) for inst in self.instances}
-        return SimResult(ttft, tbt, gaps, met, utilisation, self.now, complete)
+        return SimResult(ttft, tbt, gaps, np.array(met, dtype=bool), utilisation, self.now, complete)
 
 
 def simulate(
@@ -432,3 +438,7 @@ def _split(total: int, parts: int) -> list[int]:
         return []
     base, extra = divmod(total, parts)
     return [base + (1 if k < extra else 0) for k in range(parts)]
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor

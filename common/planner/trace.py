@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from common.stats import quantile
+
 if TYPE_CHECKING:
     from common.protocol import TraceRecord
 
@@ -301,5 +303,4 @@ def summary(entries: Sequence[TraceEntry]) -> dict[str, Any]:
 def _stats(values: list[int]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0}
-    p50, p90 = np.percentile(values, [50, 90])
-    return {"mean": float(np.mean(values)), "p50": float(p50), "p90": float(p90)}
+    return {"mean": float(np.mean(values)), "p50": quantile(values, 0.5), "p90": quantile(values, 0.9)}

@@ -27,21 +27,6 @@ KIND_ROLES: dict[str, frozenset[str]] = {
 
 
 @dataclass(frozen=True)
-class SLO:
-    """Latency objectives (seconds) and the share of requests that must meet both for a rate to count."""
-
-    ttft: float
-    tbt: float
-    attainment: float = 0.9
-
-    def __post_init__(self) -> None:
-        if self.ttft <= 0 or self.tbt <= 0:
-            raise ValueError("SLOs must be positive seconds")
-        if not 0 < self.attainment <= 1:
-            raise ValueError("attainment must be in (0, 1]")
-
-
-@dataclass(frozen=True)
 class Deployment:
     """A method and how many instances of each of its kinds, e.g. e+p+d with {"e": 2, "p": 3, "d": 3}."""
 

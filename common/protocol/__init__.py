@@ -9,7 +9,6 @@ from common.protocol.events import (
     OUTPUT_KINDS,
     Budgets,
     Cancel,
-    Drain,
     ErrorOutput,
     FinalOutput,
     FinishReason,
@@ -17,13 +16,12 @@ from common.protocol.events import (
     Method,
     Plan,
     Release,
-    Role,
     TokenDelta,
     Usage,
 )
 from common.protocol.records import DeadLetter, FeatureEntry, StageProfile, TraceRecord
+from common.protocol.sampling import SamplingParams, TokenId
 from common.protocol.tasks import (
-    TASK_KINDS,
     DecodeTask,
     EncodeTask,
     ImageSpec,
@@ -31,19 +29,17 @@ from common.protocol.tasks import (
     KvLocation,
     PrefillTask,
     RequestSpec,
-    SamplingSpec,
+    StageTask,
 )
 from common.protocol.tensors import DTYPE_SIZES, InlineTensor, TensorRef, dtype_name, nbytes_of, torch_dtype
 
 __all__ = [
     "DTYPE_SIZES",
     "OUTPUT_KINDS",
-    "TASK_KINDS",
     "Budgets",
     "Cancel",
     "DeadLetter",
     "DecodeTask",
-    "Drain",
     "EncodeTask",
     "ErrorOutput",
     "FeatureEntry",
@@ -62,11 +58,12 @@ __all__ = [
     "Record",
     "Release",
     "RequestSpec",
-    "Role",
-    "SamplingSpec",
+    "SamplingParams",
     "StageProfile",
+    "StageTask",
     "TensorRef",
     "TokenDelta",
+    "TokenId",
     "TraceRecord",
     "Usage",
     "decode",

@@ -7,9 +7,9 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field
 
 from common.protocol.codec import Message, Record
-from common.protocol.tasks import TokenId
+from common.protocol.sampling import TokenId
+from common.roles import Role
 
-Role = Literal["encode", "prefill", "decode"]
 FinishReason = Literal["stop", "length", "abort"]
 Method = Literal["e+p+d", "ep+d", "ed+p", "epd"]
 
@@ -26,7 +26,6 @@ class TokenDelta(Message):
     request_id: str
     index: int = Field(ge=0)
     token_ids: tuple[TokenId, ...] = Field(min_length=1)
-    text: str = ""
 
 
 class Usage(Record):
@@ -73,14 +72,6 @@ class Release(Message):
     request_id: str
     owner: str
     handles: tuple[str, ...] = ()
-
-
-class Drain(Message):
-    """Ask an instance to stop pulling, finish what it holds and deregister."""
-
-    KIND: ClassVar[str] = "ctl.drain"
-    instance_id: str
-    reason: str = ""
 
 
 # -- registry and planning -----------------------------------------------------------------------------

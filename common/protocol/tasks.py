@@ -8,27 +8,14 @@ their owner); the decode task carries the tokens so far and where the KV blocks 
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
 from common.protocol.codec import Message, Record
+from common.protocol.sampling import SamplingParams, TokenId
 from common.protocol.tensors import Dtype, InlineTensor, Shape, TensorRef
-
-TokenId = Annotated[int, Field(ge=0)]
-
-
-class SamplingSpec(Record):
-    """The engine's SamplingParams on the wire; bounds match its checks so bad values fail here."""
-
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0)  # 0 means greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 means no top-k cut
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[TokenId, ...] = ()
-    ignore_eos: bool = False
+from common.roles import Role
 
 
 class ImageSpec(Record):
@@ -52,7 +39,7 @@ class RequestSpec(Record):
     request_id: str = Field(min_length=1)
     prompt_token_ids: tuple[TokenId, ...]
     images: tuple[ImageSpec, ...] = ()
-    sampling: SamplingSpec = SamplingSpec()
+    sampling: SamplingParams = SamplingParams()
     arrival_time: float  # wall clock (time.time()) at the gateway
     # Tokens already generated and streamed, when the request resumes after the instance that
     # was generating it died: prefill computes them as context and generation continues after.
@@ -64,11 +51,19 @@ class RequestSpec(Record):
         return self.model_copy(update={"images": images})
 
 
-class EncodeTask(Message):
+class StageTask(Message):
+    """A request's next stage, queued on that stage's subject (`ROLE`); every kind carries the
+    request itself, so any stage can send it on, or back, without asking anyone."""
+
+    ROLE: ClassVar[Role]
+    request: RequestSpec
+
+
+class EncodeTask(StageTask):
     """Encode a request's images, then hand it to prefill. Carries the full request, pixels included."""
 
     KIND: ClassVar[str] = "task.encode"
-    request: RequestSpec
+    ROLE: ClassVar[Role] = Role.ENCODE
 
     @model_validator(mode="after")
     def _has_pixels(self) -> EncodeTask:
@@ -77,12 +72,12 @@ class EncodeTask(Message):
         return self
 
 
-class PrefillTask(Message):
+class PrefillTask(StageTask):
     """Prefill a request whose images are encoded (or that has none). Hashes and features; pixels
     only by reference, for recomputing lost features, never inline."""
 
     KIND: ClassVar[str] = "task.prefill"
-    request: RequestSpec
+    ROLE: ClassVar[Role] = Role.PREFILL
 
     @model_validator(mode="after")
     def _no_pixels(self) -> PrefillTask:
@@ -122,22 +117,30 @@ class KvLocation(Record):
         ]
 
 
-class DecodeTask(Message):
+class DecodeTask(StageTask):
     """Decode a request prefilled elsewhere: pull its KV, tell the owner to release it, generate.
 
-    `output_token_ids` are the tokens generated so far (the first token, or more when a decoder
-    died and the request resumes). `images` (hashes only) let decode send the request back to
-    prefill if the KV can no longer be had.
+    The request's `output_token_ids` are the tokens generated so far (the first token, or more
+    when a decoder died and the request resumes); its images (hashes, pixels by reference) let
+    decode send it back to prefill if the KV can no longer be had.
     """
 
     KIND: ClassVar[str] = "task.decode"
-    request_id: str = Field(min_length=1)
-    prompt_token_ids: tuple[TokenId, ...]
-    output_token_ids: tuple[TokenId, ...] = Field(min_length=1)
-    sampling: SamplingSpec = SamplingSpec()
+    VERSION: ClassVar[int] = 2  # v1 spread the request's fields over the task itself
+    ROLE: ClassVar[Role] = Role.DECODE
     kv: KvLocation
-    images: tuple[ImageSpec, ...] = ()
-    arrival_time: float
 
+    @model_validator(mode="after")
+    def _prefilled(self) -> DecodeTask:
+        if not self.request.output_token_ids:
+            raise ValueError("a decode task's request needs its first output token")
+        if any(isinstance(img.pixels, InlineTensor) for img in self.request.images):
+            raise ValueError("a decode task carries pixels only by reference, never inline")
+        return self
 
-TASK_KINDS: tuple[type[Message], ...] = (EncodeTask, PrefillTask, DecodeTask)
+    @classmethod
+    def upgrade(cls, version: int, payload: dict[str, Any]) -> dict[str, Any]:
+        if version == 1:
+            kv = payload.pop("kv", None)
+            return {"request": payload, "kv": kv}
+        return payload

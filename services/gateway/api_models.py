@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from common.engine.sampling import SamplingParams
+from common.protocol import SamplingParams
 
 
 class _Lenient(BaseModel):

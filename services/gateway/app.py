@@ -16,15 +16,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import generate_latest
 
 from common.engine.processor import InputError, ProcessedPrompt, load_image
+from common.errors import APIError, api_error_handler, error_response, validation_error_handler
 from common.protocol import Cancel
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from services.gateway.collector import OutputCollector
-from services.gateway.errors import APIError, api_error_handler, error_response, validation_error_handler
 from services.gateway.images import fetch_image
 from services.gateway.routing import live_roles, route
 from services.gateway.state import Gateway
 from services.settings import GatewaySettings
-from services.worker.convert import to_spec
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -112,7 +111,7 @@ async def serve(gw: Gateway, request: Request, body: SamplingFields, prompt, ima
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     stream = await gw.bus.events.outputs(rid)  # subscribed before the task exists: nothing is missed
     try:
-        await route(gw, rid, processed, to_spec(params))
+        await route(gw, rid, processed, params)
     except BaseException:
         await stream.close()
         raise
@@ -274,9 +273,9 @@ class _Run:
         self.gw.in_flight -= 1
         self.gw.journal.end(self.rid)
         await self.stream.close()
-        clock, s = self.collector.clock, self.gw.settings
+        clock = self.collector.clock
         if self.collector.complete and clock.ttft is not None:
-            self.gw.record.outcome(self.rid, clock.ttft, clock.tbt_p90, clock.slo_met(s.ttft_slo, s.tbt_slo))
+            self.gw.record.outcome(self.rid, clock.ttft, clock.tbt_p90, clock.slo_met(self.gw.slo))
         status = "ok" if done else "cancelled"
         self.gw.metrics.requests.labels(self.kind, status).inc()
         self.gw.metrics.latency.observe(time.perf_counter() - self.start)

@@ -7,15 +7,15 @@ the request's TTFT and time between tokens (TBT) in the trace."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common.bus import EventStream
 from common.engine.detokenizer import IncrementalDetokenizer
+from common.errors import APIError
 from common.protocol import ErrorOutput, FinalOutput, TokenDelta
-from services.gateway.errors import APIError
+from common.stats import SLO, request_tbt, slo_met
 
 ERROR_STATUS = {"invalid_request_error": 400, "service_unavailable": 503, "timeout_error": 504}
 
@@ -31,15 +31,6 @@ class Outcome:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) with linear interpolation between order statistics (numpy's default)."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass
@@ -71,12 +62,10 @@ class TokenClock:
     @property
     def tbt_p90(self) -> float | None:
         """None with at most one output token: there is no gap to measure."""
-        return percentile(self.gaps, 0.9) if self.gaps else None
+        return request_tbt(self.gaps)
 
-    def slo_met(self, ttft_slo: float, tbt_slo: float) -> bool:
-        """Both objectives met (the TBT one vacuously with at most one token)."""
-        ttft, tbt = self.ttft, self.tbt_p90
-        return ttft is not None and ttft <= ttft_slo and (tbt is None or tbt <= tbt_slo)
+    def slo_met(self, slo: SLO) -> bool:
+        return slo_met(self.ttft, self.tbt_p90, slo)
 
 
 class OutputCollector:

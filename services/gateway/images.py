@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from services.gateway.errors import APIError
+from common.errors import APIError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 

@@ -7,17 +7,17 @@ import time
 from dataclasses import dataclass
 
 from common.engine.processor import ProcessedPrompt
+from common.errors import APIError
 from common.protocol import (
     EncodeTask,
     ImageSpec,
     PrefillTask,
     RequestSpec,
-    SamplingSpec,
+    SamplingParams,
     TensorRef,
     dtype_name,
 )
 from common.store import Stage
-from services.gateway.errors import APIError
 
 PIXEL_TTL = 300.0  # seconds the gateway serves pixels too large to ride inline
 
@@ -32,7 +32,7 @@ async def live_roles(store) -> set[str]:
     return {role for hb in await store.registry.instances() for role in hb.roles if not hb.draining}
 
 
-async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingSpec) -> Routed:
+async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> Routed:
     """Pick the first stage, check an instance can serve it, record the request and queue the task."""
     hashes = [img.content_hash for img in prompt.images]
     stored = await gw.store.features.get_many(hashes) if hashes else {}

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from common.bus import Bus
 from common.engine.loader import load_config
 from common.engine.processor import RequestProcessor
+from common.stats import SLO
 from common.store import Store, StoreConfig
 from common.store.recorder import StageRecorder
 from common.transfer import TransferConfig, create_backend
@@ -64,6 +65,7 @@ class Gateway:
             allow_private=settings.allow_private_image_urls,
             max_images=settings.max_images,
         )
+        self.slo = SLO(settings.ttft_slo, settings.tbt_slo)  # each request's outcome is judged by it
         self.api_keys = {k.strip() for k in settings.api_keys.split(",") if k.strip()}
         self.metrics = Metrics.create()
         self.in_flight = 0

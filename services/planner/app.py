@@ -16,8 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 
+from common.errors import APIError, api_error_handler, validation_error_handler
 from common.planner.profiles import ProfileError, ProfileSet
-from services.gateway.errors import APIError, api_error_handler, validation_error_handler
 from services.planner.chart import goodput_chart
 from services.planner.job_models import JobRequest
 from services.planner.jobs import RESULT_TTL, TASK, celery_app

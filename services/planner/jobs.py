@@ -53,8 +53,8 @@ def run_what_if(
     from common.planner.algorithm import plan
     from common.planner.profiles import ProfileSet
     from common.planner.trace import TraceEntry, summary
-    from common.planner.types import SLO
     from common.planner.workloads import generate
+    from common.stats import SLO
     from services.planner.chart import goodput_chart
 
     if request.get("trace") is not None:

@@ -30,8 +30,9 @@ from common.planner.drift import current_deployment, measure_correction, workloa
 from common.planner.profiles import ProfileError, ProfileSet
 from common.planner.simulator import Correction
 from common.planner.trace import TraceEntry, from_records, summary
-from common.planner.types import SLO, Deployment, PlanResult
+from common.planner.types import Deployment, PlanResult
 from common.protocol import Plan, TraceRecord
+from common.stats import SLO
 from common.store import Store, StoreConfig
 from services.planner.actuators import Actuator, make_actuator
 from services.planner.metrics import Metrics

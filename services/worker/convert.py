@@ -4,36 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from common.engine import SamplingParams
 from common.engine.processor import ProcessedPrompt
 from common.engine.request import ImageInput
-from common.protocol import RequestSpec, SamplingSpec
-
-
-def to_params(spec: SamplingSpec) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=spec.max_tokens,
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
-        seed=spec.seed,
-        stop=tuple(spec.stop),
-        stop_token_ids=tuple(spec.stop_token_ids),
-        ignore_eos=spec.ignore_eos,
-    )
-
-
-def to_spec(params: SamplingParams) -> SamplingSpec:
-    return SamplingSpec(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-    )
+from common.protocol import RequestSpec
 
 
 def to_prompt(

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.bus import Task
-from common.engine import AdmissionError, Role
+from common.engine import AdmissionError
 from common.engine.admission import PREFILL_WAITING
 from common.engine.processor import InputError
 from common.protocol import DecodeTask, EncodeTask, PrefillTask, Release, RequestSpec, TensorRef
+from common.roles import Role
 from common.store import Stage
 from common.transfer import TransferError, fetch
-from services.worker.convert import to_params, to_prompt
+from services.worker.convert import to_prompt
 from services.worker.outputs import fail_request
 from services.worker.state import Held
 
@@ -137,8 +138,9 @@ async def _send_back_to_encode(w: StageWorker, rid: str, spec) -> None:
 
 async def handle_decode(w: StageWorker, task: Task) -> None:
     msg: DecodeTask = task.message
-    rid = msg.request_id
-    need = len(msg.prompt_token_ids) + msg.sampling.max_tokens
+    spec = msg.request
+    rid = spec.request_id
+    need = len(spec.prompt_token_ids) + spec.sampling.max_tokens
     capacity = w.engine.blocks.num_blocks * w.engine.config.block_size
     if need > capacity:
         await fail_request(
@@ -153,8 +155,8 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
     if task.deliveries > 1:
         # The decoder that had it may have died mid-generation: the KV this task points to covers
         # only the tokens before the task, and the client has seen more. Resume from those.
-        streamed = await _streamed(w, rid, msg.output_token_ids)
-        if len(streamed) > len(msg.output_token_ids):
+        streamed = await _streamed(w, rid, spec.output_token_ids)
+        if len(streamed) > len(spec.output_token_ids):
             await _release(w, msg)
             await _back_to_prefill(w, msg, streamed)
             return
@@ -176,14 +178,13 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
         # prefill the request again over its prompt and the tokens the client has already seen.
         log.warning("KV of %s unavailable (%s); sending it back to prefill", rid, exc)
         w.counters.kv_pull_failures += 1
-        await _back_to_prefill(w, msg, await _streamed(w, rid, msg.output_token_ids))
+        await _back_to_prefill(w, msg, await _streamed(w, rid, spec.output_token_ids))
         return
     w.record.mark(rid, Stage.PD_TRANSFER_ENDED)
-    params = to_params(msg.sampling)
     try:
         await w.loop.call(
             lambda: w.engine.add_prefilled(
-                rid, list(msg.prompt_token_ids), list(msg.output_token_ids), params, buffers
+                rid, list(spec.prompt_token_ids), list(spec.output_token_ids), spec.sampling, buffers
             )
         )
     except AdmissionError as exc:
@@ -197,21 +198,15 @@ async def handle_decode(w: StageWorker, task: Task) -> None:
 async def _release(w: StageWorker, msg: DecodeTask) -> None:
     """Tell the prefill instance that holds the request's KV to free it."""
     handles = tuple(r.handle for r in msg.kv.refs())
-    await w.bus.events.release(Release(request_id=msg.request_id, owner=msg.kv.owner, handles=handles))
+    release = Release(request_id=msg.request.request_id, owner=msg.kv.owner, handles=handles)
+    await w.bus.events.release(release)
 
 
 async def _back_to_prefill(w: StageWorker, msg: DecodeTask, outputs: tuple[int, ...]) -> None:
     """Queue the request for prefill again, over its prompt and `outputs` (the tokens the client has)."""
-    spec = RequestSpec(
-        request_id=msg.request_id,
-        prompt_token_ids=msg.prompt_token_ids,
-        images=msg.images,
-        sampling=msg.sampling,
-        arrival_time=msg.arrival_time,
-        output_token_ids=outputs,
-    )
-    await w.bus.tasks.publish(PrefillTask(request=spec), msg_id=w.msg_id(msg.request_id, "prefill"))
-    await w.settle(msg.request_id)
+    spec = msg.request.model_copy(update={"output_token_ids": outputs})
+    await w.bus.tasks.publish(PrefillTask(request=spec), msg_id=w.msg_id(spec.request_id, "prefill"))
+    await w.settle(spec.request_id)
 
 
 async def _resumed(w: StageWorker, task: Task) -> RequestSpec:
@@ -240,7 +235,7 @@ async def _streamed(w: StageWorker, rid: str, known: tuple[int, ...]) -> tuple[i
 
 
 async def _admit(w: StageWorker, rid: str, spec, pixels, features) -> None:
-    params = to_params(spec.sampling)
+    params = spec.sampling
     try:
         prompt = to_prompt(spec, w.engine.processor.image_token_id, pixels, features)
         outputs = spec.output_token_ids

@@ -26,7 +26,6 @@ from common.protocol import (
 )
 from common.store import Stage
 from common.transfer import share
-from services.worker.convert import to_spec
 from services.worker.state import KeptKV
 
 if TYPE_CHECKING:
@@ -138,15 +137,13 @@ async def hand_off_prefilled(w: StageWorker, rid: str) -> None:
         block_size=w.engine.config.block_size,
         dtype=dtype_name(w.engine.kv_spec.dtype),
     )
-    task = DecodeTask(
-        request_id=rid,
-        prompt_token_ids=tuple(req.prompt_token_ids),
-        output_token_ids=tuple(req.output_token_ids),
-        sampling=to_spec(req.params),
-        kv=location,
-        images=spec.images,
-        arrival_time=spec.arrival_time,
+    prefilled = spec.model_copy(
+        update={
+            "prompt_token_ids": tuple(req.prompt_token_ids),
+            "output_token_ids": tuple(req.output_token_ids),
+        }
     )
+    task = DecodeTask(request=prefilled, kv=location)
     await w.bus.tasks.publish(task, msg_id=w.msg_id(rid, "decode"))
     await w.settle(rid, keep_spec=False)
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine import Role
 from common.engine.profiler import BudgetProfiler, StageProfile
+from common.roles import letters
 
 if TYPE_CHECKING:
     from services.worker.worker import StageWorker
@@ -65,8 +65,7 @@ def profile_id(w: StageWorker, hw: str) -> str:
         "limits": [s.token_budget, s.image_budget, s.kv_cache_bytes, s.block_size, s.max_num_seqs],
     }
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
-    initials = "".join(r.value[0] for r in sorted(w.roles, key=list(Role).index))
-    return f"{s.model.name}-{initials}-{digest}"
+    return f"{s.model.name}-{letters(w.roles)}-{digest}"
 
 
 async def establish(w: StageWorker) -> str:

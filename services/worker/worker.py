@@ -12,9 +12,10 @@ import socket
 import time
 
 from common.bus import Bus, Task
-from common.engine import Engine, EngineConfig, Policy, RequestOutput, Role, parse_roles
+from common.engine import Engine, EngineConfig, Policy, RequestOutput
 from common.engine.admission import pull_room
 from common.protocol import Budgets, Heartbeat, RequestSpec
+from common.roles import PULL_ORDER, letters, parse_roles
 from common.store import Heartbeater, Store, StoreConfig
 from common.store.recorder import StageRecorder
 from common.transfer import TransferConfig, create_backend
@@ -26,7 +27,6 @@ from services.worker.outputs import KV_TTL, publish_outputs
 from services.worker.state import Counters, Held, KeptKV
 
 log = logging.getLogger(__name__)
-PULL_ORDER = ("decode", "prefill", "encode")  # finish what is started before taking new work
 CLOSE_STEP_TIMEOUT = 5.0  # seconds each part of shutdown may take
 
 
@@ -39,8 +39,9 @@ class StageWorker:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.roles = parse_roles(settings.roles)
-        names = "".join(r.value[0] for r in sorted(self.roles, key=list(Role).index))
-        self.instance_id = settings.instance_id or f"{names}-{socket.gethostname()}-{os.getpid()}"
+        self.instance_id = (
+            settings.instance_id or f"{letters(self.roles)}-{socket.gethostname()}-{os.getpid()}"
+        )
         self.host = advertise_host(settings.advertise_host)
         self.held: dict[str, Held] = {}
         self.specs: dict[str, RequestSpec] = {}
@@ -104,7 +105,7 @@ class StageWorker:
             tg.create_task(self._watch_cancels())
             tg.create_task(self._watch_releases())
             for role in PULL_ORDER:
-                if Role(role) in self.roles:
+                if role in self.roles:
                     tg.create_task(self._pull_loop(role))
             await self._stop.wait()
             raise _Stopped
@@ -226,7 +227,7 @@ class StageWorker:
                 await self._handle(role, task)
 
     async def _handle(self, role: str, task: Task) -> None:
-        rid = getattr(task.message, "request_id", None) or task.message.request.request_id
+        rid = task.message.request.request_id
         try:
             await HANDLERS[role](self, task)
         except Exception as exc:

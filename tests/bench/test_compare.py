@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from common.bench.compare import PLANNER, Comparison, System, picked_system, table
-from common.bench.metrics import SLO, RequestResult, summarise
+from common.bench.metrics import RequestResult, summarise
 from common.bench.sweep import SweepResult
+from common.stats import SLO
 
 SLO_ = SLO(2.0, 0.2)
 

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from common.bench.metrics import SLO, RequestResult, attainment, goodput, summarise
+from common.bench.metrics import RequestResult, attainment, goodput, summarise
 from common.bench.sweep import parse_rates
+from common.stats import SLO
 
 SLO_ = SLO(ttft=1.0, tbt=0.1)
 

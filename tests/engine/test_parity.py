@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.config import Policy, Role
+from common.engine.config import Policy
 from common.engine.sampling import SamplingParams
+from common.roles import Role
 
 QUESTIONS = [
     "What is in the picture?",

@@ -8,7 +8,6 @@ from contextlib import contextmanager
 
 import torch
 
-from common.engine.config import Role
 from common.engine.profiler import (
     BudgetProfiler,
     StageProfile,
@@ -19,6 +18,7 @@ from common.engine.profiler import (
 )
 from common.protocol import StageProfile as StageProfileRecord
 from common.protocol import decode as decode_message
+from common.roles import Role
 
 
 @contextmanager

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from common.engine.block_manager import BlockManager
-from common.engine.config import EngineConfig, Policy, Role
+from common.engine.config import EngineConfig, Policy
 from common.engine.request import ImageInput, Request
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Batch, Scheduler
+from common.roles import Role
 
 
 def req(rid: str, prompt: int, images: int = 0, decoding: bool = False) -> Request:

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from services.gateway.errors import APIError
+from common.errors import APIError
 from services.gateway.images import ImagePolicy, fetch_image
 
 PAYLOAD = b"\x89PNG fake image bytes" * 100

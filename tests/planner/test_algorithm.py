@@ -16,8 +16,9 @@ from common.planner.algorithm import (
     throughput_bound,
 )
 from common.planner.paper_profiles import paper_profiles
-from common.planner.types import SLO, Deployment
+from common.planner.types import Deployment
 from common.planner.workloads import generate
+from common.stats import SLO
 
 PROFILES = paper_profiles("llava-1.5-7b")
 

@@ -9,7 +9,8 @@ import pytest
 from common.planner.profiles import ProfileSet, StageCurves, TransferModel
 from common.planner.simulator import Correction, simulate
 from common.planner.trace import TraceEntry
-from common.planner.types import SLO, Deployment
+from common.planner.types import Deployment
+from common.stats import SLO
 
 # Encode 0.1 s an image, prefill 1 ms a token, decode 20 ms a step whatever the batch.
 CURVES = StageCurves(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.planner.types import SLO
+from common.stats import SLO
 from tests.planner.validation import validate
 
 FACTOR = 3.0

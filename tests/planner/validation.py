@@ -31,8 +31,9 @@ from common.planner.calibrate import fit_decode, fit_dispatch, jitter, stage_fac
 from common.planner.profiles import ProfileSet, scale_profiles
 from common.planner.simulator import simulate
 from common.planner.trace import TraceEntry
-from common.planner.types import SLO, Deployment
+from common.planner.types import Deployment
 from common.planner.workloads import generate
+from common.stats import SLO
 from common.store import Store, StoreConfig
 
 _WORDS = [

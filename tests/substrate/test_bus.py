@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from common.bus import Bus, BusConfig
+from common.bus import Bus, BusConfig, keep_alive
 from common.infra import NatsServer, RedisServer
 from common.protocol import Cancel, FinalOutput, PrefillTask, TokenDelta, Usage, decode
 from common.store import Store, StoreConfig
@@ -111,8 +111,9 @@ def test_keep_alive_holds_a_long_task_past_ack_wait(nats_server: NatsServer) -> 
         cw, cr = await worker.consumer("prefill"), await rival.consumer("prefill")
         await worker.tasks.publish(prefill_task("long"))
         (task,) = await cw.fetch(1, timeout=2.0)
-        async with task.keep_alive(interval=0.2):
-            stolen = await cr.fetch(1, timeout=2.0)  # three ack_waits of work
+        beats = asyncio.create_task(keep_alive(lambda: [task], period=0.2))
+        stolen = await cr.fetch(1, timeout=2.0)  # three ack_waits of work
+        beats.cancel()
         assert stolen == []
         assert await task.ack()
         await worker.close()
@@ -187,7 +188,7 @@ def test_outputs_and_broadcasts_are_typed_and_survive_garbage(nats_server: NatsS
         bus = await Bus.connect(_config(nats_server))
         outputs = await bus.events.outputs("req-1")
         cancels = [await bus.events.cancels(), await bus.events.cancels()]  # two instances listening
-        await bus.events.publish_output(TokenDelta(request_id="req-1", index=0, token_ids=(5,), text="a"))
+        await bus.events.publish_output(TokenDelta(request_id="req-1", index=0, token_ids=(5,)))
         await bus.nc.publish(bus.subjects.output("req-1"), b"garbage")
         final = FinalOutput(
             request_id="req-1",

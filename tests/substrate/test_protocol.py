@@ -13,7 +13,6 @@ from common.protocol import (
     Cancel,
     DeadLetter,
     DecodeTask,
-    Drain,
     EncodeTask,
     ErrorOutput,
     FeatureEntry,
@@ -29,7 +28,7 @@ from common.protocol import (
     ProtocolError,
     Release,
     RequestSpec,
-    SamplingSpec,
+    SamplingParams,
     StageProfile,
     TensorRef,
     TokenDelta,
@@ -47,7 +46,7 @@ REQUEST = RequestSpec(
     request_id="chatcmpl-1",
     prompt_token_ids=tuple(range(1, 700)),
     images=(ImageSpec(content_hash="ab" * 32, num_tokens=576, pixels=PIXELS),),
-    sampling=SamplingSpec(max_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=7, stop=("\n\n",)),
+    sampling=SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=7, stop=("\n\n",)),
     arrival_time=1700000000.25,
 )
 GROUP_SHAPE = (16, 2, 44, 16, 8, 128)
@@ -70,21 +69,12 @@ EXAMPLES: list[Message] = [
     EncodeTask(request=REQUEST),
     PrefillTask(request=REQUEST.without_pixels()),
     PrefillTask(request=RequestSpec(request_id="t", prompt_token_ids=(5,), arrival_time=1.0)),
-    DecodeTask(
-        request_id="chatcmpl-1",
-        prompt_token_ids=REQUEST.prompt_token_ids,
-        output_token_ids=(42,),
-        kv=KV,
-        sampling=REQUEST.sampling,
-        images=REQUEST.without_pixels().images,
-        arrival_time=1.0,
-    ),
-    TokenDelta(request_id="chatcmpl-1", index=3, token_ids=(11, 12), text=" héllo"),
+    DecodeTask(request=REQUEST.without_pixels().model_copy(update={"output_token_ids": (42,)}), kv=KV),
+    TokenDelta(request_id="chatcmpl-1", index=3, token_ids=(11, 12)),
     FinalOutput(request_id="chatcmpl-1", finish_reason="length", usage=USAGE, num_outputs=64),
     ErrorOutput(request_id="chatcmpl-1", code="server_error", message="encoder lost"),
     Cancel(request_id="chatcmpl-1", reason="client went away"),
     Release(request_id="chatcmpl-1", owner="pre-1", handles=("kv0", "kv1")),
-    Drain(instance_id="dec-2", reason="scale down"),
     Heartbeat(
         instance_id="pre-1",
         roles=("encode", "prefill"),
@@ -219,3 +209,17 @@ def test_older_versions_are_upgraded_and_newer_ones_refused() -> None:
     assert decode(_PayloadV2(n=4).to_bytes()) == _PayloadV2(n=4)
     with pytest.raises(ProtocolError, match="version 3"):
         decode(msgpack.packb(["test.versioned", 3, {"n": 1}]))
+
+
+def test_a_version_1_decode_task_is_read_as_the_request_it_carried() -> None:
+    """v1 spread the request's fields over the decode task; a v2 reader takes them as its request."""
+    v2 = EXAMPLES[3]
+    assert isinstance(v2, DecodeTask)
+    flat = {**v2.request.model_dump(mode="python", exclude_defaults=True), "kv": KV.model_dump(mode="python")}
+    again = decode(msgpack.packb(["task.decode", 1, flat], use_bin_type=True), expect=DecodeTask)
+    assert again == v2
+
+
+def test_a_decode_task_needs_its_first_token() -> None:
+    with pytest.raises(ValueError, match="first output token"):
+        DecodeTask(request=REQUEST.without_pixels(), kv=KV)

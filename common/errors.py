@@ -1,4 +1,5 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+"""OpenAI-style errors for every HTTP service: `{"error": {"message", "type", "param", "code"}}`
+with the right status (the gateway and the planner answer alike)."""
 
 from __future__ import annotations
 

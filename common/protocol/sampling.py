@@ -1,0 +1,30 @@
+"""What a request asks of generation: one type for the gateway, the wire and the engine.
+
+Its bounds are the engine's: a value the sampler cannot use fails here, when the request is made
+or read off the wire, never in the middle of a step.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from common.protocol.codec import Record
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class SamplingParams(Record):
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0.0)  # 0 means greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[TokenId, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
