@@ -161,13 +161,13 @@ class StageCurves:
 
     # -- budgets (000 Algorithm 1 line 5, Algorithm 2 lines 6-8) ---------------------------------
 
-    def budgets(self, roles: frozenset[str], slo: SLO, context: float | None = None) -> tuple[int, int]:
+    def budgets(self, roles: frozenset[Role], slo: SLO, context: float | None = None) -> tuple[int, int]:
         """(τe, τt) an instance with `roles` finds at start-up for `slo`: the largest batches whose
         iteration stays under the share of its latency limit that budgets are sized to (the
         engine's own search). On an instance that decodes, τt also keeps a step of τt decodes at
         `context` tokens under it: a decode batch reads every context token's KV, which a prefill
         of the same size does not."""
-        engine_roles = frozenset(Role(r) for r in roles)
+        engine_roles = frozenset(roles)
         limit = budget_target(latency_limit(engine_roles, slo.ttft, slo.tbt))
         image_budget = token_budget = 1
         if Role.ENCODE in engine_roles and self.encode:

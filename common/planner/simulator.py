@@ -30,11 +30,10 @@ from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Batch, Scheduler
 from common.planner.profiles import ProfileSet, StageCurves
 from common.planner.types import KIND_ROLES, Deployment
-from common.roles import Role
+from common.roles import PULL_ORDER, Role
 from common.stats import SLO, quantile, request_tbt, slo_met
 
 _ENCODED = np.empty(0)  # stands in for an image's features once it has been encoded
-_STAGE_ORDER = ("decode", "prefill", "encode")  # the order workers pull in
 
 
 @dataclass
@@ -93,7 +92,7 @@ class _Instance:
     ) -> None:
         self.name = name
         self.kind = kind
-        self.roles = frozenset(Role(r) for r in KIND_ROLES[kind])
+        self.roles = KIND_ROLES[kind]
         self.curves = curves
         image_budget, token_budget = curves.budgets(KIND_ROLES[kind], slo, context)
         config = EngineConfig(
@@ -120,8 +119,8 @@ class _Instance:
         self.arriving: list[tuple[float, int, Request, bool]] = []  # (ready, seq, request, prefilled)
         self.decode_pulled = 0  # decode tasks taken whose KV is still on its way
 
-    def room(self, stage: str) -> int:
-        if stage == "decode" and self.decode_pulled:
+    def room(self, stage: Role) -> int:
+        if stage == Role.DECODE and self.decode_pulled:
             return 0  # a worker pulls one request's KV at a time
         return pull_room(
             stage,
@@ -163,7 +162,7 @@ class Simulation:
             for i in range(n)
         ]
         # Per-stage task queues, first visible first (the JetStream subjects).
-        self.queues: dict[str, list[tuple[float, int, Request]]] = {s: [] for s in _STAGE_ORDER}
+        self.queues: dict[Role, list[tuple[float, int, Request]]] = {s: [] for s in Role}
         self.tracks: dict[str, _Track] = {}
         self.kv_owner: dict[str, _Instance] = {}
         self._events: list[tuple[float, int, str, object]] = []
@@ -221,10 +220,10 @@ class Simulation:
             images,
             arrival_time=entry.arrival,
         )
-        self._enqueue("encode" if images else "prefill", self.now, req)
+        self._enqueue(Role.ENCODE if images else Role.PREFILL, self.now, req)
         self._push(entry.arrival + self.slo.ttft / self.correction.ttft, "deadline", rid)
 
-    def _enqueue(self, stage: str, visible: float, req: Request) -> None:
+    def _enqueue(self, stage: Role, visible: float, req: Request) -> None:
         """A task published to `stage`'s queue; pullers see it from `visible` on (the broker hop)."""
         heapq.heappush(self.queues[stage], (visible, next(self._seq), req))
         if visible > self.now:
@@ -251,13 +250,13 @@ class Simulation:
                 self._start(inst)
 
     def _pull(self, inst: _Instance) -> None:
-        for stage in _STAGE_ORDER:
-            if Role(stage) not in inst.roles:
+        for stage in PULL_ORDER:
+            if stage not in inst.roles:
                 continue
             queue = self.queues[stage]
             room = inst.room(stage)
             while room > 0 and queue and queue[0][0] <= self.now:
-                if stage == "decode" and not self._can_hold(inst, queue[0][2]):
+                if stage == Role.DECODE and not self._can_hold(inst, queue[0][2]):
                     break  # pull-based migration: KV moves only when it fits
                 _, _, req = heapq.heappop(queue)
                 self._take(inst, stage, req)
@@ -270,10 +269,10 @@ class Simulation:
     def _take(self, inst: _Instance, stage: str, req: Request) -> None:
         """A task reaches an instance; its data arrives after the transfer (features or KV)."""
         ready = self.now
-        if stage == "prefill" and req.images:
+        if stage == Role.PREFILL and req.images:
             tokens = sum(img.num_tokens for img in req.images)
             ready += self.transfer.time(tokens * inst.curves.feature_bytes_per_image_token)
-        elif stage == "decode":
+        elif stage == Role.DECODE:
             ready += self.transfer.time(req.num_computed_tokens * inst.curves.kv_bytes_per_token)
             inst.decode_pulled += 1
             # Reserve the blocks now so two pulls cannot both count on them; an instance that cannot
@@ -282,7 +281,7 @@ class Simulation:
             if Role.PREFILL not in inst.roles:
                 reserve = max(reserve, len(req.prompt_token_ids) + req.params.max_tokens)
             inst.blocks.allocate(req.request_id, reserve)
-        heapq.heappush(inst.arriving, (ready, next(self._seq), req, stage == "decode"))
+        heapq.heappush(inst.arriving, (ready, next(self._seq), req, stage == Role.DECODE))
         self._push(ready, "wake", None)
 
     def _admit_arrived(self, inst: _Instance) -> None:
@@ -308,7 +307,7 @@ class Simulation:
         if Role.PREFILL not in inst.roles:
             for req in batch.preempted:  # its KV is gone and it cannot prefill here: prefill it again
                 inst.scheduler.remove(req)
-                self._enqueue("prefill", self.now + self.transfer.hop, req)
+                self._enqueue(Role.PREFILL, self.now + self.transfer.hop, req)
         if batch.empty:
             return
         decodes = batch.decodes
@@ -364,14 +363,14 @@ class Simulation:
             for req, _ in batch.encodes:
                 if not req.needs_encode and req.status != Status.FINISHED:
                     inst.scheduler.remove(req)
-                    self._enqueue("prefill", self.now + self.transfer.hop, req)
+                    self._enqueue(Role.PREFILL, self.now + self.transfer.hop, req)
         if Role.DECODE not in inst.roles:
             for req, _ in batch.prefills:
                 if req.output_token_ids and req.status == Status.RUNNING:
                     inst.scheduler.remove(req)
                     req.status = Status.HANDED_OFF
                     self.kv_owner[req.request_id] = inst
-                    self._enqueue("decode", self.now + self.transfer.hop, req)
+                    self._enqueue(Role.DECODE, self.now + self.transfer.hop, req)
 
     def _token(self, inst: _Instance, req: Request) -> None:
         req.output_token_ids.append(0)

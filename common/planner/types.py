@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
 
-Method = Literal["e+p+d", "ep+d", "ed+p", "epd"]
+from common.protocol import Method
+from common.roles import Role, parse_roles
 
 # The instance kinds each method runs, in the order replicas are written (e.g. "2E3P3D").
 METHOD_KINDS: dict[str, tuple[str, ...]] = {
@@ -16,13 +16,8 @@ METHOD_KINDS: dict[str, tuple[str, ...]] = {
 }
 
 # Which stages an instance kind runs.
-KIND_ROLES: dict[str, frozenset[str]] = {
-    "e": frozenset({"encode"}),
-    "p": frozenset({"prefill"}),
-    "d": frozenset({"decode"}),
-    "ep": frozenset({"encode", "prefill"}),
-    "ed": frozenset({"encode", "decode"}),
-    "epd": frozenset({"encode", "prefill", "decode"}),
+KIND_ROLES: dict[str, frozenset[Role]] = {
+    kind: parse_roles(kind) for kind in ("e", "p", "d", "ep", "ed", "epd")
 }
 
 
