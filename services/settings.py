@@ -80,6 +80,11 @@ class WorkerSettings(ServiceSettings):
     heartbeat_interval: float = 1.0
     heartbeat_ttl: float = 5.0
     drain_timeout: float = 30.0
+    check_integrity: bool = Field(
+        False,
+        description="Check that the request ledger and the engine agree whenever requests come and go "
+        "(tests); a failure is logged and counted in trident_integrity_failures_total",
+    )
 
 
 class GatewaySettings(ServiceSettings):

@@ -1,9 +1,33 @@
-"""How much new work an instance asks its task queues for: the pull-based admission rule the
-workers run (services/worker) and the planner's simulator replays (common/planner)."""
+"""Admission: whether a request can ever run here, and how much new work an instance asks its
+task queues for (the pull-based rule the workers run and the planner's simulator replays)."""
 
 from __future__ import annotations
 
+from common.engine.processor import InputError
 from common.roles import Role
+
+
+class AdmissionError(InputError):
+    """A request this engine can never run (too long, wrong role); rejected before any work."""
+
+
+def check_fits(
+    prompt_tokens: int, max_tokens: int, *, max_model_len: int, kv_tokens: int | None = None
+) -> None:
+    """Raise AdmissionError for a request that can never run: its prompt and max_tokens together
+    exceed the model's context, or the `kv_tokens` an instance's KV cache holds (when given). The
+    gateway, the engine and a decode instance waiting for blocks all ask this."""
+    total = prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise AdmissionError(
+            f"prompt of {prompt_tokens} tokens plus max_tokens {max_tokens} exceeds the model's context "
+            f"of {max_model_len} tokens; shorten the prompt or lower max_tokens"
+        )
+    if kv_tokens is not None and total > kv_tokens:
+        raise AdmissionError(
+            f"request needs {total} tokens of KV cache but this instance holds only {kv_tokens}"
+        )
+
 
 # Decode takes one request at a time while fewer than this many wait: each pull moves KV, and a
 # request that waits holds blocks another replica could use.

@@ -48,6 +48,10 @@ class BlockManager:
         self._free.extend(table)
         return len(table)
 
+    def owners(self) -> set[str]:
+        """The requests holding blocks."""
+        return set(self._tables)
+
     def check_integrity(self) -> None:
         """Every block is either free or owned by exactly one request, and nothing else."""
         used = [b for t in self._tables.values() for b in t]

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from common.engine.admission import AdmissionError, check_fits
 from common.engine.block_manager import BlockManager, blocks_needed
 from common.engine.config import EngineConfig
 from common.engine.detokenizer import IncrementalDetokenizer
@@ -21,7 +22,7 @@ from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import Completion, RequestOutput
-from common.engine.processor import InputError, ProcessedPrompt, RequestProcessor, load_image
+from common.engine.processor import ProcessedPrompt, RequestProcessor, load_image
 from common.engine.profiler import budget_target
 from common.engine.request import Request, Status
 from common.engine.sampling import SamplingParams, make_generator, sample
@@ -30,10 +31,6 @@ from common.roles import Role
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class AdmissionError(InputError):
-    """A request this engine can never run (too long, wrong role); rejected before any work."""
 
 
 class Engine:
@@ -63,8 +60,9 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks)
         self.governor: BudgetGovernor | None = None  # set when a profile is applied
         self.runner = ModelRunner(self.model, self.cache, self.blocks.table, self.features, self.device)
+        # Every request this engine holds: scheduled (waiting, running) or handed off, its KV kept
+        # until the next stage pulled it.
         self.requests: dict[str, Request] = {}
-        self.handed_off: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         eos = text.eos_token_id if text.eos_token_id is not None else self.tokenizer.eos_token_id
@@ -110,10 +108,9 @@ class Engine:
         if req.needs_encode and Role.ENCODE not in self.config.roles:
             raise AdmissionError(f"request {rid} has images to encode but this instance has no encode role")
         self.requests[rid] = req
-        if Role.PREFILL not in self.config.roles and not req.needs_encode:
-            self._pending.append(self._hand_off(req, "encoded"))  # features all cached: nothing to do
-        else:
-            self.scheduler.add(req)
+        self.scheduler.add(req)
+        if left := self._leave_if_elsewhere(req):  # e.g. an encoder with every feature cached
+            self._pending.append(left)
         return req
 
     def add_prefilled(
@@ -142,6 +139,11 @@ class Engine:
         self.scheduler.add_running(req)
         return req
 
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the whole KV cache holds."""
+        return self.blocks.num_blocks * self.config.block_size
+
     def can_admit(self, num_tokens: int) -> bool:
         """Whether KV blocks for `num_tokens` are free now (pull-based migration asks this)."""
         return blocks_needed(num_tokens, self.config.block_size) <= self.blocks.num_free
@@ -149,17 +151,10 @@ class Engine:
     def _admit(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise AdmissionError(f"request id {req.request_id} is already in use")
-        total = len(req.prompt_token_ids) + req.params.max_tokens
-        if total > self.max_model_len:
-            raise AdmissionError(
-                f"prompt of {len(req.prompt_token_ids)} tokens plus max_tokens {req.params.max_tokens} "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
-        if self.has_lm and blocks_needed(total, self.config.block_size) > self.blocks.num_blocks:
-            raise AdmissionError(
-                f"request needs {total} tokens of KV cache but this instance holds only "
-                f"{self.blocks.num_blocks * self.config.block_size}"
-            )
+        check_fits(
+            len(req.prompt_token_ids), req.params.max_tokens, max_model_len=self.max_model_len,
+            kv_tokens=self.kv_tokens if self.has_lm else None,
+        )  # fmt: skip
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -229,20 +224,18 @@ class Engine:
         return None
 
     def _hand_offs(self, batch: Batch) -> list[RequestOutput]:
-        """Requests whose next stage this instance does not run leave it here."""
-        out = []
-        if Role.PREFILL not in self.config.roles:
-            out += [self._hand_off(r, "encoded") for r, _ in batch.encodes if not r.needs_encode]
-        if Role.DECODE not in self.config.roles:
-            done = [r for r, _ in batch.prefills if r.status == Status.RUNNING and r.output_token_ids]
-            out += [self._hand_off(r, "prefilled") for r in done]
-        return out
+        touched = [r for r, _ in batch.encodes] + [r for r, _ in batch.prefills]
+        return [left for r in touched if (left := self._leave_if_elsewhere(r))]
 
-    def _hand_off(self, req: Request, stage: str) -> RequestOutput:
+    def _leave_if_elsewhere(self, req: Request) -> RequestOutput | None:
+        """The one place a request's next stage is decided: when this instance does not run it, the
+        request leaves (its blocks stay, for the next stage to pull) and the output names the stage."""
+        stage = req.next_stage
+        if stage is None or stage in self.config.roles or req.status == Status.HANDED_OFF:
+            return None
         self.scheduler.remove(req)
         req.status = Status.HANDED_OFF
-        self.handed_off[req.request_id] = req
-        return RequestOutput(req.request_id, handed_off=stage, num_prompt_tokens=len(req.prompt_token_ids))
+        return RequestOutput(req.request_id, next_stage=stage, num_prompt_tokens=len(req.prompt_token_ids))
 
     def _finish(self, req: Request, reason: str, out: RequestOutput) -> None:
         self.scheduler.remove(req)
@@ -254,21 +247,20 @@ class Engine:
     # -- control -----------------------------------------------------------------------------------
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is and free its KV; None if it is unknown or already done."""
+        """Forget a request wherever it is — scheduled, or handed off with its KV kept for the next
+        stage — and free its blocks; None if it is unknown or already done."""
         req = self.requests.get(request_id)
         if req is None:
             return None
-        self.handed_off.pop(request_id, None)
         out = RequestOutput(request_id, num_prompt_tokens=len(req.prompt_token_ids))
         self._finish(req, "abort", out)
         return out
 
-    def release(self, request_id: str) -> None:
-        """Free a handed-off request's KV once the next stage has pulled it."""
-        req = self.handed_off.pop(request_id, None)
-        if req is not None:
-            self.blocks.free(request_id)
-            self.requests.pop(request_id, None)
+    def handed_off(self, request_id: str) -> Request | None:
+        """A request that left for its next stage (its features or KV are read from it); None if
+        it is not held here as handed off (aborted meanwhile)."""
+        req = self.requests.get(request_id)
+        return req if req is not None and req.status == Status.HANDED_OFF else None
 
     def export_kv(self, request_id: str, group_size: int) -> list[torch.Tensor]:
         """A (handed-off or running) request's KV as one contiguous buffer per group of layers."""
@@ -289,9 +281,16 @@ class Engine:
             self.governor = BudgetGovernor(self.scheduler.image_budget, self.scheduler.token_budget, target)
 
     def check_integrity(self) -> None:
-        """Blocks and feature cache are consistent, and every request's blocks cover its tokens."""
+        """Blocks and feature cache are consistent; every request held is scheduled or handed off,
+        and only requests held own blocks; every running request's blocks cover its tokens."""
         self.blocks.check_integrity()
         self.features.check_integrity()
+        queued = [*self.scheduler.waiting, *self.scheduler.running]
+        scheduled = {r.request_id for r in queued}
+        handed_off = {rid for rid, r in self.requests.items() if r.status == Status.HANDED_OFF}
+        assert scheduled | handed_off == set(self.requests), "a request is held but not scheduled"
+        assert not scheduled & handed_off, "a handed-off request is still scheduled"
+        assert self.blocks.owners() <= set(self.requests), "blocks are owned by a request no longer held"
         for req in self.scheduler.running:
             have = len(self.blocks.table(req.request_id)) * self.config.block_size
             assert have >= req.num_computed_tokens, f"{req.request_id}: KV blocks do not cover its tokens"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.roles import Role
+
 
 @dataclass
 class RequestOutput:
@@ -14,7 +16,9 @@ class RequestOutput:
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    handed_off: str | None = None  # "encoded" | "prefilled": the next stage runs elsewhere
+    # The stage the request needs next, when another instance runs it: the request left this one
+    # (its KV, if any, stays until the next stage has pulled it).
+    next_stage: Role | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
 

@@ -8,14 +8,14 @@ recomputes its prompt and the tokens it already produced, as one prefill.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
 
 from common.engine.detokenizer import IncrementalDetokenizer
-from common.engine.sampling import SamplingParams
+from common.protocol import SamplingParams
+from common.roles import Role
 
 
 class Status(StrEnum):
@@ -41,7 +41,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     images: list[ImageInput] = field(default_factory=list)
-    arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
@@ -70,6 +69,15 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         return bool(self.output_token_ids) and self.num_uncomputed == 1
+
+    @property
+    def next_stage(self) -> Role | None:
+        """The stage this request needs next (whichever instance runs it); None once it finished."""
+        if self.status == Status.FINISHED:
+            return None
+        if self.needs_encode:
+            return Role.ENCODE
+        return Role.DECODE if self.is_decoding else Role.PREFILL
 
     @property
     def is_prefilling(self) -> bool:

@@ -218,7 +218,6 @@ class Simulation:
             [0] * max(entry.prompt_tokens, 1),
             SamplingParams(max_tokens=max(entry.output_tokens, 1)),
             images,
-            arrival_time=entry.arrival,
         )
         self._enqueue(Role.ENCODE if images else Role.PREFILL, self.now, req)
         self._push(entry.arrival + self.slo.ttft / self.correction.ttft, "deadline", rid)

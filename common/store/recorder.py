@@ -35,8 +35,9 @@ class StageRecorder:
         self._unreported: deque[tuple[float, str]] = deque()  # (due, request id), due ascending
         self.failures = 0
 
-    def mark(self, request_id: str, stage: Stage, **info: str) -> None:
-        self._queue.put_nowait(("mark", request_id, stage, time.time(), info))
+    def mark(self, request_id: str, stage: Stage, at: float | None = None, **info: str) -> None:
+        """Set a stage's time (`at`, wall clock; default now) and optional facts about it."""
+        self._queue.put_nowait(("mark", request_id, stage, time.time() if at is None else at, info))
 
     def finish(self, request_id: str, output_tokens: int, finish_reason: str) -> None:
         self._queue.put_nowait(("finish", request_id, output_tokens, finish_reason, time.time()))

@@ -25,6 +25,7 @@ class Stage(StrEnum):
     PREFILL_QUEUED = "prefill_queued"
     PREFILL_STARTED = "prefill_started"
     PREFILL_ENDED = "prefill_ended"
+    DECODE_QUEUED = "decode_queued"  # prefill handed the request on; its KV waits to be pulled
     PD_TRANSFER_STARTED = "pd_transfer_started"  # decode starts pulling KV
     PD_TRANSFER_ENDED = "pd_transfer_ended"
     DECODE_STARTED = "decode_started"

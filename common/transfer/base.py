@@ -77,6 +77,9 @@ class HandleTable:
             self._expire_locked()
             return self._entries.get(handle)
 
+    def __contains__(self, handle: str) -> bool:
+        return self.get(handle) is not None
+
     def pop(self, handle: str) -> bool:
         with self._lock:
             return self._entries.pop(handle, None) is not None

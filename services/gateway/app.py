@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import generate_latest
 
+from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt, load_image
 from common.errors import APIError, api_error_handler, error_response, validation_error_handler
 from common.protocol import Cancel
@@ -100,14 +101,10 @@ async def serve(gw: Gateway, request: Request, body: SamplingFields, prompt, ima
         raise APIError(429, "too many requests in flight; retry shortly", code="queue_full")
     processed = await gw.off_loop(_process, gw, prompt, images)
     params = body.sampling_params(gw.settings.default_max_tokens)
-    if len(processed.token_ids) + params.max_tokens > gw.max_model_len:
-        raise APIError(
-            400,
-            f"prompt has {len(processed.token_ids)} tokens and max_tokens is {params.max_tokens}: "
-            f"together more than the model's context of {gw.max_model_len}",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    try:
+        check_fits(len(processed.token_ids), params.max_tokens, max_model_len=gw.max_model_len)
+    except AdmissionError as exc:
+        raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from exc
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     stream = await gw.bus.events.outputs(rid)  # subscribed before the task exists: nothing is missed
     try:

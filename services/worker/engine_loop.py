@@ -12,26 +12,55 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from common.engine import Engine, RequestOutput
+from common.engine.request import Status
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load after its last step, for heartbeats, pull decisions and /metrics. Taken on
+    the engine thread and replaced whole, so the event loop reads it without a lock."""
+
+    waiting: int  # admitted, not yet scheduled
+    running: int
+    handed_off: int  # left for their next stage, KV kept until it is pulled
+    free_blocks: int
+    total_blocks: int
+    image_budget: int  # τe in force (the governor may have scaled it)
+    token_budget: int  # τt in force
+    feature_hits: int
+
+    @classmethod
+    def of(cls, e: Engine) -> EngineStats:
+        return cls(
+            waiting=len(e.scheduler.waiting),
+            running=len(e.scheduler.running),
+            handed_off=sum(r.status == Status.HANDED_OFF for r in e.requests.values()),
+            free_blocks=e.blocks.num_free,
+            total_blocks=e.blocks.num_blocks,
+            image_budget=e.scheduler.image_budget,
+            token_budget=e.scheduler.token_budget,
+            feature_hits=e.features.hits,
+        )
 
 
 class EngineLoop:
     def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
-        self._calls: queue.Queue[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop] | None]
+        self._calls: queue.Queue[tuple[Callable[[], Any], asyncio.Future | None, Any] | None]
         self._calls = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.failure: BaseException | None = None
         self.steps = 0
-        self.stats: dict[str, int] = {}
-        self._snapshot()
+        self.stats = EngineStats.of(engine)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -44,6 +73,11 @@ class EngineLoop:
         fut = asyncio.get_running_loop().create_future()
         self._calls.put((fn, fut, asyncio.get_running_loop()))
         return await fut
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Queue `fn` for the engine thread without waiting for it: it runs after every call queued
+        before it, and a failure is logged there. For releases whose order matters, not their result."""
+        self._calls.put((fn, None, None))
 
     async def stop(self) -> None:
         self._calls.put(None)
@@ -60,21 +94,10 @@ class EngineLoop:
                     self.steps += 1
                     if outputs:
                         self._loop.call_soon_threadsafe(self._on_outputs, outputs)
-                self._snapshot()
+                self.stats = EngineStats.of(self.engine)
         except BaseException as exc:  # surfaced to every later call and to the health check
             log.exception("engine thread failed")
             self.failure = exc
-
-    def _snapshot(self) -> None:
-        """Load figures for heartbeats and pull decisions; replaced whole, so readers need no lock."""
-        e = self.engine
-        self.stats = {
-            "waiting": len(e.scheduler.waiting),
-            "running": len(e.scheduler.running),
-            "free_blocks": e.blocks.num_free,
-            "handed_off": len(e.handed_off),
-            "feature_hits": e.features.hits,
-        }
 
     def _drain_calls(self, block: bool) -> bool:
         """Run queued calls; wait for one when idle. False once asked to stop."""
@@ -89,9 +112,13 @@ class EngineLoop:
             try:
                 result = fn()
             except Exception as exc:
-                loop.call_soon_threadsafe(_set, fut, None, exc)
+                if fut is None:
+                    log.exception("engine call %r failed", fn)
+                else:
+                    loop.call_soon_threadsafe(_set, fut, None, exc)
             else:
-                loop.call_soon_threadsafe(_set, fut, result, None)
+                if fut is not None:
+                    loop.call_soon_threadsafe(_set, fut, result, None)
             block = False
 
 

@@ -19,9 +19,10 @@ class WorkerCollector:
         self.w = worker
 
     def collect(self):
-        w, c = self.w, self.w.counters
+        w, c, stats = self.w, self.w.counters, self.w.loop.stats
         labels = ["instance", "roles"]
-        values = [w.instance_id, ",".join(sorted(r.value for r in w.roles))]
+        values = [w.instance_id, ",".join(sorted(w.roles))]
+        held = list(w.ledger)
         for name, value, doc in [
             ("images_encoded", c.images_encoded, "Images encoded by the vision tower"),
             ("prefills", c.prefills, "Prefill tasks taken"),
@@ -32,20 +33,26 @@ class WorkerCollector:
             ("feature_fetch_failures", c.feature_fetch_failures, "Image features that could not be pulled"),
             ("kv_pull_failures", c.kv_pull_failures, "KV pulls that failed"),
             ("resumed_tokens", c.resumed_tokens, "Streamed tokens requests resumed from after a loss"),
-            ("feature_cache_hits", w.loop.stats.get("feature_hits", 0), "Images found in the feature cache"),
+            ("feature_cache_hits", stats.feature_hits, "Images found in the feature cache"),
+            ("integrity_failures", w.integrity_failures, "Ledger/engine integrity checks that failed"),
         ]:
             metric = CounterMetricFamily(f"trident_{name}", doc, labels=labels)
             metric.add_metric(values, value)
             yield metric
         for name, value, doc in [
-            ("free_kv_blocks", w.loop.stats.get("free_blocks", 0), "Free KV cache blocks"),
-            ("total_kv_blocks", w.engine.blocks.num_blocks, "KV cache blocks in all"),
-            ("running_requests", w.loop.stats.get("running", 0), "Requests in the running set"),
-            ("waiting_requests", w.loop.stats.get("waiting", 0), "Requests admitted, not yet scheduled"),
-            ("held_requests", len(w.held), "Requests inside this instance"),
+            ("free_kv_blocks", stats.free_blocks, "Free KV cache blocks"),
+            ("total_kv_blocks", stats.total_blocks, "KV cache blocks in all"),
+            ("running_requests", stats.running, "Requests in the running set"),
+            ("waiting_requests", stats.waiting, "Requests admitted, not yet scheduled"),
+            ("held_requests", sum(h.holds_task for h in held), "Requests inside this instance"),
+            (
+                "kept_kv_requests",
+                sum(bool(h.kv_handles) for h in held),
+                "Requests whose KV waits to be pulled",
+            ),
             ("engine_steps", w.loop.steps, "Engine iterations so far"),
-            ("image_budget", w.engine.scheduler.image_budget, "Images encoded per iteration at most (τe)"),
-            ("token_budget", w.engine.scheduler.token_budget, "Tokens per iteration at most (τt)"),
+            ("image_budget", stats.image_budget, "Images encoded per iteration at most (τe)"),
+            ("token_budget", stats.token_budget, "Tokens per iteration at most (τt)"),
         ]:
             metric = GaugeMetricFamily(f"trident_{name}", doc, labels=labels)
             metric.add_metric(values, value)
@@ -71,7 +78,7 @@ def make_app(worker: StageWorker) -> FastAPI:
 
     @app.get("/ready")
     def ready() -> Response:
-        ok = worker.loop.failure is None and worker.bus.connected and not worker.draining
+        ok = worker.loop.failure is None and worker.ctx.bus.connected and not worker.draining.is_set()
         return Response("ready" if ok else "not ready", status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -13,11 +13,17 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from common.roles import Role
+from services.decode.handler import DecodeHandler
+from services.encoder.handler import EncodeHandler
+from services.prefill.handler import PrefillHandler
 from services.settings import WorkerSettings
 from services.worker.http import make_app
 from services.worker.worker import StageWorker, _Stopped
 
 log = logging.getLogger(__name__)
+# Each role's handler; a hybrid instance holds the handlers of all its roles.
+STAGES = {Role.ENCODE: EncodeHandler, Role.PREFILL: PrefillHandler, Role.DECODE: DecodeHandler}
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -41,7 +47,7 @@ class HttpServer(uvicorn.Server):
 
 
 async def serve(settings: WorkerSettings) -> None:
-    worker = StageWorker(settings)
+    worker = StageWorker(settings, STAGES)
     await worker.start()
     sock = bind(settings.bind_host, settings.http_port)
     worker.http_address = f"http://{worker.host}:{sock.getsockname()[1]}"

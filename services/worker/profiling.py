@@ -15,15 +15,15 @@ import json
 import logging
 import platform
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from common.engine import Engine
 from common.engine.profiler import BudgetProfiler, StageProfile
 from common.roles import letters
-
-if TYPE_CHECKING:
-    from services.worker.worker import StageWorker
+from common.store import Store
+from services.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 # Bump when the profiler measures differently, so profiles cached by an older build are not reused.
@@ -50,75 +50,85 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def profile_id(w: StageWorker, hw: str) -> str:
+def profile_id(s: WorkerSettings, engine: Engine, hw: str) -> str:
     """`<model>-<role initials>-<hash>`: the hash covers everything that changes what is measured."""
-    s = w.settings
+    roles = engine.config.roles
     config = (s.model / "config.json").read_bytes()
     facts = {
         "version": PROFILER_VERSION,
         "model": s.model.name,
         "config": hashlib.sha256(config).hexdigest(),
         "hardware": hw,
-        "roles": sorted(r.value for r in w.roles),
+        "roles": sorted(r.value for r in roles),
         "slo": [s.ttft_slo, s.tbt_slo],
         "policy": s.policy,
         "limits": [s.token_budget, s.image_budget, s.kv_cache_bytes, s.block_size, s.max_num_seqs],
     }
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{s.model.name}-{letters(w.roles)}-{digest}"
+    return f"{s.model.name}-{letters(roles)}-{digest}"
 
 
-async def establish(w: StageWorker) -> str:
-    """Measure or reuse this instance's profile as `settings.profile` says, apply its budgets and
-    publish it; returns the profile id ("" with profiling off)."""
-    if w.settings.profile == "off":
+async def establish(engine: Engine, store: Store, s: WorkerSettings, instance_id: str) -> str:
+    """Measure or reuse this instance's profile as `settings.profile` says, apply its budgets to
+    `engine` and publish it; returns the profile id ("" with profiling off). Runs before the engine
+    serves anything."""
+    if s.profile == "off":
         return ""
-    hw = hardware(w.engine.device)
-    pid = profile_id(w, hw)
+    hw = hardware(engine.device)
+    pid = profile_id(s, engine, hw)
     started = time.monotonic()
-    if w.settings.profile == "measure":
-        profile, how = await _measure_and_publish(w, pid, hw), "measured"
-    else:
-        profile, how = await _reuse_or_measure(w, pid, hw)
-    w.engine.apply_profile(profile)
+    job = _Measurement(engine, store, s, instance_id, pid, hw)
+    profile, how = (
+        (await job.measure(), "measured") if s.profile == "measure" else await job.reuse_or_measure()
+    )
+    engine.apply_profile(profile)
     log.info(
         "%s profile %s %s in %.1fs: image budget %d, token budget %d (iteration limit %.3fs)",
-        w.instance_id, pid, how, time.monotonic() - started, profile.image_budget,
+        instance_id, pid, how, time.monotonic() - started, profile.image_budget,
         profile.token_budget, profile.latency_limit,
     )  # fmt: skip
     return pid
 
 
-async def _reuse_or_measure(w: StageWorker, pid: str, hw: str) -> tuple[StageProfile, str]:
-    planning = w.store.planning
-    while True:
-        cached = await planning.get_profile(pid)
-        if cached is not None:
-            return StageProfile.from_record(cached), "reused"
-        if await planning.claim_profile(pid, w.instance_id, CLAIM_TTL):
-            try:
-                return await _measure_and_publish(w, pid, hw), "measured"
-            finally:
-                await planning.release_profile_claim(pid)
-        await asyncio.sleep(POLL)  # another instance is measuring this very profile
+@dataclass
+class _Measurement:
+    engine: Engine
+    store: Store
+    settings: WorkerSettings
+    instance_id: str
+    pid: str
+    hardware: str
 
+    async def reuse_or_measure(self) -> tuple[StageProfile, str]:
+        planning = self.store.planning
+        while True:
+            cached = await planning.get_profile(self.pid)
+            if cached is not None:
+                return StageProfile.from_record(cached), "reused"
+            if await planning.claim_profile(self.pid, self.instance_id, CLAIM_TTL):
+                try:
+                    return await self.measure(), "measured"
+                finally:
+                    await planning.release_profile_claim(self.pid)
+            await asyncio.sleep(POLL)  # another instance is measuring this very profile
 
-async def _measure_and_publish(w: StageWorker, pid: str, hw: str) -> StageProfile:
-    """Measure in a thread (the engine is not serving yet), renewing the claim meanwhile."""
-    s = w.settings
-    profiler = BudgetProfiler(w.engine, repeats=s.profile_repeats)
-    measuring = asyncio.ensure_future(
-        asyncio.to_thread(
-            profiler.profile, s.ttft_slo, s.tbt_slo, max_images=s.image_budget, max_tokens=s.token_budget
+    async def measure(self) -> StageProfile:
+        """Measure in a thread (the engine is not serving yet), renewing the claim meanwhile."""
+        s, pid = self.settings, self.pid
+        profiler = BudgetProfiler(self.engine, repeats=s.profile_repeats)
+        measuring = asyncio.ensure_future(
+            asyncio.to_thread(
+                profiler.profile, s.ttft_slo, s.tbt_slo, max_images=s.image_budget, max_tokens=s.token_budget
+            )
         )
-    )
-    while not measuring.done():
-        await asyncio.wait({measuring}, timeout=CLAIM_TTL / 3)
-        if not measuring.done() and s.profile == "auto":
-            try:
-                await w.store.planning.claim_profile(pid, w.instance_id, CLAIM_TTL)
-            except Exception as exc:  # at worst another instance measures the same profile too
-                log.warning("could not renew the claim on profile %s: %r", pid, exc)
-    profile = measuring.result()
-    await w.store.planning.put_profile(profile.to_record(pid, model=s.served_model_name, hardware=hw))
-    return profile
+        while not measuring.done():
+            await asyncio.wait({measuring}, timeout=CLAIM_TTL / 3)
+            if not measuring.done() and s.profile == "auto":
+                try:
+                    await self.store.planning.claim_profile(pid, self.instance_id, CLAIM_TTL)
+                except Exception as exc:  # at worst another instance measures the same profile too
+                    log.warning("could not renew the claim on profile %s: %r", pid, exc)
+        profile = measuring.result()
+        record = profile.to_record(pid, model=s.served_model_name, hardware=self.hardware)
+        await self.store.planning.put_profile(record)
+        return profile

@@ -1,6 +1,7 @@
-"""A stage worker: one engine with a role set, pulling tasks for its roles only when it has room,
-handing requests on, and draining on SIGTERM. Encoder, prefill, decode and the hybrids are all
-this class with different roles."""
+"""A stage worker: one engine with a role set and the handler of each role. It pulls tasks for its
+roles only when the engine has room, drives their handlers, publishes what each step produced, and
+drains on SIGTERM. Encoder, prefill, decode and the hybrids are all this runtime with other handlers.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +11,30 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping
 
-from common.bus import Bus, Task
+from common.bus import Bus, Task, keep_alive
+from common.dispatch import Dispatcher
 from common.engine import Engine, EngineConfig, Policy, RequestOutput
 from common.engine.admission import pull_room
-from common.protocol import Budgets, Heartbeat, RequestSpec
-from common.roles import PULL_ORDER, letters, parse_roles
+from common.protocol import Budgets, Heartbeat
+from common.roles import PULL_ORDER, Role, in_path_order, letters, parse_roles
 from common.store import Heartbeater, Store, StoreConfig
 from common.store.recorder import StageRecorder
 from common.transfer import TransferConfig, create_backend
 from services.settings import WorkerSettings
 from services.worker import profiling
+from services.worker.context import StageContext
+from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
-from services.worker.handlers import HANDLERS
-from services.worker.outputs import KV_TTL, publish_outputs
-from services.worker.state import Counters, Held, KeptKV
+from services.worker.ledger import AlreadyHeld, Cancelled, Ledger
+from services.worker.outputs import OutputPublisher
+from services.worker.stage import StageHandler
 
 log = logging.getLogger(__name__)
 CLOSE_STEP_TIMEOUT = 5.0  # seconds each part of shutdown may take
+HOUSEKEEPING = 0.5  # seconds between looks for expired KV, a failed engine and (in tests) integrity
+NO_ROOM_WAIT = 0.02  # seconds a pull loop waits for room in the engine
 
 
 def advertise_host(value: str) -> str:
@@ -36,23 +43,23 @@ def advertise_host(value: str) -> str:
 
 
 class StageWorker:
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, stages: Mapping[Role, type[StageHandler]]) -> None:
         self.settings = settings
         self.roles = parse_roles(settings.roles)
         self.instance_id = (
             settings.instance_id or f"{letters(self.roles)}-{socket.gethostname()}-{os.getpid()}"
         )
         self.host = advertise_host(settings.advertise_host)
-        self.held: dict[str, Held] = {}
-        self.specs: dict[str, RequestSpec] = {}
-        self.kept_kv: dict[str, KeptKV] = {}
+        self.stages = stages
         self.counters = Counters()
-        self.draining = False
+        self.draining = asyncio.Event()
         self.http_address = ""
         self.profile_id = ""
+        self.integrity_failures = 0
         self._outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._stop = asyncio.Event()
         self._drain_deadline = float("inf")
+        self._checked = -1  # the ledger's change count at the last integrity check
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -72,41 +79,48 @@ class StageWorker:
             num_threads=s.num_threads or None,
             adapt_budgets=s.adapt_budgets,
         )
-        self.engine = await asyncio.to_thread(Engine, s.model, config)
-        self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
-        self.profile_id = await profiling.establish(self)  # before any task: budgets come from it
-        self.bus = await Bus.connect(s.bus_config(self.instance_id), self.store)
+        engine = await asyncio.to_thread(Engine, s.model, config)
+        store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
+        # Before any task: the budgets come from the profile.
+        self.profile_id = await profiling.establish(engine, store, s, self.instance_id)
+        bus = await Bus.connect(s.bus_config(self.instance_id), store)
         transfer_host = "0.0.0.0" if s.bind_host == "0.0.0.0" else self.host
-        self.transfer = create_backend(
+        transfer = create_backend(
             TransferConfig(backend=s.transfer, host=transfer_host, advertise_host=self.host)
         )
-        await self.transfer.start()
-        self.record = StageRecorder(self.store)
-        self.loop = EngineLoop(self.engine, self._outputs.put_nowait)
+        await transfer.start()
+        self.record = StageRecorder(store)
+        self.loop = EngineLoop(engine, self._outputs.put_nowait)
+        self.ledger = Ledger(self.loop, transfer, self.record)
+        self.ctx = StageContext(
+            self.instance_id, self.roles, self.loop, self.ledger, bus, store, transfer,
+            Dispatcher(bus.tasks, self.record), self.counters, self.draining,
+        )  # fmt: skip
+        self.handlers = {
+            role: self.stages[role].from_settings(self.ctx, s) for role in in_path_order(self.roles)
+        }
+        hand_on = {h.hands_on_to: h.hand_on for h in self.handlers.values() if h.hands_on_to is not None}
+        self.outputs = OutputPublisher(self.ctx, hand_on)
         self.loop.start()
         self.heartbeats = Heartbeater(
-            self.store.registry,
-            self.heartbeat,
-            s.heartbeat_interval,
-            s.heartbeat_ttl,
-            also=self.bus.events.heartbeat,
+            store.registry, self.heartbeat, s.heartbeat_interval, s.heartbeat_ttl, also=bus.events.heartbeat
         )
         self.heartbeats.start()
-        log.info(
-            "%s ready: roles %s, transfer %s", self.instance_id, sorted(self.roles), self.transfer.address
-        )
+        log.info("%s ready: roles %s, transfer %s", self.instance_id, sorted(self.roles), transfer.address)
 
     async def run(self) -> None:
         """Pull, hand on and publish until drained; every background task is owned here."""
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._pump_outputs())
             tg.create_task(self.record.run())
-            tg.create_task(self._keep_tasks_alive())
+            tg.create_task(keep_alive(self.ledger.tasks, self.ctx.bus.config.keep_alive_period))
+            tg.create_task(self._housekeeping())
             tg.create_task(self._watch_cancels())
-            tg.create_task(self._watch_releases())
+            for handler in self.handlers.values():
+                tg.create_task(handler.watch())
             for role in PULL_ORDER:
-                if role in self.roles:
-                    tg.create_task(self._pull_loop(role))
+                if role in self.handlers:
+                    tg.create_task(self._pull_loop(self.handlers[role]))
             await self._stop.wait()
             raise _Stopped
 
@@ -115,17 +129,17 @@ class StageWorker:
 
     async def drain(self) -> None:
         """SIGTERM: stop pulling, finish what is held (up to drain_timeout), then leave the registry."""
-        self.draining = True
+        self.draining.set()
         began = time.monotonic()
         self._drain_deadline = began + self.settings.drain_timeout
-        while (self.held or self.kept_kv) and time.monotonic() < self._drain_deadline:
+        while len(self.ledger) and time.monotonic() < self._drain_deadline:
             await asyncio.sleep(0.1)
-        for rid in list(self.held):  # still held at the deadline: give the tasks back for others
-            held = self.held.pop(rid)
-            log.warning("%s: %s still held when draining ended; its task goes back", self.instance_id, rid)
-            if held.task is not None and not held.task.settled:
-                with contextlib.suppress(Exception):
-                    await held.task.nak()
+        for held in self.ledger:  # still held at the deadline: tasks go back for other replicas
+            log.warning(
+                "%s: %s still held when draining ended; its task goes back", self.instance_id, held.request_id
+            )
+            await self.ledger.give_back(held.request_id)
+        await self._check_integrity()
         log.info("%s drained in %.1fs", self.instance_id, time.monotonic() - began)
         self.request_stop()
 
@@ -140,9 +154,9 @@ class StageWorker:
         for step in (
             self.heartbeats.stop,
             self.loop.stop,
-            self.bus.close,
-            self.transfer.close,
-            self.store.close,
+            self.ctx.bus.close,
+            self.ctx.transfer.close,
+            self.ctx.store.close,
         ):
             try:
                 await asyncio.wait_for(step(), CLOSE_STEP_TIMEOUT)
@@ -156,131 +170,102 @@ class StageWorker:
             except Exception as exc:
                 log.warning("%s: %s failed: %r", self.instance_id, step.__qualname__, exc)
 
-    # -- bookkeeping -------------------------------------------------------------------------------
-
-    def begin(self, held: Held, spec: RequestSpec | None = None) -> None:
-        self.held[held.request_id] = held
-        if spec is not None:
-            self.specs[held.request_id] = spec
-
-    async def settle(self, rid: str, keep_spec: bool = False) -> None:
-        """The request left this instance (finished, failed or handed on): ack its task."""
-        held = self.held.pop(rid, None)
-        if not keep_spec:
-            self.specs.pop(rid, None)
-        if held is not None and held.task is not None and not held.task.settled:
-            await held.task.ack()
-
-    def msg_id(self, rid: str, kind: str) -> str:
-        """JetStream de-duplication id for a task this instance publishes on behalf of `rid`: the
-        same if this very step is retried (e.g. across a NATS restart), different for any later
-        step of the request (a request may pass through prefill twice after a loss)."""
-        held = self.held.get(rid)
-        source = held.task.stream_seq if held is not None and held.task is not None else "local"
-        return f"{rid}:{kind}:from-{source}"
+    # -- what others read --------------------------------------------------------------------------
 
     def heartbeat(self) -> Heartbeat:
         stats = self.loop.stats
         return Heartbeat(
             instance_id=self.instance_id,
-            roles=tuple(sorted(r.value for r in self.roles)),
+            roles=in_path_order(self.roles),
             http_address=self.http_address,
-            transfer_address=self.transfer.address,
-            queue_depth=stats.get("waiting", 0),
-            running=stats.get("running", 0),
-            free_kv_blocks=stats.get("free_blocks", 0),
-            total_kv_blocks=self.engine.blocks.num_blocks,
-            budgets=Budgets(
-                image_budget=self.engine.scheduler.image_budget,
-                token_budget=self.engine.scheduler.token_budget,
-            ),
+            transfer_address=self.ctx.transfer.address,
+            queue_depth=stats.waiting,
+            running=stats.running,
+            free_kv_blocks=stats.free_blocks,
+            total_kv_blocks=stats.total_blocks,
+            budgets=Budgets(image_budget=stats.image_budget, token_budget=stats.token_budget),
             profile_id=self.profile_id,
-            draining=self.draining,
+            draining=self.draining.is_set(),
             started_at=self.counters.started_at,
             time=time.time(),
         )
 
-    def room(self, role: str) -> int:
+    def room(self, role: Role) -> int:
         """How many tasks of `role` to ask for now: what the batcher can take soon, no more."""
-        if self.draining:
+        if self.draining.is_set():
             return 0
         stats = self.loop.stats
         return pull_room(
-            role,
-            waiting=stats.get("waiting", 0),
-            free_blocks=stats.get("free_blocks", 0),
-            image_budget=self.engine.scheduler.image_budget,
-            running=stats.get("running", 0),
-            token_budget=self.engine.scheduler.token_budget,
-        )
+            role, waiting=stats.waiting, free_blocks=stats.free_blocks, image_budget=stats.image_budget,
+            running=stats.running, token_budget=stats.token_budget,
+        )  # fmt: skip
 
     # -- loops -------------------------------------------------------------------------------------
 
-    async def _pull_loop(self, role: str) -> None:
-        consumer = await self.bus.consumer(role)
+    async def _pull_loop(self, handler: StageHandler) -> None:
+        consumer = await self.ctx.bus.consumer(handler.role)
         while not self._stop.is_set():
-            room = self.room(role)
+            room = self.room(handler.role)
             if room <= 0:
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(NO_ROOM_WAIT)
                 continue
             for task in await consumer.fetch(room, timeout=0.5):
-                await self._handle(role, task)
+                if self.draining.is_set():  # fetched as the drain began: another replica takes it
+                    with contextlib.suppress(Exception):
+                        await task.nak()
+                    continue
+                await self._handle(handler, task)
 
-    async def _handle(self, role: str, task: Task) -> None:
+    async def _handle(self, handler: StageHandler, task: Task) -> None:
         rid = task.message.request.request_id
         try:
-            await HANDLERS[role](self, task)
+            await handler.take(task)
+        except Cancelled:
+            pass  # the ledger released what the request held and settled its task
+        except AlreadyHeld:
+            log.warning(
+                "%s: a second delivery of %s's %s task while it runs here; dropped",
+                self.instance_id,
+                rid,
+                handler.role,
+            )
+            await task.ack()
         except Exception as exc:
-            log.exception("%s task for %s failed", role, rid)
-            self.held.pop(rid, None)
-            self.specs.pop(rid, None)
-            with contextlib.suppress(Exception):
-                await self.loop.call(lambda: self.engine.abort(rid))
+            log.exception("%s task for %s failed", handler.role, rid)
+            self.ledger.forget(rid)
             if not task.settled:
                 await task.fail(f"{type(exc).__name__}: {exc}")
 
     async def _pump_outputs(self) -> None:
         while True:
-            await publish_outputs(self, await self._outputs.get())
+            await self.outputs.publish(await self._outputs.get())
 
-    async def _keep_tasks_alive(self) -> None:
-        """In-progress acks for every held task, and expiry of KV nobody came for."""
-        period = max(0.5, self.bus.config.ack_wait / 3)
+    async def _housekeeping(self) -> None:
+        """Free KV nobody came for, stop on a failed engine, and (tests) check the ledger's integrity."""
         while True:
-            await asyncio.sleep(period)
-            for held in list(self.held.values()):
-                if held.task is not None and not held.task.settled:
-                    with contextlib.suppress(Exception):
-                        await held.task.msg.in_progress()
-            now = time.time()
-            for rid in [r for r, k in self.kept_kv.items() if k.expires < now]:
-                log.warning("KV of %s was not pulled within %.0fs; freeing it", rid, KV_TTL)
-                await self._release_kv(rid)
+            await asyncio.sleep(HOUSEKEEPING)
+            await self.ledger.expire()
             if self.loop.failure is not None:
                 raise RuntimeError("engine thread failed") from self.loop.failure
+            if self.ledger.changes != self._checked:
+                await self._check_integrity()
+
+    async def _check_integrity(self) -> None:
+        """With `check_integrity` on (tests): the ledger and the engine agree, and an instance that
+        holds nothing holds no blocks. A failure is logged and counted, never raised."""
+        if not self.settings.check_integrity:
+            return
+        self._checked = self.ledger.changes
+        try:
+            await self.ledger.check_integrity()
+        except AssertionError as exc:
+            self.integrity_failures += 1
+            log.error("%s: integrity check failed: %s", self.instance_id, exc)
 
     async def _watch_cancels(self) -> None:
-        async with await self.bus.events.cancels() as stream:
+        async with await self.ctx.bus.events.cancels() as stream:
             async for cancel in stream:
-                rid = cancel.request_id
-                if rid in self.held:
-                    await self.loop.call(lambda r=rid: self.engine.abort(r))
-                    await self.settle(rid)
-                if rid in self.kept_kv:
-                    await self._release_kv(rid)
-
-    async def _watch_releases(self) -> None:
-        async with await self.bus.events.releases(self.instance_id) as stream:
-            async for release in stream:
-                await self._release_kv(release.request_id)
-
-    async def _release_kv(self, rid: str) -> None:
-        kept = self.kept_kv.pop(rid, None)
-        if kept is None:
-            return
-        for handle in kept.handles:
-            self.transfer.release(handle)
-        await self.loop.call(lambda: self.engine.release(rid))
+                await self.ledger.abort(cancel.request_id)
 
 
 class _Stopped(Exception):

@@ -103,7 +103,7 @@ def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, images):
     outs = []
     while enc.has_unfinished():
         outs += enc.step()
-    assert [o.handed_off for o in outs] == ["encoded"]
+    assert [o.next_stage for o in outs] == [Role.PREFILL]
     processed = pre.processor.process(prompt, images[:2])
     for img, done in zip(processed.images, req.images, strict=True):
         img.features, img.pixel_values = done.features, None
@@ -111,11 +111,11 @@ def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, images):
     outs = []
     while pre.has_unfinished():
         outs += pre.step()
-    assert outs[-1].handed_off == "prefilled" and len(preq.output_token_ids) == 1
+    assert outs[-1].next_stage == Role.DECODE and len(preq.output_token_ids) == 1
     kv = pre.export_kv("r1", group_size=2)
     assert len(kv) == 2  # 4 layers in groups of 2
     dreq = dec.add_prefilled("r1", preq.prompt_token_ids, preq.output_token_ids, preq.params, kv)
-    pre.release("r1")
+    pre.abort("r1")  # decode has the KV: the prefill instance lets it go
     assert pre.blocks.num_free == pre.blocks.num_blocks
     while dec.has_unfinished():
         dec.step()

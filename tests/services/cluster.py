@@ -43,6 +43,7 @@ class Cluster:
             TRIDENT_TRANSFER=os.environ.get("TRIDENT_TRANSFER", "auto"),
             TRIDENT_HEARTBEAT_TTL="3",
             TRIDENT_PROFILE_REPEATS="1",  # start-up profiling of the tiny model: well under a second
+            TRIDENT_CHECK_INTEGRITY="1",  # every worker checks its ledger against its engine
         )
         env.update(extra)
         return env
@@ -78,6 +79,11 @@ class Cluster:
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text()
 
+    def integrity_failures(self) -> list[str]:
+        """What workers logged of failed ledger/engine integrity checks (services/worker/ledger.py)."""
+        logs = self.workdir.glob("*.log")
+        return [line for log in logs for line in log.read_text().splitlines() if "integrity check failed" in line]
+
     def stop(self, name: str | None = None, timeout: float = 20.0) -> None:
         for n in [name] if name else list(self.procs):
             proc = self.procs.pop(n)
@@ -103,5 +109,7 @@ def running_cluster(
             cluster.start_method(method, scale, env)
             cluster.wait_ready()
             yield cluster
+            cluster.stop()  # drains: each worker checks its integrity once more when it is empty
+            assert not cluster.integrity_failures(), "\n".join(cluster.integrity_failures())
         finally:
             cluster.stop()

@@ -1,0 +1,98 @@
+"""The decode stage: pull a decode task only with KV blocks free for it (pull-based migration,
+000 §4.3), pull its KV from the prefill instance by layer group (002 §3.3), tell that instance to
+release it, and decode in continuous batches until the request ends.
+
+Fallbacks: KV that cannot be pulled (prefill instance gone, KV expired) sends the request back to
+prefill over its prompt and the tokens the client already has; so does a redelivered task whose
+decoder died mid-generation, since its KV covers only the tokens before the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from common.bus import Task
+from common.engine import AdmissionError
+from common.engine.admission import check_fits
+from common.protocol import DecodeTask, PrefillTask, Release
+from common.roles import Role
+from common.store import Stage
+from common.transfer import TransferError
+from services.worker.ledger import Held
+from services.worker.stage import StageHandler
+
+log = logging.getLogger(__name__)
+BLOCKS_POLL = 0.02  # seconds between looks at the engine while a task waits for KV blocks
+
+
+class DecodeHandler(StageHandler):
+    role = Role.DECODE
+
+    async def take(self, task: Task) -> None:
+        ctx = self.ctx
+        msg: DecodeTask = task.message
+        spec = msg.request
+        rid = spec.request_id
+        engine = ctx.engine.engine
+        # Hold the task while blocks free up, rather than give it back: every nak counts as a
+        # delivery, and a request that waits out its deliveries would be dead-lettered and never
+        # answered. The keep-alive loop extends a held task's ack deadline meanwhile.
+        held = ctx.ledger.begin(spec, self.role, task)
+        need = len(spec.prompt_token_ids) + spec.sampling.max_tokens
+        try:
+            check_fits(len(spec.prompt_token_ids), spec.sampling.max_tokens,
+                       max_model_len=engine.max_model_len, kv_tokens=engine.kv_tokens)  # fmt: skip
+        except AdmissionError as exc:
+            await ctx.fail(rid, "service_unavailable", str(exc))
+            return
+        if task.deliveries > 1:
+            # The decoder that had it may have died mid-generation: the KV this task points to
+            # covers only the tokens before the task, and the client has seen more. Resume from those.
+            streamed = await ctx.streamed(rid, spec.output_token_ids)
+            if len(streamed) > len(spec.output_token_ids):
+                await self._release_at_owner(msg)
+                await self._back_to_prefill(held, streamed)
+                return
+        while not await ctx.engine.call(lambda: engine.can_admit(need)):
+            if ctx.draining.is_set():
+                await ctx.ledger.give_back(rid)  # another replica takes it
+                return
+            await asyncio.sleep(BLOCKS_POLL)
+            ctx.ledger.check_live(held)
+        ctx.ledger.mark(held, Stage.PD_TRANSFER_STARTED, decode_instance=ctx.instance_id)
+        buffers, refs = [], iter(msg.kv.refs())
+        try:
+            for group in msg.kv.groups:  # one transfer per group of layers (002 §3.3)
+                buffers.append(group.inline.to_tensor() if group.inline else await ctx.pull(held, next(refs)))
+        except TransferError as exc:
+            # The prefill instance is gone or dropped the KV (or released it to a decoder that
+            # died): prefill the request again over its prompt and the tokens the client has seen.
+            log.warning("KV of %s unavailable (%s); sending it back to prefill", rid, exc)
+            ctx.counters.kv_pull_failures += 1
+            await self._back_to_prefill(held, await ctx.streamed(rid, spec.output_token_ids))
+            return
+        ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED)
+        prompt, outputs = list(spec.prompt_token_ids), list(spec.output_token_ids)
+        try:
+            await ctx.ledger.enter(
+                held, lambda e: e.add_prefilled(rid, prompt, outputs, spec.sampling, buffers)
+            )
+        except AdmissionError as exc:
+            await ctx.fail(rid, "invalid_request_error", str(exc))
+            return
+        await self._release_at_owner(msg)
+        ctx.ledger.mark(held, Stage.DECODE_STARTED)
+        ctx.counters.decodes_admitted += 1
+
+    async def _release_at_owner(self, msg: DecodeTask) -> None:
+        """Tell the prefill instance that holds the request's KV to free it."""
+        handles = tuple(r.handle for r in msg.kv.refs())
+        release = Release(request_id=msg.request.request_id, owner=msg.kv.owner, handles=handles)
+        await self.ctx.bus.events.release(release)
+
+    async def _back_to_prefill(self, held: Held, outputs: tuple[int, ...]) -> None:
+        """Queue the request for prefill again, over its prompt and `outputs` (the tokens the client has)."""
+        again = held.spec.model_copy(update={"output_token_ids": outputs})
+        await self.ctx.dispatch.send(PrefillTask(request=again), held.source)
+        await self.ctx.ledger.settle(held.request_id)

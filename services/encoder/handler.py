@@ -1,0 +1,62 @@
+"""The encode stage: pull a request's pixels, run the vision tower in the engine's stage-level
+batches, then publish the features and queue the prefill task, which carries only their hashes
+and references (small features ride inline)."""
+
+from __future__ import annotations
+
+import time
+
+from common.bus import Task
+from common.protocol import FeatureEntry, PrefillTask, TensorRef, dtype_name
+from common.roles import Role
+from common.store import Stage
+from common.transfer import share
+from services.worker.ledger import Held
+from services.worker.stage import StageHandler
+
+FEATURE_TTL = 600.0  # seconds an encoder serves published features (and keeps their index entry)
+
+
+class EncodeHandler(StageHandler):
+    role = Role.ENCODE
+    hands_on_to = Role.PREFILL
+
+    async def take(self, task: Task) -> None:
+        ctx = self.ctx
+        spec = await ctx.resumed(task)
+        held = ctx.ledger.begin(spec, self.role, task)
+        ctx.ledger.mark(held, Stage.ENCODE_STARTED, encode_instance=ctx.instance_id)
+        pixels = []
+        for img in spec.images:  # an image without pixels had its features cached when routed
+            pixels.append(None if img.pixels is None else await ctx.pull(held, img.pixels))
+        ctx.counters.images_encoded += sum(p is not None for p in pixels)
+        await ctx.admit(held, pixels, [None] * len(spec.images))
+
+    async def hand_on(self, held: Held) -> None:
+        """Publish each image's features, index them by content hash, and queue the prefill task."""
+        ctx = self.ctx
+        rid = held.request_id
+        req = await ctx.engine.call(lambda: ctx.engine.engine.handed_off(rid))
+        ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
+        images, entries = [], []
+        for img, done in zip(held.spec.images, req.images, strict=True):
+            features = done.features.contiguous()
+            # Always published and indexed, so any prefill instance can find them by hash; the
+            # task itself carries small features inline and saves prefill the pull. Features are
+            # shared by every request with this image, so they live out their TTL, not the request.
+            handle = ctx.transfer.publish(features, ttl=FEATURE_TTL)
+            ref = TensorRef(
+                owner=ctx.instance_id, address=ctx.transfer.address, handle=handle,
+                shape=tuple(features.shape), dtype=dtype_name(features.dtype),
+            )  # fmt: skip
+            entries.append(FeatureEntry(content_hash=img.content_hash, ref=ref, created=time.time()))
+            small = features.numel() * features.element_size() <= ctx.transfer.config.inline_max_bytes
+            carried = share(ctx.transfer, features, ctx.instance_id) if small else ref
+            pixels = img.pixels if isinstance(img.pixels, TensorRef) else None  # kept for a recompute
+            images.append(img.model_copy(update={"pixels": pixels, "features": carried}))
+        ctx.ledger.mark(held, Stage.ENCODE_ENDED, encode_instance=ctx.instance_id)
+        encoded = held.spec.model_copy(update={"images": tuple(images)})
+        await ctx.dispatch.send(PrefillTask(request=encoded), held.source)
+        for entry in entries:  # after the task: it carries the refs; the index serves later requests
+            await ctx.store.features.put(entry, ttl=FEATURE_TTL)
+        await ctx.ledger.settle(rid)

@@ -1,0 +1,175 @@
+"""The prefill stage: pull a request's image features as soon as its task arrives (event-driven
+prefetch, 002 §3.2), run chunked prefill, then export the KV by layer group and queue the decode
+task, keeping the KV until decode has pulled it.
+
+Fallbacks: features that cannot be pulled (owner gone, evicted) are recomputed here when this
+instance holds the vision tower, else the request goes back to the encode queue; when its pixels
+are gone too, the request fails with a retryable error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from common.bus import Task
+from common.engine import Engine
+from common.engine.admission import PREFILL_WAITING
+from common.engine.kv_cache import layer_groups
+from common.engine.request import Request
+from common.protocol import DecodeTask, EncodeTask, InlineTensor, KvGroup, KvLocation, TensorRef, dtype_name
+from common.roles import Role
+from common.store import Stage
+from common.transfer import TransferError
+from services.settings import WorkerSettings
+from services.worker.context import StageContext
+from services.worker.ledger import Held
+from services.worker.stage import StageHandler
+
+log = logging.getLogger(__name__)
+KV_TTL = 120.0  # seconds prefill keeps exported KV when no release notice comes
+TURN_POLL = 0.02  # seconds between looks at the engine while a task waits its turn
+
+
+class PrefillHandler(StageHandler):
+    role = Role.PREFILL
+    hands_on_to = Role.DECODE
+
+    def __init__(self, ctx: StageContext, *, prefetch: bool = True, kv_layer_group: int = 4) -> None:
+        super().__init__(ctx)
+        self.prefetch = prefetch
+        self.kv_layer_group = kv_layer_group
+
+    @classmethod
+    def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> PrefillHandler:
+        return cls(ctx, prefetch=settings.prefetch, kv_layer_group=settings.kv_layer_group)
+
+    async def take(self, task: Task) -> None:
+        ctx = self.ctx
+        spec = await ctx.resumed(task)
+        held = ctx.ledger.begin(spec, self.role, task)
+        if spec.images and not self.prefetch:
+            await self._wait_for_turn(held)
+        pixels: list[torch.Tensor | None] = [None] * len(spec.images)
+        features = await self._pull_features(held)
+        if features is None:  # lost: recompute here if we hold the vision tower, else send it back
+            if Role.ENCODE not in ctx.roles:
+                await self._send_back_to_encode(held)
+                return
+            pixels, features = await self._pull_pixels(held), [None] * len(spec.images)
+            if pixels is None:
+                await ctx.fail(
+                    held.request_id, "service_unavailable", "image features and pixels are both gone; retry"
+                )
+                return
+        ctx.ledger.mark(held, Stage.PREFILL_STARTED, prefill_instance=ctx.instance_id)
+        ctx.counters.prefills += 1
+        await ctx.admit(held, pixels, features)
+
+    async def hand_on(self, held: Held) -> None:
+        """Export the KV per group of layers, serve the buffers, and queue the decode task."""
+        ctx, rid, group = self.ctx, held.request_id, self.kv_layer_group
+        req, buffers = await ctx.engine.call(lambda: _export(ctx.engine.engine, rid, group))
+        ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
+        groups, handles = [], []
+        spec = ctx.engine.engine.kv_spec
+        for layers, buf in zip(layer_groups(spec.num_layers, group), buffers, strict=True):
+            if buf.numel() * buf.element_size() <= ctx.transfer.config.inline_max_bytes:
+                # Rides inline in the decode task: nothing to pull, nothing to release.
+                kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, shape=buf.shape,
+                                   inline=InlineTensor.from_tensor(buf))  # fmt: skip
+            else:
+                handles.append(ctx.transfer.publish(buf))  # served until released: the ledger owns it
+                kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, handle=handles[-1],
+                                   shape=tuple(buf.shape))  # fmt: skip
+            groups.append(kv_group)
+        ctx.ledger.keep_kv(held, tuple(handles), KV_TTL)  # before any await: a cancel releases them
+        location = KvLocation(
+            owner=ctx.instance_id, address=ctx.transfer.address, groups=tuple(groups),
+            num_tokens=req.num_computed_tokens, block_size=spec.block_size, dtype=dtype_name(spec.dtype),
+        )  # fmt: skip
+        prefilled = held.spec.model_copy(
+            update={
+                "prompt_token_ids": tuple(req.prompt_token_ids),
+                "output_token_ids": tuple(req.output_token_ids),
+            }
+        )
+        await ctx.dispatch.send(DecodeTask(request=prefilled, kv=location), held.source)
+        await ctx.ledger.settle(rid)  # the KV stays until decode says it has it
+
+    async def watch(self) -> None:
+        """Decode has pulled a request's KV: free it here."""
+        async with await self.ctx.bus.events.releases(self.ctx.instance_id) as stream:
+            async for release in stream:
+                await self.ctx.ledger.release_kv(release.request_id)
+
+    async def _wait_for_turn(self, held: Held) -> None:
+        """Without prefetch: wait until the engine has no request waiting to start, so that this one
+        would be scheduled next, and only then pull its features: the transfer is not overlapped with
+        queueing. Raises Cancelled if the request was cancelled meanwhile.
+
+        The wait is bounded: the tasks fetched with this one wait unheld behind it, and JetStream
+        redelivers a task not settled or marked in progress within ack_wait."""
+        ctx = self.ctx
+        deadline = time.monotonic() + ctx.bus.config.ack_wait / (2 * PREFILL_WAITING)
+        while ctx.engine.stats.waiting > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(TURN_POLL)
+            ctx.ledger.check_live(held)
+
+    async def _pull_features(self, held: Held) -> list[torch.Tensor | None] | None:
+        """Every image's features; None when any cannot be had (owner gone, evicted)."""
+        ctx, rid = self.ctx, held.request_id
+        if not held.spec.images:
+            return []
+        ctx.ledger.mark(held, Stage.EP_TRANSFER_STARTED)
+        out: list[torch.Tensor | None] = []
+        for img in held.spec.images:
+            ref = img.features
+            if ref is None:
+                entry = await ctx.store.features.get(img.content_hash)
+                ref = entry.ref if entry is not None else None
+            try:
+                if ref is None:
+                    raise TransferError(f"no features registered for image {img.content_hash[:12]}")
+                out.append(await ctx.pull(held, ref))
+            except TransferError as exc:
+                log.warning(
+                    "features of %s for %s unavailable (%s); recomputing", img.content_hash[:12], rid, exc
+                )
+                ctx.counters.feature_fetch_failures += 1
+                if isinstance(ref, TensorRef):
+                    await ctx.store.features.remove(img.content_hash, ref.owner)
+                return None
+        ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED)
+        return out
+
+    async def _pull_pixels(self, held: Held) -> list[torch.Tensor | None] | None:
+        try:
+            return [await self.ctx.pull(held, img.pixels) for img in held.spec.images]
+        except TransferError as exc:
+            log.warning("pixels of %s unavailable: %s", held.request_id, exc)
+            return None
+
+    async def _send_back_to_encode(self, held: Held) -> None:
+        ctx, spec = self.ctx, held.spec
+        if any(img.pixels is None for img in spec.images):
+            await ctx.fail(
+                spec.request_id,
+                "service_unavailable",
+                "image features are gone and no pixels travel with them",
+            )
+            return
+        retry = spec.model_copy(
+            update={"images": tuple(i.model_copy(update={"features": None}) for i in spec.images)}
+        )
+        await ctx.dispatch.send(EncodeTask(request=retry), held.source)
+        await ctx.ledger.settle(spec.request_id)
+
+
+def _export(engine: Engine, rid: str, group: int) -> tuple[Request | None, list[torch.Tensor]]:
+    """On the engine thread: the handed-off request and its KV, one buffer per group of layers."""
+    req = engine.handed_off(rid)
+    return (req, engine.export_kv(rid, group)) if req is not None else (None, [])

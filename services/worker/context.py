@@ -1,0 +1,123 @@
+"""What a stage handler works with: the parts of a worker it needs, and the steps every stage shares
+(pulling a tensor, admitting into the engine, resuming from the streamed tokens, failing a request).
+
+A handler gets a StageContext, never the worker: tests build one from a real engine, NATS and Redis
+without the rest of a worker, and a handler cannot reach into the pull loop or the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from common.bus import Bus, Task
+from common.dispatch import Dispatcher
+from common.engine import AdmissionError
+from common.engine.processor import InputError, ProcessedPrompt
+from common.engine.request import ImageInput
+from common.protocol import ErrorOutput, InlineTensor, RequestSpec, TensorRef
+from common.roles import Role
+from common.store import Store
+from common.transfer import TransferBackend, TransferError, fetch
+from services.worker.counters import Counters
+from services.worker.engine_loop import EngineLoop
+from services.worker.ledger import Held, Ledger
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageContext:
+    instance_id: str
+    roles: frozenset[Role]
+    engine: EngineLoop  # .engine for fixed facts (config, processor, sizes); .call for anything live
+    ledger: Ledger
+    bus: Bus
+    store: Store
+    transfer: TransferBackend
+    dispatch: Dispatcher
+    counters: Counters
+    draining: asyncio.Event = field(default_factory=asyncio.Event)  # set when the worker drains
+
+    async def pull(self, held: Held, ref: InlineTensor | TensorRef | None) -> torch.Tensor:
+        """A tensor a task points to, copied out of the transfer pool. Raises TransferError when it
+        cannot be had, and Cancelled when the request was cancelled while it came."""
+        if ref is None:
+            raise TransferError("nothing to pull")
+        pulled = await fetch(self.transfer, ref)
+        tensor = pulled.tensor.clone()  # the pool buffer goes back for reuse
+        pulled.release()
+        self.ledger.check_live(held)
+        return tensor
+
+    async def admit(
+        self, held: Held, pixels: list[torch.Tensor | None], features: list[torch.Tensor | None]
+    ) -> None:
+        """Start the request in the engine with each image's pixels or features; a request the
+        engine can never run fails here with the engine's reason."""
+        spec = held.spec
+        try:
+            prompt = to_prompt(spec, self.engine.engine.processor.image_token_id, pixels, features)
+            outputs = list(spec.output_token_ids)
+            await self.ledger.enter(
+                held,
+                lambda e: e.add_request(prompt, params=spec.sampling, request_id=spec.request_id,
+                                        output_token_ids=outputs),
+            )  # fmt: skip
+        except (AdmissionError, InputError, ValueError) as exc:
+            await self.fail(spec.request_id, "invalid_request_error", str(exc))
+
+    async def resumed(self, task: Task) -> RequestSpec:
+        """The task's request, resuming from the tokens already streamed if this is a redelivery: the
+        instance that had it may have died while generating (a hybrid holds its task until the end)."""
+        spec = task.message.request
+        if task.deliveries == 1:
+            return spec
+        return spec.model_copy(
+            update={"output_token_ids": await self.streamed(spec.request_id, spec.output_token_ids)}
+        )
+
+    async def streamed(self, request_id: str, known: tuple[int, ...]) -> tuple[int, ...]:
+        """The output tokens a request resumes from: the gateway's journal of what it streamed, when
+        that extends what the task knows (`known`: tokens generated before the task was queued)."""
+        try:
+            journal = tuple(await self.store.requests.streamed_outputs(request_id))
+        except Exception as exc:  # no journal: resume from what the task knows, still correct
+            log.warning("output journal of %s unreadable: %r", request_id, exc)
+            return known
+        if len(journal) > len(known) and journal[: len(known)] == known:
+            self.counters.resumed_tokens += len(journal) - len(known)
+            return journal
+        return known
+
+    async def fail(self, request_id: str, code: str, message: str) -> None:
+        """Tell the gateway the request failed, and end it here (its task is settled: no retry)."""
+        self.counters.errors += 1
+        try:
+            await self.bus.events.publish_output(
+                ErrorOutput(request_id=request_id, code=code, message=message)
+            )
+        finally:
+            await self.ledger.abort(request_id)
+
+
+def to_prompt(
+    spec: RequestSpec,
+    image_token_id: int,
+    pixels: list[torch.Tensor | None],
+    features: list[torch.Tensor | None],
+) -> ProcessedPrompt:
+    """The engine's view of a request: one ImageInput per image, with its pixels or its features."""
+    ids = torch.as_tensor(spec.prompt_token_ids)
+    positions = (ids == image_token_id).nonzero().squeeze(1)
+    images = [
+        ImageInput(img.content_hash, img.num_tokens, pixel_values=px, features=ft)
+        for img, px, ft in zip(spec.images, pixels, features, strict=True)
+    ]
+    expected = sum(img.num_tokens for img in spec.images)
+    if len(positions) != expected:
+        raise ValueError(f"prompt has {len(positions)} image placeholders, its images need {expected}")
+    return ProcessedPrompt(list(spec.prompt_token_ids), images, positions)

@@ -1,0 +1,22 @@
+"""A worker's monotonic figures, read by /metrics and tests."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Counters:
+    """Monotonic figures for /metrics and tests."""
+
+    images_encoded: int = 0
+    prefills: int = 0
+    decodes_admitted: int = 0
+    tokens_generated: int = 0
+    finished: int = 0
+    errors: int = 0
+    feature_fetch_failures: int = 0
+    kv_pull_failures: int = 0
+    resumed_tokens: int = 0
+    started_at: float = field(default_factory=time.time)

@@ -1,0 +1,262 @@
+"""What a worker holds for each request, in one record, and the operations that release all of it.
+
+A request inside an instance holds up to four things: its JetStream task (acked only when the
+request leaves, so a crash redelivers it), an entry in the engine (scheduled, or handed off with
+its blocks kept), KV buffers served for the next stage to pull, and the request's spec (to hand it
+on or send it back). Each lives on one of two threads: the task and the transfer handles on the
+event loop, the engine's entry on the engine thread. The ledger keeps them in one `Held` record and
+releases them together:
+
+    begin ─▶ enter (engine) ─▶ settle ───────────────────────────▶ gone
+                  │              └─ (KV kept for decode) ─ release_kv ─▶ gone
+                  └─ abort (cancel) / give_back (drain) / forget (handler failed) ─▶ gone
+
+Engine releases are queued to the engine thread in order (`EngineLoop.post`): a release queued
+after an admission runs after it, so a request cancelled while it was being admitted cannot stay
+in the engine. Every handler re-checks `cancelled` after each pull, before anything else is held.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+from common.engine.request import Status
+from common.protocol import RequestSpec
+from common.roles import Role
+from common.store import Stage
+
+if TYPE_CHECKING:
+    from common.bus import Task
+    from common.engine import Engine
+    from common.store.recorder import StageRecorder
+    from common.transfer import TransferBackend
+    from services.worker.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class AlreadyHeld(Exception):
+    """A task arrived for a request this instance is already working on (a duplicate delivery)."""
+
+
+class Cancelled(Exception):
+    """The request was cancelled (or given back) while its handler awaited something: stop, holding
+    nothing more; the ledger has released what it held and settled its task."""
+
+
+@dataclass(eq=False)
+class Held:
+    """One request inside this instance and everything it holds here."""
+
+    request_id: str
+    role: Role  # the stage it came for
+    spec: RequestSpec
+    task: Task | None = None  # acked when the request leaves; None once settled
+    in_engine: bool = False  # admitted into the engine: scheduled, or handed off with its blocks
+    kv_handles: tuple[str, ...] = ()  # its KV, served for the next stage until released
+    kv_expires: float = math.inf  # monotonic time after which nobody is coming for the KV
+    cancelled: bool = False
+    marks: dict[Stage, float] = field(default_factory=dict)  # the stage marks made here (wall clock)
+
+    @property
+    def holds_task(self) -> bool:
+        return self.task is not None and not self.task.settled
+
+    @property
+    def source(self) -> int | str:
+        """The step that hands this request on: its task's stream sequence (see common/dispatch.py)."""
+        return self.task.stream_seq if self.task is not None else "local"
+
+
+class Ledger:
+    def __init__(
+        self,
+        engine: EngineLoop,
+        transfer: TransferBackend,
+        record: StageRecorder | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.transfer = transfer
+        self.record = record
+        self.clock = clock
+        self._held: dict[str, Held] = {}
+        self.changes = 0  # counts records begun and dropped: "has anything happened since I looked"
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def get(self, request_id: str) -> Held | None:
+        return self._held.get(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __iter__(self) -> Iterator[Held]:
+        return iter(list(self._held.values()))
+
+    def tasks(self) -> list[Task]:
+        """The tasks still to settle, for the keep-alive loop."""
+        return [h.task for h in self._held.values() if h.holds_task]
+
+    def live(self, held: Held) -> bool:
+        """`held` is still this request's record and not cancelled."""
+        return not held.cancelled and self._held.get(held.request_id) is held
+
+    def check_live(self, held: Held) -> None:
+        """Raise Cancelled unless `held` is live: every handler asks after each await."""
+        if not self.live(held):
+            raise Cancelled(held.request_id)
+
+    # -- the request's life ------------------------------------------------------------------------
+
+    def begin(self, spec: RequestSpec, role: Role, task: Task | None = None) -> Held:
+        """Record a request that arrived with `task`. A record that only keeps KV for a decoder is
+        replaced: the request came back, so nobody will pull that KV."""
+        rid = spec.request_id
+        old = self._held.get(rid)
+        if old is not None:
+            if old.holds_task:
+                raise AlreadyHeld(rid)
+            self._drop(old)
+        held = self._held[rid] = Held(rid, role, spec, task)
+        self.changes += 1
+        return held
+
+    def mark(self, held: Held, stage: Stage, **info: str) -> None:
+        """A stage mark in the request's record (Redis, off the critical path) and in `held`."""
+        at = held.marks[stage] = time.time()
+        if self.record is not None:
+            self.record.mark(held.request_id, stage, at=at, **info)
+
+    async def enter(self, held: Held, admit: Callable[[Engine], T]) -> T:
+        """Run `admit(engine)` on the engine thread, unless the request was cancelled while its
+        inputs were pulled (Cancelled then). Checked and queued with no await between, so a cancel
+        either comes first and is seen, or comes after and its release is queued behind this."""
+        self.check_live(held)
+        held.in_engine = True
+        engine = self.engine.engine
+        return await self.engine.call(lambda: admit(engine))
+
+    def keep_kv(self, held: Held, handles: tuple[str, ...], ttl: float) -> None:
+        """The request's KV is published for the next stage: kept until released or `ttl` passes."""
+        held.kv_handles = handles
+        held.kv_expires = self.clock() + ttl
+
+    async def settle(self, request_id: str) -> None:
+        """The request left this instance (finished, failed, or handed on with its next task stored):
+        ack its task and release what it holds, except KV kept for the next stage to pull."""
+        held = self._held.get(request_id)
+        if held is None:
+            return
+        task, held.task = held.task, None
+        if not held.kv_handles:
+            self._drop(held)
+        if task is not None and not task.settled:
+            await task.ack()
+
+    async def release_kv(self, request_id: str) -> None:
+        """The next stage pulled the KV (or nobody came for it in time): free it."""
+        held = self._held.get(request_id)
+        if held is None or not held.kv_handles:
+            return
+        self._release_kv(held)
+        if not held.holds_task:
+            self._drop(held)
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancel: release everything and ack the task (the request is over). False if unknown."""
+        held = self._held.get(request_id)
+        if held is None:
+            return False
+        held.cancelled = True
+        self._drop(held)
+        if held.holds_task:
+            await held.task.ack()
+        return True
+
+    async def give_back(self, request_id: str) -> None:
+        """Draining ran out of time: release everything and hand the task back for another replica."""
+        held = self._held.get(request_id)
+        if held is None:
+            return
+        held.cancelled = True
+        self._drop(held)
+        if held.holds_task:
+            try:
+                await held.task.nak()
+            except Exception as exc:  # NATS away: the task comes back after ack_wait all the same
+                log.warning("could not hand %s back: %r", request_id, exc)
+
+    def forget(self, request_id: str) -> Held | None:
+        """Release everything the request holds but leave its task to the caller (a handler failed)."""
+        held = self._held.get(request_id)
+        if held is not None:
+            held.cancelled = True
+            self._drop(held)
+        return held
+
+    async def expire(self) -> None:
+        """Free KV that no decoder came for within its time."""
+        now = self.clock()
+        for held in self:
+            if held.kv_handles and held.kv_expires < now:
+                log.warning("KV of %s was not pulled in time; freeing it", held.request_id)
+                await self.release_kv(held.request_id)
+
+    # -- integrity ---------------------------------------------------------------------------------
+
+    async def check_integrity(self) -> None:
+        """Raise AssertionError unless the ledger and the engine agree: the engine holds only requests
+        recorded here, KV kept here is held (handed off) in the engine and still served, and the
+        engine's own bookkeeping is whole. When nothing is recorded, the engine must be empty.
+
+        What the ledger holds is read before the engine's view is queued: requests released since
+        then have their engine release queued after it, so the engine may only hold fewer."""
+        recorded = set(self._held)
+        kept = {h.request_id for h in self._held.values() if h.kv_handles}
+        for held in self._held.values():
+            assert not held.cancelled, f"{held.request_id}: cancelled but still recorded"
+            missing = [h for h in held.kv_handles if h not in self.transfer.handles]
+            assert not missing, f"{held.request_id}: kept KV handles {missing} are no longer served"
+        in_engine, handed_off = await self.engine.call(lambda: engine_view(self.engine.engine))
+        stray = in_engine - recorded
+        assert not stray, f"the engine holds requests this instance no longer records: {sorted(stray)}"
+        lost = kept - handed_off
+        assert not lost, f"KV is kept for {sorted(lost)} but the engine does not hold it"
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _drop(self, held: Held) -> None:
+        del self._held[held.request_id]
+        self.changes += 1
+        self._release_kv(held)
+        if held.in_engine:
+            held.in_engine = False
+            engine, rid = self.engine.engine, held.request_id
+            self.engine.post(lambda: engine.abort(rid))
+
+    def _release_kv(self, held: Held) -> None:
+        for handle in held.kv_handles:
+            self.transfer.release(handle)
+        if held.kv_handles and held.in_engine:
+            held.in_engine = False  # handed off: the engine's entry is only the kept blocks
+            engine, rid = self.engine.engine, held.request_id
+            self.engine.post(lambda: engine.abort(rid))
+        held.kv_handles = ()
+
+
+def engine_view(engine: Engine) -> tuple[set[str], set[str]]:
+    """On the engine thread: check its integrity, and say which requests it holds and which of
+    those are handed off."""
+    engine.check_integrity()
+    handed_off = {rid for rid, r in engine.requests.items() if r.status == Status.HANDED_OFF}
+    return set(engine.requests), handed_off

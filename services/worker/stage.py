@@ -1,0 +1,41 @@
+"""The shape of a stage's handler, which the worker runtime drives: a hybrid instance holds one
+handler per role and routes each task, and each hand-off, to the handler it belongs to."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from common.bus import Task
+from common.roles import Role
+from services.settings import WorkerSettings
+from services.worker.context import StageContext
+from services.worker.ledger import Held
+
+
+class StageHandler:
+    """What a stage pulls and admits (`take`), what it hands on when its part is done (`hand_on`),
+    and any background work of its own (`watch`)."""
+
+    role: ClassVar[Role]
+    # The stage this one queues next, when the engine says a request needs it and this instance
+    # does not run it (None: the request ends here).
+    hands_on_to: ClassVar[Role | None] = None
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+
+    @classmethod
+    def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> StageHandler:
+        """The handler as a worker's settings configure it."""
+        return cls(ctx)
+
+    async def take(self, task: Task) -> None:
+        """Record a pulled task's request, pull what it needs, and admit it into the engine."""
+        raise NotImplementedError
+
+    async def hand_on(self, held: Held) -> None:
+        """Queue the request's next stage (the engine handed it off) and settle its task."""
+        raise NotImplementedError(f"the {self.role} stage hands nothing on")
+
+    async def watch(self) -> None:
+        """Background work of the stage's own, run for the worker's life (none by default)."""
