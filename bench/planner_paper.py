@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.planner.algorithm import goodput, plan
+from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileSet
 from common.planner.types import Deployment
 from common.planner.workloads import generate, llava15_tokens, llava_next_tokens
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--profile", default="paper:llava-1.5-7b")
     args = ap.parse_args()
-    profiles = ProfileSet.load(args.profile)
+    profiles = profiles_from(args.profile)
     rows = []
     for model in args.models.split(","):
         for slo_name in args.slos.split(","):

@@ -50,13 +50,14 @@ def plan(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from common.planner.algorithm import plan as make_plan
-    from common.planner.profiles import ProfileError, ProfileSet
+    from common.planner.paper_profiles import profiles_from
+    from common.planner.profiles import ProfileError
     from common.planner.trace import TraceError, read_trace
     from common.stats import SLO
 
     try:
         entries = read_trace(trace).entries
-        profiles = ProfileSet.load(profile)
+        profiles = profiles_from(profile)
         slo = SLO(ttft_slo, tbt_slo, attainment)
     except (TraceError, ProfileError, ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)  # one line, not wrapped to the terminal

@@ -20,6 +20,8 @@ These are derivations, not measurements: docs/planner.md says how results change
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from common.planner.profiles import ProfileError, ProfileSet, StageCurves, TransferModel
 
 _IMAGES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -61,3 +63,11 @@ def paper_profiles(model: str) -> ProfileSet:
         return _PAPER[model]()
     except KeyError:
         raise ProfileError(f"no paper profile for {model!r}; known: {sorted(_PAPER)}") from None
+
+
+def profiles_from(spec: str | Path) -> ProfileSet:
+    """`paper:<model>` for the papers' GPU-like profiles, else a JSON file written by ProfileSet.save."""
+    text = str(spec)
+    if text.startswith("paper:"):
+        return paper_profiles(text.removeprefix("paper:"))
+    return ProfileSet.load(spec)

@@ -301,12 +301,7 @@ class ProfileSet:
 
     @classmethod
     def load(cls, path: str | Path) -> ProfileSet:
-        """A JSON file written by `save`, or `paper:<model>` for the papers' GPU-like profiles."""
-        text = str(path)
-        if text.startswith("paper:"):
-            from common.planner.paper_profiles import paper_profiles
-
-            return paper_profiles(text.removeprefix("paper:"))
+        """A JSON file written by `save` (`paper_profiles.profiles_from` also reads `paper:<model>`)."""
         try:
             raw = json.loads(Path(path).read_text())
         except OSError as exc:

@@ -19,6 +19,7 @@ from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt, load_image
 from common.errors import APIError, api_error_handler, error_response, validation_error_handler
 from common.protocol import Cancel
+from common.roles import Role
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from services.gateway.collector import OutputCollector
 from services.gateway.images import fetch_image
@@ -56,7 +57,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        missing = sorted({"encode", "prefill", "decode"} - await live_roles(gw.store))
+        missing = sorted(set(Role) - await live_roles(gw.store))
         body = {"ready": not missing, "missing_roles": missing}
         return JSONResponse(body, status_code=200 if not missing else 503)
 
@@ -117,7 +118,7 @@ async def serve(gw: Gateway, request: Request, body: SamplingFields, prompt, ima
         arrival=getattr(request.state, "arrived", time.perf_counter()),
         on_tokens=lambda ids: gw.journal.add(rid, ids),
     )  # fmt: skip
-    gw.in_flight += 1
+    gw.begin_request()
     run = _Run(gw, rid, kind, body, collector, stream, prompt_tokens=len(processed.token_ids))
     if body.stream:
         return StreamingResponse(run.sse(), media_type="text/event-stream")
@@ -267,7 +268,7 @@ class _Run:
     async def _end(self, done: bool) -> None:
         """Always runs: a request that did not finish is cancelled everywhere, freeing its memory;
         one that did has its outcome recorded for the trace."""
-        self.gw.in_flight -= 1
+        self.gw.end_request()
         self.gw.journal.end(self.rid)
         await self.stream.close()
         clock = self.collector.clock

@@ -4,7 +4,6 @@ image features are all in the feature store, go straight to prefill; the rest go
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from common.engine.processor import ProcessedPrompt
 from common.errors import APIError
@@ -17,28 +16,23 @@ from common.protocol import (
     TensorRef,
     dtype_name,
 )
-from common.store import Stage
+from common.roles import Role
 
 PIXEL_TTL = 300.0  # seconds the gateway serves pixels too large to ride inline
 
 
-@dataclass
-class Routed:
-    stage: str  # "encode" | "prefill"
-    spec: RequestSpec
-
-
-async def live_roles(store) -> set[str]:
+async def live_roles(store) -> set[Role]:
     return {role for hb in await store.registry.instances() for role in hb.roles if not hb.draining}
 
 
-async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> Routed:
-    """Pick the first stage, check an instance can serve it, record the request and queue the task."""
+async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> Role:
+    """Pick the first stage, check an instance can serve it, record the request and queue the task;
+    returns the stage it went to."""
     hashes = [img.content_hash for img in prompt.images]
     stored = await gw.store.features.get_many(hashes) if hashes else {}
     needs_encode = any(h not in stored for h in hashes)
     roles = await live_roles(gw.store)
-    needed = ({"encode"} if needs_encode else set()) | {"prefill", "decode"}
+    needed = ({Role.ENCODE} if needs_encode else set()) | {Role.PREFILL, Role.DECODE}
     missing = sorted(needed - roles)
     if missing:
         raise APIError(
@@ -72,12 +66,7 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         image_tokens=sum(i.num_tokens for i in images),
         max_tokens=sampling.max_tokens,
     )
-    if needs_encode:
-        await gw.store.requests.mark(rid, Stage.ENCODE_QUEUED)
-        await gw.bus.tasks.publish(EncodeTask(request=spec), msg_id=f"{rid}:encode")
-        gw.metrics.routed.labels("encode").inc()
-        return Routed("encode", spec)
-    await gw.store.requests.mark(rid, Stage.PREFILL_QUEUED)
-    await gw.bus.tasks.publish(PrefillTask(request=spec), msg_id=f"{rid}:prefill")
-    gw.metrics.routed.labels("prefill").inc()
-    return Routed("prefill", spec)
+    task = EncodeTask(request=spec) if needs_encode else PrefillTask(request=spec)
+    await gw.dispatch.send(task, "gateway")
+    gw.metrics.routed.labels(task.ROLE).inc()
+    return task.ROLE

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.bus import Bus
+from common.dispatch import Dispatcher
 from common.engine.loader import load_config
 from common.engine.processor import RequestProcessor
 from common.stats import SLO
@@ -68,11 +69,19 @@ class Gateway:
         self.slo = SLO(settings.ttft_slo, settings.tbt_slo)  # each request's outcome is judged by it
         self.api_keys = {k.strip() for k in settings.api_keys.split(",") if k.strip()}
         self.metrics = Metrics.create()
-        self.in_flight = 0
+        self.in_flight = 0  # accepted requests not yet ended here (max_in_flight caps it)
         # Decoding images and running the HF processor take milliseconds of CPU per request; on the
         # event loop they would hold back every other request's tokens. One thread: the tokenizer
         # is not safe to share between threads, and the work stays in arrival order.
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-processor")
+
+    def begin_request(self) -> None:
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    def end_request(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
 
     async def off_loop(self, fn, *args):
         """Run CPU-bound request processing on the processor thread."""
@@ -86,6 +95,7 @@ class Gateway:
         self.journal = OutputJournal(self.store)  # streamed tokens, for resuming after a death
         self._journaling = asyncio.create_task(self.journal.run())
         self.bus = await Bus.connect(s.bus_config(self.instance_id), self.store)
+        self.dispatch = Dispatcher(self.bus.tasks, self.record)
         host = socket.gethostname() if s.advertise_host == "auto" else s.advertise_host
         self.transfer = create_backend(TransferConfig(backend="tcp", host=s.bind_host, advertise_host=host))
         await self.transfer.start()

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 
 from common.errors import APIError, api_error_handler, validation_error_handler
+from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
 from services.planner.chart import goodput_chart
 from services.planner.job_models import JobRequest
@@ -162,7 +163,7 @@ async def _resolve_profiles(planner: Planner, spec: str | dict) -> str | dict:
         if isinstance(spec, str):
             if not spec.startswith("paper:"):
                 raise ProfileError('expected "cluster", "paper:<model>" or a profile set object')
-            ProfileSet.load(spec)
+            profiles_from(spec)
             return spec
         return ProfileSet.from_dict(spec).to_dict()
     except (ProfileError, TypeError, ValueError) as exc:

@@ -51,6 +51,7 @@ def run_what_if(
 ) -> dict[str, Any]:
     """Plan for a validated job payload (services/planner/job_models.py builds it)."""
     from common.planner.algorithm import plan
+    from common.planner.paper_profiles import profiles_from
     from common.planner.profiles import ProfileSet
     from common.planner.trace import TraceEntry, summary
     from common.planner.workloads import generate
@@ -62,7 +63,7 @@ def run_what_if(
     else:
         trace = generate(**request["workload"])
     spec = request["profiles"]
-    profiles = ProfileSet.load(spec) if isinstance(spec, str) else ProfileSet.from_dict(spec)
+    profiles = profiles_from(spec) if isinstance(spec, str) else ProfileSet.from_dict(spec)
     slo = SLO(**request["slo"])
     result = plan(
         trace, profiles, slo, request["instances"], exhaustive=request.get("exhaustive"), progress=progress

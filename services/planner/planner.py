@@ -27,6 +27,7 @@ from common.bus import Bus
 from common.planner.algorithm import plan as make_plan
 from common.planner.calibrate import transfer_model
 from common.planner.drift import current_deployment, measure_correction, workload_distance
+from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
 from common.planner.simulator import Correction
 from common.planner.trace import TraceEntry, from_records, summary
@@ -74,7 +75,7 @@ def load_profiles(source: str, published: list, trace: Sequence[TraceRecord] = (
         if not published:
             raise ProfileError("no instance has published a stage profile yet")
         return ProfileSet.from_records(published, transfer_model(trace))
-    return ProfileSet.load(source)
+    return profiles_from(source)
 
 
 class Planner:

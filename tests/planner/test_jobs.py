@@ -19,7 +19,7 @@ import redis
 from PIL import Image
 
 from common.infra import NatsServer, RedisServer, free_port
-from common.planner.profiles import ProfileSet
+from common.planner.paper_profiles import profiles_from
 from common.planner.types import METHOD_KINDS
 from common.planner.workloads import generate
 
@@ -139,7 +139,7 @@ def test_workload_job_runs_to_a_chart(planner: tuple[str, RedisServer]) -> None:
 def test_inline_trace_and_profiles(planner: tuple[str, RedisServer]) -> None:
     url, _ = planner
     trace = [dataclasses.asdict(e) for e in generate("pope", rate=3.0, num_requests=40, seed=1)]
-    profiles = ProfileSet.load("paper:llava-1.5-7b").to_dict()
+    profiles = profiles_from("paper:llava-1.5-7b").to_dict()
     reply = httpx.post(
         f"{url}/plan/jobs",
         json={"trace": trace, "slo": SLO, "instances": 3, "profiles": profiles},

@@ -46,10 +46,10 @@ def test_json_is_the_last_line(app: typer.Typer, trace_file: Path) -> None:
 
 
 def test_table(app: typer.Typer, trace_file: Path, tmp_path: Path) -> None:
-    from common.planner.profiles import ProfileSet
+    from common.planner.paper_profiles import profiles_from
 
     profile = tmp_path / "profiles.json"
-    ProfileSet.load("paper:llava-1.5-7b").save(profile)
+    profiles_from("paper:llava-1.5-7b").save(profile)
     result = _plan(app, "--trace", str(trace_file), "--instances", "3", "--profile", str(profile))
     assert result.exit_code == 0, result.output
     assert "plan: " in result.stdout and "req/s" in result.stdout

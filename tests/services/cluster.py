@@ -82,7 +82,9 @@ class Cluster:
     def integrity_failures(self) -> list[str]:
         """What workers logged of failed ledger/engine integrity checks (services/worker/ledger.py)."""
         logs = self.workdir.glob("*.log")
-        return [line for log in logs for line in log.read_text().splitlines() if "integrity check failed" in line]
+        return [
+            line for log in logs for line in log.read_text().splitlines() if "integrity check failed" in line
+        ]
 
     def stop(self, name: str | None = None, timeout: float = 20.0) -> None:
         for n in [name] if name else list(self.procs):

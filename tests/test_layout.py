@@ -1,0 +1,101 @@
+"""The tree shows the request path: no module imports one that imports it back, no service imports
+another (shared code lives in common/), and each stage's folder holds its handler."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("encoder", "prefill", "decode")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in ("common", "services"):
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """Project modules `path` imports, type-checking-only imports included."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        out |= {n for n in names if n in known}
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, known) for name, path in known.items()}
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    edges = graph()
+    cycles = []
+
+    def visit(node: str, path: list[str], on_path: set[str], done: set[str]) -> None:
+        for nxt in edges.get(node, ()):
+            if nxt in on_path:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in done:
+                visit(nxt, [*path, nxt], on_path | {nxt}, done)
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(edges):
+        if start not in done:
+            visit(start, [start], {start}, done)
+
+    # A package's __init__ re-exporting its own modules is not a cycle between modules.
+    def within_a_package(a: str, b: str) -> bool:
+        return a.startswith(b + ".") or b.startswith(a + ".")
+
+    real = [c for c in cycles if not any(within_a_package(a, b) for a, b in itertools.pairwise(c))]
+    assert not real, "import cycles:\n" + "\n".join(" -> ".join(c) for c in real)
+
+
+def service_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "services" and len(parts) > 2 else None
+
+
+def test_no_service_imports_another() -> None:
+    """Stage handlers build on the worker runtime, and the worker's entry point composes them; any
+    other use of one service by another belongs in common/."""
+    allowed = {(stage, "worker") for stage in STAGES} | {("worker", stage) for stage in STAGES}
+    crossing = []
+    for module, targets in graph().items():
+        mine = service_of(module)
+        for target in targets:
+            theirs = service_of(target)
+            if mine and theirs and mine != theirs and (mine, theirs) not in allowed:
+                crossing.append(f"{module} -> {target}")
+            if mine == "worker" and theirs in STAGES and module != "services.worker.main":
+                crossing.append(f"{module} -> {target} (only the entry point composes the stages)")
+    assert not crossing, "\n".join(crossing)
+
+
+def test_common_imports_no_service() -> None:
+    leaks = [
+        f"{m} -> {t}"
+        for m, ts in graph().items()
+        if m.startswith("common")
+        for t in ts
+        if t.startswith("services")
+    ]
+    assert not leaks, "\n".join(leaks)
+
+
+def test_each_stage_folder_holds_its_handler() -> None:
+    for stage in STAGES:
+        assert (ROOT / "services" / stage / "handler.py").exists(), f"services/{stage}/handler.py"
