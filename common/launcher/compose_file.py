@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from common.roles import letters, parse_roles
+
 
 class ComposeError(ValueError):
     """compose.yaml cannot be run by `trident up` (missing key, bad value, bad interpolation)."""
@@ -158,10 +160,10 @@ class Service:
     @property
     def aliases(self) -> tuple[str, ...]:
         """Other names `--scale` accepts: the role (`encode`) or the hybrid's initials (`ep`)."""
-        roles = self.roles
-        if len(roles) == 1:
-            return (roles[0],)
-        return ("".join(role[0] for role in roles),) if roles else ()
+        if not self.roles:
+            return ()
+        roles = parse_roles(",".join(self.roles))
+        return (next(iter(roles)),) if len(roles) == 1 else (letters(roles),)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import numpy as np
 
 from common.planner.profiles import ProfileSet, StageCurves, TransferModel, scale_profiles
 from common.planner.simulator import simulate
+from common.roles import Role
 from common.stats import quantile
 
 
@@ -96,27 +97,27 @@ def _first_queued(record) -> float | None:
 FACTOR_RANGE = (0.5, 10.0)
 
 
-def stage_factors(records: Sequence, curves: StageCurves) -> dict[str, float]:
+def stage_factors(records: Sequence, curves: StageCurves) -> dict[Role, float]:
     """How much longer each stage took in the deployed processes than the profile says, from
     requests sent one at a time: median observed/predicted of encode, prefill and decode steps.
 
     A profile times the model alone at start-up; deployed, the same step also pays for the
     worker's Python around it and shares the cores with the other services on the machine."""
-    ratios: dict[str, list[float]] = {"encode": [], "prefill": [], "decode": []}
+    ratios: dict[Role, list[float]] = {role: [] for role in Role}
     for r in records:
         st = r.stages
         if r.num_images and "encode_started" in st and "encode_ended" in st and curves.encode:
-            ratios["encode"].append(
+            ratios[Role.ENCODE].append(
                 (st["encode_ended"] - st["encode_started"]) / curves.encode_time(r.num_images)
             )
         if "prefill_started" in st and "prefill_ended" in st:
-            ratios["prefill"].append(
+            ratios[Role.PREFILL].append(
                 (st["prefill_ended"] - st["prefill_started"]) / curves.prefill_time(r.prompt_tokens)
             )
         start = st.get("decode_started", st.get("first_token"))
         if start is not None and "end" in st and r.output_tokens > 1:
             step = (st["end"] - start) / (r.output_tokens - 1)
-            ratios["decode"].append(step / curves.decode_time(1, r.prompt_tokens + r.output_tokens / 2))
+            ratios[Role.DECODE].append(step / curves.decode_time(1, r.prompt_tokens + r.output_tokens / 2))
     low, high = FACTOR_RANGE
     return {
         stage: round(min(high, max(low, float(np.median(v)))), 4) if len(v) >= MIN_SAMPLES else 1.0

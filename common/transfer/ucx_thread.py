@@ -93,10 +93,6 @@ class UcxThread:
         os.close(self._wake_r)
         os.close(self._wake_w)
 
-    @property
-    def on_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
     def call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the UCX thread soon (from any thread)."""
         self._commands.put(fn)
