@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from common.aio import raise_if_cancelled
 from common.bus.subjects import Subjects
 from common.bus.tasks import DeadLetterSink
 from common.protocol import (
@@ -78,6 +79,7 @@ class EventStream:
 
     async def __aiter__(self) -> AsyncIterator[Message]:
         while True:
+            raise_if_cancelled()  # the reader's last step may have lost a cancel
             try:
                 yield await self.get()
             except EOFError:

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NoStreamResponseError
 
+from common.aio import raise_if_cancelled
 from common.bus.connection import BusConfig
 from common.bus.subjects import TASK_KINDS
 from common.protocol import DeadLetter, ProtocolError, StageTask, decode
@@ -158,6 +159,7 @@ async def keep_alive(tasks: Callable[[], Iterable[Task]], period: float) -> NoRe
     """Mark every unsettled task `tasks()` names in progress every `period` seconds, for as long as
     this runs: one loop for all the tasks a worker holds, however long their requests take."""
     while True:
+        raise_if_cancelled()
         await asyncio.sleep(period)
         for task in list(tasks()):
             if not task.settled:

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from common.aio import raise_if_cancelled
 from common.store.requests import Stage
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class StageRecorder:
 
     async def run(self) -> None:
         while True:
+            raise_if_cancelled()
             wait = self._unreported[0][0] - time.monotonic() if self._unreported else None
             try:
                 # Not wait_for: on 3.11 it drops a cancel that lands as the item arrives, and a

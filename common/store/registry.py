@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 import redis.exceptions
 from redis.asyncio import Redis
 
+from common.aio import raise_if_cancelled
 from common.protocol import Heartbeat, ProtocolError, decode
 from common.store.keys import Keys
 
@@ -121,6 +122,7 @@ class Heartbeater:
     async def _run(self) -> None:
         down = False
         while True:
+            raise_if_cancelled()
             try:
                 await self.beat()
                 if down:

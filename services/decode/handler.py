@@ -68,6 +68,8 @@ class DecodeHandler(StageHandler):
         except TransferError as exc:
             # The prefill instance is gone or dropped the KV (or released it to a decoder that
             # died): prefill the request again over its prompt and the tokens the client has seen.
+            # Unless the request was cancelled meanwhile: its owner then dropped the KV on purpose.
+            ctx.ledger.check_live(held)
             log.warning("KV of %s unavailable (%s); sending it back to prefill", rid, exc)
             ctx.counters.kv_pull_failures += 1
             await self._back_to_prefill(held, await ctx.streamed(rid, spec.output_token_ids))

@@ -19,6 +19,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from common.aio import raise_if_cancelled
+
 if TYPE_CHECKING:
     from common.store import Store
 
@@ -52,6 +54,7 @@ class OutputJournal:
 
     async def run(self) -> None:
         while True:
+            raise_if_cancelled()
             await self._dirty.wait()
             await asyncio.sleep(self.interval)  # gather what the next few deltas bring
             await self.write()

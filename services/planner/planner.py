@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.aio import raise_if_cancelled
 from common.bus import Bus
 from common.planner.algorithm import plan as make_plan
 from common.planner.calibrate import transfer_model
@@ -109,6 +110,7 @@ class Planner:
     async def run(self) -> None:
         """Until cancelled. A failed round is logged and shown in the status; the next one tries again."""
         while True:
+            raise_if_cancelled()
             try:
                 await self.step()
             except asyncio.CancelledError:

@@ -56,11 +56,13 @@ class PrefillHandler(StageHandler):
         pixels: list[torch.Tensor | None] = [None] * len(spec.images)
         features = await self._pull_features(held)
         if features is None:  # lost: recompute here if we hold the vision tower, else send it back
+            ctx.ledger.check_live(held)  # (or dropped because the request was cancelled meanwhile)
             if Role.ENCODE not in ctx.roles:
                 await self._send_back_to_encode(held)
                 return
             pixels, features = await self._pull_pixels(held), [None] * len(spec.images)
             if pixels is None:
+                ctx.ledger.check_live(held)
                 await ctx.fail(
                     held.request_id, "service_unavailable", "image features and pixels are both gone; retry"
                 )

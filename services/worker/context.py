@@ -93,6 +93,12 @@ class StageContext:
             return journal
         return known
 
+    async def watch_cancels(self) -> None:
+        """A request cancelled anywhere (its client left, or it failed) ends here too."""
+        async with await self.bus.events.cancels() as stream:
+            async for cancel in stream:
+                await self.ledger.abort(cancel.request_id)
+
     async def fail(self, request_id: str, code: str, message: str) -> None:
         """Tell the gateway the request failed, and end it here (its task is settled: no retry)."""
         self.counters.errors += 1

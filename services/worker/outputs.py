@@ -4,7 +4,7 @@ hand-offs to the handler of the stage that queues the request's next one."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from common.engine import RequestOutput
 from common.protocol import FinalOutput, TokenDelta, Usage
@@ -12,6 +12,7 @@ from common.roles import Role
 from common.store import Stage
 from services.worker.context import StageContext
 from services.worker.ledger import Cancelled, Held
+from services.worker.stage import StageHandler
 
 log = logging.getLogger(__name__)
 HandOn = Callable[[Held], Awaitable[None]]
@@ -21,6 +22,11 @@ class OutputPublisher:
     def __init__(self, ctx: StageContext, hand_on: Mapping[Role, HandOn]) -> None:
         self.ctx = ctx
         self.hand_on = hand_on  # the next stage -> whoever queues it (the handler of the stage before)
+
+    @classmethod
+    def for_handlers(cls, ctx: StageContext, handlers: Iterable[StageHandler]) -> OutputPublisher:
+        """Each hand-off goes to the handler whose stage queues the next one."""
+        return cls(ctx, {h.hands_on_to: h.hand_on for h in handlers if h.hands_on_to is not None})
 
     async def publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Mapping
 
+from common.aio import raise_if_cancelled
 from common.bus import Bus, Task, keep_alive
 from common.dispatch import Dispatcher
 from common.engine import Engine, EngineConfig, Policy, RequestOutput
@@ -99,8 +100,7 @@ class StageWorker:
         self.handlers = {
             role: self.stages[role].from_settings(self.ctx, s) for role in in_path_order(self.roles)
         }
-        hand_on = {h.hands_on_to: h.hand_on for h in self.handlers.values() if h.hands_on_to is not None}
-        self.outputs = OutputPublisher(self.ctx, hand_on)
+        self.outputs = OutputPublisher.for_handlers(self.ctx, self.handlers.values())
         self.loop.start()
         self.heartbeats = Heartbeater(
             store.registry, self.heartbeat, s.heartbeat_interval, s.heartbeat_ttl, also=bus.events.heartbeat
@@ -115,7 +115,7 @@ class StageWorker:
             tg.create_task(self.record.run())
             tg.create_task(keep_alive(self.ledger.tasks, self.ctx.bus.config.keep_alive_period))
             tg.create_task(self._housekeeping())
-            tg.create_task(self._watch_cancels())
+            tg.create_task(self.ctx.watch_cancels())
             for handler in self.handlers.values():
                 tg.create_task(handler.watch())
             for role in PULL_ORDER:
@@ -205,6 +205,7 @@ class StageWorker:
     async def _pull_loop(self, handler: StageHandler) -> None:
         consumer = await self.ctx.bus.consumer(handler.role)
         while not self._stop.is_set():
+            raise_if_cancelled()
             room = self.room(handler.role)
             if room <= 0:
                 await asyncio.sleep(NO_ROOM_WAIT)
@@ -238,11 +239,13 @@ class StageWorker:
 
     async def _pump_outputs(self) -> None:
         while True:
+            raise_if_cancelled()
             await self.outputs.publish(await self._outputs.get())
 
     async def _housekeeping(self) -> None:
         """Free KV nobody came for, stop on a failed engine, and (tests) check the ledger's integrity."""
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(HOUSEKEEPING)
             await self.ledger.expire()
             if self.loop.failure is not None:
@@ -261,11 +264,6 @@ class StageWorker:
         except AssertionError as exc:
             self.integrity_failures += 1
             log.error("%s: integrity check failed: %s", self.instance_id, exc)
-
-    async def _watch_cancels(self) -> None:
-        async with await self.ctx.bus.events.cancels() as stream:
-            async for cancel in stream:
-                await self.ledger.abort(cancel.request_id)
 
 
 class _Stopped(Exception):

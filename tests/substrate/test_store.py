@@ -152,6 +152,26 @@ def test_the_recorder_stops_on_a_cancel_that_lands_as_a_write_arrives(redis_serv
     run(main())
 
 
+def test_the_recorder_stops_on_a_cancel_that_redis_swallows(redis_server: RedisServer) -> None:
+    """Cancelled while a write is in flight: redis-py awaits asyncio.wait_for inside, which on Python
+    3.11 drops a cancel that lands as its reply arrives. The write then returns normally; the
+    recorder must still see it was cancelled (common/aio.py), or it waits for the next item forever."""
+
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        for attempt in range(20):  # the cancel must land inside the write; it does on the first try here
+            recorder = StageRecorder(store)
+            recorder.mark(f"r{attempt}", Stage.FIRST_TOKEN)
+            task = asyncio.create_task(recorder.run())
+            await asyncio.sleep(0)  # the write is under way
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=2)
+            assert done and task.cancelled(), f"attempt {attempt}: the recorder outlived its cancel"
+        await store.close()
+
+    run(main())
+
+
 def test_one_instance_measures_a_profile_while_the_others_wait(redis_server: RedisServer) -> None:
     async def main() -> None:
         store = await Store.connect(StoreConfig(url=redis_server.url))

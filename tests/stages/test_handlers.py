@@ -1,0 +1,156 @@
+"""Each stage's handler on its own, against a real engine, NATS, Redis and transfer: encode hands
+features on, prefill emits the first token and keeps the KV until decode has pulled it, decode
+finishes the answer — equal to HF's — and each fallback sends the request where it can go on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from common.bus import EventStream
+from common.protocol import (
+    DecodeTask,
+    EncodeTask,
+    FinalOutput,
+    ImageSpec,
+    PrefillTask,
+    RequestSpec,
+    SamplingParams,
+    TensorRef,
+    TokenDelta,
+    dtype_name,
+)
+from common.roles import Role
+from common.store import Stage
+from tests.engine.conftest import make_image
+from tests.stages.rig import ServingThread, StageRig, stage_rig
+
+E, P, D = (frozenset({r}) for r in Role)
+QUESTION = "What is in the picture? Describe it"
+
+
+def request(rig: StageRig, gateway: ServingThread, rid: str, num_images: int, max_tokens: int = 12):
+    """A request as the gateway sends it: processed prompt, pixels served by the gateway by handle."""
+    images = [make_image(i) for i in range(num_images)]
+    prompt = rig.engine.chat_prompt(QUESTION, num_images)
+    processed = rig.engine.processor.process(prompt, images)
+    specs = []
+    for img in processed.images:
+        handle = gateway.backend.publish(img.pixel_values.contiguous())
+        pixels = TensorRef(
+            owner="gateway", address=gateway.backend.address, handle=handle,
+            shape=tuple(img.pixel_values.shape), dtype=dtype_name(img.pixel_values.dtype),
+        )  # fmt: skip
+        specs.append(ImageSpec(content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=pixels))
+    spec = RequestSpec(
+        request_id=rid, prompt_token_ids=tuple(processed.token_ids), images=tuple(specs),
+        sampling=SamplingParams(max_tokens=max_tokens), arrival_time=time.time(),
+    )  # fmt: skip
+    return spec, prompt, images
+
+
+async def answer(stream: EventStream, timeout: float = 30.0) -> list[int]:
+    """The output tokens in index order, up to the final message."""
+    tokens: dict[int, int] = {}
+    expected = None
+    async with asyncio.timeout(timeout):
+        while expected is None or len(tokens) < expected:
+            msg = await stream.get()
+            if isinstance(msg, TokenDelta):
+                tokens.update({msg.index + k: t for k, t in enumerate(msg.token_ids)})
+            elif isinstance(msg, FinalOutput):
+                expected = msg.num_outputs
+            else:
+                raise AssertionError(f"unexpected {msg}")
+    return [tokens[i] for i in range(expected)]
+
+
+@pytest.fixture
+async def gateway():
+    serving = ServingThread()
+    serving.start()
+    yield serving
+    serving.close()
+
+
+async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
+    tiny_model_dir, nats_server, redis_server, gateway, hf_generate
+):
+    async with (
+        stage_rig(E, tiny_model_dir, nats_server, redis_server) as e,
+        stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
+        stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
+    ):
+        spec, prompt, images = request(e, gateway, "r-chain", num_images=2, max_tokens=12)
+        stream = await e.ctx.bus.events.outputs(spec.request_id)
+        await e.ctx.dispatch.send(EncodeTask(request=spec), "test")
+
+        encoded = await e.take(Role.ENCODE)
+        await e.idle()  # features published and indexed, the prefill task queued, nothing held
+        assert encoded.settled and e.ctx.counters.images_encoded == 2
+        for img in spec.images:
+            entry = await e.ctx.store.features.get(img.content_hash)
+            assert entry is not None and entry.ref.owner == e.ctx.instance_id
+
+        prefill = await p.fetch(Role.PREFILL)
+        assert isinstance(prefill.message, PrefillTask)
+        assert all(isinstance(img.features, TensorRef) for img in prefill.message.request.images)
+        await p.handlers[Role.PREFILL].take(prefill)
+        # Prefilled and handed on: the task is settled, the KV served until decode has it.
+        await p.until(lambda: prefill.settled, what="the prefill task settled")
+        (kept,) = list(p.ledger)
+        assert kept.kv_handles and not kept.holds_task
+        assert all(h in p.ctx.transfer.handles for h in kept.kv_handles)
+
+        decode = await d.take(Role.DECODE)
+        assert isinstance(decode.message, DecodeTask) and decode.message.kv.owner == p.ctx.instance_id
+        assert await answer(stream) == hf_generate(prompt, images, 12)
+        for rig in (e, p, d):
+            await rig.idle()
+        assert len(p.ctx.transfer.handles) == 0  # decode's release freed the KV it pulled
+        await e.ctx.ledger.record.flush()
+        marks = (await e.ctx.store.requests.get(spec.request_id)).stages
+        path = [
+            Stage.ENCODE_QUEUED, Stage.ENCODE_STARTED, Stage.ENCODE_ENDED, Stage.PREFILL_QUEUED,
+            Stage.EP_TRANSFER_STARTED, Stage.EP_TRANSFER_ENDED, Stage.PREFILL_STARTED, Stage.FIRST_TOKEN,
+            Stage.DECODE_QUEUED, Stage.PD_TRANSFER_STARTED, Stage.PD_TRANSFER_ENDED, Stage.DECODE_STARTED,
+        ]  # fmt: skip
+
+        assert [s for s in path if s in marks] == path
+        assert [marks[s] for s in path] == sorted(marks[s] for s in path)
+
+
+async def test_prefill_without_the_features_sends_the_request_back_to_encode(
+    tiny_model_dir, nats_server, redis_server, gateway
+):
+    async with stage_rig(P, tiny_model_dir, nats_server, redis_server) as p:
+        spec, _, _ = request(p, gateway, "r-lost-features", num_images=1)
+        await p.ctx.dispatch.send(PrefillTask(request=spec), "test")  # no features, none indexed
+        task = await p.take(Role.PREFILL)
+        again = await p.fetch(Role.ENCODE)
+        assert again.message.request.images[0].pixels == spec.images[0].pixels
+        assert task.settled and p.ctx.counters.feature_fetch_failures == 1
+        await p.idle()
+
+
+async def test_decode_without_the_kv_sends_the_request_back_to_prefill(
+    tiny_model_dir, nats_server, redis_server, gateway
+):
+    async with (
+        stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
+        stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
+    ):
+        spec, _, _ = request(p, gateway, "r-lost-kv", num_images=0)
+        await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
+        await p.take(Role.PREFILL)
+        decode = await d.fetch(Role.DECODE)
+        (kept,) = list(p.ledger)
+        await p.ledger.release_kv(kept.request_id)  # the KV is gone before decode pulls it
+        await d.handlers[Role.DECODE].take(decode)
+        again = await p.fetch(Role.PREFILL)
+        assert again.message.request.output_token_ids == decode.message.request.output_token_ids
+        assert d.ctx.counters.kv_pull_failures == 1
+        for rig in (p, d):
+            await rig.idle()
