@@ -1,10 +1,12 @@
 """Shared pytest fixtures."""
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from common.checkpoints import write_checkpoint
+from common.infra import NatsServer, RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +22,18 @@ def hf_tiny(tiny_model_dir: Path):
 
     model = LlavaForConditionalGeneration.from_pretrained(tiny_model_dir).eval()
     return model, AutoProcessor.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A real nats-server of the test's own (~0.1 s to start): a test that restarts or kills it
+    cannot disturb another."""
+    with NatsServer(workdir=tmp_path_factory.mktemp("nats")) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server of the test's own."""
+    with RedisServer(workdir=tmp_path_factory.mktemp("redis")) as server:
+        yield server

@@ -1,4 +1,5 @@
-"""Fixtures for the stage-handler tests: real nats-server and redis-server per test, the HF oracle."""
+"""Fixtures for the stage-handler tests: quiet NATS reconnects, the HF oracle, and the far side of
+a pull (the root conftest gives each test its own nats-server and redis-server)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.infra import NatsServer, RedisServer
 from tests.engine.conftest import hf_generate  # noqa: F401  (the oracle fixture, shared)
+from tests.stages.rig import ServingThread
 
 
 @pytest.fixture(autouse=True)
@@ -17,12 +18,10 @@ def _quiet_nats() -> None:
 
 
 @pytest.fixture
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    with NatsServer(workdir=tmp_path_factory.mktemp("nats")) as server:
-        yield server
-
-
-@pytest.fixture
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(workdir=tmp_path_factory.mktemp("redis")) as server:
-        yield server
+def owner() -> Iterator[ServingThread]:
+    """A transfer server on a thread of its own, which a test can freeze: the gateway serving
+    pixels, an encoder serving features, or any other owner a handler pulls from."""
+    serving = ServingThread()
+    serving.start()
+    yield serving
+    serving.close()

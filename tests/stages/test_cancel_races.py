@@ -12,12 +12,13 @@ import asyncio
 import pytest
 import torch
 
+from common.bus import Task
 from common.protocol import Cancel, EncodeTask, ImageSpec, PrefillTask, TensorRef, dtype_name
 from common.roles import Role
 from common.store import Stage
 from services.worker.ledger import Cancelled
 from tests.stages.rig import ServingThread, StageRig, stage_rig
-from tests.stages.test_handlers import D, E, P, request
+from tests.stages.test_handlers import D, E, P, prefilled, request
 
 
 async def cancel(rid: str, *rigs: StageRig) -> None:
@@ -32,18 +33,19 @@ async def nothing_queued(rig: StageRig, role: Role) -> None:
     assert await consumer.fetch(1, timeout=0.3) == [], f"a {role} task was queued for a cancelled request"
 
 
-def pulling(rig: StageRig, rid: str, mark: Stage):
-    """True once the request's handler has marked the start of its pull."""
-    return lambda: (held := rig.ledger.get(rid)) is not None and mark in held.marks
-
-
-@pytest.fixture
-async def owner():
-    """The far side of a pull: the gateway (pixels), an encoder (features) or a prefill instance."""
-    serving = ServingThread()
-    serving.start()
-    yield serving
-    serving.close()
+async def cancel_inside_the_pull(
+    rig: StageRig, task: Task, frozen: ServingThread, mark: Stage, *also: StageRig
+):
+    """Run the handler on `task` while `frozen` does not answer; once the handler has marked `mark`
+    (its pull is under way) cancel the request, then let the pull finish. The handler must stop."""
+    rid = task.message.request.request_id
+    frozen.freeze()
+    taking = asyncio.create_task(rig.handlers[task.message.ROLE].take(task))
+    await rig.until(lambda: (held := rig.ledger.get(rid)) is not None and mark in held.marks, what=str(mark))
+    await cancel(rid, rig, *also)
+    frozen.thaw()
+    with pytest.raises(Cancelled):
+        await taking
 
 
 async def test_a_cancel_during_the_pixel_pull_encodes_nothing(
@@ -53,13 +55,7 @@ async def test_a_cancel_during_the_pixel_pull_encodes_nothing(
         spec, _, _ = request(e, owner, "r-pixels", num_images=1)
         await e.ctx.dispatch.send(EncodeTask(request=spec), "test")
         task = await e.fetch(Role.ENCODE)
-        owner.freeze()
-        taking = asyncio.create_task(e.handlers[Role.ENCODE].take(task))
-        await e.until(pulling(e, spec.request_id, Stage.ENCODE_STARTED))
-        await cancel(spec.request_id, e)
-        owner.thaw()
-        with pytest.raises(Cancelled):
-            await taking
+        await cancel_inside_the_pull(e, task, owner, Stage.ENCODE_STARTED)
         assert task.settled
         await e.idle()
         assert len(e.ctx.transfer.handles) == 0, "features were published for a cancelled request"
@@ -81,13 +77,7 @@ async def test_a_cancel_during_the_feature_pull_prefills_nothing(
         encoded = spec.model_copy(update={"images": (ImageSpec(**{**image.model_dump(), "features": ref}),)})
         await p.ctx.dispatch.send(PrefillTask(request=encoded), "test")
         task = await p.fetch(Role.PREFILL)
-        owner.freeze()
-        taking = asyncio.create_task(p.handlers[Role.PREFILL].take(task))
-        await p.until(pulling(p, spec.request_id, Stage.EP_TRANSFER_STARTED))
-        await cancel(spec.request_id, p)
-        owner.thaw()
-        with pytest.raises(Cancelled):
-            await taking
+        await cancel_inside_the_pull(p, task, owner, Stage.EP_TRANSFER_STARTED)
         assert task.settled and p.ctx.counters.prefills == 0
         await p.idle()
         await nothing_queued(p, Role.ENCODE)  # not "recomputed" either
@@ -101,17 +91,9 @@ async def test_a_cancel_during_the_kv_pull_decodes_nothing_and_frees_the_kv_at_b
         stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
         stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
     ):
-        spec, _, _ = request(p, owner, "r-kv", num_images=0)
-        await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
-        await p.take(Role.PREFILL)
-        task = await d.fetch(Role.DECODE)
-        p.serving.freeze()  # the prefill instance stops answering pulls
-        taking = asyncio.create_task(d.handlers[Role.DECODE].take(task))
-        await d.until(pulling(d, spec.request_id, Stage.PD_TRANSFER_STARTED))
-        await cancel(spec.request_id, d, p)
-        p.serving.thaw()  # the pull now finds its handle released
-        with pytest.raises(Cancelled):
-            await taking
+        _, task = await prefilled(p, d, owner, "r-kv")
+        # The prefill instance stops answering; once thawed, the pull finds its handle released.
+        await cancel_inside_the_pull(d, task, p.serving, Stage.PD_TRANSFER_STARTED, p)
         assert task.settled and d.ctx.counters.decodes_admitted == 0
         for rig in (p, d):
             await rig.idle()

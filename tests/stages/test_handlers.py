@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
-from common.bus import EventStream
+from common.bus import EventStream, Task
 from common.protocol import (
     DecodeTask,
     EncodeTask,
@@ -51,6 +49,14 @@ def request(rig: StageRig, gateway: ServingThread, rid: str, num_images: int, ma
     return spec, prompt, images
 
 
+async def prefilled(p: StageRig, d: StageRig, owner: ServingThread, rid: str) -> tuple[RequestSpec, Task]:
+    """A text request prefilled by `p`, and the decode task `d` fetched for it (not yet taken)."""
+    spec, _, _ = request(p, owner, rid, num_images=0)
+    await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
+    await p.take(Role.PREFILL)
+    return spec, await d.fetch(Role.DECODE)
+
+
 async def answer(stream: EventStream, timeout: float = 30.0) -> list[int]:
     """The output tokens in index order, up to the final message."""
     tokens: dict[int, int] = {}
@@ -67,23 +73,15 @@ async def answer(stream: EventStream, timeout: float = 30.0) -> list[int]:
     return [tokens[i] for i in range(expected)]
 
 
-@pytest.fixture
-async def gateway():
-    serving = ServingThread()
-    serving.start()
-    yield serving
-    serving.close()
-
-
 async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
-    tiny_model_dir, nats_server, redis_server, gateway, hf_generate
+    tiny_model_dir, nats_server, redis_server, owner, hf_generate
 ):
     async with (
         stage_rig(E, tiny_model_dir, nats_server, redis_server) as e,
         stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
         stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
     ):
-        spec, prompt, images = request(e, gateway, "r-chain", num_images=2, max_tokens=12)
+        spec, prompt, images = request(e, owner, "r-chain", num_images=2, max_tokens=12)
         stream = await e.ctx.bus.events.outputs(spec.request_id)
         await e.ctx.dispatch.send(EncodeTask(request=spec), "test")
 
@@ -123,10 +121,10 @@ async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
 
 
 async def test_prefill_without_the_features_sends_the_request_back_to_encode(
-    tiny_model_dir, nats_server, redis_server, gateway
+    tiny_model_dir, nats_server, redis_server, owner
 ):
     async with stage_rig(P, tiny_model_dir, nats_server, redis_server) as p:
-        spec, _, _ = request(p, gateway, "r-lost-features", num_images=1)
+        spec, _, _ = request(p, owner, "r-lost-features", num_images=1)
         await p.ctx.dispatch.send(PrefillTask(request=spec), "test")  # no features, none indexed
         task = await p.take(Role.PREFILL)
         again = await p.fetch(Role.ENCODE)
@@ -136,16 +134,13 @@ async def test_prefill_without_the_features_sends_the_request_back_to_encode(
 
 
 async def test_decode_without_the_kv_sends_the_request_back_to_prefill(
-    tiny_model_dir, nats_server, redis_server, gateway
+    tiny_model_dir, nats_server, redis_server, owner
 ):
     async with (
         stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
         stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
     ):
-        spec, _, _ = request(p, gateway, "r-lost-kv", num_images=0)
-        await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
-        await p.take(Role.PREFILL)
-        decode = await d.fetch(Role.DECODE)
+        _, decode = await prefilled(p, d, owner, "r-lost-kv")
         (kept,) = list(p.ledger)
         await p.ledger.release_kv(kept.request_id)  # the KV is gone before decode pulls it
         await d.handlers[Role.DECODE].take(decode)
