@@ -358,18 +358,16 @@ class Simulation:
             sampled.append(req)
         for req in sampled:
             self._token(inst, req)
-        if Role.PREFILL not in inst.roles:
-            for req, _ in batch.encodes:
-                if not req.needs_encode and req.status != Status.FINISHED:
-                    inst.scheduler.remove(req)
-                    self._enqueue(Role.PREFILL, self.now + self.transfer.hop, req)
-        if Role.DECODE not in inst.roles:
-            for req, _ in batch.prefills:
-                if req.output_token_ids and req.status == Status.RUNNING:
-                    inst.scheduler.remove(req)
-                    req.status = Status.HANDED_OFF
-                    self.kv_owner[req.request_id] = inst
-                    self._enqueue(Role.DECODE, self.now + self.transfer.hop, req)
+        for req in [r for r, _ in batch.encodes] + [r for r, _ in batch.prefills]:
+            # The engine's rule for where a request goes next (Request.next_stage), as a worker runs it.
+            stage = req.next_stage
+            if stage is None or stage in inst.roles or req.status == Status.HANDED_OFF:
+                continue
+            inst.scheduler.remove(req)
+            req.status = Status.HANDED_OFF
+            if stage == Role.DECODE:
+                self.kv_owner[req.request_id] = inst
+            self._enqueue(stage, self.now + self.transfer.hop, req)
 
     def _token(self, inst: _Instance, req: Request) -> None:
         req.output_token_ids.append(0)

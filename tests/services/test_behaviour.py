@@ -130,3 +130,21 @@ def test_requests_wait_for_scarce_decode_kv_instead_of_being_dropped(tiny_model_
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(ask, range(8)))
         assert all(a.usage.completion_tokens > 0 and a.choices[0].finish_reason for a in answers)
+
+
+def test_the_gateway_counts_the_requests_in_flight(two_decoders):
+    """The in-flight gauge follows the requests the gateway serves (it once read 0 always)."""
+    client = client_for(two_decoders)
+    stream = client.chat.completions.create(
+        model="tiny-llava", messages=user_message([], "count me"), max_tokens=1000, temperature=0,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for got, _ in enumerate(stream):
+        if got == 3:
+            break
+    assert metric(two_decoders.url, "trident_gateway_in_flight") == 1
+    stream.close()
+    deadline = time.monotonic() + 15
+    while metric(two_decoders.url, "trident_gateway_in_flight") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(two_decoders.url, "trident_gateway_in_flight") == 0
