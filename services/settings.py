@@ -95,11 +95,22 @@ class GatewaySettings(ServiceSettings):
     api_keys: str = Field("", description="Comma-separated Bearer keys; empty disables auth")
     max_images: int = 8
     max_image_bytes: int = 20 << 20
-    image_fetch_timeout: float = 10.0
+    max_image_pixels: int = Field(50_000_000, description="Pixels an image may declare in its header")
+    max_body_bytes: int = Field(64 << 20, description="Largest request body; beyond it, 413")
+    image_fetch_timeout: float = Field(10.0, description="Seconds for one image URL's whole fetch")
     allow_private_image_urls: bool = False
     default_max_tokens: int = 256
-    request_timeout: float = 300.0
-    max_in_flight: int = 1024  # beyond this, 429
+    request_timeout: float = Field(
+        300.0, gt=0, description="Seconds a request may take in all (image fetch and processing "
+        "included); past it, 504 and the request is cancelled everywhere",
+    )  # fmt: skip
+    max_in_flight: int = Field(1024, description="Requests served at once; beyond it, 429")
+    max_queued_tasks: int = Field(
+        512, description="Tasks waiting in any stage's queue beyond which new requests get 429"
+    )
+    sse_keepalive: float = Field(
+        10.0, gt=0, description="Seconds of silence after which a stream gets an SSE comment"
+    )
 
 
 class PlannerSettings(ServiceSettings):

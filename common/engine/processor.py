@@ -22,6 +22,10 @@ class InputError(ValueError):
     """Bad user input (an undecodable image, a prompt the model cannot take); maps to a 4xx."""
 
 
+class ImageTooLarge(InputError):
+    """An image whose header declares more pixels than allowed: refused before it is decoded."""
+
+
 @dataclass
 class ProcessedPrompt:
     token_ids: list[int]
@@ -36,15 +40,26 @@ def content_hash(image: Image.Image) -> str:
     return h.hexdigest()
 
 
-def load_image(data: bytes | str | Path | Image.Image) -> Image.Image:
-    """Decode an image from bytes or a path into RGB; undecodable input raises InputError."""
+def load_image(data: bytes | str | Path | Image.Image, max_pixels: int | None = None) -> Image.Image:
+    """Decode an image from bytes or a path into RGB; undecodable input raises InputError. With
+    `max_pixels`, the size its header declares is checked before any pixel is decoded, so a small
+    file that claims 20000×20000 pixels costs nothing (ImageTooLarge)."""
     if isinstance(data, Image.Image):
         return data.convert("RGB")
     try:
         src = io.BytesIO(data) if isinstance(data, bytes) else open(data, "rb")  # noqa: SIM115
         with src, Image.open(src) as img:
+            width, height = img.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise ImageTooLarge(
+                    f"image is {width}x{height} pixels, more than the {max_pixels:,} allowed; send it smaller"
+                )
             return img.convert("RGB")
+    except Image.DecompressionBombError as exc:  # PIL's own cap, when ours is off or larger
+        raise ImageTooLarge(f"image declares too many pixels to decode: {exc}") from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        if isinstance(exc, InputError):
+            raise
         raise InputError(f"cannot decode image: {exc}") from exc
 
 

@@ -12,15 +12,18 @@ from pydantic import Field
 
 from common.protocol.codec import Record
 
-TokenId = Annotated[int, Field(ge=0)]
+# Integers the wire carries (msgpack: 64 bits) and the engine uses (token ids index a vocabulary).
+INT32 = 2**31 - 1
+INT64 = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32)]
 
 
 class SamplingParams(Record):
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0)  # 0 means greedy
+    max_tokens: int = Field(16, ge=1, le=INT32)
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)  # 0 means greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 means no top-k cut
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=INT32)  # 0 means no top-k cut
+    seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False

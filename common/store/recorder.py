@@ -36,6 +36,10 @@ class StageRecorder:
         self._unreported: deque[tuple[float, str]] = deque()  # (due, request id), due ascending
         self.failures = 0
 
+    def create(self, request_id: str, **sizes: float) -> None:
+        """The request's record, at the gateway: its arrival and sizes (RequestLog.create)."""
+        self._queue.put_nowait(("create", request_id, sizes))
+
     def mark(self, request_id: str, stage: Stage, at: float | None = None, **info: str) -> None:
         """Set a stage's time (`at`, wall clock; default now) and optional facts about it."""
         self._queue.put_nowait(("mark", request_id, stage, time.time() if at is None else at, info))
@@ -77,6 +81,8 @@ class StageRecorder:
     async def _write(self, item: tuple) -> None:
         requests = self.store.requests
         match item:
+            case ("create", rid, sizes):
+                await self._guarded(requests.create(rid, **sizes))
             case ("mark", rid, stage, at, info):
                 await self._guarded(requests.mark(rid, stage, at=at, **info))
             case ("finish", rid, tokens, reason, at):

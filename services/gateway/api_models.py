@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.protocol import SamplingParams
+from common.protocol.sampling import INT32, INT64
 
 
 class _Lenient(BaseModel):
@@ -48,11 +49,11 @@ class SamplingFields(_Lenient):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=INT32)
+    seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
     stop: str | list[str] | None = None
     n: int = 1
     ignore_eos: bool = False
@@ -98,7 +99,7 @@ class SamplingFields(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -128,7 +129,7 @@ class CompletionRequest(SamplingFields):
     """`/v1/completions`: one prompt, as text or as token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT32)
 
     @model_validator(mode="after")
     def _one_prompt(self):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from common.bus import EventStream
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.errors import APIError
-from common.protocol import ErrorOutput, FinalOutput, TokenDelta
+from common.protocol import ErrorOutput, FinalOutput, Message, TokenDelta
 from common.stats import SLO, request_tbt, slo_met
 
 ERROR_STATUS = {"invalid_request_error": 400, "service_unavailable": 503, "timeout_error": 504}
@@ -24,6 +24,7 @@ ERROR_STATUS = {"invalid_request_error": 400, "service_unavailable": 503, "timeo
 class Piece:
     text: str
     token_ids: list[int] = field(default_factory=list)
+    keepalive: bool = False  # no output: the request is still waiting
 
 
 @dataclass
@@ -69,50 +70,75 @@ class TokenClock:
 
 
 class OutputCollector:
+    """One request's outputs, in order, as text pieces. `deadline` (perf_counter seconds) bounds the
+    whole request; with `keepalive`, a silence that long yields a keep-alive piece (no text)."""
+
     def __init__(
-        self, stream: EventStream, tokenizer, stop: tuple[str, ...], timeout: float, arrival: float,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        self, stream: EventStream, tokenizer, stop: tuple[str, ...], *, deadline: float, arrival: float,
+        keepalive: float | None = None, on_tokens: Callable[[list[int]], None] | None = None,
     ) -> None:  # fmt: skip
         self.stream = stream
         self.on_tokens = on_tokens  # told each run of tokens as it is released, in order
         self.detok = IncrementalDetokenizer(tokenizer, stop)
-        self.timeout = timeout
+        self.deadline = deadline
+        self.keepalive = keepalive
         self.outcome = Outcome()
         self.clock = TokenClock(arrival)
-        self.received = 0  # output tokens so far, for usage reported while streaming
-        self.started = False  # any output reached the client
+        self.received = 0  # output tokens released so far, for usage reported while streaming
         self.complete = False  # every output arrived, up to the final one
+        self._tokens: dict[int, int] = {}  # index -> token, arrived but not yet released
+        self._expected: int | None = None  # how many outputs there are, once the final said
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        """Text pieces in order; ends after the final output (raises APIError on an error output)."""
-        pending: dict[int, tuple[int, ...]] = {}
-        next_index, expected = 0, None
-        while expected is None or next_index < expected:
-            try:
-                msg = await self.stream.get(timeout=self.timeout)
-            except TimeoutError as exc:
-                raise APIError(504, f"no output for {self.timeout:g}s; the request was cancelled") from exc
+        """Text pieces in order; ends after the final output (raises APIError on an error output or
+        past the deadline)."""
+        quiet_since = time.perf_counter()
+        while self._expected is None or self.received < self._expected:
             now = time.perf_counter()
-            if isinstance(msg, ErrorOutput):
-                raise APIError(ERROR_STATUS.get(msg.code, 500), msg.message, code=msg.code)
-            if isinstance(msg, FinalOutput):
-                expected = msg.num_outputs
-                self.outcome = Outcome(
-                    msg.finish_reason, msg.usage.prompt_tokens, msg.usage.completion_tokens
-                )
+            if now >= self.deadline:
+                late = f"the request did not finish in its {self._budget():g}s; it was cancelled"
+                raise APIError(504, late, code="timeout")
+            wait = self.deadline - now
+            if self.keepalive is not None:
+                wait = min(wait, max(0.0, quiet_since + self.keepalive - now))
+            try:
+                msg = await self.stream.get(timeout=wait)
+            except TimeoutError:
+                if self.keepalive is not None and time.perf_counter() >= quiet_since + self.keepalive:
+                    quiet_since = time.perf_counter()
+                    yield Piece("", keepalive=True)
                 continue
-            if isinstance(msg, TokenDelta) and msg.index >= next_index:  # older: a re-prefill's repeat
-                pending[msg.index] = msg.token_ids
-            while next_index in pending:
-                ids = list(pending.pop(next_index))
-                next_index += len(ids)
-                self.received = next_index
-                self.clock.add(len(ids), now)
-                if self.on_tokens is not None:
-                    self.on_tokens(ids)
-                self.started = True
-                yield Piece(self.detok.add(ids), ids)
+            piece = self.take(msg)
+            if piece is not None:
+                quiet_since = time.perf_counter()
+                yield piece
         self.complete = True
         tail = self.detok.flush()
         if tail:
             yield Piece(tail)
+
+    def take(self, msg: Message) -> Piece | None:
+        """Fold one output in: tokens are kept by index (a repeat or an overlap is harmless) and
+        released as soon as they follow on from what was released; returns what that released."""
+        if isinstance(msg, ErrorOutput):
+            raise APIError(ERROR_STATUS.get(msg.code, 500), msg.message, code=msg.code)
+        if isinstance(msg, FinalOutput):
+            self._expected = msg.num_outputs
+            self.outcome = Outcome(msg.finish_reason, msg.usage.prompt_tokens, msg.usage.completion_tokens)
+        elif isinstance(msg, TokenDelta):
+            for k, token in enumerate(msg.token_ids):
+                if msg.index + k >= self.received:
+                    self._tokens[msg.index + k] = token
+        ids = []
+        while self.received in self._tokens:
+            ids.append(self._tokens.pop(self.received))
+            self.received += 1
+        if not ids:
+            return None
+        self.clock.add(len(ids), time.perf_counter())
+        if self.on_tokens is not None:
+            self.on_tokens(ids)
+        return Piece(self.detok.add(ids), ids)
+
+    def _budget(self) -> float:
+        return round(self.deadline - self.clock.arrival, 1)

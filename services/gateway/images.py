@@ -1,5 +1,7 @@
-"""Fetching a message's images: data: URLs, and http(s) URLs with a size cap, a timeout and an
-address policy that refuses loopback, private and link-local hosts unless configured.
+"""Fetching a message's images: data: URLs, and http(s) URLs with a size cap, one deadline for the
+whole fetch (a server that sends a byte every few seconds cannot hold it), and an address policy
+that refuses every address that is not globally routable (loopback, private, link-local, shared
+carrier-grade NAT 100.64.0.0/10, documentation, reserved) unless configured.
 
 The host is resolved once, its addresses checked, and the connection made to the checked address
 (the Host header and TLS SNI keep the name), so a name that resolves to a public address for the
@@ -25,16 +27,21 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 @dataclass(frozen=True)
 class ImagePolicy:
     max_bytes: int = 20 << 20
-    timeout_s: float = 10.0
-    allow_private: bool = False  # loopback, RFC 1918, link-local, unique-local
+    timeout_s: float = 10.0  # for the whole fetch: resolving, connecting and every byte
+    allow_private: bool = False  # any address that is not globally routable
     max_images: int = 8
+    max_pixels: int = 50_000_000  # checked from the image's header, before decoding
 
 
 async def fetch_image(url: str, policy: ImagePolicy) -> bytes:
     """The raw bytes of an image part's URL; every failure is a 4xx APIError naming the cause."""
     if url.startswith("data:"):
         return _decode_data_url(url, policy)
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:  # a bad IPv6 literal, a port out of range
+        raise APIError(400, f"image_url is not a valid URL: {exc}", param="image_url") from None
     if parts.scheme == "file":
         raise APIError(
             400,
@@ -43,10 +50,17 @@ async def fetch_image(url: str, policy: ImagePolicy) -> bytes:
             param="image_url",
             code="image_url_forbidden",
         )
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not host:
         raise APIError(400, "image_url must be a data: URL or an http(s) URL", param="image_url")
-    host = parts.hostname
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    port = port or (443 if parts.scheme == "https" else 80)
+    try:
+        async with asyncio.timeout(policy.timeout_s):
+            return await _fetch(parts, host, port, policy)
+    except TimeoutError:
+        raise _too_slow(policy) from None
+
+
+async def _fetch(parts, host: str, port: int, policy: ImagePolicy) -> bytes:
     addr = await _resolve_checked(host, port, policy)
     pinned = parts._replace(netloc=f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}").geturl()
     default_port = port == (443 if parts.scheme == "https" else 80)
@@ -69,9 +83,7 @@ async def fetch_image(url: str, policy: ImagePolicy) -> bytes:
                     raise _too_large(policy)
             return bytes(data)
     except httpx.TimeoutException as exc:
-        raise APIError(
-            400, f"fetching image_url timed out after {policy.timeout_s:g}s", param="image_url"
-        ) from exc
+        raise _too_slow(policy) from exc
     except httpx.HTTPError as exc:
         raise APIError(400, f"cannot fetch image_url: {exc}", param="image_url") from exc
 
@@ -93,20 +105,16 @@ async def _resolve_checked(host: str, port: int, policy: ImagePolicy) -> IPAddre
     address to connect to."""
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise APIError(400, f"cannot resolve image_url host {host!r}", param="image_url") from exc
+    except (socket.gaierror, UnicodeError, ValueError) as exc:  # UnicodeError: a label over 63 bytes
+        raise APIError(
+            400, f"cannot resolve image_url host {host[:80]!r}: {exc}", param="image_url"
+        ) from None
     addresses = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
     if not addresses:
         raise APIError(400, f"cannot resolve image_url host {host!r}", param="image_url")
     if not policy.allow_private:
         for addr in addresses:
-            if (
-                addr.is_loopback
-                or addr.is_private
-                or addr.is_link_local
-                or addr.is_reserved
-                or addr.is_multicast
-            ):
+            if not public(addr):
                 raise APIError(
                     400,
                     f"image_url host {host!r} resolves to a non-public address ({addr}); "
@@ -115,6 +123,21 @@ async def _resolve_checked(host: str, port: int, policy: ImagePolicy) -> IPAddre
                     code="image_url_forbidden",
                 )
     return addresses[0]
+
+
+def public(addr: IPAddress) -> bool:
+    """Globally routable and unicast: not loopback, private, link-local, shared (100.64.0.0/10, where
+    some clouds put their metadata service), documentation, benchmarking or reserved; an IPv4
+    address written as IPv6 is judged as itself."""
+    mapped = getattr(addr, "ipv4_mapped", None) or getattr(addr, "sixtofour", None)
+    if mapped is not None:
+        return public(mapped)
+    return addr.is_global and not addr.is_multicast
+
+
+def _too_slow(policy: ImagePolicy) -> APIError:
+    message = f"fetching image_url timed out: it took over {policy.timeout_s:g}s in all"
+    return APIError(400, message, param="image_url", code="image_url_timeout")
 
 
 def _too_large(policy: ImagePolicy) -> APIError:

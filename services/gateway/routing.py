@@ -1,8 +1,14 @@
 """Modality-aware routing (002 §3.4) and task publishing: text-only requests, and requests whose
-image features are all in the feature store, go straight to prefill; the rest go to encode."""
+image features are all in the feature store, go straight to prefill; the rest go to encode.
+
+Redis holds what routing reads (the registry, the feature index) but is not needed to route: while
+it restarts, features count as not stored and routing waits, a bounded time, for the registry to
+show an instance of every stage the request needs before answering 503."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 from common.engine.processor import ProcessedPrompt
@@ -18,26 +24,23 @@ from common.protocol import (
 )
 from common.roles import Role
 
-PIXEL_TTL = 300.0  # seconds the gateway serves pixels too large to ride inline
+log = logging.getLogger(__name__)
+PIXEL_TTL = 300.0  # seconds the gateway serves pixels at most (released when the request ends)
+ROUTE_WAIT = 5.0  # seconds to wait for a stage's instance (or the registry) to come back
+POLL = 0.1
 
 
 async def live_roles(store) -> set[Role]:
     return {role for hb in await store.registry.instances() for role in hb.roles if not hb.draining}
 
 
-async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> Role:
-    """Pick the first stage, check an instance can serve it, record the request and queue the task;
-    returns the stage it went to."""
+async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> RequestSpec:
+    """Pick the first stage, wait until an instance can serve it, record the request and queue the
+    task; returns the request as sent."""
     hashes = [img.content_hash for img in prompt.images]
-    stored = await gw.store.features.get_many(hashes) if hashes else {}
+    stored = await _stored_features(gw, hashes)
     needs_encode = any(h not in stored for h in hashes)
-    roles = await live_roles(gw.store)
-    needed = ({Role.ENCODE} if needs_encode else set()) | {Role.PREFILL, Role.DECODE}
-    missing = sorted(needed - roles)
-    if missing:
-        raise APIError(
-            503, f"no live instance serves {', '.join(missing)}; start one and retry", code="no_instance"
-        )
+    await _wait_for_roles(gw, ({Role.ENCODE} if needs_encode else set()) | {Role.PREFILL, Role.DECODE})
     images = []
     for img in prompt.images:
         # Pixels stay on the gateway, served by handle: the encoder pulls them, and a prefill
@@ -58,15 +61,36 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         sampling=sampling,
         arrival_time=time.time(),
     )
-    await gw.store.requests.create(
-        rid,
-        arrival=spec.arrival_time,
-        prompt_tokens=len(prompt.token_ids),
-        num_images=len(images),
-        image_tokens=sum(i.num_tokens for i in images),
-        max_tokens=sampling.max_tokens,
-    )
+    gw.record.create(
+        rid, arrival=spec.arrival_time, prompt_tokens=len(prompt.token_ids), num_images=len(images),
+        image_tokens=sum(i.num_tokens for i in images), max_tokens=sampling.max_tokens,
+    )  # fmt: skip
     task = EncodeTask(request=spec) if needs_encode else PrefillTask(request=spec)
     await gw.dispatch.send(task, "gateway")
     gw.metrics.routed.labels(task.ROLE).inc()
-    return task.ROLE
+    return spec
+
+
+async def _stored_features(gw, hashes: list[str]) -> dict:
+    if not hashes:
+        return {}
+    try:
+        return await gw.store.features.get_many(hashes)
+    except Exception as exc:  # the index is a shortcut: without it, encode again
+        log.warning("feature index unreadable (%r); encoding", exc)
+        return {}
+
+
+async def _wait_for_roles(gw, needed: set[Role]) -> None:
+    deadline = time.monotonic() + ROUTE_WAIT
+    while True:
+        try:
+            missing = sorted(needed - await live_roles(gw.store))
+            problem = f"no live instance serves {', '.join(missing)}; start one and retry"
+        except Exception as exc:
+            missing, problem = ["?"], f"the instance registry cannot be read ({type(exc).__name__})"
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise APIError(503, problem, code="no_instance", retry_after=1)
+        await asyncio.sleep(POLL)

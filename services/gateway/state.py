@@ -15,12 +15,15 @@ from common.bus import Bus
 from common.dispatch import Dispatcher
 from common.engine.loader import load_config
 from common.engine.processor import RequestProcessor
+from common.protocol import Cancel
+from common.roles import Role
 from common.stats import SLO
 from common.store import Store, StoreConfig
 from common.store.recorder import StageRecorder
 from common.transfer import TransferConfig, create_backend
 from services.gateway.images import ImagePolicy
 from services.gateway.journal import OutputJournal
+from services.gateway.queues import QueueDepths
 from services.settings import GatewaySettings
 
 
@@ -30,6 +33,7 @@ class Metrics:
     requests: Counter
     routed: Counter
     in_flight: Gauge
+    queued: Gauge
     ttft: Histogram
     latency: Histogram
 
@@ -46,6 +50,9 @@ class Metrics:
             ),
             Counter("trident_gateway_routed", "Requests by first stage", ["stage"], registry=r),
             Gauge("trident_gateway_in_flight", "Requests being served", registry=r),
+            Gauge(
+                "trident_gateway_queued_tasks", "Tasks waiting in each stage's queue", ["stage"], registry=r
+            ),
             Histogram("trident_gateway_ttft_seconds", "Time to first token", registry=r),
             Histogram("trident_gateway_latency_seconds", "Request latency", registry=r),
         )
@@ -65,23 +72,24 @@ class Gateway:
             timeout_s=settings.image_fetch_timeout,
             allow_private=settings.allow_private_image_urls,
             max_images=settings.max_images,
+            max_pixels=settings.max_image_pixels,
         )
         self.slo = SLO(settings.ttft_slo, settings.tbt_slo)  # each request's outcome is judged by it
         self.api_keys = {k.strip() for k in settings.api_keys.split(",") if k.strip()}
         self.metrics = Metrics.create()
-        self.in_flight = 0  # accepted requests not yet ended here (max_in_flight caps it)
+        self.queues: QueueDepths | None = None  # set once connected
         # Decoding images and running the HF processor take milliseconds of CPU per request; on the
         # event loop they would hold back every other request's tokens. One thread: the tokenizer
         # is not safe to share between threads, and the work stays in arrival order.
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-processor")
 
-    def begin_request(self) -> None:
-        self.in_flight += 1
-        self.metrics.in_flight.set(self.in_flight)
+    def queue_full(self) -> Role | None:
+        """A stage whose queue is at its limit (none before the gateway has started)."""
+        return self.queues.full() if self.queues is not None else None
 
-    def end_request(self) -> None:
-        self.in_flight -= 1
-        self.metrics.in_flight.set(self.in_flight)
+    async def cancel(self, request_id: str, reason: str) -> None:
+        """Stop a request everywhere: the instances holding it drop it and free what it holds."""
+        await self.bus.events.cancel(Cancel(request_id=request_id, reason=reason))
 
     async def off_loop(self, fn, *args):
         """Run CPU-bound request processing on the processor thread."""
@@ -96,13 +104,15 @@ class Gateway:
         self._journaling = asyncio.create_task(self.journal.run())
         self.bus = await Bus.connect(s.bus_config(self.instance_id), self.store)
         self.dispatch = Dispatcher(self.bus.tasks, self.record)
+        self.queues = QueueDepths(self.bus, s.max_queued_tasks, self.metrics.queued)
+        self._watching = asyncio.create_task(self.queues.run())
         host = socket.gethostname() if s.advertise_host == "auto" else s.advertise_host
         self.transfer = create_backend(TransferConfig(backend="tcp", host=s.bind_host, advertise_host=host))
         await self.transfer.start()
 
     async def close(self) -> None:
         await self.record.flush()
-        for task in (self._recording, self._journaling):
+        for task in (self._recording, self._journaling, self._watching):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -12,11 +12,10 @@ from typing import Any
 
 from celery.result import AsyncResult
 from fastapi import FastAPI, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 
-from common.errors import APIError, api_error_handler, validation_error_handler
+from common.errors import APIError, install_error_handlers
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
 from services.planner.chart import goodput_chart
@@ -49,8 +48,7 @@ def create_app(settings: PlannerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="Trident planner", lifespan=lifespan)
     app.state.planner = planner
-    app.add_exception_handler(APIError, api_error_handler)
-    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -166,3 +166,27 @@ def test_generate_cli_prints_one_json_object_last(tiny_model_dir, tmp_path):
     assert plain.exit_code == 0 and plain.output.strip() == last["text"].strip()
     bad = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
     assert bad.exit_code == 2 and "does not exist" in bad.output
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that declares `width` x `height` pixels in its header and holds almost nothing."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    )
+
+
+@pytest.mark.parametrize(("side", "cap"), [(20000, 50_000_000), (20000, None), (3000, 1_000_000)])
+def test_an_image_declaring_too_many_pixels_is_refused_before_decoding(side, cap):
+    """400 MP declared in 60 bytes: refused from the header (PIL's own bomb check when no cap is
+    given), as an InputError the gateway answers with a 4xx, not an uncaught DecompressionBombError."""
+    from common.engine.processor import ImageTooLarge, load_image
+
+    with pytest.raises(ImageTooLarge):
+        load_image(png_header(side, side), max_pixels=cap)

@@ -19,6 +19,14 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/slow":
             time.sleep(2)
+        if self.path == "/trickle":  # a byte every 0.3 s, each one inside any per-read timeout
+            self.send_response(200)
+            self.end_headers()
+            for _ in range(20):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.3)
+            return
         if self.path == "/missing":
             self.send_response(404)
             self.end_headers()
@@ -105,3 +113,45 @@ async def test_the_fetch_goes_to_the_address_that_was_checked(server, monkeypatc
     assert await fetch_image(f"http://images.rebind.test:{port}/img", OPEN) == PAYLOAD
     with pytest.raises(APIError, match="non-public"):
         await fetch_image(f"http://images.rebind.test:{port}/img", ImagePolicy())
+
+
+async def test_a_trickling_server_cannot_hold_a_fetch_past_its_deadline(server):
+    """Each byte comes within any per-read timeout; the whole fetch still ends at the deadline."""
+    started = time.monotonic()
+    with pytest.raises(APIError, match="timed out") as err:
+        await fetch_image(server + "/trickle", ImagePolicy(allow_private=True, timeout_s=1.0))
+    assert err.value.status == 400 and time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://h:99999/x.png",  # a port out of range
+        "http://[::1/x.png",  # an unclosed IPv6 literal
+        "http://" + "a" * 64 + ".example.com/x.png",  # a DNS label over 63 bytes
+        "http:///x.png",  # no host
+    ],
+)
+async def test_urls_that_do_not_parse_are_400(url):
+    with pytest.raises(APIError) as err:
+        await fetch_image(url, ImagePolicy())
+    assert err.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "100.100.100.200",
+        "100.64.0.1",
+        "192.0.2.10",
+        "198.18.0.1",
+        "0.0.0.0",
+        "[::ffff:127.0.0.1]",
+        "[fd00::1]",
+    ],
+)
+async def test_every_non_global_address_is_refused(host):
+    """Carrier-grade NAT (a cloud metadata address among them), documentation, benchmarking and
+    IPv4-mapped loopback, beside the private ranges."""
+    with pytest.raises(APIError, match="non-public"):
+        await fetch_image(f"http://{host}/x.png", ImagePolicy())

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.engine.test_loader import png_header
 from tests.services.conftest import start
 from tests.services.test_e2e import user_message
 
@@ -26,6 +27,10 @@ def big_png_url(megabytes: int) -> str:
     buf = io.BytesIO()
     img.save(buf, format="PNG", compress_level=0)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def png_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def body(**over):
@@ -50,6 +55,20 @@ CASES = [
     ("max_tokens zero", body(max_tokens=0), 400),
     ("n=2", body(n=2), 400),
     ("bad role", body(messages=[{"role": "robot", "content": "x"}]), 400),
+    ("body not utf-8", b"\xff\xfe{}", 400),
+    ("body not an object", b"[1, 2]", 400),
+    ("port out of range", body(messages=user_message(["http://h:99999/x.png"], "x")), 400),
+    ("broken ipv6 url", body(messages=user_message(["http://[::1/x.png"], "x")), 400),
+    ("64-byte dns label", body(messages=user_message(["http://" + "a" * 64 + ".example.com/x"], "x")), 400),
+    (
+        "carrier-grade nat url",
+        body(messages=user_message(["http://100.100.100.200/latest/meta-data"], "x")),
+        400,
+    ),
+    ("seed past 64 bits", body(seed=2**64), 400),
+    ("top_k past 64 bits", body(top_k=2**64), 400),
+    ("max_tokens past 64 bits", body(max_tokens=2**64), 400),
+    ("20000x20000 png", body(messages=user_message([png_url(png_header(20000, 20000))], "x")), 413),
 ]
 
 

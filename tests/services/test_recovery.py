@@ -17,6 +17,12 @@ from tests.services.test_behaviour import instances, metric
 from tests.services.test_e2e import user_message
 
 
+# Long enough that the request is still decoding when its decoder is stopped: the client reads
+# behind the decoder, and tiny decodes 400 tokens in well under a second on a fast machine, which
+# let a drain between two SIGTERMs finish the request by itself (nothing left to resume).
+LONG = 1500
+
+
 def pid_of(instance: dict) -> int:
     return int(instance["instance_id"].rsplit("-", 1)[1])
 
@@ -133,7 +139,7 @@ def test_a_request_whose_decoder_dies_resumes_from_the_tokens_the_client_has(
         client = client_for(cluster)
         ask = dict(
             model="tiny-llava", messages=user_message(image_urls[:1], "Tell me a long story"),
-            max_tokens=400, temperature=1.0, top_p=0.9, seed=11, extra_body={"ignore_eos": True},
+            max_tokens=LONG, temperature=1.0, top_p=0.9, seed=11, extra_body={"ignore_eos": True},
         )  # fmt: skip
         expected = client.chat.completions.create(**ask).choices[0].message.content
         stream = client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
@@ -152,7 +158,7 @@ def test_a_request_whose_decoder_dies_resumes_from_the_tokens_the_client_has(
                     os.kill(pid_of(killed), signal.SIGTERM)
         assert killed is not None
         assert "".join(pieces) == expected
-        assert usage.completion_tokens == 400
+        assert usage.completion_tokens == LONG
         survivors = [i for i in instances(cluster, role) if i["instance_id"] != killed["instance_id"]]
         assert sum(metric(i["http_address"], "trident_resumed_tokens_total") for i in survivors) >= 19
         if stop == "term-twice":

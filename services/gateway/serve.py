@@ -1,0 +1,138 @@
+"""A completion request from validation to its reply: images fetched and decoded, the prompt
+processed, routed, and its outputs collected — all within the request's deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import torch
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from common.engine.admission import AdmissionError, check_fits
+from common.engine.processor import ImageTooLarge, InputError, ProcessedPrompt, load_image
+from common.errors import APIError
+from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.collector import OutputCollector
+from services.gateway.images import fetch_image
+from services.gateway.reply import Reply
+from services.gateway.routing import route
+from services.gateway.state import Gateway
+
+
+def deadline_of(gw: Gateway, request: Request) -> float:
+    """perf_counter time by which the request must have ended (it counts from its arrival)."""
+    return getattr(request.state, "arrived", time.perf_counter()) + gw.settings.request_timeout
+
+
+async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
+    deadline = deadline_of(gw, request)
+    messages, urls = body.template_messages()
+    if len(urls) > gw.images.max_images:
+        raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
+    async with _within(deadline):
+        blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))
+        images = await gw.off_loop(_decode_images, blobs, gw.images.max_pixels)
+    prompt = gw.processor.chat_prompt(messages)
+    return await serve(gw, request, body, prompt, images, "chat", deadline)
+
+
+async def completion(gw: Gateway, body: CompletionRequest, request: Request):
+    return await serve(gw, request, body, body.prompt, [], "text", deadline_of(gw, request))
+
+
+async def serve(
+    gw: Gateway, request: Request, body: SamplingFields, prompt, images, kind: str, deadline: float
+):
+    _check_model(gw, body.model)
+    async with _within(deadline):
+        processed = await gw.off_loop(_process, gw, prompt, images)
+    params = body.sampling_params(gw.settings.default_max_tokens)
+    try:
+        check_fits(len(processed.token_ids), params.max_tokens, max_model_len=gw.max_model_len)
+    except AdmissionError as exc:
+        raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from exc
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    stream = await gw.bus.events.outputs(rid)  # subscribed before the task exists: nothing is missed
+    try:
+        spec = await route(gw, rid, processed, params)
+    except BaseException:
+        await stream.close()
+        raise
+    collector = OutputCollector(
+        stream, gw.processor.tokenizer, params.stop, deadline=deadline,
+        arrival=getattr(request.state, "arrived", time.perf_counter()),
+        keepalive=gw.settings.sse_keepalive if body.stream else None,
+        on_tokens=lambda ids: gw.journal.add(rid, ids),
+    )  # fmt: skip
+    reply = Reply(gw, spec, kind, body, collector)
+    request.state.on_end = reply.end  # whatever becomes of the response, the request ends (door.py)
+    if body.stream:
+        return StreamingResponse(reply.sse(), media_type="text/event-stream")
+    return await reply.whole(request)
+
+
+class _within:
+    """`asyncio.timeout` to the request's deadline (a perf_counter time), failing as a 504."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        loop = asyncio.get_running_loop()
+        self._timeout = asyncio.timeout_at(loop.time() + (deadline - time.perf_counter()))
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, *exc_info) -> None:
+        try:
+            await self._timeout.__aexit__(*exc_info)
+        except TimeoutError:
+            raise APIError(
+                504, "the request's images and prompt were not ready in time", code="timeout"
+            ) from None
+
+
+def _decode_images(blobs: list[bytes], max_pixels: int) -> list:
+    try:
+        return [load_image(b, max_pixels=max_pixels) for b in blobs]
+    except ImageTooLarge as exc:
+        raise APIError(413, str(exc), param="image_url", code="image_too_large") from exc
+    except InputError as exc:
+        raise APIError(400, str(exc), param="image_url") from exc
+
+
+def _check_model(gw: Gateway, model: str) -> None:
+    if model != gw.model_name:
+        raise APIError(
+            404, f"model {model!r} does not exist; this server serves {gw.model_name!r}", param="model"
+        )
+
+
+def _process(gw: Gateway, prompt, images):
+    if isinstance(prompt, list):
+        return _token_prompt(gw, prompt)
+    try:
+        return gw.processor.process(prompt, images)
+    except InputError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+def _token_prompt(gw: Gateway, ids: list[int]) -> ProcessedPrompt:
+    """A `/v1/completions` prompt given as token ids goes to the engine as those ids: decoding and
+    re-tokenising would change them (merges, special tokens, a second BOS), and benchmarks that
+    send ids expect exactly that prompt length."""
+    bad = next((t for t in ids if not 0 <= t < gw.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400, f"prompt token id {bad} is outside the vocabulary [0, {gw.vocab_size})", param="prompt"
+        )
+    if gw.processor.image_token_id in ids:
+        raise APIError(
+            400,
+            f"prompt holds the image token id {gw.processor.image_token_id}, but /v1/completions takes "
+            "no images; send images to /v1/chat/completions as image_url parts",
+            param="prompt",
+        )
+    return ProcessedPrompt(list(ids), [], torch.empty(0, dtype=torch.long))
