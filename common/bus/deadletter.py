@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from common.bus.connection import BusConfig
-from common.bus.tasks import DeadLetterSink
+from common.bus.tasks import DeadLetterSink, tell_the_client
 from common.protocol import DeadLetter
 
 log = logging.getLogger(__name__)
@@ -76,5 +76,6 @@ class DeadLetterWatcher:
         if await self._sink.put_dead_letter(letter):
             self.recorded += 1
             log.error("task %s#%d dead-lettered after %d deliveries", stream, seq, letter.deliveries)
+            await tell_the_client(self._nc, self._config, letter)
         with contextlib.suppress(NotFoundError):  # another watcher removed it first
             await self._js.delete_msg(stream, seq)

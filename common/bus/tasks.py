@@ -24,7 +24,7 @@ from nats.js.errors import NoStreamResponseError
 from common.aio import raise_if_cancelled
 from common.bus.connection import BusConfig
 from common.bus.subjects import TASK_KINDS
-from common.protocol import DeadLetter, ProtocolError, StageTask, decode
+from common.protocol import DeadLetter, ErrorOutput, ProtocolError, StageTask, decode
 from common.roles import Role
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,25 @@ class Task:
             log.warning("in-progress ack for task %d failed: %r", self.stream_seq, exc)
 
 
+async def tell_the_client(nc: NATS, config: BusConfig, letter: DeadLetter) -> None:
+    """A dead-lettered task will never run: its request's client is told why at once, instead of
+    waiting out its deadline. A malformed task names no request; nobody can be told."""
+    try:
+        task = decode(letter.data, expect=tuple(TASK_KINDS.values()))
+    except ProtocolError:
+        return
+    rid, role = task.request.request_id, task.ROLE
+    if letter.reason == "failed":
+        why = f"its {role} step failed {letter.deliveries} times ({letter.detail[:300]})"
+    else:
+        why = f"no {role} instance finished it in {letter.deliveries} tries"
+    error = ErrorOutput(request_id=rid, code="server_error", message=f"the request was given up: {why}")
+    try:
+        await nc.publish(config.subjects.output(rid), error.to_bytes())
+    except Exception as exc:
+        log.warning("could not tell %s's client that it was given up: %r", rid, exc)
+
+
 async def keep_alive(tasks: Callable[[], Iterable[Task]], period: float) -> NoReturn:
     """Mark every unsettled task `tasks()` names in progress every `period` seconds, for as long as
     this runs: one loop for all the tasks a worker holds, however long their requests take."""
@@ -248,8 +267,9 @@ class TaskConsumer:
         )  # fmt: skip
         if self._sink is None:
             log.error("dead letter with no sink: %s", letter.model_dump(exclude={"data"}))
-            return
-        await self._sink.put_dead_letter(letter)
+        else:
+            await self._sink.put_dead_letter(letter)
+        await tell_the_client(self._nc, self.config, letter)
 
     async def close(self) -> None:
         if self._sub is not None:

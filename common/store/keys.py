@@ -32,6 +32,9 @@ class Keys:
     def outputs(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}:out"
 
+    def cancelled(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{request_id}:cancelled"
+
     @property
     def trace(self) -> str:
         return f"{self.prefix}:trace"

@@ -147,6 +147,19 @@ class RequestLog:
                 pipe.delete(self._keys.outputs(rid))
             await pipe.execute()
 
+    async def cancel(self, request_id: str, ttl: float) -> None:
+        """A tombstone: the request was cancelled, so its queued tasks are dropped unrun. It lasts
+        `ttl` seconds, as long as any task of the request can still be queued."""
+        await self._r.set(self._keys.cancelled(request_id), 1, ex=max(1, int(ttl)))
+
+    async def cancelled(self, request_ids: Iterable[str]) -> set[str]:
+        """Those of `request_ids` that have a tombstone."""
+        ids = list(request_ids)
+        if not ids:
+            return set()
+        found = await self._r.mget([self._keys.cancelled(rid) for rid in ids])
+        return {rid for rid, mark in zip(ids, found, strict=True) if mark is not None}
+
     async def streamed_outputs(self, request_id: str) -> list[int]:
         """The output token ids journaled for a running request, in order (empty if none)."""
         return [int(t) for t in await self._r.lrange(self._keys.outputs(request_id), 0, -1)]

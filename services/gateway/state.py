@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from services.gateway.images import ImagePolicy
 from services.gateway.journal import OutputJournal
 from services.gateway.queues import QueueDepths
 from services.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,8 +91,13 @@ class Gateway:
         return self.queues.full() if self.queues is not None else None
 
     async def cancel(self, request_id: str, reason: str) -> None:
-        """Stop a request everywhere: the instances holding it drop it and free what it holds."""
+        """Stop a request everywhere: the instances holding it drop it and free what it holds, and
+        its tasks still queued are dropped unrun (the tombstone, checked when a task is pulled)."""
         await self.bus.events.cancel(Cancel(request_id=request_id, reason=reason))
+        try:
+            await self.store.requests.cancel(request_id, ttl=2 * self.settings.request_timeout)
+        except Exception as exc:  # the broadcast still reaches every live instance
+            log.warning("tombstone for %s not written: %r", request_id, exc)
 
     async def off_loop(self, fn, *args):
         """Run CPU-bound request processing on the processor thread."""

@@ -19,4 +19,5 @@ class Counters:
     feature_fetch_failures: int = 0
     kv_pull_failures: int = 0
     resumed_tokens: int = 0
+    cancelled_unrun: int = 0  # tasks of cancelled requests dropped when pulled
     started_at: float = field(default_factory=time.time)

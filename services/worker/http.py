@@ -33,6 +33,7 @@ class WorkerCollector:
             ("feature_fetch_failures", c.feature_fetch_failures, "Image features that could not be pulled"),
             ("kv_pull_failures", c.kv_pull_failures, "KV pulls that failed"),
             ("resumed_tokens", c.resumed_tokens, "Streamed tokens requests resumed from after a loss"),
+            ("cancelled_unrun", c.cancelled_unrun, "Tasks of cancelled requests dropped when pulled"),
             ("feature_cache_hits", stats.feature_hits, "Images found in the feature cache"),
             ("integrity_failures", w.integrity_failures, "Ledger/engine integrity checks that failed"),
         ]:

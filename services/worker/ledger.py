@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CANCEL_MEMORY = 600.0  # seconds a cancel of a request not held here is remembered
+CANCELS_KEPT = 100_000
 
 
 class AlreadyHeld(Exception):
@@ -88,6 +91,9 @@ class Ledger:
         self.clock = clock
         self._held: dict[str, Held] = {}
         self.changes = 0  # counts records begun and dropped: "has anything happened since I looked"
+        # Requests cancelled while not held here (queued, or still on their way): their tasks are
+        # dropped unrun when they come. Bounded in time and in number.
+        self._cancelled: OrderedDict[str, float] = OrderedDict()
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -122,6 +128,8 @@ class Ledger:
         """Record a request that arrived with `task`. A record that only keeps KV for a decoder is
         replaced: the request came back, so nobody will pull that KV."""
         rid = spec.request_id
+        if rid in self._cancelled:
+            raise Cancelled(rid)
         old = self._held.get(rid)
         if old is not None:
             if old.holds_task:
@@ -173,7 +181,9 @@ class Ledger:
             self._drop(held)
 
     async def abort(self, request_id: str) -> bool:
-        """Cancel: release everything and ack the task (the request is over). False if unknown."""
+        """Cancel: release everything and ack the task (the request is over; a later task of it is
+        dropped unrun). False if it was not held here."""
+        self._remember_cancel(request_id)  # any task of it that comes later is dropped unrun
         held = self._held.get(request_id)
         if held is None:
             return False
@@ -182,6 +192,15 @@ class Ledger:
         if held.holds_task:
             await held.task.ack()
         return True
+
+    def _remember_cancel(self, request_id: str) -> None:
+        now = self.clock()
+        self._cancelled[request_id] = now
+        self._cancelled.move_to_end(request_id)
+        while self._cancelled and (
+            len(self._cancelled) > CANCELS_KEPT or next(iter(self._cancelled.values())) < now - CANCEL_MEMORY
+        ):
+            self._cancelled.popitem(last=False)
 
     async def give_back(self, request_id: str) -> None:
         """Draining ran out of time: release everything and hand the task back for another replica."""

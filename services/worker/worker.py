@@ -210,19 +210,34 @@ class StageWorker:
             if room <= 0:
                 await asyncio.sleep(NO_ROOM_WAIT)
                 continue
-            for task in await consumer.fetch(room, timeout=0.5):
+            tasks = await consumer.fetch(room, timeout=0.5)
+            cancelled = await self._tombstoned(tasks)
+            for task in tasks:
                 if self.draining.is_set():  # fetched as the drain began: another replica takes it
                     with contextlib.suppress(Exception):
                         await task.nak()
-                    continue
-                await self._handle(handler, task)
+                elif task.message.request.request_id in cancelled:  # its client left while it queued
+                    self.counters.cancelled_unrun += 1
+                    await task.ack()
+                else:
+                    await self._handle(handler, task)
+
+    async def _tombstoned(self, tasks: list[Task]) -> set[str]:
+        """The requests among `tasks` cancelled while they queued (tombstones in Redis)."""
+        try:
+            return await self.ctx.store.requests.cancelled(t.message.request.request_id for t in tasks)
+        except Exception as exc:  # the store is away: cancels still reach held requests by broadcast
+            log.warning("%s: tombstones unreadable (%r)", self.instance_id, exc)
+            return set()
 
     async def _handle(self, handler: StageHandler, task: Task) -> None:
         rid = task.message.request.request_id
         try:
             await handler.take(task)
         except Cancelled:
-            pass  # the ledger released what the request held and settled its task
+            if not task.settled:  # cancelled before it was held here: dropped unrun
+                self.counters.cancelled_unrun += 1
+                await task.ack()
         except AlreadyHeld:
             log.warning(
                 "%s: a second delivery of %s's %s task while it runs here; dropped",

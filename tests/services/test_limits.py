@@ -176,3 +176,27 @@ def test_a_waiting_stream_gets_keep_alive_comments(epd):
 def test_unknown_routes_and_methods_answer_in_the_openai_shape(epd):
     openai_error(httpx.get(epd.url + "/v1/nothing-here"), 404)
     openai_error(httpx.get(epd.url + "/v1/chat/completions"), 405)
+
+
+def test_a_request_cancelled_while_queued_is_dropped_unrun(epd):
+    """Its client leaves while its task waits for a (frozen) worker: when the worker comes back, it
+    drops the task without running it (the gateway's tombstone, or the cancel it heard)."""
+    (worker,) = instances(epd, "prefill")
+    address = worker["http_address"]
+    generated = metric(address, "trident_tokens_generated_total")
+    unrun = metric(address, "trident_cancelled_unrun_total")
+    os.kill(pid_of(worker), signal.SIGSTOP)
+    try:
+        stream = long_stream(epd.url)
+        next(stream.iter_lines())  # the gateway accepted it (its first chunk); no token can come
+        stream.close()
+        deadline = time.monotonic() + 10
+        while metric(epd.url, "trident_gateway_in_flight") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.kill(pid_of(worker), signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while metric(address, "trident_cancelled_unrun_total") < unrun + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(address, "trident_cancelled_unrun_total") == unrun + 1
+    assert metric(address, "trident_tokens_generated_total") == generated

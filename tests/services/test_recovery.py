@@ -16,7 +16,6 @@ from tests.services.conftest import client_for, start
 from tests.services.test_behaviour import instances, metric
 from tests.services.test_e2e import user_message
 
-
 # Long enough that the request is still decoding when its decoder is stopped: the client reads
 # behind the decoder, and tiny decodes 400 tokens in well under a second on a fast machine, which
 # let a drain between two SIGTERMs finish the request by itself (nothing left to resume).

@@ -11,7 +11,7 @@ import pytest
 
 from common.bus import Bus, BusConfig, keep_alive
 from common.infra import NatsServer, RedisServer
-from common.protocol import Cancel, FinalOutput, PrefillTask, TokenDelta, Usage, decode
+from common.protocol import Cancel, ErrorOutput, FinalOutput, PrefillTask, TokenDelta, Usage, decode
 from common.store import Store, StoreConfig
 from tests.substrate.helpers import eventually, fetch_and_hang, prefill_task, run, spawn
 
@@ -131,6 +131,7 @@ def test_max_deliver_ends_in_a_dead_letter(nats_server: NatsServer, redis_server
             _config(nats_server, ack_wait=0.5, max_deliver=2, nak_delay=0.1), dead_letters=store
         )
         consumer = await bus.consumer("prefill")
+        told = {rid: await bus.events.outputs(rid) for rid in ("poison", "orphan")}
         await bus.tasks.publish(prefill_task("poison"))
         for attempt in (1, 2):
             tasks = await consumer.fetch(1, timeout=3.0)
@@ -152,6 +153,10 @@ def test_max_deliver_ends_in_a_dead_letter(nats_server: NatsServer, redis_server
         assert decode(lost.data, expect=PrefillTask).request.request_id == "orphan"
         info = await bus.js.stream_info(bus.subjects.task_stream)
         assert info.state.messages == 0  # neither is left clogging the work queue
+        # Each client is told its request was given up, rather than left to wait out its deadline.
+        poison, orphan = [await told[rid].get(timeout=5) for rid in ("poison", "orphan")]
+        assert isinstance(poison, ErrorOutput) and "failed 2 times" in poison.message
+        assert isinstance(orphan, ErrorOutput) and "no prefill instance finished it" in orphan.message
         await bus.close()
         await store.close()
 
