@@ -20,7 +20,15 @@ from common.bus.connection import BusConfig, connect_nats, consumer_config, ensu
 from common.bus.deadletter import DeadLetterWatcher
 from common.bus.events import EventBus, EventStream
 from common.bus.subjects import TASK_KINDS, Subjects, check_token
-from common.bus.tasks import DeadLetterSink, PublishError, Task, TaskConsumer, TaskPublisher, keep_alive
+from common.bus.tasks import (
+    DeadLetterSink,
+    PublishError,
+    QueueFull,
+    Task,
+    TaskConsumer,
+    TaskPublisher,
+    keep_alive,
+)
 from common.roles import Role
 
 log = logging.getLogger(__name__)
@@ -39,12 +47,20 @@ class Bus:
         self._dead_letters = dead_letters
         self._consumers: list[TaskConsumer] = []
         self._watcher: DeadLetterWatcher | None = None
+        self.reconnects = 0  # times the connection came back after NATS was away
 
     @classmethod
     async def connect(cls, config: BusConfig, dead_letters: DeadLetterSink | None = None) -> Bus:
         """Connect, declare the stream and consumers, and (with a sink) watch for dead letters."""
-        nc = await connect_nats(config)
+        made: list[Bus] = []
+
+        def reconnected() -> None:
+            if made:
+                made[0].reconnects += 1
+
+        nc = await connect_nats(config, on_reconnect=reconnected)
         bus = cls(nc, config, dead_letters)
+        made.append(bus)
         try:
             await ensure_task_stream(bus.js, config)
             if dead_letters is not None:
@@ -89,6 +105,7 @@ __all__ = [
     "EventBus",
     "EventStream",
     "PublishError",
+    "QueueFull",
     "Subjects",
     "Task",
     "TaskConsumer",

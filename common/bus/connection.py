@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import nats
@@ -40,6 +41,13 @@ class BusConfig:
     # How long JetStream remembers a message id to drop a retried publish's duplicate.
     duplicate_window: float = 120.0
     max_task_bytes: int = 8 * 1024 * 1024
+    # A backstop on each stage's queue (the gateway turns requests away long before, by queue
+    # depth): past it, a publish fails with QueueFull instead of the stream growing without bound.
+    max_queued_tasks: int = 10_000
+    # Every output message is also kept in a stream this long, so a gateway that missed some (NATS
+    # restarted under it) reads them back. Bounded in bytes too: oldest go first.
+    output_retention: float = 900.0
+    output_bytes: int = 256 * 1024 * 1024
     extra_servers: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -52,9 +60,10 @@ class BusConfig:
         return Subjects(self.prefix)
 
 
-async def connect_nats(config: BusConfig) -> NATS:
+async def connect_nats(config: BusConfig, on_reconnect: Callable[[], None] | None = None) -> NATS:
     """A client that reconnects forever: publishes made while NATS is away are buffered and sent
-    after the reconnect, and subscriptions (pull inboxes included) are re-established."""
+    after the reconnect, and subscriptions (pull inboxes included) are re-established.
+    `on_reconnect` is told each time the connection is back."""
 
     client: list[NATS] = []  # the callbacks need the client, which exists only after connect()
 
@@ -63,8 +72,10 @@ async def connect_nats(config: BusConfig) -> NATS:
             return  # our own close, not an outage
         log.warning("NATS connection lost (%s); reconnecting", config.name)
 
-    async def on_reconnect() -> None:
+    async def reconnected() -> None:
         log.info("NATS reconnected (%s)", config.name)
+        if on_reconnect is not None:
+            on_reconnect()
 
     async def on_error(exc: Exception) -> None:
         # Connection-refused noise during a restart is expected; anything else is worth a line.
@@ -78,7 +89,7 @@ async def connect_nats(config: BusConfig) -> NATS:
         reconnect_time_wait=config.reconnect_wait,
         connect_timeout=config.connect_timeout,
         disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
+        reconnected_cb=reconnected,
         error_cb=on_error,
         # Pings detect a dead server that did not close the socket (a SIGKILLed container).
         ping_interval=5,
@@ -102,15 +113,31 @@ async def ensure_task_stream(js: JetStreamContext, config: BusConfig) -> None:
         # File storage: tasks survive a NATS restart; unacked ones are redelivered afterwards.
         storage=StorageType.FILE,
         discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
+        max_msgs_per_subject=config.max_queued_tasks,
         max_msg_size=config.max_task_bytes,
         duplicate_window=config.duplicate_window,
     )
+    await _declare(js, stream)
+    for role in Role:
+        await js.add_consumer(subjects.task_stream, consumer_config(config, role))
+    outputs = StreamConfig(
+        name=subjects.output_stream,
+        subjects=[subjects.output("*")],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=config.output_retention,
+        max_bytes=config.output_bytes,
+    )
+    await _declare(js, outputs)
+
+
+async def _declare(js: JetStreamContext, stream: StreamConfig) -> None:
     try:
         await js.add_stream(stream)
     except BadRequestError:
         await js.update_stream(stream)
-    for role in Role:
-        await js.add_consumer(subjects.task_stream, consumer_config(config, role))
 
 
 def consumer_config(config: BusConfig, role: Role) -> ConsumerConfig:

@@ -8,13 +8,17 @@ covered by the KV owner's TTL, heartbeats repeat). Tasks, which must not be lost
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import OutboundBufferLimitError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from common.aio import raise_if_cancelled
 from common.bus.subjects import Subjects
@@ -32,6 +36,7 @@ from common.protocol import (
 )
 
 log = logging.getLogger(__name__)
+PUBLISH_PATIENCE = 60.0  # seconds a publish waits for NATS to return once the client's buffer is full
 
 
 class EventStream:
@@ -41,14 +46,16 @@ class EventStream:
     reader. Use as `async with` or call `close()`; iteration ends after close.
     """
 
-    def __init__(
-        self, expect: tuple[type[Message], ...], sink: DeadLetterSink | None, maxsize: int = 0
-    ) -> None:
+    def __init__(self, expect: tuple[type[Message], ...], sink: DeadLetterSink | None) -> None:
         self._expect = expect
         self._sink = sink
-        self._queue: asyncio.Queue[Message | None] = asyncio.Queue(maxsize)
+        self._queue: asyncio.Queue[Message | None] = asyncio.Queue()
         self._sub: Subscription | None = None
         self.dropped = 0
+
+    def deliver(self, message: Message) -> None:
+        """Hand a decoded message to the reader (what arrives on the subscription comes this way)."""
+        self._queue.put_nowait(message)
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -66,7 +73,7 @@ class EventStream:
                 except Exception as sink_exc:  # the subscription must outlive a Redis outage
                     log.warning("could not record a dead letter: %r", sink_exc)
             return
-        await self._queue.put(message)
+        self.deliver(message)
 
     async def get(self, timeout: float | None = None) -> Message:
         """The next message; raises TimeoutError after `timeout` seconds, EOFError once closed."""
@@ -109,15 +116,25 @@ class EventBus:
         self.subjects = subjects
         self._sink = sink
 
-    async def publish(self, subject: str, message: Message) -> None:
-        """Fire a message; while NATS is away it waits in the client's buffer until the reconnect."""
-        await self._nc.publish(subject, message.to_bytes())
+    async def publish(self, subject: str, message: Message, patience: float = PUBLISH_PATIENCE) -> None:
+        """Fire a message; while NATS is away it waits in the client's buffer until the reconnect.
+        When that buffer is full (a long outage), wait up to `patience` seconds for NATS to return."""
+        data = message.to_bytes()
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                await self._nc.publish(subject, data)
+                return
+            except OutboundBufferLimitError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def subscribe(
-        self, subject: str, expect: tuple[type[Message], ...], queue: str = "", maxsize: int = 0
+        self, subject: str, expect: tuple[type[Message], ...], queue: str = ""
     ) -> EventStream:
         """Messages on `subject` (wildcards allowed); with `queue`, one member of the group gets each."""
-        stream = EventStream(expect, self._sink, maxsize)
+        stream = EventStream(expect, self._sink)
         stream._sub = await self._nc.subscribe(subject, queue=queue, cb=stream._on_msg)
         return stream
 
@@ -131,6 +148,38 @@ class EventBus:
     async def outputs(self, request_id: str) -> EventStream:
         """Subscribe before publishing the request's first task, so no output can be missed."""
         return await self.subscribe(self.subjects.output(request_id), OUTPUT_KINDS)
+
+    async def stored_outputs(self, request_id: str) -> list[Message]:
+        """Every output of a request the output stream still keeps, in order: what a subscriber
+        missed while NATS was away, or lost with a message dropped on the way."""
+        js = self._nc.jetstream()
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=30.0,
+            mem_storage=True,
+        )
+        sub = await js.pull_subscribe(
+            self.subjects.output(request_id), stream=self.subjects.output_stream, config=config
+        )
+        found: list[Message] = []
+        try:
+            while True:
+                try:
+                    batch = await sub.fetch(batch=256, timeout=0.5)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    break
+                for msg in batch:
+                    with contextlib.suppress(ProtocolError):
+                        found.append(decode(msg.data, expect=OUTPUT_KINDS))
+                if len(batch) < 256:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(self.subjects.output_stream, (await sub.consumer_info()).name)
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return found
 
     async def cancel(self, message: Cancel) -> None:
         await self.publish(self.subjects.cancel, message)

@@ -1,7 +1,8 @@
 """Every NATS subject, stream and consumer name in one place, derived from one prefix.
 
     <p>.task.{encode,prefill,decode}   JetStream work-queue stream <P>_TASKS, durable consumer per role
-    <p>.out.<request_id>               core: TokenDelta / FinalOutput / ErrorOutput for one request
+    <p>.out.<request_id>               core: TokenDelta / FinalOutput / ErrorOutput for one request,
+                                       also kept a while in stream <P>_OUTPUTS (gap fill)
     <p>.ctl.cancel                     core: Cancel, broadcast to every instance
     <p>.ctl.release.<owner>            core: Release, to the instance that holds the KV
     <p>.plan                           core: Plan events from the planner
@@ -44,6 +45,11 @@ class Subjects:
     def task_stream(self) -> str:
         return f"{self.prefix.upper().replace('-', '_')}_TASKS"
 
+    @property
+    def output_stream(self) -> str:
+        """Where every output message is kept a while (the gateway's gap fill reads it)."""
+        return f"{self.prefix.upper().replace('-', '_')}_OUTPUTS"
+
     def task(self, role: Role) -> str:
         return f"{self.prefix}.task.{_role(role)}"
 
@@ -52,7 +58,8 @@ class Subjects:
         return f"{self.prefix}-{_role(role)}"
 
     def output(self, request_id: str) -> str:
-        return f"{self.prefix}.out.{check_token(request_id, 'request id')}"
+        token = request_id if request_id == "*" else check_token(request_id, "request id")
+        return f"{self.prefix}.out.{token}"
 
     @property
     def cancel(self) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import NoReturn, Protocol
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -35,6 +36,7 @@ _TRANSIENT = (
     nats.errors.ConnectionReconnectingError,
     nats.errors.NoRespondersError,
     NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
     asyncio.TimeoutError,
 )
 # How long a fetch waits for queued tasks once it has one, in case another replica took them
@@ -50,6 +52,10 @@ class DeadLetterSink(Protocol):
 
 class PublishError(RuntimeError):
     """JetStream did not store a task before the publish deadline."""
+
+
+class QueueFull(PublishError):
+    """The stage's queue holds as many tasks as the stream allows (BusConfig.max_queued_tasks)."""
 
 
 class TaskPublisher:
@@ -87,6 +93,11 @@ class TaskPublisher:
                     ) from exc
                 log.debug("publish to %s not acknowledged yet (%r); retrying", subject, exc)
                 await asyncio.sleep(min(0.2, max(0.0, remaining)))
+            except nats.js.errors.APIError as exc:
+                if "maximum messages" in str(exc.description or ""):
+                    full = f"the {task.ROLE} queue is full ({self._config.max_queued_tasks} tasks)"
+                    raise QueueFull(full) from exc
+                raise
 
 
 class Task:

@@ -7,8 +7,9 @@ the request's TTFT and time between tokens (TBT) in the trace."""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from common.bus import EventStream
@@ -17,6 +18,10 @@ from common.errors import APIError
 from common.protocol import ErrorOutput, FinalOutput, Message, TokenDelta
 from common.stats import SLO, request_tbt, slo_met
 
+log = logging.getLogger(__name__)
+PROBE = 0.25  # seconds between looks at whether outputs should be read back
+GAP_WAIT = 0.5  # seconds a hole may stay open before the missing outputs are read back
+SILENCE_FIRST, SILENCE_MAX = 2.0, 30.0  # read back after this much silence, doubling up to the max
 ERROR_STATUS = {"invalid_request_error": 400, "service_unavailable": 503, "timeout_error": 504}
 
 
@@ -70,35 +75,57 @@ class TokenClock:
 
 
 class OutputCollector:
-    """One request's outputs, in order, as text pieces. `deadline` (perf_counter seconds) bounds the
-    whole request; with `keepalive`, a silence that long yields a keep-alive piece (no text)."""
+    """One request's outputs, in order, as text pieces.
+
+    `deadline` (perf_counter seconds) bounds the whole request; with `keepalive`, a silence that
+    long yields a keep-alive piece (no text). Outputs come over core NATS, which drops what is in
+    flight when the broker restarts; every output is also kept in the output stream, and `refill`
+    reads the request's back. The collector asks for them when it holds tokens after a hole (or a
+    final count it has not reached) for GAP_WAIT, when the connection came back (`reconnects`
+    moved), and after a silence, at growing intervals, since a lost final leaves nothing to notice.
+    """
 
     def __init__(
         self, stream: EventStream, tokenizer, stop: tuple[str, ...], *, deadline: float, arrival: float,
         keepalive: float | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+        refill: Callable[[], Awaitable[list[Message]]] | None = None,
+        reconnects: Callable[[], int] | None = None,
     ) -> None:  # fmt: skip
         self.stream = stream
         self.on_tokens = on_tokens  # told each run of tokens as it is released, in order
         self.detok = IncrementalDetokenizer(tokenizer, stop)
         self.deadline = deadline
         self.keepalive = keepalive
+        self.refill = refill
+        self.reconnects = reconnects
         self.outcome = Outcome()
         self.clock = TokenClock(arrival)
         self.received = 0  # output tokens released so far, for usage reported while streaming
         self.complete = False  # every output arrived, up to the final one
+        self.refills = 0
         self._tokens: dict[int, int] = {}  # index -> token, arrived but not yet released
         self._expected: int | None = None  # how many outputs there are, once the final said
+        now = time.perf_counter()
+        self._progress = now  # when a token was last released (or the collector began)
+        self._stuck_since: float | None = None  # when a hole in the outputs appeared
+        self._silence = SILENCE_FIRST
+        self._seen_reconnects = reconnects() if reconnects is not None else 0
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Text pieces in order; ends after the final output (raises APIError on an error output or
         past the deadline)."""
         quiet_since = time.perf_counter()
-        while self._expected is None or self.received < self._expected:
+        while not self._done:
             now = time.perf_counter()
             if now >= self.deadline:
                 late = f"the request did not finish in its {self._budget():g}s; it was cancelled"
                 raise APIError(504, late, code="timeout")
-            wait = self.deadline - now
+            if self._refill_due(now):
+                for piece in await self._refilled():
+                    quiet_since = time.perf_counter()
+                    yield piece
+                continue
+            wait = min(self.deadline - now, PROBE)
             if self.keepalive is not None:
                 wait = min(wait, max(0.0, quiet_since + self.keepalive - now))
             try:
@@ -117,6 +144,35 @@ class OutputCollector:
         if tail:
             yield Piece(tail)
 
+    @property
+    def _done(self) -> bool:
+        return self._expected is not None and self.received >= self._expected
+
+    def _refill_due(self, now: float) -> bool:
+        if self.refill is None:
+            return False
+        if self.reconnects is not None and self.reconnects() != self._seen_reconnects:
+            return True
+        if self._stuck_since is not None:
+            return now - self._stuck_since >= GAP_WAIT
+        return now - self._progress >= self._silence
+
+    async def _refilled(self) -> list[Piece]:
+        """Read back what the output stream keeps for the request and fold it in."""
+        self.refills += 1
+        if self.reconnects is not None:
+            self._seen_reconnects = self.reconnects()
+        self._silence = min(2 * self._silence, SILENCE_MAX)
+        self._progress = time.perf_counter()
+        if self._stuck_since is not None:
+            self._stuck_since = self._progress
+        try:
+            stored = await self.refill()
+        except Exception as exc:  # NATS still away: try again at the next due time
+            log.warning("outputs could not be read back (%r); trying again", exc)
+            return []
+        return [piece for msg in stored if (piece := self.take(msg)) is not None]
+
     def take(self, msg: Message) -> Piece | None:
         """Fold one output in: tokens are kept by index (a repeat or an overlap is harmless) and
         released as soon as they follow on from what was released; returns what that released."""
@@ -133,9 +189,16 @@ class OutputCollector:
         while self.received in self._tokens:
             ids.append(self._tokens.pop(self.received))
             self.received += 1
+        stuck = bool(self._tokens) or (self._expected is not None and self.received < self._expected)
+        if not stuck:
+            self._stuck_since = None
+        elif self._stuck_since is None:
+            self._stuck_since = time.perf_counter()
         if not ids:
             return None
-        self.clock.add(len(ids), time.perf_counter())
+        self._progress = time.perf_counter()
+        self._silence = SILENCE_FIRST
+        self.clock.add(len(ids), self._progress)
         if self.on_tokens is not None:
             self.on_tokens(ids)
         return Piece(self.detok.add(ids), ids)

@@ -11,8 +11,9 @@ import asyncio
 import logging
 import time
 
+from common.bus import PublishError, QueueFull
 from common.engine.processor import ProcessedPrompt
-from common.errors import APIError
+from common.errors import APIError, Unavailable
 from common.protocol import (
     EncodeTask,
     ImageSpec,
@@ -66,7 +67,12 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         image_tokens=sum(i.num_tokens for i in images), max_tokens=sampling.max_tokens,
     )  # fmt: skip
     task = EncodeTask(request=spec) if needs_encode else PrefillTask(request=spec)
-    await gw.dispatch.send(task, "gateway")
+    try:
+        await gw.dispatch.send(task, "gateway")
+    except QueueFull as exc:
+        raise APIError(429, f"{exc}; retry shortly", code="queue_full", retry_after=2) from exc
+    except PublishError as exc:
+        raise Unavailable("the message broker did not store the request in time") from exc
     gw.metrics.routed.labels(task.ROLE).inc()
     return spec
 

@@ -1,9 +1,17 @@
 """Turning each engine step's outputs into messages: token deltas and finals to the gateway, and
-hand-offs to the handler of the stage that queues the request's next one."""
+hand-offs to the handler of the stage that queues the request's next one.
+
+Outputs go over core NATS, which loses what is in flight when the broker dies: the messages a
+worker wrote before it noticed are gone. So the publisher remembers each held request's outputs,
+and a worker whose connection comes back says them again (`catch_up`), with the finals of requests
+that ended in the last RECENT seconds; the gateway drops what it already has by index.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from common.engine import RequestOutput
@@ -15,6 +23,7 @@ from services.worker.ledger import Cancelled, Held
 from services.worker.stage import StageHandler
 
 log = logging.getLogger(__name__)
+RECENT = 120.0  # seconds a finished request's outputs are kept, to be said again after an outage
 HandOn = Callable[[Held], Awaitable[None]]
 
 
@@ -22,6 +31,8 @@ class OutputPublisher:
     def __init__(self, ctx: StageContext, hand_on: Mapping[Role, HandOn]) -> None:
         self.ctx = ctx
         self.hand_on = hand_on  # the next stage -> whoever queues it (the handler of the stage before)
+        self._sent: dict[str, list[int]] = {}  # held request -> every output token it has so far
+        self._recent: OrderedDict[str, tuple[float, list[int], FinalOutput]] = OrderedDict()
 
     @classmethod
     def for_handlers(cls, ctx: StageContext, handlers: Iterable[StageHandler]) -> OutputPublisher:
@@ -41,10 +52,33 @@ class OutputPublisher:
                 log.exception("output of %s failed", out.request_id)
                 await self.ctx.fail(out.request_id, "server_error", f"internal error: {exc}")
 
+    async def catch_up(self) -> None:
+        """Say again every output of the requests held here, and the finals of those that ended in
+        the last RECENT seconds: what was in flight when NATS went away may be lost."""
+        now = time.monotonic()
+        while self._recent and next(iter(self._recent.values()))[0] < now - RECENT:
+            self._recent.popitem(last=False)
+        for rid in [r for r in self._sent if r not in self.ctx.ledger]:
+            del self._sent[rid]
+        events = self.ctx.bus.events
+        for held in self.ctx.ledger:
+            tokens = self._sent.get(held.request_id) or list(held.spec.output_token_ids)
+            if tokens:
+                await events.publish_output(TokenDelta(request_id=held.request_id, index=0, token_ids=tokens))
+        for rid, (_, tokens, final) in list(self._recent.items()):
+            if tokens:
+                await events.publish_output(TokenDelta(request_id=rid, index=0, token_ids=tokens))
+            await events.publish_output(final)
+        log.info(
+            "said again the outputs of %d held and %d ended requests", len(self.ctx.ledger), len(self._recent)
+        )
+
     async def _publish_one(self, held: Held, out: RequestOutput) -> None:
         ctx, rid = self.ctx, out.request_id
         if out.new_token_ids:
             index = out.num_output_tokens - len(out.new_token_ids)
+            sent = self._sent.setdefault(rid, list(held.spec.output_token_ids))
+            sent[index:] = out.new_token_ids
             await ctx.bus.events.publish_output(
                 TokenDelta(request_id=rid, index=index, token_ids=out.new_token_ids)
             )
@@ -61,6 +95,7 @@ class OutputPublisher:
                 num_outputs=out.num_output_tokens,
             )
             await ctx.bus.events.publish_output(final)
+            self._recent[rid] = (time.monotonic(), self._sent.pop(rid, []), final)
             if ctx.ledger.record is not None:
                 ctx.ledger.record.finish(rid, out.num_output_tokens, out.finish_reason)
             ctx.counters.finished += 1

@@ -61,6 +61,7 @@ class StageWorker:
         self._stop = asyncio.Event()
         self._drain_deadline = float("inf")
         self._checked = -1  # the ledger's change count at the last integrity check
+        self._reconnects = 0  # NATS reconnects already caught up on
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -263,6 +264,9 @@ class StageWorker:
             raise_if_cancelled()
             await asyncio.sleep(HOUSEKEEPING)
             await self.ledger.expire()
+            if self.ctx.bus.reconnects != self._reconnects:  # outputs in flight may have been lost
+                self._reconnects = self.ctx.bus.reconnects
+                await self.outputs.catch_up()
             if self.loop.failure is not None:
                 raise RuntimeError("engine thread failed") from self.loop.failure
             if self.ledger.changes != self._checked:
