@@ -32,9 +32,15 @@ class ServiceSettings(BaseSettings):
     ttft_slo: float = Field(5.0, gt=0, description="Time-to-first-token objective, seconds")
     tbt_slo: float = Field(0.5, gt=0, description="Time-between-tokens objective (p90), seconds")
     # A task whose instance stops answering (killed, frozen) is redelivered after this long; a
-    # live instance extends its held tasks every third of it. Shorter finds a dead instance's
-    # requests sooner, at the cost of more keep-alive messages.
-    task_ack_wait: float = Field(30.0, ge=1, description="Seconds before a dead instance's task is retried")
+    # live instance extends its held tasks every third of it. Failover (below) hands a dead
+    # instance's tasks on much sooner; this is the backstop.
+    task_ack_wait: float = Field(10.0, ge=1, description="Seconds before a dead instance's task is retried")
+    heartbeat_interval: float = Field(0.5, gt=0, description="Seconds between heartbeats")
+    failover_after: float = Field(
+        1.5,
+        gt=0,
+        description="Seconds of silence after which an instance is taken for dead and its work handed on",
+    )
 
     def bus_config(self, name: str) -> BusConfig:
         return BusConfig(url=self.nats_url, prefix=self.namespace, name=name, ack_wait=self.task_ack_wait)
@@ -77,7 +83,6 @@ class WorkerSettings(ServiceSettings):
         description="Fetch a prefill task's image features as soon as it arrives (002 §3.2); "
         "off: only when the engine would run it",
     )
-    heartbeat_interval: float = 1.0
     heartbeat_ttl: float = 5.0
     drain_timeout: float = 30.0
     check_integrity: bool = Field(

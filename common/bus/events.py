@@ -27,6 +27,7 @@ from common.protocol import (
     OUTPUT_KINDS,
     Cancel,
     DeadLetter,
+    Fence,
     Heartbeat,
     Message,
     Plan,
@@ -186,6 +187,12 @@ class EventBus:
 
     async def cancels(self) -> EventStream:
         return await self.subscribe(self.subjects.cancel, (Cancel,))
+
+    async def fence(self, message: Fence) -> None:
+        await self.publish(self.subjects.fence, message)
+
+    async def fences(self) -> EventStream:
+        return await self.subscribe(self.subjects.fence, (Fence,))
 
     async def release(self, message: Release) -> None:
         await self.publish(self.subjects.release(message.owner), message)

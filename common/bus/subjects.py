@@ -4,6 +4,7 @@
     <p>.out.<request_id>               core: TokenDelta / FinalOutput / ErrorOutput for one request,
                                        also kept a while in stream <P>_OUTPUTS (gap fill)
     <p>.ctl.cancel                     core: Cancel, broadcast to every instance
+    <p>.ctl.fence                      core: Fence, broadcast: an instance was found dead
     <p>.ctl.release.<owner>            core: Release, to the instance that holds the KV
     <p>.plan                           core: Plan events from the planner
     <p>.hb.<instance_id>               core: Heartbeat (the registry in Redis is the source of truth)
@@ -64,6 +65,10 @@ class Subjects:
     @property
     def cancel(self) -> str:
         return f"{self.prefix}.ctl.cancel"
+
+    @property
+    def fence(self) -> str:
+        return f"{self.prefix}.ctl.fence"
 
     def release(self, owner: str) -> str:
         return f"{self.prefix}.ctl.release.{check_token(owner, 'instance id')}"

@@ -29,6 +29,7 @@ from common.protocol import DeadLetter, ErrorOutput, ProtocolError, StageTask, d
 from common.roles import Role
 
 log = logging.getLogger(__name__)
+FAILOVER_HEADER = "Trident-Failover"  # on a task handed on from a dead instance: which one
 
 # Errors that mean "NATS is not there right now"; a publish retries through them until its deadline.
 _TRANSIENT = (
@@ -75,9 +76,13 @@ class TaskPublisher:
         """
         if not isinstance(task, StageTask):
             raise TypeError(f"{type(task).__name__} is not a stage task")
-        subject = self._config.subjects.task(task.ROLE)
-        data = task.to_bytes()
-        headers = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
+        return await self.restore(self._config.subjects.task(task.ROLE), task.to_bytes(), msg_id)
+
+    async def restore(
+        self, subject: str, data: bytes, msg_id: str | None = None, headers: dict[str, str] | None = None
+    ) -> int:
+        """Store an encoded task (the failover hands a dead instance's stored ones on this way)."""
+        headers = {**(headers or {}), "Nats-Msg-Id": msg_id or uuid.uuid4().hex}
         deadline = time.monotonic() + self._config.publish_timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -95,7 +100,7 @@ class TaskPublisher:
                 await asyncio.sleep(min(0.2, max(0.0, remaining)))
             except nats.js.errors.APIError as exc:
                 if "maximum messages" in str(exc.description or ""):
-                    full = f"the {task.ROLE} queue is full ({self._config.max_queued_tasks} tasks)"
+                    full = f"the queue on {subject} is full ({self._config.max_queued_tasks} tasks)"
                     raise QueueFull(full) from exc
                 raise
 
@@ -118,6 +123,12 @@ class Task:
     def deliveries(self) -> int:
         """How many times this task has been delivered, this time included."""
         return self.msg.metadata.num_delivered
+
+    @property
+    def redelivered(self) -> bool:
+        """An instance had this task before: delivered again, or handed on from a dead instance
+        (common/failover.py). Its request may have streamed tokens since the task was made."""
+        return self.deliveries > 1 or FAILOVER_HEADER in (self.msg.headers or {})
 
     @property
     def stream_seq(self) -> int:

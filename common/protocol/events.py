@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from common.protocol.codec import Message, Record
 from common.protocol.sampling import TokenId
@@ -26,6 +26,7 @@ class TokenDelta(Message):
     request_id: str
     index: int = Field(ge=0)
     token_ids: tuple[TokenId, ...] = Field(min_length=1)
+    source: str = ""  # the instance that made them; the gateway ignores a fenced one's (failover)
 
 
 class Usage(Record):
@@ -42,6 +43,7 @@ class FinalOutput(Message):
     finish_reason: FinishReason
     usage: Usage
     num_outputs: int = Field(ge=0)
+    source: str = ""
 
 
 class ErrorOutput(Message):
@@ -51,6 +53,7 @@ class ErrorOutput(Message):
     request_id: str
     code: str
     message: str
+    source: str = ""
 
 
 OUTPUT_KINDS: tuple[type[Message], ...] = (TokenDelta, FinalOutput, ErrorOutput)
@@ -62,6 +65,16 @@ class Cancel(Message):
 
     KIND: ClassVar[str] = "ctl.cancel"
     request_id: str
+    reason: str = ""
+
+
+class Fence(Message):
+    """An instance was found dead (its heartbeats stopped): its work is handed to live replicas, and
+    it must do nothing more — should it come back (it was only frozen), it leaves at once, and what
+    it still sends is ignored."""
+
+    KIND: ClassVar[str] = "ctl.fence"
+    instance_id: str = Field(min_length=1)
     reason: str = ""
 
 
@@ -83,11 +96,18 @@ class Budgets(Record):
 
 
 class Heartbeat(Message):
-    """An instance's liveness and load, written to the registry with a TTL and published."""
+    """An instance's liveness and load: a worker's is written to the registry with a TTL, and
+    every instance's (gateways' too) is published, which is how a dead one is noticed within
+    seconds. `held` lists the stream sequences of the tasks it holds, so they can be handed to a
+    live replica at once; `leaving` says it ended cleanly (nothing to hand over)."""
 
     KIND: ClassVar[str] = "hb"
+    VERSION: ClassVar[int] = 2  # v2: kind, held and leaving; a gateway's has no roles
     instance_id: str = Field(min_length=1)
-    roles: tuple[Role, ...] = Field(min_length=1)
+    kind: Literal["worker", "gateway"] = "worker"
+    roles: tuple[Role, ...] = ()
+    held: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    leaving: bool = False
     http_address: str = ""
     transfer_address: str = ""
     queue_depth: int = Field(0, ge=0)
@@ -99,6 +119,12 @@ class Heartbeat(Message):
     draining: bool = False
     started_at: float = 0.0
     time: float  # wall clock when sent
+
+    @model_validator(mode="after")
+    def _worker_has_roles(self) -> Heartbeat:
+        if self.kind == "worker" and not self.roles:
+            raise ValueError("a worker's heartbeat names at least one role")
+        return self
 
 
 class Plan(Message):

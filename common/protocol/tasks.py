@@ -44,6 +44,8 @@ class RequestSpec(Record):
     # Tokens already generated and streamed, when the request resumes after the instance that
     # was generating it died: prefill computes them as context and generation continues after.
     output_token_ids: tuple[TokenId, ...] = ()
+    # The gateway whose client waits for it: should that gateway die, its requests are dropped.
+    gateway: str = ""
 
     def without_pixels(self) -> RequestSpec:
         """The same request with pixels dropped: what travels on after encoding."""
@@ -53,9 +55,11 @@ class RequestSpec(Record):
 
 class StageTask(Message):
     """A request's next stage, queued on that stage's subject (`ROLE`); every kind carries the
-    request itself, so any stage can send it on, or back, without asking anyone."""
+    request itself, so any stage can send it on, or back, without asking anyone. (v2 of encode and
+    prefill, v3 of decode: the request names its gateway; older payloads read as having none.)"""
 
     ROLE: ClassVar[Role]
+    VERSION: ClassVar[int] = 2
     request: RequestSpec
 
 
@@ -126,7 +130,7 @@ class DecodeTask(StageTask):
     """
 
     KIND: ClassVar[str] = "task.decode"
-    VERSION: ClassVar[int] = 2  # v1 spread the request's fields over the task itself
+    VERSION: ClassVar[int] = 3  # v1 spread the request's fields over the task itself
     ROLE: ClassVar[Role] = Role.DECODE
     kv: KvLocation
 

@@ -2,9 +2,12 @@
 
 <p>:req:<request_id>          hash   per-stage timestamps and sizes of one request      TTL request_ttl
 <p>:req:<request_id>:out      list   output token ids the gateway has streamed (journal)  TTL outputs_ttl
+<p>:req:<request_id>:cancelled string tombstone: workers drop the request's tasks unrun   TTL request_timeout
 <p>:trace                     stream one TraceRecord per finished request (planner)  MAXLEN ~trace_maxlen
 <p>:feat:<content_hash>       hash   owner + FeatureEntry of an image's features         TTL per entry
 <p>:inst:<instance_id>        string Heartbeat of a live instance                        TTL heartbeat_ttl
+<p>:inst:<instance_id>:reaped string the watcher that claimed this instance's death      TTL 5 min
+<p>:inst:<instance_id>:fenced string taken for dead: it must publish nothing and leave  TTL 1 day
 <p>:instances                 zset   instance id -> expiry time (index over inst:*)
 <p>:profile:<profile_id>      string StageProfile
 <p>:profiles                  set    profile ids
@@ -44,6 +47,12 @@ class Keys:
 
     def instance(self, instance_id: str) -> str:
         return f"{self.prefix}:inst:{instance_id}"
+
+    def fenced(self, instance_id: str) -> str:
+        return f"{self.prefix}:inst:{instance_id}:fenced"
+
+    def reaped(self, instance_id: str) -> str:
+        return f"{self.prefix}:inst:{instance_id}:reaped"
 
     @property
     def instances(self) -> str:

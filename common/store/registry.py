@@ -43,6 +43,21 @@ class Registry:
             pipe.zrem(self._keys.instances, instance_id)
             await pipe.execute()
 
+    async def claim_death(self, instance_id: str, ttl: float = 300.0) -> bool:
+        """Take on handing over a dead instance's work; only the first watcher to ask gets True."""
+        return bool(await self._r.set(self._keys.reaped(instance_id), 1, nx=True, ex=int(ttl)))
+
+    async def fence(self, instance_id: str, ttl: float = 86400.0) -> None:
+        """Mark an instance found dead and drop its record: should it come back, it must leave."""
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.set(self._keys.fenced(instance_id), 1, ex=int(ttl))
+            pipe.delete(self._keys.instance(instance_id))
+            pipe.zrem(self._keys.instances, instance_id)
+            await pipe.execute()
+
+    async def is_fenced(self, instance_id: str) -> bool:
+        return bool(await self._r.exists(self._keys.fenced(instance_id)))
+
     async def get(self, instance_id: str) -> Heartbeat | None:
         raw = await self._r.get(self._keys.instance(instance_id))
         return self._decode(raw)
@@ -69,28 +84,32 @@ class Registry:
 
 
 class Heartbeater:
-    """Registers an instance every `interval` seconds until stopped, riding out Redis outages.
+    """Beats every `interval` seconds until stopped, riding out Redis and NATS outages alike.
 
-    `make` builds the current heartbeat (load figures change); `also` (optional) runs after each
-    successful write, e.g. to publish the heartbeat on NATS. `stop()` deregisters, so a drained
-    instance leaves the registry at once instead of after its TTL.
+    `make` builds the current heartbeat (load figures change). Each beat is published with
+    `publish` (NATS: how watchers notice a death within seconds) and, for a worker, written to the
+    registry with a TTL; one failing does not stop the other. `poke()` publishes a beat now (a
+    worker that took a task says so at once, so its failover can hand the task on). `stop()`
+    publishes a last, leaving beat and deregisters, so a drained instance is neither missed nor
+    counted as live. With `registry=None` (a gateway) nothing is written to Redis.
     """
 
     def __init__(
         self,
-        registry: Registry,
+        registry: Registry | None,
         make: Callable[[], Heartbeat],
         interval: float = 1.0,
         ttl: float | None = None,
-        also: Callable[[Heartbeat], Awaitable[None]] | None = None,
+        publish: Callable[[Heartbeat], Awaitable[None]] | None = None,
     ) -> None:
         self._registry = registry
         self._make = make
         self.interval = interval
         self.ttl = ttl if ttl is not None else 3 * interval  # two missed beats are tolerated
-        self._also = also
+        self._publish = publish
         self._task: asyncio.Task[None] | None = None
         self._instance_id: str | None = None
+        self._poked = asyncio.Event()
         self.beats = 0
         self.failures = 0
 
@@ -98,26 +117,43 @@ class Heartbeater:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="heartbeater")
 
+    def poke(self) -> None:
+        """Beat now rather than at the next interval."""
+        self._poked.set()
+
     async def stop(self, deregister: bool = True) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if deregister and self._instance_id is not None:
+        if not deregister:
+            return
+        if self._publish is not None:
+            try:
+                await self._publish(self._make().model_copy(update={"leaving": True, "held": ()}))
+            except Exception as exc:
+                log.warning(
+                    "could not say %s is leaving: %r (it will be taken for dead)", self._instance_id, exc
+                )
+        if self._registry is not None and self._instance_id is not None:
             try:
                 await self._registry.deregister(self._instance_id)
             except redis.exceptions.RedisError as exc:
                 log.warning("could not deregister %s: %r (its record will expire)", self._instance_id, exc)
 
     async def beat(self) -> None:
-        """Write one heartbeat now."""
+        """Publish one heartbeat now, and write it to the registry."""
         heartbeat = self._make()
         self._instance_id = heartbeat.instance_id
-        await self._registry.register(heartbeat, self.ttl)
+        if self._publish is not None:
+            try:
+                await self._publish(heartbeat)
+            except Exception as exc:  # NATS away: the registry still hears of us
+                log.debug("heartbeat not published: %r", exc)
+        if self._registry is not None:
+            await self._registry.register(heartbeat, self.ttl)
         self.beats += 1
-        if self._also is not None:
-            await self._also(heartbeat)
 
     async def _run(self) -> None:
         down = False
@@ -133,4 +169,7 @@ class Heartbeater:
                 if not down:  # one line per outage, not one per beat
                     log.warning("heartbeat failed (%r); retrying every %.1fs", exc, self.interval)
                 down = True
-            await asyncio.sleep(self.interval)
+            with contextlib.suppress(TimeoutError):  # not wait_for, which on 3.11 can drop a cancel
+                async with asyncio.timeout(self.interval):
+                    await self._poked.wait()
+            self._poked.clear()

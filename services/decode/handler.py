@@ -46,7 +46,7 @@ class DecodeHandler(StageHandler):
         except AdmissionError as exc:
             await ctx.fail(rid, "service_unavailable", str(exc))
             return
-        if task.deliveries > 1:
+        if task.redelivered:
             # The decoder that had it may have died mid-generation: the KV this task points to
             # covers only the tokens before the task, and the client has seen more. Resume from those.
             streamed = await ctx.streamed(rid, spec.output_token_ids)
@@ -87,7 +87,7 @@ class DecodeHandler(StageHandler):
         # Say again what came before (the first token, or all a resumed request has): had it been
         # lost on the way, the gateway would wait for it behind every token this instance makes.
         await ctx.bus.events.publish_output(
-            TokenDelta(request_id=rid, index=0, token_ids=spec.output_token_ids)
+            TokenDelta(request_id=rid, index=0, token_ids=spec.output_token_ids, source=ctx.instance_id)
         )
         ctx.ledger.mark(held, Stage.DECODE_STARTED)
         ctx.counters.decodes_admitted += 1

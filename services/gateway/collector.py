@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Container
 from dataclasses import dataclass, field
 
 from common.bus import EventStream
@@ -89,7 +89,7 @@ class OutputCollector:
         self, stream: EventStream, tokenizer, stop: tuple[str, ...], *, deadline: float, arrival: float,
         keepalive: float | None = None, on_tokens: Callable[[list[int]], None] | None = None,
         refill: Callable[[], Awaitable[list[Message]]] | None = None,
-        reconnects: Callable[[], int] | None = None,
+        reconnects: Callable[[], int] | None = None, fenced: Container[str] = (),
     ) -> None:  # fmt: skip
         self.stream = stream
         self.on_tokens = on_tokens  # told each run of tokens as it is released, in order
@@ -98,6 +98,7 @@ class OutputCollector:
         self.keepalive = keepalive
         self.refill = refill
         self.reconnects = reconnects
+        self.fenced = fenced  # instances taken for dead: what they still send is ignored
         self.outcome = Outcome()
         self.clock = TokenClock(arrival)
         self.received = 0  # output tokens released so far, for usage reported while streaming
@@ -176,6 +177,8 @@ class OutputCollector:
     def take(self, msg: Message) -> Piece | None:
         """Fold one output in: tokens are kept by index (a repeat or an overlap is harmless) and
         released as soon as they follow on from what was released; returns what that released."""
+        if msg.source in self.fenced:
+            return None  # it came back after it was taken for dead; the request went on elsewhere
         if isinstance(msg, ErrorOutput):
             raise APIError(ERROR_STATUS.get(msg.code, 500), msg.message, code=msg.code)
         if isinstance(msg, FinalOutput):

@@ -5,8 +5,8 @@ client has already been sent (design.md, "Reliability rules"): the decode task i
 its KV is gone with the dead instance's peer, and the request is prefilled again over its prompt
 *and* these tokens. Only the gateway knows exactly which tokens reached the client, so it keeps
 the journal. Writes are batched: one pipelined round trip per `interval` for every request that
-streamed meanwhile, off the path that delivers tokens. A resume comes at least a task's ack
-deadline after the death, long after the last tokens were journaled.
+streamed meanwhile, off the path that delivers tokens. A resume comes at least
+TRIDENT_FAILOVER_AFTER (1.5 s) after the death, long after the last tokens were journaled.
 
 A journal is dropped when its request ends at the gateway. One whose write failed is dropped
 too and not written again: a journal with a gap would resume from a history the client never

@@ -61,6 +61,7 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         images=tuple(images),
         sampling=sampling,
         arrival_time=time.time(),
+        gateway=gw.instance_id,
     )
     gw.record.create(
         rid, arrival=spec.arrival_time, prompt_tokens=len(prompt.token_ids), num_images=len(images),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -16,10 +16,11 @@ from common.bus import Bus
 from common.dispatch import Dispatcher
 from common.engine.loader import load_config
 from common.engine.processor import RequestProcessor
-from common.protocol import Cancel
+from common.failover import Reaper, instance_name
+from common.protocol import Cancel, Heartbeat
 from common.roles import Role
 from common.stats import SLO
-from common.store import Store, StoreConfig
+from common.store import Heartbeater, Store, StoreConfig
 from common.store.recorder import StageRecorder
 from common.transfer import TransferConfig, create_backend
 from services.gateway.images import ImagePolicy
@@ -37,6 +38,8 @@ class Metrics:
     routed: Counter
     in_flight: Gauge
     queued: Gauge
+    failovers: Gauge
+    handed_on: Gauge
     ttft: Histogram
     latency: Histogram
 
@@ -56,6 +59,8 @@ class Metrics:
             Gauge(
                 "trident_gateway_queued_tasks", "Tasks waiting in each stage's queue", ["stage"], registry=r
             ),
+            Gauge("trident_failovers", "Dead instances whose work this gateway handed on", registry=r),
+            Gauge("trident_tasks_handed_on", "Tasks of dead instances this gateway queued again", registry=r),
             Histogram("trident_gateway_ttft_seconds", "Time to first token", registry=r),
             Histogram("trident_gateway_latency_seconds", "Request latency", registry=r),
         )
@@ -65,7 +70,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.model_name = settings.served_model_name
-        self.instance_id = settings.instance_id or f"gateway-{socket.gethostname()}-{os.getpid()}"
+        self.instance_id = settings.instance_id or instance_name("gateway")
         self.processor = RequestProcessor(settings.model)
         text_config = load_config(settings.model).text_config
         self.max_model_len = text_config.max_position_embeddings
@@ -114,13 +119,27 @@ class Gateway:
         self.dispatch = Dispatcher(self.bus.tasks, self.record)
         self.queues = QueueDepths(self.bus, s.max_queued_tasks, self.metrics.queued)
         self._watching = asyncio.create_task(self.queues.run())
+        # The gateway watches for dead instances too (it outlives most), and is watched itself: a
+        # dead gateway's requests are dropped everywhere.
+        self.reaper = Reaper(self.bus, self.store, self.instance_id, s.failover_after)
+        self._reaping = asyncio.create_task(self.reaper.run())
+        self.metrics.failovers.set_function(lambda: self.reaper.reaped)
+        self.metrics.handed_on.set_function(lambda: self.reaper.handed_on)
+        self.heartbeats = Heartbeater(
+            None, self.heartbeat, s.heartbeat_interval, publish=self.bus.events.heartbeat
+        )
+        self.heartbeats.start()
         host = socket.gethostname() if s.advertise_host == "auto" else s.advertise_host
         self.transfer = create_backend(TransferConfig(backend="tcp", host=s.bind_host, advertise_host=host))
         await self.transfer.start()
 
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(instance_id=self.instance_id, kind="gateway", time=time.time())
+
     async def close(self) -> None:
         await self.record.flush()
-        for task in (self._recording, self._journaling, self._watching):
+        await self.heartbeats.stop()
+        for task in (self._recording, self._journaling, self._watching, self._reaping):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -41,6 +41,7 @@ class StageContext:
     dispatch: Dispatcher
     counters: Counters
     draining: asyncio.Event = field(default_factory=asyncio.Event)  # set when the worker drains
+    fenced: asyncio.Event = field(default_factory=asyncio.Event)  # set once taken for dead: do nothing
 
     async def pull(self, held: Held, ref: InlineTensor | TensorRef | None) -> torch.Tensor:
         """A tensor a task points to, copied out of the transfer pool. Raises TransferError when it
@@ -74,7 +75,7 @@ class StageContext:
         """The task's request, resuming from the tokens already streamed if this is a redelivery: the
         instance that had it may have died while generating (a hybrid holds its task until the end)."""
         spec = task.message.request
-        if task.deliveries == 1:
+        if not task.redelivered:
             return spec
         return spec.model_copy(
             update={"output_token_ids": await self.streamed(spec.request_id, spec.output_token_ids)}
@@ -104,7 +105,7 @@ class StageContext:
         self.counters.errors += 1
         try:
             await self.bus.events.publish_output(
-                ErrorOutput(request_id=request_id, code=code, message=message)
+                ErrorOutput(request_id=request_id, code=code, message=message, source=self.instance_id)
             )
         finally:
             await self.ledger.abort(request_id)

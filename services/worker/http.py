@@ -36,6 +36,8 @@ class WorkerCollector:
             ("cancelled_unrun", c.cancelled_unrun, "Tasks of cancelled requests dropped when pulled"),
             ("feature_cache_hits", stats.feature_hits, "Images found in the feature cache"),
             ("integrity_failures", w.integrity_failures, "Ledger/engine integrity checks that failed"),
+            ("failovers", w.reaper.reaped, "Dead instances whose work this one handed on"),
+            ("tasks_handed_on", w.reaper.handed_on, "Tasks of dead instances this one queued again"),
         ]:
             metric = CounterMetricFamily(f"trident_{name}", doc, labels=labels)
             metric.add_metric(values, value)

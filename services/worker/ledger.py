@@ -84,11 +84,13 @@ class Ledger:
         transfer: TransferBackend,
         record: StageRecorder | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_begin: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         self.transfer = transfer
         self.record = record
         self.clock = clock
+        self.on_begin = on_begin  # told when a request is taken on (a heartbeat says so at once)
         self._held: dict[str, Held] = {}
         self.changes = 0  # counts records begun and dropped: "has anything happened since I looked"
         # Requests cancelled while not held here (queued, or still on their way): their tasks are
@@ -137,6 +139,8 @@ class Ledger:
             self._drop(old)
         held = self._held[rid] = Held(rid, role, spec, task)
         self.changes += 1
+        if self.on_begin is not None:
+            self.on_begin()
         return held
 
     def mark(self, held: Held, stage: Stage, **info: str) -> None:

@@ -46,7 +46,11 @@ class HttpServer(uvicorn.Server):
         yield
 
 
-async def serve(settings: WorkerSettings) -> None:
+FENCED_EXIT = 3  # taken for dead while it lived (frozen, cut off): restart it as a new instance
+
+
+async def serve(settings: WorkerSettings) -> int:
+    """Run a worker until it stops; returns the process's exit status."""
     worker = StageWorker(settings, STAGES)
     await worker.start()
     sock = bind(settings.bind_host, settings.http_port)
@@ -80,6 +84,7 @@ async def serve(settings: WorkerSettings) -> None:
         await http
         await worker.close()
         log.info("%s stopped", worker.instance_id)
+    return FENCED_EXIT if worker.ctx.fenced.is_set() else 0
 
 
 def main(roles: str | None = None) -> None:
@@ -95,4 +100,4 @@ def main(roles: str | None = None) -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    asyncio.run(serve(settings))
+    sys.exit(asyncio.run(serve(settings)))

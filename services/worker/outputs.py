@@ -31,6 +31,7 @@ class OutputPublisher:
     def __init__(self, ctx: StageContext, hand_on: Mapping[Role, HandOn]) -> None:
         self.ctx = ctx
         self.hand_on = hand_on  # the next stage -> whoever queues it (the handler of the stage before)
+        self.me = ctx.instance_id
         self._sent: dict[str, list[int]] = {}  # held request -> every output token it has so far
         self._recent: OrderedDict[str, tuple[float, list[int], FinalOutput]] = OrderedDict()
 
@@ -40,6 +41,8 @@ class OutputPublisher:
         return cls(ctx, {h.hands_on_to: h.hand_on for h in handlers if h.hands_on_to is not None})
 
     async def publish(self, outputs: list[RequestOutput]) -> None:
+        if self.ctx.fenced.is_set():
+            return  # taken for dead: its requests go on elsewhere
         for out in outputs:
             held = self.ctx.ledger.get(out.request_id)
             if held is None or held.cancelled:
@@ -64,10 +67,13 @@ class OutputPublisher:
         for held in self.ctx.ledger:
             tokens = self._sent.get(held.request_id) or list(held.spec.output_token_ids)
             if tokens:
-                await events.publish_output(TokenDelta(request_id=held.request_id, index=0, token_ids=tokens))
+                again = TokenDelta(request_id=held.request_id, index=0, token_ids=tokens, source=self.me)
+                await events.publish_output(again)
         for rid, (_, tokens, final) in list(self._recent.items()):
             if tokens:
-                await events.publish_output(TokenDelta(request_id=rid, index=0, token_ids=tokens))
+                await events.publish_output(
+                    TokenDelta(request_id=rid, index=0, token_ids=tokens, source=self.me)
+                )
             await events.publish_output(final)
         log.info(
             "said again the outputs of %d held and %d ended requests", len(self.ctx.ledger), len(self._recent)
@@ -80,7 +86,7 @@ class OutputPublisher:
             sent = self._sent.setdefault(rid, list(held.spec.output_token_ids))
             sent[index:] = out.new_token_ids
             await ctx.bus.events.publish_output(
-                TokenDelta(request_id=rid, index=index, token_ids=out.new_token_ids)
+                TokenDelta(request_id=rid, index=index, token_ids=out.new_token_ids, source=self.me)
             )
             if index == 0:
                 ctx.ledger.mark(held, Stage.PREFILL_ENDED)
@@ -93,6 +99,7 @@ class OutputPublisher:
                 finish_reason=out.finish_reason,
                 usage=usage,
                 num_outputs=out.num_output_tokens,
+                source=self.me,
             )
             await ctx.bus.events.publish_output(final)
             self._recent[rid] = (time.monotonic(), self._sent.pop(rid, []), final)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections.abc import Mapping
@@ -18,6 +17,7 @@ from common.bus import Bus, Task, keep_alive
 from common.dispatch import Dispatcher
 from common.engine import Engine, EngineConfig, Policy, RequestOutput
 from common.engine.admission import pull_room
+from common.failover import Reaper, instance_name
 from common.protocol import Budgets, Heartbeat
 from common.roles import PULL_ORDER, Role, in_path_order, letters, parse_roles
 from common.store import Heartbeater, Store, StoreConfig
@@ -47,9 +47,7 @@ class StageWorker:
     def __init__(self, settings: WorkerSettings, stages: Mapping[Role, type[StageHandler]]) -> None:
         self.settings = settings
         self.roles = parse_roles(settings.roles)
-        self.instance_id = (
-            settings.instance_id or f"{letters(self.roles)}-{socket.gethostname()}-{os.getpid()}"
-        )
+        self.instance_id = settings.instance_id or instance_name(letters(self.roles))
         self.host = advertise_host(settings.advertise_host)
         self.stages = stages
         self.counters = Counters()
@@ -62,6 +60,7 @@ class StageWorker:
         self._drain_deadline = float("inf")
         self._checked = -1  # the ledger's change count at the last integrity check
         self._reconnects = 0  # NATS reconnects already caught up on
+        self._fetched: set[Task] = set()  # pulled, waiting their turn to be handled (not yet held)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -104,8 +103,14 @@ class StageWorker:
         self.outputs = OutputPublisher.for_handlers(self.ctx, self.handlers.values())
         self.loop.start()
         self.heartbeats = Heartbeater(
-            store.registry, self.heartbeat, s.heartbeat_interval, s.heartbeat_ttl, also=bus.events.heartbeat
+            store.registry,
+            self.heartbeat,
+            s.heartbeat_interval,
+            s.heartbeat_ttl,
+            publish=bus.events.heartbeat,
         )
+        self.ledger.on_begin = self.heartbeats.poke  # a task taken is a task the failover must know of
+        self.reaper = Reaper(bus, store, self.instance_id, s.failover_after, on_fence=self._fenced)
         self.heartbeats.start()
         log.info("%s ready: roles %s, transfer %s", self.instance_id, sorted(self.roles), transfer.address)
 
@@ -114,8 +119,9 @@ class StageWorker:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._pump_outputs())
             tg.create_task(self.record.run())
-            tg.create_task(keep_alive(self.ledger.tasks, self.ctx.bus.config.keep_alive_period))
+            tg.create_task(keep_alive(self._tasks, self.ctx.bus.config.keep_alive_period))
             tg.create_task(self._housekeeping())
+            tg.create_task(self.reaper.run())
             tg.create_task(self.ctx.watch_cancels())
             for handler in self.handlers.values():
                 tg.create_task(handler.watch())
@@ -153,7 +159,7 @@ class StageWorker:
         process alive until its orchestrator kills it, skipping the steps after."""
         await self.record.flush()
         for step in (
-            self.heartbeats.stop,
+            self._stop_heartbeats,
             self.loop.stop,
             self.ctx.bus.close,
             self.ctx.transfer.close,
@@ -171,6 +177,11 @@ class StageWorker:
             except Exception as exc:
                 log.warning("%s: %s failed: %r", self.instance_id, step.__qualname__, exc)
 
+    async def _stop_heartbeats(self) -> None:
+        """A last, leaving heartbeat and out of the registry — unless taken for dead: then it says
+        nothing more, not even goodbye."""
+        await self.heartbeats.stop(deregister=not self.ctx.fenced.is_set())
+
     # -- what others read --------------------------------------------------------------------------
 
     def heartbeat(self) -> Heartbeat:
@@ -178,6 +189,7 @@ class StageWorker:
         return Heartbeat(
             instance_id=self.instance_id,
             roles=in_path_order(self.roles),
+            held=tuple(task.stream_seq for task in self._tasks()),
             http_address=self.http_address,
             transfer_address=self.ctx.transfer.address,
             queue_depth=stats.waiting,
@@ -193,7 +205,7 @@ class StageWorker:
 
     def room(self, role: Role) -> int:
         """How many tasks of `role` to ask for now: what the batcher can take soon, no more."""
-        if self.draining.is_set():
+        if self.draining.is_set() or self.ctx.fenced.is_set():
             return 0
         stats = self.loop.stats
         return pull_room(
@@ -212,16 +224,31 @@ class StageWorker:
                 await asyncio.sleep(NO_ROOM_WAIT)
                 continue
             tasks = await consumer.fetch(room, timeout=0.5)
+            if not tasks:
+                continue
+            self._fetched.update(tasks)  # the failover must know of them before their turn
+            self.heartbeats.poke()
             cancelled = await self._tombstoned(tasks)
             for task in tasks:
-                if self.draining.is_set():  # fetched as the drain began: another replica takes it
-                    with contextlib.suppress(Exception):
-                        await task.nak()
-                elif task.message.request.request_id in cancelled:  # its client left while it queued
-                    self.counters.cancelled_unrun += 1
-                    await task.ack()
-                else:
-                    await self._handle(handler, task)
+                try:
+                    await self._take(handler, task, task.message.request.request_id in cancelled)
+                finally:
+                    self._fetched.discard(task)
+
+    async def _take(self, handler: StageHandler, task: Task, cancelled: bool) -> None:
+        if self.draining.is_set():  # fetched as the drain began: another replica takes it
+            with contextlib.suppress(Exception):
+                await task.nak()
+        elif cancelled or task.message.request.gateway in self.reaper.fenced:  # nobody waits for it
+            self.counters.cancelled_unrun += 1
+            await task.ack()
+        else:
+            await self._handle(handler, task)
+
+    def _tasks(self) -> list[Task]:
+        """Every task this instance has and has not settled: held, or pulled and waiting."""
+        held = self.ledger.tasks()
+        return held + [t for t in self._fetched if not t.settled and t not in held]
 
     async def _tombstoned(self, tasks: list[Task]) -> set[str]:
         """The requests among `tasks` cancelled while they queued (tombstones in Redis)."""
@@ -259,11 +286,19 @@ class StageWorker:
             await self.outputs.publish(await self._outputs.get())
 
     async def _housekeeping(self) -> None:
-        """Free KV nobody came for, stop on a failed engine, and (tests) check the ledger's integrity."""
+        """Free KV nobody came for, drop the requests of dead gateways, say outputs again after a
+        reconnect, stop on a failed engine, and (tests) check the ledger's integrity."""
         while True:
             raise_if_cancelled()
+            slept = time.monotonic()
             await asyncio.sleep(HOUSEKEEPING)
             await self.ledger.expire()
+            for held in self.ledger:
+                if held.spec.gateway in self.reaper.fenced:
+                    await self.ledger.abort(held.request_id)
+            frozen = time.monotonic() - slept > self.settings.failover_after  # e.g. SIGSTOP
+            if (frozen or self.ctx.bus.reconnects != self._reconnects) and await self._found_dead():
+                return
             if self.ctx.bus.reconnects != self._reconnects:  # outputs in flight may have been lost
                 self._reconnects = self.ctx.bus.reconnects
                 await self.outputs.catch_up()
@@ -271,6 +306,23 @@ class StageWorker:
                 raise RuntimeError("engine thread failed") from self.loop.failure
             if self.ledger.changes != self._checked:
                 await self._check_integrity()
+
+    def _fenced(self, instance_id: str) -> None:
+        """Another instance was found dead; if it is this one (it was frozen, and came back), it
+        does nothing more and leaves: its tasks went to others."""
+        if instance_id == self.instance_id and not self.ctx.fenced.is_set():
+            log.error("%s was taken for dead and its work handed on; leaving", self.instance_id)
+            self.ctx.fenced.set()
+            self.request_stop()
+
+    async def _found_dead(self) -> bool:
+        """After a freeze or an outage the fence broadcast may have been missed: ask the registry."""
+        try:
+            if await self.ctx.store.registry.is_fenced(self.instance_id):
+                self._fenced(self.instance_id)
+        except Exception as exc:
+            log.warning("%s: could not ask whether it was taken for dead: %r", self.instance_id, exc)
+        return self.ctx.fenced.is_set()
 
     async def _check_integrity(self) -> None:
         """With `check_integrity` on (tests): the ledger and the engine agree, and an instance that

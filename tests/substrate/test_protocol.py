@@ -16,6 +16,7 @@ from common.protocol import (
     EncodeTask,
     ErrorOutput,
     FeatureEntry,
+    Fence,
     FinalOutput,
     Heartbeat,
     ImageSpec,
@@ -75,6 +76,7 @@ EXAMPLES: list[Message] = [
     ErrorOutput(request_id="chatcmpl-1", code="server_error", message="encoder lost"),
     Cancel(request_id="chatcmpl-1", reason="client went away"),
     Release(request_id="chatcmpl-1", owner="pre-1", handles=("kv0", "kv1")),
+    Fence(instance_id="d-host-42", reason="no heartbeat for 1.5s"),
     Heartbeat(
         instance_id="pre-1",
         roles=("encode", "prefill"),
@@ -88,7 +90,9 @@ EXAMPLES: list[Message] = [
         profile_id="prof-1",
         started_at=1.0,
         time=2.0,
+        held=(17, 42),
     ),
+    Heartbeat(instance_id="gateway-1", kind="gateway", time=3.0, leaving=True),
     Plan(
         decision_id=7, method="ep+d", replicas={"ep": 2, "d": 3}, time=3.0, goodput=12.5, reason="image-heavy"
     ),

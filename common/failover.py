@@ -1,0 +1,182 @@
+"""Failover in seconds: a dead instance is noticed by its silence, and its work is handed on at once.
+
+Every instance publishes a heartbeat every interval; a worker's lists the stream sequences of the
+tasks it holds. Every instance, gateways and workers alike, watches the others'. One silent for
+`after` seconds, while the watcher's own connection was up all that time, is dead. The first
+watcher to claim it (in Redis) fences it — a mark in Redis and a broadcast, so that should it
+come back (it was frozen, not killed) it leaves, and whatever it still sends is ignored — takes it
+out of the registry, and hands every task it held back to its queue: the stored message, again,
+with a header naming the dead instance, so the next holder resumes the request from the tokens
+its client already has. Without this, a dead instance's tasks wait out their ack deadline.
+
+A watcher that could not hear — cut off from NATS, or itself stalled (frozen with SIGSTOP, starved
+of CPU) — judges no one until it has listened again for `after` seconds: a broker restart, or a
+watcher waking from a freeze, is not taken for the death of everyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+
+from nats.js.errors import NotFoundError
+
+from common.aio import raise_if_cancelled
+from common.bus import Bus
+from common.bus.tasks import FAILOVER_HEADER
+from common.protocol import Fence, Heartbeat
+from common.store import Store
+
+log = logging.getLogger(__name__)
+TICK = 0.25  # seconds between judgements
+STALL = 0.75  # a judgement this late means the watcher itself stalled: it counts afresh
+SWEEP_GRACE = 0.5  # seconds live instances have to list tasks they took as another died
+
+
+def instance_name(kind: str) -> str:
+    """`<kind>-<host>-<nonce>-<pid>`: unique per process start — a restarted container keeps its
+    host name and pid 1, but a dead instance's id stays fenced — and ending in the pid."""
+    return f"{kind}-{socket.gethostname()}-{secrets.token_hex(2)}-{os.getpid()}"
+
+
+class Reaper:
+    def __init__(
+        self, bus: Bus, store: Store, me: str, after: float = 1.5,
+        on_fence: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.bus = bus
+        self.store = store
+        self.me = me
+        self.after = after
+        self.on_fence = on_fence  # told of every instance fenced, by anyone (this one too)
+        self.fenced: set[str] = set()
+        self.reaped = 0  # deaths this watcher handed over
+        self.handed_on = 0  # tasks it handed on
+        self._last: dict[str, tuple[float, Heartbeat]] = {}
+        self._blind_until = 0.0
+        self._reconnects = bus.reconnects
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._hear_heartbeats())
+            tg.create_task(self._hear_fences())
+            tg.create_task(self._judge())
+
+    async def _hear_heartbeats(self) -> None:
+        async with await self.bus.events.heartbeats() as stream:
+            async for beat in stream:
+                if beat.leaving or beat.instance_id in self.fenced:
+                    self._last.pop(beat.instance_id, None)
+                elif beat.instance_id != self.me:
+                    self._last[beat.instance_id] = (time.monotonic(), beat)
+
+    async def _hear_fences(self) -> None:
+        async with await self.bus.events.fences() as stream:
+            async for fence in stream:
+                self._fenced(fence.instance_id)
+
+    def _fenced(self, instance_id: str) -> None:
+        if instance_id not in self.fenced:
+            self.fenced.add(instance_id)
+            self._last.pop(instance_id, None)
+            if self.on_fence is not None:
+                self.on_fence(instance_id)
+
+    async def _judge(self) -> None:
+        ticked = time.monotonic()
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(TICK)
+            now, late = time.monotonic(), time.monotonic() - ticked - TICK
+            ticked = now
+            if self.me in self.fenced:
+                return  # taken for dead itself: it judges no one
+            if not self.bus.connected or self.bus.reconnects != self._reconnects or late > STALL:
+                # Cut off, just back, or this process stalled (frozen, starved of CPU): everyone's
+                # silence may be its own deafness. Start counting afresh.
+                self._reconnects = self.bus.reconnects
+                self._blind_until = now + self.after
+                self._last = {i: (now, hb) for i, (_, hb) in self._last.items()}
+                continue
+            if now < self._blind_until:
+                continue
+            for instance_id, (seen, beat) in list(self._last.items()):
+                if now - seen > self.after:
+                    await self._reap(instance_id, beat, now - seen)
+
+    async def _reap(self, instance_id: str, beat: Heartbeat, silent: float) -> None:
+        try:
+            mine = await self.store.registry.claim_death(instance_id)
+        except Exception as exc:  # Redis away: judge again at the next tick
+            log.warning("cannot claim the death of %s yet: %r", instance_id, exc)
+            return
+        self._last.pop(instance_id, None)
+        if not mine:
+            return  # another watcher hands it over
+        reason = f"no heartbeat for {silent:.1f}s"
+        log.warning(
+            "%s is dead (%s); fencing it and handing on its %d tasks", instance_id, reason, len(beat.held)
+        )
+        try:
+            await self.store.registry.fence(instance_id)
+        except Exception as exc:  # the broadcast still fences it for everyone listening
+            log.warning("could not mark %s fenced in the registry: %r", instance_id, exc)
+        await self.bus.events.fence(Fence(instance_id=instance_id, reason=reason))
+        self._fenced(instance_id)
+        self.reaped += 1
+        delivered = await self._delivered(beat.roles)
+        handed = {seq for seq in beat.held if await self._hand_on(instance_id, seq)}
+        # Tasks delivered to it in its last moments, before a heartbeat could list them: taken
+        # once every live instance has had time to list what it took meanwhile.
+        await asyncio.sleep(SWEEP_GRACE)
+        live = {seq for _, hb in self._last.values() for seq in hb.held}
+        for role, upto in delivered.items():
+            for seq in await self._unsettled(role, upto):
+                if seq not in live and seq not in handed and await self._hand_on(instance_id, seq):
+                    handed.add(seq)
+        self.handed_on += len(handed)
+        if handed:
+            log.warning("handed on %d tasks of %s", len(handed), instance_id)
+
+    async def _delivered(self, roles) -> dict:
+        """For each role, the last stream sequence its consumer had delivered (now)."""
+        subjects, found = self.bus.subjects, {}
+        for role in roles:
+            with contextlib.suppress(Exception):
+                info = await self.bus.js.consumer_info(subjects.task_stream, subjects.consumer(role))
+                found[role] = info.delivered.stream_seq or 0
+        return found
+
+    async def _unsettled(self, role, upto: int) -> list[int]:
+        """Sequences of `role`'s tasks still in the stream (not settled), up to `upto`."""
+        js, stream, subject = self.bus.js, self.bus.subjects.task_stream, self.bus.subjects.task(role)
+        found, seq = [], 0
+        while True:
+            try:
+                msg = await js.get_msg(stream, seq=seq + 1, subject=subject, next=True)
+            except NotFoundError:
+                return found
+            seq = msg.seq
+            if seq > upto:
+                return found
+            found.append(seq)
+
+    async def _hand_on(self, dead: str, seq: int) -> bool:
+        """Queue the task at `seq` again for a live replica, and remove the dead one's copy."""
+        js, stream = self.bus.js, self.bus.subjects.task_stream
+        try:
+            stored = await js.get_msg(stream, seq)
+        except NotFoundError:
+            return False  # settled before the instance died
+        await self.bus.tasks.restore(
+            stored.subject, stored.data, msg_id=f"failover:{dead}:{seq}", headers={FAILOVER_HEADER: dead}
+        )
+        with contextlib.suppress(NotFoundError):
+            await js.delete_msg(stream, seq)
+        return True

@@ -1,0 +1,137 @@
+"""Failover in seconds, not at the ack deadline: a dead instance's silence is noticed, it is fenced,
+and its tasks go to a live replica at once. A decoder killed or frozen mid-stream is replaced and
+the seeded answer is the one an uninterrupted run gives; a frozen one that wakes up leaves; the
+requests of a dead gateway are dropped everywhere; encoders and prefills die under load and every
+request still ends with its answer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.services.cluster import running_cluster
+from tests.services.conftest import client_for
+from tests.services.test_behaviour import instances, metric
+from tests.services.test_e2e import user_message
+from tests.services.test_recovery import LONG, held, pid_of
+
+# Far beyond any failover: a request that moved on by its ack deadline would fail the stall checks.
+SLOW_ACK = {"TRIDENT_TASK_ACK_WAIT": "30"}
+ASK = dict(
+    model="tiny-llava", max_tokens=LONG, temperature=1.0, top_p=0.9, seed=5, extra_body={"ignore_eos": True}
+)
+
+
+def streamed(client, messages, on_chunk=None) -> tuple[str, int, float]:
+    """A stream's text, its token count and the longest gap between two of its chunks."""
+    pieces, usage, last, stall = [], None, time.monotonic(), 0.0
+    stream = client.chat.completions.create(
+        **ASK, messages=messages, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
+        now = time.monotonic()
+        stall, last = max(stall, now - last), now
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        usage = chunk.usage or usage
+        if on_chunk is not None:
+            on_chunk(len(pieces))
+    return "".join(pieces), usage.completion_tokens, stall
+
+
+def wait_for(check, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("stop", ["kill", "freeze"])
+def test_a_decoder_that_dies_mid_stream_is_replaced_within_seconds(
+    tiny_model_dir, tmp_path, image_urls, stop
+):
+    with running_cluster(tiny_model_dir, tmp_path, "e+p+d", {"decode": 2}, SLOW_ACK) as cluster:
+        wait_for(lambda: len(instances(cluster, "decode")) == 2)
+        client = client_for(cluster)
+        messages = user_message(image_urls[:1], "Tell me a long story")
+        expected = client.chat.completions.create(**ASK, messages=messages).choices[0].message.content
+        victim = []
+
+        def strike(chunks: int) -> None:
+            if chunks == 20 and not victim:
+                victim.append(next(i for i in instances(cluster, "decode") if held(i) == 1))
+                os.kill(pid_of(victim[0]), signal.SIGKILL if stop == "kill" else signal.SIGSTOP)
+
+        text, tokens, stall = streamed(client, messages, strike)
+        assert text == expected and tokens == LONG
+        assert stall < 10, f"the stream stalled {stall:.1f}s: the task waited for its ack deadline"
+        if stop == "freeze":
+            (name,) = [n for n, p in cluster.procs.items() if p.pid == pid_of(victim[0])]
+            os.kill(pid_of(victim[0]), signal.SIGCONT)
+            try:
+                code = cluster.procs[name].wait(30)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the fenced decoder did not leave:\n{cluster.log(name)[-3000:]}")
+            assert code == 3, cluster.log(name)[-3000:]  # taken for dead: it left, to be restarted
+            assert "taken for dead" in cluster.log(name)
+            cluster.procs.pop(name)
+
+
+def test_the_requests_of_a_dead_gateway_are_dropped_everywhere(tiny_model_dir, tmp_path):
+    with running_cluster(tiny_model_dir, tmp_path, "e+p+d", env=SLOW_ACK) as cluster:
+        (decoder,) = instances(cluster, "decode")
+        client = client_for(cluster)
+        threads = [
+            threading.Thread(target=lambda i=i: _swallow(streamed, client, user_message([], f"story {i}")))
+            for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        wait_for(lambda: metric(decoder["http_address"], "trident_held_requests") == 3)
+        cluster.procs["gateway"].kill()  # its clients are cut off: nobody waits for these requests
+        wait_for(lambda: metric(decoder["http_address"], "trident_held_requests") == 0, timeout=15)
+        total = metric(decoder["http_address"], "trident_total_kv_blocks")
+        assert metric(decoder["http_address"], "trident_free_kv_blocks") == total
+        for t in threads:
+            t.join(30)
+        cluster.procs.pop("gateway").wait(10)
+
+
+def _swallow(fn, *args) -> None:
+    with contextlib.suppress(Exception):
+        fn(*args)
+
+
+@pytest.mark.parametrize("role", ["encoder", "prefill"])
+def test_encoders_and_prefills_die_under_load_and_every_request_ends(
+    tiny_model_dir, tmp_path, image_urls, role
+):
+    scale = {role: 2}
+    with running_cluster(tiny_model_dir, tmp_path, "e+p+d", scale, SLOW_ACK) as cluster:
+        stage = "encode" if role == "encoder" else "prefill"
+        wait_for(lambda: len(instances(cluster, stage)) == 2)
+        client = client_for(cluster)
+
+        def ask(i: int) -> str:
+            messages = user_message(image_urls[i % 3 : i % 3 + 1], f"what is in picture {i}?")
+            reply = client.chat.completions.create(
+                model="tiny-llava", messages=messages, max_tokens=16, temperature=0
+            )
+            return reply.choices[0].message.content
+
+        expected = [ask(i) for i in range(12)]
+        victim = instances(cluster, stage)[0]
+        with ThreadPoolExecutor(6) as pool:
+            answers = pool.map(ask, range(12))
+            time.sleep(0.3)
+            os.kill(pid_of(victim), signal.SIGKILL)
+            started = time.monotonic()
+            assert list(answers) == expected
+        assert time.monotonic() - started < 20
