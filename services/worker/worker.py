@@ -61,6 +61,7 @@ class StageWorker:
         self._checked = -1  # the ledger's change count at the last integrity check
         self._reconnects = 0  # NATS reconnects already caught up on
         self._fetched: set[Task] = set()  # pulled, waiting their turn to be handled (not yet held)
+        self._fetching = 0  # pulls under way: what they bring must be handed back, not dropped
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -139,7 +140,11 @@ class StageWorker:
         self.draining.set()
         began = time.monotonic()
         self._drain_deadline = began + self.settings.drain_timeout
-        while len(self.ledger) and time.monotonic() < self._drain_deadline:
+        # A pull under way as the drain began still brings tasks; stopping before it returns would
+        # strand them until their ack deadline. They are handed back as they arrive (_take).
+        while (
+            len(self.ledger) or self._fetching or self._fetched
+        ) and time.monotonic() < self._drain_deadline:
             await asyncio.sleep(0.1)
         for held in self.ledger:  # still held at the deadline: tasks go back for other replicas
             log.warning(
@@ -223,7 +228,11 @@ class StageWorker:
             if room <= 0:
                 await asyncio.sleep(NO_ROOM_WAIT)
                 continue
-            tasks = await consumer.fetch(room, timeout=0.5)
+            self._fetching += 1
+            try:
+                tasks = await consumer.fetch(room, timeout=0.5)
+            finally:
+                self._fetching -= 1
             if not tasks:
                 continue
             self._fetched.update(tasks)  # the failover must know of them before their turn

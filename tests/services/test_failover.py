@@ -109,10 +109,16 @@ def _swallow(fn, *args) -> None:
         fn(*args)
 
 
-@pytest.mark.parametrize("role", ["encoder", "prefill"])
+@pytest.mark.parametrize(
+    ("role", "signum"),
+    [("encoder", signal.SIGKILL), ("prefill", signal.SIGKILL), ("prefill", signal.SIGTERM)],
+    ids=["kill-encoder", "kill-prefill", "drain-prefill"],
+)
 def test_encoders_and_prefills_die_under_load_and_every_request_ends(
-    tiny_model_dir, tmp_path, image_urls, role
+    tiny_model_dir, tmp_path, image_urls, role, signum
 ):
+    """A drained instance hands back what a pull under way brings, instead of stranding it until
+    its ack deadline; a killed one's are handed on by failover."""
     scale = {role: 2}
     with running_cluster(tiny_model_dir, tmp_path, "e+p+d", scale, SLOW_ACK) as cluster:
         stage = "encode" if role == "encoder" else "prefill"
@@ -131,7 +137,7 @@ def test_encoders_and_prefills_die_under_load_and_every_request_ends(
         with ThreadPoolExecutor(6) as pool:
             answers = pool.map(ask, range(12))
             time.sleep(0.3)
-            os.kill(pid_of(victim), signal.SIGKILL)
+            os.kill(pid_of(victim), signum)
             started = time.monotonic()
             assert list(answers) == expected
         assert time.monotonic() - started < 20
