@@ -1,0 +1,325 @@
+"""Faults under a steady streaming load: does every request still end, with the right answer?
+
+    python bench/faults.py [--faults kill-decoder,nats-outage,...] [--streams 4] [--tokens 128]
+                           [--settle 8] [--outage 20] [--freeze 10] [--deadline 60]
+                           [--model DIR] [--workdir .trident/faults]
+
+Runs `trident up` (E+P+D, two replicas of each stage, the tiny model by default) as a user would,
+and puts it under `--streams` greedy streaming clients that ask one chat after another (half of
+the chats with an image). Each fault, one after another on the same deployment:
+
+- kill-encoder, kill-prefill, kill-decoder, kill-gateway: `kill -9` of one process (a decoder that
+  holds streams); `trident up` restarts it, as compose's `restart: unless-stopped` would;
+- term-encoder, ... term-gateway: SIGTERM (a drain), then the same restart;
+- nats-restart, redis-restart: `kill -9` of the server; `trident up` starts it again at once on the
+  same port and files;
+- nats-outage: nats-server killed and kept down for `--outage` seconds (the launcher is paused
+  meanwhile so it does not restart it);
+- freeze-decoder: SIGSTOP of a decoder holding streams for `--freeze` seconds, then SIGCONT; it
+  finds it was taken for dead and leaves (exit 3), and is restarted;
+- none: no fault, the same load: what "normal" looks like.
+
+For each: requests accepted; completed with HF-identical greedy text; ended with a clear error;
+hung (no end within `--deadline`, which is also the gateway's TRIDENT_REQUEST_TIMEOUT minus 15 s
+of slack); lost (finished with other text); retried (the connection was refused or cut, and the
+client asked again: only a gateway's death does that); the longest stall a client saw (seconds
+without a new token, the first one included). After each fault the deployment must be whole again
+(two of each stage registered, the gateway ready) before the next one. A table goes to stdout and
+the figures as one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.bench.client import image_data_url
+from common.bench.fault_load import Outcome, StreamingLoad
+from common.bench.oracle import Chat, hf_greedy
+from common.checkpoints import is_checkpoint_dir, write_checkpoint
+from common.infra import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = {"encoder": "encode", "prefill": "prefill", "decode": "decode"}  # compose service -> role
+WORKERS = {"encoder": "encode", "prefill": "prefill", "decoder": "decode"}  # fault name -> role
+REPLICAS = 2
+WARM = 4.0  # seconds of load before the fault, so streams are under way when it strikes
+# Single-process deaths and restarts: every request must complete with identical text.
+MUST_COMPLETE = {
+    *(f"{how}-{s}" for how in ("kill", "term") for s in [*WORKERS, "gateway"]),
+    "nats-restart",
+    "redis-restart",
+}
+FAILOVER = {"kill-encoder", "kill-prefill", "kill-decoder"}  # a live replica takes over: stall ≤ 3 s
+STALL_GOAL = 3.0
+ALL_FAULTS = ["none", *sorted(MUST_COMPLETE), "nats-outage", "freeze-decoder"]
+
+
+class Deployment:
+    """`trident up` as a child process, read through its state file and its gateway."""
+
+    def __init__(self, model: Path, workdir: Path, deadline: float) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        scale = [f"--scale={s}={REPLICAS}" for s in STAGES]
+        argv = [
+            str(Path(sys.executable).with_name("trident")), "up", "-f", str(REPO / "compose.yaml"),
+            "--model", str(model), "--port", str(self.port), "--planner-port", str(free_port()), *scale,
+        ]  # fmt: skip
+        env = {**os.environ, "TRIDENT_REQUEST_TIMEOUT": str(deadline + 15), "PYTHONPATH": str(REPO)}
+        self.log = open(workdir / "up.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def state(self) -> dict:
+        try:
+            return json.loads((self.workdir / ".trident" / "up.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def instances(self, role: str) -> list[dict]:
+        found = httpx.get(self.url + "/v1/cluster", timeout=5).json()["instances"]
+        return [i for i in found if role in i["roles"]]
+
+    def whole(self) -> bool:
+        """The gateway is ready and two of each stage are registered."""
+        try:
+            if httpx.get(self.url + "/ready", timeout=2).status_code != 200:
+                return False
+            return all(len(self.instances(role)) == REPLICAS for role in STAGES.values())
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    def wait_whole(self, timeout: float) -> float:
+        """Seconds it took to be whole again; raises if it is not within `timeout`."""
+        start = time.monotonic()
+        while not self.whole():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"trident up exited with {self.proc.returncode}; see {self.log.name}")
+            if time.monotonic() - start > timeout:
+                raise RuntimeError(f"the deployment was not whole again after {timeout:.0f} s")
+            time.sleep(0.25)
+        return time.monotonic() - start
+
+    def pid(self, service: str) -> int:
+        """The pid of a server (nats, redis) or of the gateway."""
+        state = self.state()
+        if service in state.get("servers", {}):
+            return int(state["servers"][service]["pid"])
+        return next(int(p["pid"]) for p in state["processes"] if p["service"] == service)
+
+    def busy_worker(self, role: str) -> int:
+        """The pid of an instance of `role`, one that holds requests if there is one."""
+        found = self.instances(role)
+        for inst in found:
+            if _held(inst["http_address"]) > 0:
+                return _pid(inst)
+        return _pid(found[0])
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGINT)  # a second one kills what is left
+            self.proc.wait(30)
+        self.log.close()
+
+
+def _pid(instance: dict) -> int:
+    return int(instance["instance_id"].rsplit("-", 1)[1])
+
+
+def _held(http_address: str) -> float:
+    text = httpx.get(http_address + "/metrics", timeout=2).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("trident_held_requests")
+    )
+
+
+# -- the faults --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    strike: Callable[[Deployment], Callable[[], None] | None]  # returns what ends it, if anything
+    hold: float = 0.0  # seconds between the strike and its end
+
+
+def signal_worker(role: str, signum: int) -> Callable[[Deployment], None]:
+    return lambda d: os.kill(d.busy_worker(role), signum)
+
+
+def signal_service(service: str, signum: int) -> Callable[[Deployment], None]:
+    return lambda d: os.kill(d.pid(service), signum)
+
+
+def outage(d: Deployment) -> Callable[[], None]:
+    os.kill(d.proc.pid, signal.SIGSTOP)  # the launcher would restart nats at once
+    os.kill(d.pid("nats"), signal.SIGKILL)
+    return lambda: os.kill(d.proc.pid, signal.SIGCONT)
+
+
+def freeze(d: Deployment) -> Callable[[], None]:
+    pid = d.busy_worker("decode")
+    os.kill(pid, signal.SIGSTOP)
+    return lambda: os.kill(pid, signal.SIGCONT)
+
+
+def faults(outage_s: float, freeze_s: float) -> dict[str, Fault]:
+    found = {"none": Fault("none", lambda d: None)}
+    for how, signum in (("kill", signal.SIGKILL), ("term", signal.SIGTERM)):
+        for name, role in WORKERS.items():
+            found[f"{how}-{name}"] = Fault(f"{how}-{name}", signal_worker(role, signum))
+        found[f"{how}-gateway"] = Fault(f"{how}-gateway", signal_service("gateway", signum))
+    found["nats-restart"] = Fault("nats-restart", signal_service("nats", signal.SIGKILL))
+    found["redis-restart"] = Fault("redis-restart", signal_service("redis", signal.SIGKILL))
+    found["nats-outage"] = Fault("nats-outage", outage, hold=outage_s)
+    found["freeze-decoder"] = Fault("freeze-decoder", freeze, hold=freeze_s)
+    return found
+
+
+# -- one run -----------------------------------------------------------------------------------------
+def run_fault(d: Deployment, load: StreamingLoad, fault: Fault, settle: float) -> list[Outcome]:
+    load.start()
+    time.sleep(WARM)
+    end = fault.strike(d)
+    time.sleep(fault.hold)
+    if end is not None:
+        end()
+    time.sleep(settle)
+    return load.stop()
+
+
+def summary(name: str, outcomes: list[Outcome], recovered: float) -> dict:
+    count = {s: sum(o.status == s for o in outcomes) for s in ("identical", "different", "error", "hung")}
+    errors = sorted({o.error for o in outcomes if o.status == "error"})
+    return {
+        "fault": name,
+        "requests": len(outcomes),
+        "accepted": sum(o.accepted for o in outcomes),
+        "identical": count["identical"],
+        "error": count["error"],
+        "hung": count["hung"],
+        "lost": count["different"],
+        "retried": sum(o.attempts > 1 for o in outcomes),
+        "stall_s": round(max((o.stall for o in outcomes), default=0.0), 2),
+        "recovered_s": round(recovered, 1),
+        "errors": errors[:5],
+    }
+
+
+def goals(row: dict) -> list[str]:
+    """The goals a fault's row misses (none: met)."""
+    missed = []
+    if row["hung"] or row["lost"]:
+        missed.append("hung or lost requests")
+    if row["fault"] in MUST_COMPLETE and row["identical"] != row["requests"]:
+        missed.append("not every request completed identically")
+    if row["fault"] in FAILOVER and row["stall_s"] > STALL_GOAL:
+        missed.append(f"stall over {STALL_GOAL:.0f} s")
+    return missed
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """The machine's fp32 matmul rate now (median of `repeats`), to read the timings beside."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def chats() -> list[Chat]:
+    size = (320, 240)
+    return [
+        Chat("Tell me a story about a lighthouse."),
+        Chat("What is in the picture?", (image_data_url(11, size),)),
+        Chat("Write a poem about the sea and the wind."),
+        Chat("Describe this image in detail.", (image_data_url(12, size),)),
+        Chat("List some things to do on a rainy day."),
+        Chat("What colours do you see here?", (image_data_url(13, size),)),
+    ]
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["fault", "accepted", "identical", "error", "hung", "lost", "retried", "stall_s", "recovered_s"]
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    for row in rows:
+        cells = [str(row[c]) for c in cols]
+        lines.append(" | ".join(cells) + ("" if not row["missed"] else "  <- " + "; ".join(row["missed"])))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", default=",".join(ALL_FAULTS), help="comma-separated, in order")
+    parser.add_argument("--streams", type=int, default=4, help="concurrent streaming clients")
+    parser.add_argument("--tokens", type=int, default=128, help="greedy tokens per request (ignore_eos)")
+    parser.add_argument("--settle", type=float, default=8.0, help="seconds of load after a fault ends")
+    parser.add_argument("--outage", type=float, default=20.0, help="seconds NATS stays down")
+    parser.add_argument("--freeze", type=float, default=10.0, help="seconds a decoder stays frozen")
+    parser.add_argument("--deadline", type=float, default=60.0, help="seconds after which a request is hung")
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint dir; default: the tiny model")
+    parser.add_argument("--workdir", type=Path, default=Path(".trident/faults"))
+    args = parser.parse_args()
+
+    table_of = faults(args.outage, args.freeze)
+    chosen = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = [f for f in chosen if f not in table_of]
+    if unknown:
+        parser.error(f"unknown faults {unknown}; known: {', '.join(ALL_FAULTS)}")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    model = args.model or args.workdir / "models" / "tiny-llava"
+    if args.model is None and not is_checkpoint_dir(model):
+        write_checkpoint(model)
+    asked = chats()
+    expected = hf_greedy(model, asked, args.tokens)
+    rate = matmul_gflops()
+    print(
+        f"matmul: {rate:.1f} GFLOP/s (fp32 1024x1024); {len(asked)} chats, HF references computed", flush=True
+    )
+
+    d = Deployment(model.resolve(), args.workdir.resolve(), args.deadline)
+    rows: list[dict] = []
+    try:
+        d.wait_whole(300)
+        load = StreamingLoad(d.url, model.name, asked, expected, args.tokens, args.streams, args.deadline)
+        for name in chosen:
+            outcomes = run_fault(d, load, table_of[name], args.settle)
+            recovered = d.wait_whole(240)
+            row = summary(name, outcomes, recovered)
+            row["missed"] = goals(row)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        d.stop()
+    print()
+    print(table(rows))
+    met = all(not row["missed"] for row in rows)
+    print(json.dumps({"matmul_gflops": round(rate, 1), "streams": args.streams, "tokens": args.tokens,
+                      "goals_met": met, "faults": rows}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
