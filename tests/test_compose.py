@@ -22,7 +22,7 @@ from common.launcher import up
 from services.settings import GatewaySettings, PlannerSettings, WorkerSettings
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "shared" / "data" / "compose-spec.json"
+SCHEMA_PATH = REPO / "tests" / "data" / "compose-spec.json"  # shipped: data/README.md says whence
 WORKERS = ("encoder", "prefill", "decode", "worker-ep", "worker-ed", "worker-epd")
 APP = ("gateway", *WORKERS)  # the services built from this repository that load the model
 PLANNER = ("planner", "planner-jobs")  # built from this repository too; they need no model
@@ -33,7 +33,7 @@ PROFILE_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
 
 @pytest.fixture(scope="module")
 def validator() -> jsonschema.Draft7Validator:
-    """The Compose Specification's schema; a missing file fails (CI has shared/ beside the checkout)."""
+    """The Compose Specification's schema (shipped in tests/data); a missing file fails."""
     candidates = [SCHEMA_PATH]
     if os.environ.get("TRIDENT_COMPOSE_SCHEMA"):
         candidates.append(Path(os.environ["TRIDENT_COMPOSE_SCHEMA"]))

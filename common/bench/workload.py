@@ -36,10 +36,10 @@ class WorkloadError(ValueError):
 
 
 def traces_dir() -> Path:
-    """$TRIDENT_TRACES_DIR, else the shared data directory beside the repository."""
+    """$TRIDENT_TRACES_DIR, else the traces shipped in the repository (data/traces, data/README.md)."""
     if env := os.environ.get("TRIDENT_TRACES_DIR"):
         return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
+    return Path(__file__).resolve().parents[2] / "data" / "traces"
 
 
 def trace_timestamps(name_or_path: str) -> list[float]:
