@@ -2,7 +2,9 @@
 
 Every instance publishes a heartbeat every interval; a worker's lists the stream sequences of the
 tasks it holds. Every instance, gateways and workers alike, watches the others'. One silent for
-`after` seconds, while the watcher's own connection was up all that time, is dead. The first
+`after` seconds, while the watcher's own connection was up all that time, is asked over HTTP:
+a killed process refuses at once and a frozen one says nothing within a second, and either is
+dead; one that answers is slow (starved of CPU), not dead, and gets another allowance. The first
 watcher to claim it (in Redis) fences it — a mark in Redis and a broadcast, so that should it
 come back (it was frozen, not killed) it leaves, and whatever it still sends is ignored — takes it
 out of the registry, and hands every task it held back to its queue: the stored message, again,
@@ -25,6 +27,7 @@ import socket
 import time
 from collections.abc import Callable
 
+import httpx
 from nats.js.errors import NotFoundError
 
 from common.aio import raise_if_cancelled
@@ -37,6 +40,22 @@ log = logging.getLogger(__name__)
 TICK = 0.25  # seconds between judgements
 STALL = 0.75  # a judgement this late means the watcher itself stalled: it counts afresh
 SWEEP_GRACE = 0.5  # seconds live instances have to list tasks they took as another died
+# A gateway's death hands nothing on (its clients are gone with it), while taking a live one for
+# dead ends every request it serves; and its event loop, busy answering an overload, is the one
+# most likely to beat late. So a gateway gets this much silence at least before it is judged.
+GATEWAY_PATIENCE = 10.0
+PROBE_TIMEOUT = 1.0  # a silent worker is asked over HTTP before it is taken for dead
+
+
+async def answers(http_address: str, timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether an instance's HTTP side answers at all: a killed process refuses at once, a frozen
+    one accepts the connection and says nothing."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+            await http.get(http_address + "/health")
+    except httpx.HTTPError:
+        return False
+    return True
 
 
 def instance_name(kind: str) -> str:
@@ -61,6 +80,7 @@ class Reaper:
         self._last: dict[str, tuple[float, Heartbeat]] = {}
         self._blind_until = 0.0
         self._reconnects = bus.reconnects
+        self._ask_about_me = False  # a fence of this instance may have been missed: ask Redis
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -89,12 +109,12 @@ class Reaper:
                 self.on_fence(instance_id)
 
     async def _judge(self) -> None:
-        ticked = time.monotonic()
         while True:
             raise_if_cancelled()
+            slept = time.monotonic()
             await asyncio.sleep(TICK)
-            now, late = time.monotonic(), time.monotonic() - ticked - TICK
-            ticked = now
+            now = time.monotonic()
+            late = now - slept - TICK  # how long this process itself did not run
             if self.me in self.fenced:
                 return  # taken for dead itself: it judges no one
             if not self.bus.connected or self.bus.reconnects != self._reconnects or late > STALL:
@@ -103,14 +123,36 @@ class Reaper:
                 self._reconnects = self.bus.reconnects
                 self._blind_until = now + self.after
                 self._last = {i: (now, hb) for i, (_, hb) in self._last.items()}
+                self._ask_about_me = True
                 continue
+            if self._ask_about_me:
+                await self._was_i_fenced()
             if now < self._blind_until:
                 continue
             for instance_id, (seen, beat) in list(self._last.items()):
-                if now - seen > self.after:
+                if now - seen > self._patience(beat):
                     await self._reap(instance_id, beat, now - seen)
 
+    def _patience(self, beat: Heartbeat) -> float:
+        return self.after if beat.kind == "worker" else max(self.after, GATEWAY_PATIENCE)
+
+    async def _was_i_fenced(self) -> None:
+        """After its own outage or stall, the broadcast of its fence may have been missed."""
+        try:
+            fenced = await self.store.registry.is_fenced(self.me)
+        except Exception:  # Redis away: ask again at the next tick
+            return
+        self._ask_about_me = False
+        if fenced:
+            self._fenced(self.me)
+
     async def _reap(self, instance_id: str, beat: Heartbeat, silent: float) -> None:
+        if beat.http_address and await answers(beat.http_address):
+            # Starved of CPU, or its loop held up: slow, not dead. Taking it for dead would cost
+            # a restart and every request it holds a re-prefill; it gets another allowance.
+            log.warning("%s silent for %.1fs but it answers: slow, not dead", instance_id, silent)
+            self._last[instance_id] = (time.monotonic(), beat)
+            return
         try:
             mine = await self.store.registry.claim_death(instance_id)
         except Exception as exc:  # Redis away: judge again at the next tick

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -36,6 +36,9 @@ class StoreConfig:
     # A command waits at most this long; a dead Redis must not stall a service's event loop task.
     socket_timeout: float = 2.0
     retries: int = 3
+    # Connections at once; past them a command waits (up to socket_timeout) for a free one instead
+    # of failing, as a burst of a thousand requests ending together would otherwise make it.
+    max_connections: int = 64
 
 
 class Store:
@@ -54,15 +57,22 @@ class Store:
     @classmethod
     async def connect(cls, config: StoreConfig) -> Store:
         """A client that retries a command through a brief outage (e.g. a Redis restart)."""
-        redis = Redis.from_url(
+        pool = BlockingConnectionPool.from_url(
             config.url,
+            max_connections=config.max_connections,
+            timeout=config.socket_timeout,
             socket_timeout=config.socket_timeout,
             socket_connect_timeout=config.socket_timeout,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), config.retries),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
             health_check_interval=5,
         )
-        await redis.ping()
+        redis = Redis(connection_pool=pool)
+        try:
+            await redis.ping()
+        except BaseException:
+            await redis.aclose(close_connection_pool=True)
+            raise
         return cls(redis, config)
 
     async def put_dead_letter(self, letter: DeadLetter) -> bool:
@@ -70,7 +80,7 @@ class Store:
         return await self.dead_letters.put(letter)
 
     async def close(self) -> None:
-        await self.redis.aclose()
+        await self.redis.aclose(close_connection_pool=True)
 
 
 __all__ = [

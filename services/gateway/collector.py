@@ -20,6 +20,10 @@ from common.stats import SLO, request_tbt, slo_met
 
 log = logging.getLogger(__name__)
 PROBE = 0.25  # seconds between looks at whether outputs should be read back
+DROPPED = (
+    "this gateway did not answer its peers for too long and was taken for dead, so the request was "
+    "dropped; it serves again under a new name: retry the request"
+)
 GAP_WAIT = 0.5  # seconds a hole may stay open before the missing outputs are read back
 SILENCE_FIRST, SILENCE_MAX = 2.0, 30.0  # read back after this much silence, doubling up to the max
 ERROR_STATUS = {"invalid_request_error": 400, "service_unavailable": 503, "timeout_error": 504}
@@ -90,6 +94,7 @@ class OutputCollector:
         keepalive: float | None = None, on_tokens: Callable[[list[int]], None] | None = None,
         refill: Callable[[], Awaitable[list[Message]]] | None = None,
         reconnects: Callable[[], int] | None = None, fenced: Container[str] = (),
+        owner: str | None = None,
     ) -> None:  # fmt: skip
         self.stream = stream
         self.on_tokens = on_tokens  # told each run of tokens as it is released, in order
@@ -99,6 +104,7 @@ class OutputCollector:
         self.refill = refill
         self.reconnects = reconnects
         self.fenced = fenced  # instances taken for dead: what they still send is ignored
+        self.owner = owner  # the gateway that routed the request: fenced, it was dropped everywhere
         self.outcome = Outcome()
         self.clock = TokenClock(arrival)
         self.received = 0  # output tokens released so far, for usage reported while streaming
@@ -121,6 +127,8 @@ class OutputCollector:
             if now >= self.deadline:
                 late = f"the request did not finish in its {self._budget():g}s; it was cancelled"
                 raise APIError(504, late, code="timeout")
+            if self.owner is not None and self.owner in self.fenced:
+                raise APIError(503, DROPPED, code="gateway_fenced", retry_after=1)
             if self._refill_due(now):
                 for piece in await self._refilled():
                     quiet_since = time.perf_counter()

@@ -35,6 +35,34 @@ async def live_roles(store) -> set[Role]:
     return {role for hb in await store.registry.instances() for role in hb.roles if not hb.draining}
 
 
+class LiveRoles:
+    """The roles live instances serve, as routing asks for them: read from the registry at most
+    every `max_age` seconds, so a thousand requests a second cost two registry reads, not a
+    thousand (one read at a time, its answer shared). A role that is missing is asked for again
+    after `max_age` (the wait loop polls)."""
+
+    def __init__(self, store, max_age: float = 0.5) -> None:
+        self.store = store
+        self.max_age = max_age
+        self._roles: set[Role] = set()
+        self._at = float("-inf")
+        self._reading: asyncio.Future[set[Role]] | None = None  # one read, shared by all who ask
+
+    async def get(self) -> set[Role]:
+        if time.monotonic() - self._at <= self.max_age:
+            return self._roles
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read())
+            # Read by whoever awaits it; a failure nobody awaited any more is not an error to log.
+            self._reading.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return await asyncio.shield(self._reading)  # a waiter that leaves does not cancel it
+
+    async def _read(self) -> set[Role]:
+        roles = await live_roles(self.store)
+        self._roles, self._at = roles, time.monotonic()
+        return roles
+
+
 async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> RequestSpec:
     """Pick the first stage, wait until an instance can serve it, record the request and queue the
     task; returns the request as sent."""
@@ -92,7 +120,7 @@ async def _wait_for_roles(gw, needed: set[Role]) -> None:
     deadline = time.monotonic() + ROUTE_WAIT
     while True:
         try:
-            missing = sorted(needed - await live_roles(gw.store))
+            missing = sorted(needed - await gw.live_roles.get())
             problem = f"no live instance serves {', '.join(missing)}; start one and retry"
         except Exception as exc:
             missing, problem = ["?"], f"the instance registry cannot be read ({type(exc).__name__})"

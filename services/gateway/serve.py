@@ -67,7 +67,7 @@ async def serve(
         keepalive=gw.settings.sse_keepalive if body.stream else None,
         on_tokens=lambda ids: gw.journal.add(rid, ids),
         refill=lambda: gw.bus.events.stored_outputs(rid), reconnects=lambda: gw.bus.reconnects,
-        fenced=gw.reaper.fenced,
+        fenced=gw.reaper.fenced, owner=spec.gateway,
     )  # fmt: skip
     reply = Reply(gw, spec, kind, body, collector)
     request.state.on_end = reply.end  # whatever becomes of the response, the request ends (door.py)

@@ -26,6 +26,7 @@ from common.transfer import TransferConfig, create_backend
 from services.gateway.images import ImagePolicy
 from services.gateway.journal import OutputJournal
 from services.gateway.queues import QueueDepths
+from services.gateway.routing import LiveRoles
 from services.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class Gateway:
         s = self.settings
         self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
         self.record = StageRecorder(self.store)  # outcomes for the trace, written off the response path
+        self.live_roles = LiveRoles(self.store)
         self._recording = asyncio.create_task(self.record.run())
         self.journal = OutputJournal(self.store)  # streamed tokens, for resuming after a death
         self._journaling = asyncio.create_task(self.journal.run())
@@ -121,7 +123,7 @@ class Gateway:
         self._watching = asyncio.create_task(self.queues.run())
         # The gateway watches for dead instances too (it outlives most), and is watched itself: a
         # dead gateway's requests are dropped everywhere.
-        self.reaper = Reaper(self.bus, self.store, self.instance_id, s.failover_after)
+        self.reaper = Reaper(self.bus, self.store, self.instance_id, s.failover_after, self._on_fence)
         self._reaping = asyncio.create_task(self.reaper.run())
         self.metrics.failovers.set_function(lambda: self.reaper.reaped)
         self.metrics.handed_on.set_function(lambda: self.reaper.handed_on)
@@ -135,6 +137,18 @@ class Gateway:
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(instance_id=self.instance_id, kind="gateway", time=time.time())
+
+    def _on_fence(self, instance_id: str) -> None:
+        """Taken for dead itself (its loop stalled past the others' patience): its requests were
+        dropped everywhere, and they end with an error (the collector sees the fence). Unlike a
+        worker it need not leave: nothing it holds can be duplicated, so it serves on under a new
+        name, and its clients' retries reach it."""
+        if instance_id != self.instance_id:
+            return
+        self.instance_id = instance_name("gateway")
+        self.reaper.me = self.instance_id
+        log.error("this gateway was taken for dead; its requests end with an error; now %s", self.instance_id)
+        self.heartbeats.poke()
 
     async def close(self) -> None:
         await self.record.flush()

@@ -6,6 +6,7 @@ request still ends with its answer."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -14,8 +15,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import nats
+import openai
 import pytest
 
+from common.protocol import Fence, Heartbeat, decode, encode
 from tests.services.cluster import running_cluster
 from tests.services.conftest import client_for
 from tests.services.test_behaviour import instances, metric
@@ -96,7 +100,8 @@ def test_the_requests_of_a_dead_gateway_are_dropped_everywhere(tiny_model_dir, t
             t.start()
         wait_for(lambda: metric(decoder["http_address"], "trident_held_requests") == 3)
         cluster.procs["gateway"].kill()  # its clients are cut off: nobody waits for these requests
-        wait_for(lambda: metric(decoder["http_address"], "trident_held_requests") == 0, timeout=15)
+        # Judged after failover.GATEWAY_PATIENCE (10 s) of silence.
+        wait_for(lambda: metric(decoder["http_address"], "trident_held_requests") == 0, timeout=25)
         total = metric(decoder["http_address"], "trident_total_kv_blocks")
         assert metric(decoder["http_address"], "trident_free_kv_blocks") == total
         for t in threads:
@@ -141,3 +146,55 @@ def test_encoders_and_prefills_die_under_load_and_every_request_ends(
             started = time.monotonic()
             assert list(answers) == expected
         assert time.monotonic() - started < 20
+
+
+async def _gateway_id(nats_url: str) -> str:
+    """The gateway's instance id, from its heartbeats."""
+    nc = await nats.connect(nats_url)
+    try:
+        sub = await nc.subscribe("trident.hb.*")
+        while True:
+            beat = decode((await sub.next_msg(timeout=10)).data, Heartbeat)
+            if beat.kind == "gateway":
+                return beat.instance_id
+    finally:
+        await nc.close()
+
+
+async def _fence(nats_url: str, instance_id: str) -> None:
+    """What a watcher that took the instance for dead broadcasts."""
+    nc = await nats.connect(nats_url)
+    await nc.publish("trident.ctl.fence", encode(Fence(instance_id=instance_id, reason="a test says so")))
+    await nc.flush()
+    await nc.close()
+
+
+def test_a_gateway_taken_for_dead_ends_its_requests_and_serves_on(tiny_model_dir, tmp_path):
+    """Its requests were dropped everywhere: each ends at once with an error that says so (not at
+    its deadline), and the gateway goes on serving under a new name."""
+    with running_cluster(tiny_model_dir, tmp_path, "epd", env=SLOW_ACK) as cluster:
+        (worker,) = instances(cluster, "decode")
+        gateway = asyncio.run(_gateway_id(cluster.nats.url))
+        client = client_for(cluster)
+        ended: dict = {}
+
+        def ask() -> None:
+            try:
+                streamed(client, user_message([], "a long story"))
+            except openai.APIError as exc:
+                ended["error"] = exc
+
+        thread = threading.Thread(target=ask)
+        thread.start()
+        wait_for(lambda: held(worker) == 1)
+        asyncio.run(_fence(cluster.nats.url, gateway))
+        started = time.monotonic()
+        thread.join(30)
+        assert "taken for dead" in str(ended.get("error")), ended
+        assert time.monotonic() - started < 10
+        wait_for(lambda: held(worker) == 0, timeout=15)  # dropped on the worker too
+        reply = client.chat.completions.create(
+            model="tiny-llava", messages=user_message([], "hello"), max_tokens=4, temperature=0
+        )
+        assert reply.usage.completion_tokens == 4
+        assert asyncio.run(_gateway_id(cluster.nats.url)) != gateway
