@@ -34,26 +34,22 @@ import argparse
 import json
 import os
 import signal
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.bench.client import image_data_url
 from common.bench.fault_load import Outcome, StreamingLoad
+from common.bench.local_up import LocalUp
+from common.bench.machine import matmul_gflops
 from common.bench.oracle import Chat, hf_greedy
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
-from common.infra import free_port
 
-REPO = Path(__file__).resolve().parents[1]
-STAGES = {"encoder": "encode", "prefill": "prefill", "decode": "decode"}  # compose service -> role
+STAGES = ("encoder", "prefill", "decode")  # the compose services scaled to REPLICAS
 WORKERS = {"encoder": "encode", "prefill": "prefill", "decoder": "decode"}  # fault name -> role
 REPLICAS = 2
 WARM = 4.0  # seconds of load before the fault, so streams are under way when it strikes
@@ -68,115 +64,29 @@ STALL_GOAL = 3.0
 ALL_FAULTS = ["none", *sorted(MUST_COMPLETE), "nats-outage", "freeze-decoder"]
 
 
-class Deployment:
-    """`trident up` as a child process, read through its state file and its gateway."""
-
-    def __init__(self, model: Path, workdir: Path, deadline: float) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        scale = [f"--scale={s}={REPLICAS}" for s in STAGES]
-        argv = [
-            str(Path(sys.executable).with_name("trident")), "up", "-f", str(REPO / "compose.yaml"),
-            "--model", str(model), "--port", str(self.port), "--planner-port", str(free_port()), *scale,
-        ]  # fmt: skip
-        env = {**os.environ, "TRIDENT_REQUEST_TIMEOUT": str(deadline + 15), "PYTHONPATH": str(REPO)}
-        self.log = open(workdir / "up.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            argv, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def state(self) -> dict:
-        try:
-            return json.loads((self.workdir / ".trident" / "up.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def instances(self, role: str) -> list[dict]:
-        found = httpx.get(self.url + "/v1/cluster", timeout=5).json()["instances"]
-        return [i for i in found if role in i["roles"]]
-
-    def whole(self) -> bool:
-        """The gateway is ready and two of each stage are registered."""
-        try:
-            if httpx.get(self.url + "/ready", timeout=2).status_code != 200:
-                return False
-            return all(len(self.instances(role)) == REPLICAS for role in STAGES.values())
-        except (httpx.HTTPError, ValueError, KeyError):
-            return False
-
-    def wait_whole(self, timeout: float) -> float:
-        """Seconds it took to be whole again; raises if it is not within `timeout`."""
-        start = time.monotonic()
-        while not self.whole():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"trident up exited with {self.proc.returncode}; see {self.log.name}")
-            if time.monotonic() - start > timeout:
-                raise RuntimeError(f"the deployment was not whole again after {timeout:.0f} s")
-            time.sleep(0.25)
-        return time.monotonic() - start
-
-    def pid(self, service: str) -> int:
-        """The pid of a server (nats, redis) or of the gateway."""
-        state = self.state()
-        if service in state.get("servers", {}):
-            return int(state["servers"][service]["pid"])
-        return next(int(p["pid"]) for p in state["processes"] if p["service"] == service)
-
-    def busy_worker(self, role: str) -> int:
-        """The pid of an instance of `role`, one that holds requests if there is one."""
-        found = self.instances(role)
-        for inst in found:
-            if _held(inst["http_address"]) > 0:
-                return _pid(inst)
-        return _pid(found[0])
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGINT)  # a second one kills what is left
-            self.proc.wait(30)
-        self.log.close()
-
-
-def _pid(instance: dict) -> int:
-    return int(instance["instance_id"].rsplit("-", 1)[1])
-
-
-def _held(http_address: str) -> float:
-    text = httpx.get(http_address + "/metrics", timeout=2).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("trident_held_requests")
-    )
-
-
 # -- the faults --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Fault:
     name: str
-    strike: Callable[[Deployment], Callable[[], None] | None]  # returns what ends it, if anything
+    strike: Callable[[LocalUp], Callable[[], None] | None]  # returns what ends it, if anything
     hold: float = 0.0  # seconds between the strike and its end
 
 
-def signal_worker(role: str, signum: int) -> Callable[[Deployment], None]:
+def signal_worker(role: str, signum: int) -> Callable[[LocalUp], None]:
     return lambda d: os.kill(d.busy_worker(role), signum)
 
 
-def signal_service(service: str, signum: int) -> Callable[[Deployment], None]:
+def signal_service(service: str, signum: int) -> Callable[[LocalUp], None]:
     return lambda d: os.kill(d.pid(service), signum)
 
 
-def outage(d: Deployment) -> Callable[[], None]:
+def outage(d: LocalUp) -> Callable[[], None]:
     os.kill(d.proc.pid, signal.SIGSTOP)  # the launcher would restart nats at once
     os.kill(d.pid("nats"), signal.SIGKILL)
     return lambda: os.kill(d.proc.pid, signal.SIGCONT)
 
 
-def freeze(d: Deployment) -> Callable[[], None]:
+def freeze(d: LocalUp) -> Callable[[], None]:
     pid = d.busy_worker("decode")
     os.kill(pid, signal.SIGSTOP)
     return lambda: os.kill(pid, signal.SIGCONT)
@@ -196,7 +106,7 @@ def faults(outage_s: float, freeze_s: float) -> dict[str, Fault]:
 
 
 # -- one run -----------------------------------------------------------------------------------------
-def run_fault(d: Deployment, load: StreamingLoad, fault: Fault, settle: float) -> list[Outcome]:
+def run_fault(d: LocalUp, load: StreamingLoad, fault: Fault, settle: float) -> list[Outcome]:
     load.start()
     time.sleep(WARM)
     end = fault.strike(d)
@@ -235,19 +145,6 @@ def goals(row: dict) -> list[str]:
     if row["fault"] in FAILOVER and row["stall_s"] > STALL_GOAL:
         missed.append(f"stall over {STALL_GOAL:.0f} s")
     return missed
-
-
-def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
-    """The machine's fp32 matmul rate now (median of `repeats`), to read the timings beside."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times) / 1e9
 
 
 def chats() -> list[Chat]:
@@ -300,7 +197,9 @@ def main() -> None:
         f"matmul: {rate:.1f} GFLOP/s (fp32 1024x1024); {len(asked)} chats, HF references computed", flush=True
     )
 
-    d = Deployment(model.resolve(), args.workdir.resolve(), args.deadline)
+    scale = {service: REPLICAS for service in STAGES}
+    env = {"TRIDENT_REQUEST_TIMEOUT": str(args.deadline + 15)}
+    d = LocalUp(model.resolve(), args.workdir.resolve(), scale, env)
     rows: list[dict] = []
     try:
         d.wait_whole(300)

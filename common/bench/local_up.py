@@ -1,0 +1,129 @@
+"""`trident up` run as a child process, as a user runs it, for benchmarks that act on its processes.
+
+The state file `trident up` writes (`.trident/up.json` in its working directory) names the pid of
+every server and service; the gateway's `/v1/cluster` lists the registered instances, whose ids end
+in their pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from common.infra import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+ROLES = {"encoder": "encode", "prefill": "prefill", "decode": "decode"}  # compose service -> role
+
+
+class LocalUp:
+    """`trident up` as a child process, read through its state file and its gateway."""
+
+    def __init__(self, model: Path, workdir: Path, scale: dict[str, int], env: dict[str, str]) -> None:
+        self.workdir = workdir
+        self.scale = scale
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [
+            str(Path(sys.executable).with_name("trident")), "up", "-f", str(REPO / "compose.yaml"),
+            "--model", str(model), "--port", str(self.port), "--planner-port", str(free_port()),
+            *(f"--scale={service}={n}" for service, n in scale.items()),
+        ]  # fmt: skip
+        env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
+        self.log = open(workdir / "up.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def state(self) -> dict:
+        try:
+            return json.loads((self.workdir / ".trident" / "up.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def instances(self, role: str) -> list[dict]:
+        found = httpx.get(self.url + "/v1/cluster", timeout=5).json()["instances"]
+        return [i for i in found if role in i["roles"]]
+
+    def whole(self) -> bool:
+        """The gateway is ready and as many of each stage are registered as were asked for."""
+        try:
+            if httpx.get(self.url + "/ready", timeout=2).status_code != 200:
+                return False
+            return all(len(self.instances(ROLES[s])) == n for s, n in self.scale.items())
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    def wait_whole(self, timeout: float) -> float:
+        """Seconds it took to be whole again; raises if it is not within `timeout`."""
+        start = time.monotonic()
+        while not self.whole():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"trident up exited with {self.proc.returncode}; see {self.log.name}")
+            if time.monotonic() - start > timeout:
+                raise RuntimeError(f"the deployment was not whole again after {timeout:.0f} s")
+            time.sleep(0.25)
+        return time.monotonic() - start
+
+    def pid(self, service: str) -> int:
+        """The pid of a server (nats, redis) or of the gateway."""
+        state = self.state()
+        if service in state.get("servers", {}):
+            return int(state["servers"][service]["pid"])
+        return next(int(p["pid"]) for p in state["processes"] if p["service"] == service)
+
+    def processes(self) -> dict[str, int]:
+        """Every server's and service's pid, by name (nats, redis, gateway-1, decode-1, ...)."""
+        state = self.state()
+        found = {name: int(s["pid"]) for name, s in state.get("servers", {}).items()}
+        found.update({p["name"]: int(p["pid"]) for p in state.get("processes", [])})
+        return found
+
+    def busy_worker(self, role: str) -> int:
+        """The pid of an instance of `role`, one that holds requests if there is one."""
+        found = self.instances(role)
+        for inst in found:
+            if _held(inst["http_address"]) > 0:
+                return _pid(inst)
+        return _pid(found[0])
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGINT)  # a second one kills what is left
+            self.proc.wait(30)
+        self.log.close()
+
+
+def _pid(instance: dict) -> int:
+    return int(instance["instance_id"].rsplit("-", 1)[1])
+
+
+def _held(http_address: str) -> float:
+    return metric(http_address, "trident_held_requests")
+
+
+def metric(base_url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples on one service (0 when it has none)."""
+    text = httpx.get(base_url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process now (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,19 @@
+"""What the machine can do right now, printed beside timings: this one's speed varies from run to run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """The machine's fp32 matmul rate now (median of `repeats`), to read the timings beside."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
