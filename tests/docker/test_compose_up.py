@@ -1,0 +1,161 @@
+"""`docker compose up` as a user runs it: the image built from this repository, answers equal to HF
+`generate`, decode scaled to two replicas that both serve, a replica killed or stopped mid-stream
+while the stream still ends with the right answer, and a hybrid profile answering."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+
+import openai
+import pytest
+
+from tests.docker.conftest import REPO
+from tests.engine.conftest import make_image
+from tests.services.conftest import data_url
+from tests.services.test_e2e import QUESTION, reference, user_message
+
+pytestmark = pytest.mark.docker
+LONG = 400  # tokens: a stream long enough to strike in the middle of
+
+
+def client_of(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+def ask(stack, messages, max_tokens: int, stream: bool = False, on_chunk=None) -> str:
+    client = client_of(stack)
+    if not stream:
+        reply = client.chat.completions.create(
+            model="tiny-llava", messages=messages, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return reply.choices[0].message.content
+    pieces = []
+    chunks = client.chat.completions.create(
+        model="tiny-llava", messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for chunk in chunks:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            if on_chunk is not None:
+                on_chunk(len(pieces))
+    return "".join(pieces)
+
+
+def metric(stack, service: str, index: int, name: str) -> float:
+    """A metric of one replica, read inside its container (worker ports are not published)."""
+    script = (
+        "import urllib.request as u; "
+        "print(u.urlopen('http://127.0.0.1:9000/metrics', timeout=5).read().decode())"
+    )
+    out = stack.compose("exec", "-T", "--index", str(index), service, "python", "-c", script).stdout
+    return sum(float(m) for m in re.findall(rf"^{name}\S* (\S+)$", out, re.M))
+
+
+def tokens_generated(stack, service: str, index: int) -> float:
+    return metric(stack, service, index, "trident_tokens_generated_total")
+
+
+def container_of(stack, service: str, index: int) -> str:
+    labels = {"project": stack.project, "service": service, "container-number": str(index)}
+    filters = [arg for k, v in labels.items() for arg in ("--filter", f"label=com.docker.compose.{k}={v}")]
+    done = subprocess.run(["docker", "ps", "-q", *filters], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("num_images", [0, 1])
+def test_answers_equal_hf_streamed_and_not(stack, hf_tiny, num_images):
+    urls = [data_url(make_image(i)) for i in range(num_images)]
+    want, count = reference(hf_tiny, num_images, 16)
+    messages = user_message(urls, QUESTION)
+    reply = client_of(stack).chat.completions.create(
+        model="tiny-llava", messages=messages, max_tokens=16, temperature=0
+    )
+    assert reply.choices[0].message.content == want and reply.usage.completion_tokens == count
+    chunks = client_of(stack).chat.completions.create(
+        model="tiny-llava", messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
+def test_two_decode_replicas_both_serve(stack):
+    stack.compose("up", "-d", "--scale", "decode=2", "--wait", "--wait-timeout", "300", timeout=600)
+    stack.wait_for(lambda: len(stack.instances("decode")) == 2)
+    before = [tokens_generated(stack, "decode", i) for i in (1, 2)]
+    threads = [
+        threading.Thread(target=ask, args=(stack, user_message([], f"story {i}"), 64, True)) for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    after = [tokens_generated(stack, "decode", i) for i in (1, 2)]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_a_decode_replica_killed_mid_stream_and_the_stream_completes(stack):
+    """Failover hands the stream to the other replica. (Docker does not restart a container killed
+    through its API, whatever the restart policy: `start` brings it back, as a user would.)"""
+    messages = user_message([], "Tell me a long story")
+    expected = ask(stack, messages, LONG)
+    struck: list[str] = []
+
+    def strike(chunks: int) -> None:
+        if chunks == 40 and not struck:
+            victim = next(i for i in (1, 2) if metric(stack, "decode", i, "trident_held_requests") > 0)
+            struck.append(container_of(stack, "decode", victim))
+            subprocess.run(["docker", "kill", "-s", "KILL", struck[0]], check=True, capture_output=True)
+
+    assert ask(stack, messages, LONG, stream=True, on_chunk=strike) == expected
+    assert struck
+    stack.compose("start", "decode")
+    stack.wait_for(lambda: len(stack.instances("decode")) == 2)
+
+
+def test_stopping_decode_mid_stream_drains_it(stack):
+    """`docker compose stop` sends SIGTERM: each replica finishes what it holds before it leaves."""
+    messages = user_message([], "Tell me another long story")
+    expected = ask(stack, messages, LONG)
+    stopping: list[subprocess.Popen] = []
+
+    def stop(chunks: int) -> None:
+        if chunks == 40 and not stopping:
+            argv = stack.argv("stop", "decode")
+            stopping.append(subprocess.Popen(argv, env=stack.env, stdout=subprocess.DEVNULL))
+
+    assert ask(stack, messages, LONG, stream=True, on_chunk=stop) == expected
+    assert stopping[0].wait(120) == 0
+    stack.compose("start", "decode")
+    stack.wait_for(lambda: len(stack.instances("decode")) == 2)
+
+
+def test_a_hybrid_profile_answers(stack, hf_tiny):
+    """EPD alone: the E+P+D workers scaled to 0, as docs/running.md says to switch methods."""
+    stack.compose(
+        "--profile", "epd", "up", "-d", "--scale", "encoder=0", "--scale", "prefill=0",
+        "--scale", "decode=0", "--wait", "--wait-timeout", "300", timeout=600,
+    )  # fmt: skip
+
+    def only_epd() -> bool:
+        found = stack.instances("decode")
+        return bool(found) and all(set(i["roles"]) == {"encode", "prefill", "decode"} for i in found)
+
+    stack.wait_for(only_epd)
+    want, _ = reference(hf_tiny, 1, 16)
+    reply = client_of(stack).chat.completions.create(
+        model="tiny-llava", messages=user_message([data_url(make_image(0))], QUESTION), max_tokens=16,
+        temperature=0,
+    )  # fmt: skip
+    assert reply.choices[0].message.content == want
+
+
+def test_the_gpu_override_is_valid_compose(stack):
+    """compose.gpu.yaml as Compose itself reads it (it is built and run only where a GPU is lent)."""
+    done = subprocess.run(
+        ["docker", "compose", "-f", "compose.yaml", "-f", "compose.gpu.yaml", "config", "--quiet"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
