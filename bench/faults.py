@@ -44,10 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.bench.client import image_data_url
 from common.bench.fault_load import Outcome, StreamingLoad
-from common.bench.local_up import LocalUp
+from common.bench.local_up import LocalUp, model_or_tiny
 from common.bench.machine import matmul_gflops
 from common.bench.oracle import Chat, hf_greedy
-from common.checkpoints import is_checkpoint_dir, write_checkpoint
 
 STAGES = ("encoder", "prefill", "decode")  # the compose services scaled to REPLICAS
 WORKERS = {"encoder": "encode", "prefill": "prefill", "decoder": "decode"}  # fault name -> role
@@ -187,9 +186,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown faults {unknown}; known: {', '.join(ALL_FAULTS)}")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    model = args.model or args.workdir / "models" / "tiny-llava"
-    if args.model is None and not is_checkpoint_dir(model):
-        write_checkpoint(model)
+    model = model_or_tiny(args.model, args.workdir)
     asked = chats()
     expected = hf_greedy(model, asked, args.tokens)
     rate = matmul_gflops()

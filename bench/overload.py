@@ -37,9 +37,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.bench.local_up import LocalUp, metric, rss_bytes
+from common.bench.local_up import LocalUp, metric, model_or_tiny, rss_bytes
 from common.bench.machine import matmul_gflops
-from common.checkpoints import is_checkpoint_dir, write_checkpoint
 
 DEADLINE = 60.0  # the gateway's request timeout in this run
 SAMPLE = 5.0  # seconds between samples
@@ -236,9 +235,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(".trident/overload"))
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    model = args.model or args.workdir / "models" / "tiny-llava"
-    if args.model is None and not is_checkpoint_dir(model):
-        write_checkpoint(model)
+    model = model_or_tiny(args.model, args.workdir)
     d = LocalUp(model.resolve(), args.workdir.resolve(), ONE, {"TRIDENT_REQUEST_TIMEOUT": str(DEADLINE)})
     try:
         d.wait_whole(300)

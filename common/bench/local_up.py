@@ -17,10 +17,21 @@ from pathlib import Path
 
 import httpx
 
+from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.infra import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = {"encoder": "encode", "prefill": "prefill", "decode": "decode"}  # compose service -> role
+
+
+def model_or_tiny(model: Path | None, workdir: Path) -> Path:
+    """`model`, or the tiny model written under `workdir` (once: a complete one is reused)."""
+    if model is not None:
+        return model
+    tiny = workdir / "models" / "tiny-llava"
+    if not is_checkpoint_dir(tiny):
+        write_checkpoint(tiny)
+    return tiny
 
 
 class LocalUp:

@@ -27,6 +27,13 @@ def start(tiny_model_dir, tmp_path_factory, method, scale=None):
     return running_cluster(tiny_model_dir, tmp_path_factory.mktemp(method.replace("+", "")), method, scale)
 
 
+@pytest.fixture(scope="module")
+def epd(tiny_model_dir, tmp_path_factory):
+    """One EPD instance and a gateway, for the module's tests."""
+    with start(tiny_model_dir, tmp_path_factory, "epd") as c:
+        yield c
+
+
 @pytest.fixture(scope="module", params=["e+p+d", "ep+d", "ed+p", "epd"])
 def cluster(request, tiny_model_dir, tmp_path_factory):
     with start(tiny_model_dir, tmp_path_factory, request.param) as c:

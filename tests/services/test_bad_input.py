@@ -11,14 +11,7 @@ import pytest
 from PIL import Image
 
 from tests.engine.test_loader import png_header
-from tests.services.conftest import start
 from tests.services.test_e2e import user_message
-
-
-@pytest.fixture(scope="module")
-def epd(tiny_model_dir, tmp_path_factory):
-    with start(tiny_model_dir, tmp_path_factory, "epd") as c:
-        yield c
 
 
 def big_png_url(megabytes: int) -> str:

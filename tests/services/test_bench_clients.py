@@ -9,14 +9,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.services.conftest import start
 from tests.services.test_e2e import user_message
-
-
-@pytest.fixture(scope="module")
-def epd(tiny_model_dir, tmp_path_factory):
-    with start(tiny_model_dir, tmp_path_factory, "epd") as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,9 @@ import pytest
 from common.bench.client import image_data_url
 from common.bench.fault_load import StreamingLoad
 from common.bench.oracle import Chat, hf_greedy
-from tests.services.conftest import start
 
 TOKENS = 24
 CHATS = [Chat("Tell me a story."), Chat("What is in the picture?", (image_data_url(3, (96, 72)),))]
-
-
-@pytest.fixture(scope="module")
-def epd(tiny_model_dir, tmp_path_factory):
-    with start(tiny_model_dir, tmp_path_factory, "epd") as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.services.conftest import start
 from tests.services.test_bad_input import body
 
 FUZZ_CASES = int(os.environ.get("TRIDENT_FUZZ_CASES", "150"))
@@ -37,12 +36,6 @@ JUNK = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=8,
 )
-
-
-@pytest.fixture(scope="module")
-def epd(tiny_model_dir, tmp_path_factory):
-    with start(tiny_model_dir, tmp_path_factory, "epd") as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
