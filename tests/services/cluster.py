@@ -8,6 +8,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
@@ -15,6 +16,7 @@ from common.infra import NatsServer, RedisServer, free_port
 from common.launcher.compose_file import Method, load_compose
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
+LOG_TAIL = 40  # lines of each process's log shown under a failed test
 
 
 def method_workers(method: str) -> list[tuple[str, str]]:
@@ -24,6 +26,8 @@ def method_workers(method: str) -> list[tuple[str, str]]:
 
 
 class Cluster:
+    running: ClassVar[list[Cluster]] = []  # what a failed test's report shows the logs of
+
     def __init__(self, model: Path, workdir: Path, nats: NatsServer, redis: RedisServer) -> None:
         self.model, self.workdir, self.nats, self.redis = model, workdir, nats, redis
         self.procs: dict[str, subprocess.Popen] = {}
@@ -79,6 +83,13 @@ class Cluster:
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text()
 
+    def tails(self) -> str:
+        """The end of every process's log: what a failed test prints, so that a CI failure says why."""
+        return "\n".join(
+            f"--- {path.name} ---\n" + "\n".join(path.read_text(errors="replace").splitlines()[-LOG_TAIL:])
+            for path in sorted(self.workdir.glob("*.log"))
+        )
+
     def integrity_failures(self) -> list[str]:
         """What workers logged of failed ledger/engine integrity checks (services/worker/ledger.py)."""
         logs = self.workdir.glob("*.log")
@@ -107,11 +118,17 @@ def running_cluster(
 ):
     with NatsServer(workdir=workdir / "nats") as nats, RedisServer(workdir=workdir / "redis") as redis:
         cluster = Cluster(model, workdir, nats, redis)
+        Cluster.running.append(cluster)
         try:
             cluster.start_method(method, scale, env)
             cluster.wait_ready()
-            yield cluster
+            try:
+                yield cluster
+            except BaseException as exc:  # a test that runs its own deployment failed: say why
+                exc.add_note(cluster.tails())
+                raise
             cluster.stop()  # drains: each worker checks its integrity once more when it is empty
             assert not cluster.integrity_failures(), "\n".join(cluster.integrity_failures())
         finally:
+            Cluster.running.remove(cluster)
             cluster.stop()

@@ -9,7 +9,17 @@ import openai
 import pytest
 
 from tests.engine.conftest import make_image
-from tests.services.cluster import running_cluster
+from tests.services.cluster import Cluster, running_cluster
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test shows the end of every running deployment's logs (a fence, a traceback)."""
+    report = yield
+    if report.failed:
+        for cluster in Cluster.running:
+            report.sections.append((f"logs of {cluster.workdir.name}", cluster.tails()))
+    return report
 
 
 def data_url(img) -> str:
