@@ -1,15 +1,21 @@
 """Failover in seconds: a dead instance is noticed by its silence, and its work is handed on at once.
 
 Every instance publishes a heartbeat every interval; a worker's lists the stream sequences of the
-tasks it holds. Every instance, gateways and workers alike, watches the others'. One silent for
-`after` seconds, while the watcher's own connection was up all that time, is asked over HTTP:
-a killed process refuses at once and a frozen one says nothing within a second, and either is
-dead; one that answers is slow (starved of CPU), not dead, and gets another allowance. The first
-watcher to claim it (in Redis) fences it — a mark in Redis and a broadcast, so that should it
-come back (it was frozen, not killed) it leaves, and whatever it still sends is ignored — takes it
-out of the registry, and hands every task it held back to its queue: the stored message, again,
-with a header naming the dead instance, so the next holder resumes the request from the tokens
-its client already has. Without this, a dead instance's tasks wait out their ack deadline.
+tasks it holds. Every instance, gateways and workers alike, watches the others. One silent for
+`after` seconds, while the watcher's own connection was up all that time, is asked for its
+`/health` (`probe`):
+- it answers, as itself: slow (starved of CPU), not dead; it gets another allowance;
+- nothing listens there any more (connection refused, its name gone), or another process answers
+  in its place (a restarted container): it is dead, now;
+- the connection hangs (a frozen process still has its socket; a host cut off): it is taken for
+  dead only once silent for `unresponsive_after` — a loop held up a few seconds on a busy machine
+  must not cost a restart and a re-prefill of everything it holds.
+The first watcher to claim a death (in Redis) fences the instance — a mark in Redis and a
+broadcast, so that should it come back (it was frozen, not killed) it leaves, and whatever it
+still sends is ignored — takes it out of the registry, and hands every task it held back to its
+queue: the stored message, again, with a header naming the dead instance, so the next holder
+resumes the request from the tokens its client already has. Without this, a dead instance's
+tasks wait out their ack deadline.
 
 A watcher that could not hear — cut off from NATS, or itself stalled (frozen with SIGSTOP, starved
 of CPU) — judges no one until it has listened again for `after` seconds: a broker restart, or a
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import os
 import secrets
@@ -44,18 +51,26 @@ SWEEP_GRACE = 0.5  # seconds live instances have to list tasks they took as anot
 # dead ends every request it serves; and its event loop, busy answering an overload, is the one
 # most likely to beat late. So a gateway gets this much silence at least before it is judged.
 GATEWAY_PATIENCE = 10.0
-PROBE_TIMEOUT = 1.0  # a silent worker is asked over HTTP before it is taken for dead
+PROBE_TIMEOUT = 1.0  # a silent instance is asked over HTTP before it is taken for dead
+INSTANCE_HEADER = "x-trident-instance"  # every /health names who answers it
 
 
-async def answers(http_address: str, timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether an instance's HTTP side answers at all: a killed process refuses at once, a frozen
-    one accepts the connection and says nothing."""
+class Probe(enum.Enum):
+    ANSWERS = "answers"  # alive, as itself
+    GONE = "gone"  # nothing listens at its address, or another process does
+    SILENT = "silent"  # the connection hangs or breaks: frozen, or its host cut off
+
+
+async def probe(http_address: str, instance_id: str, timeout: float = PROBE_TIMEOUT) -> Probe:
+    """Ask a silent instance's `/health` whether it is still there."""
     try:
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
-            await http.get(http_address + "/health")
-    except httpx.HTTPError:
-        return False
-    return True
+            resp = await http.get(http_address + "/health")
+    except httpx.ConnectError:  # refused, unreachable, or its name no longer resolves
+        return Probe.GONE
+    except httpx.HTTPError:  # a timeout, a connection cut mid-answer
+        return Probe.SILENT
+    return Probe.ANSWERS if resp.headers.get(INSTANCE_HEADER) == instance_id else Probe.GONE
 
 
 def instance_name(kind: str) -> str:
@@ -67,17 +82,19 @@ def instance_name(kind: str) -> str:
 class Reaper:
     def __init__(
         self, bus: Bus, store: Store, me: str, after: float = 1.5,
-        on_fence: Callable[[str], None] | None = None,
+        on_fence: Callable[[str], None] | None = None, unresponsive_after: float = 5.0,
     ) -> None:  # fmt: skip
         self.bus = bus
         self.store = store
         self.me = me
         self.after = after
+        self.unresponsive_after = unresponsive_after  # silence that fences one whose socket hangs
         self.on_fence = on_fence  # told of every instance fenced, by anyone (this one too)
         self.fenced: set[str] = set()
         self.reaped = 0  # deaths this watcher handed over
         self.handed_on = 0  # tasks it handed on
         self._last: dict[str, tuple[float, Heartbeat]] = {}
+        self._hanging: set[str] = set()  # silent ones whose probe hung: judged again each tick
         self._blind_until = 0.0
         self._reconnects = bus.reconnects
         self._ask_about_me = False  # a fence of this instance may have been missed: ask Redis
@@ -95,6 +112,7 @@ class Reaper:
                     self._last.pop(beat.instance_id, None)
                 elif beat.instance_id != self.me:
                     self._last[beat.instance_id] = (time.monotonic(), beat)
+                    self._hanging.discard(beat.instance_id)
 
     async def _hear_fences(self) -> None:
         async with await self.bus.events.fences() as stream:
@@ -105,6 +123,7 @@ class Reaper:
         if instance_id not in self.fenced:
             self.fenced.add(instance_id)
             self._last.pop(instance_id, None)
+            self._hanging.discard(instance_id)
             if self.on_fence is not None:
                 self.on_fence(instance_id)
 
@@ -147,11 +166,21 @@ class Reaper:
             self._fenced(self.me)
 
     async def _reap(self, instance_id: str, beat: Heartbeat, silent: float) -> None:
-        if beat.http_address and await answers(beat.http_address):
+        found = await probe(beat.http_address, instance_id) if beat.http_address else Probe.GONE
+        if found is Probe.ANSWERS:
             # Starved of CPU, or its loop held up: slow, not dead. Taking it for dead would cost
             # a restart and every request it holds a re-prefill; it gets another allowance.
             log.warning("%s silent for %.1fs but it answers: slow, not dead", instance_id, silent)
+            self._hanging.discard(instance_id)
             self._last[instance_id] = (time.monotonic(), beat)
+            return
+        if found is Probe.SILENT and silent < self.unresponsive_after:
+            if instance_id not in self._hanging:
+                self._hanging.add(instance_id)
+                log.warning(
+                    "%s silent for %.1fs and its /health hangs; dead at %.1fs unless it answers",
+                    instance_id, silent, self.unresponsive_after,
+                )  # fmt: skip
             return
         try:
             mine = await self.store.registry.claim_death(instance_id)
@@ -159,9 +188,11 @@ class Reaper:
             log.warning("cannot claim the death of %s yet: %r", instance_id, exc)
             return
         self._last.pop(instance_id, None)
+        self._hanging.discard(instance_id)
         if not mine:
             return  # another watcher hands it over
-        reason = f"no heartbeat for {silent:.1f}s"
+        health = "hangs" if found is Probe.SILENT else "is gone"
+        reason = f"no heartbeat for {silent:.1f}s, and its /health {health}"
         log.warning(
             "%s is dead (%s); fencing it and handing on its %d tasks", instance_id, reason, len(beat.held)
         )

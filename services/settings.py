@@ -41,6 +41,11 @@ class ServiceSettings(BaseSettings):
         gt=0,
         description="Seconds of silence after which an instance is taken for dead and its work handed on",
     )
+    unresponsive_after: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds of silence after which one whose /health hangs (frozen) is taken for dead",
+    )
 
     def bus_config(self, name: str) -> BusConfig:
         return BusConfig(url=self.nats_url, prefix=self.namespace, name=name, ack_wait=self.task_ack_wait)

@@ -23,19 +23,30 @@ from common.store.keys import Keys
 
 log = logging.getLogger(__name__)
 
+# KEYS: the record, the index, the fence mark; ARGV: the heartbeat, ttl ms, expiry, id. An
+# instance taken for dead cannot register again: a frozen one that wakes beats once before it
+# hears of its fence, and that beat must not make it look live to routing.
+_REGISTER_UNLESS_FENCED = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+return 1
+"""
+
 
 class Registry:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self._r = redis
         self._keys = keys
+        self._register = redis.register_script(_REGISTER_UNLESS_FENCED)
 
-    async def register(self, heartbeat: Heartbeat, ttl: float) -> None:
-        """Write (or refresh) an instance's record; it vanishes `ttl` seconds after the last refresh."""
-        expires = time.time() + ttl
-        async with self._r.pipeline(transaction=True) as pipe:
-            pipe.set(self._keys.instance(heartbeat.instance_id), heartbeat.to_bytes(), px=int(ttl * 1000))
-            pipe.zadd(self._keys.instances, {heartbeat.instance_id: expires})
-            await pipe.execute()
+    async def register(self, heartbeat: Heartbeat, ttl: float) -> bool:
+        """Write (or refresh) an instance's record; it vanishes `ttl` seconds after the last refresh.
+        False, and nothing written, if the instance was fenced."""
+        instance_id = heartbeat.instance_id
+        keys = [self._keys.instance(instance_id), self._keys.instances, self._keys.fenced(instance_id)]
+        args = [heartbeat.to_bytes(), int(ttl * 1000), time.time() + ttl, instance_id]
+        return bool(await self._register(keys=keys, args=args))
 
     async def deregister(self, instance_id: str) -> None:
         async with self._r.pipeline(transaction=True) as pipe:
@@ -111,6 +122,7 @@ class Heartbeater:
         self._instance_id: str | None = None
         self._poked = asyncio.Event()
         self.beats = 0
+        self.refused = False  # the registry refused a beat: this instance was fenced
         self.failures = 0
 
     def start(self) -> None:
@@ -151,8 +163,10 @@ class Heartbeater:
                 await self._publish(heartbeat)
             except Exception as exc:  # NATS away: the registry still hears of us
                 log.debug("heartbeat not published: %r", exc)
-        if self._registry is not None:
-            await self._registry.register(heartbeat, self.ttl)
+        if self._registry is not None and not await self._registry.register(heartbeat, self.ttl):
+            if not self.refused:
+                log.warning("the registry refuses %s: it was taken for dead", heartbeat.instance_id)
+            self.refused = True
         self.beats += 1
 
     async def _run(self) -> None:

@@ -123,7 +123,9 @@ class Gateway:
         self._watching = asyncio.create_task(self.queues.run())
         # The gateway watches for dead instances too (it outlives most), and is watched itself: a
         # dead gateway's requests are dropped everywhere.
-        self.reaper = Reaper(self.bus, self.store, self.instance_id, s.failover_after, self._on_fence)
+        self.reaper = Reaper(
+            self.bus, self.store, self.instance_id, s.failover_after, self._on_fence, s.unresponsive_after
+        )
         self._reaping = asyncio.create_task(self.reaper.run())
         self.metrics.failovers.set_function(lambda: self.reaper.reaped)
         self.metrics.handed_on.set_function(lambda: self.reaper.handed_on)

@@ -8,6 +8,8 @@ from fastapi import FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from common.failover import INSTANCE_HEADER
+
 if TYPE_CHECKING:
     from services.worker.worker import StageWorker
 
@@ -77,7 +79,11 @@ def make_app(worker: StageWorker) -> FastAPI:
     @app.get("/health")
     def health() -> Response:
         ok = worker.loop.failure is None
-        return Response("ok" if ok else "engine failed", status_code=200 if ok else 500)
+        return Response(
+            "ok" if ok else "engine failed",
+            status_code=200 if ok else 500,
+            headers={INSTANCE_HEADER: worker.instance_id},  # failover's probe: is it still this one
+        )
 
     @app.get("/ready")
     def ready() -> Response:

@@ -111,7 +111,9 @@ class StageWorker:
             publish=bus.events.heartbeat,
         )
         self.ledger.on_begin = self.heartbeats.poke  # a task taken is a task the failover must know of
-        self.reaper = Reaper(bus, store, self.instance_id, s.failover_after, on_fence=self._fenced)
+        self.reaper = Reaper(
+            bus, store, self.instance_id, s.failover_after, self._fenced, s.unresponsive_after
+        )
         self.heartbeats.start()
         log.info("%s ready: roles %s, transfer %s", self.instance_id, sorted(self.roles), transfer.address)
 

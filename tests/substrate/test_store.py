@@ -231,6 +231,23 @@ def test_registry_lists_live_instances_and_forgets_dead_ones_by_ttl(redis_server
     run(main())
 
 
+def test_a_fenced_instance_cannot_register_again(redis_server: RedisServer) -> None:
+    # A frozen worker that wakes beats before it hears of its fence: routing must not see it live.
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        registry = store.registry
+        assert await registry.register(_heartbeat("d-1", ("decode",)), ttl=30)
+        await registry.fence("d-1")
+        assert await registry.instances() == []
+        assert not await registry.register(_heartbeat("d-1", ("decode",)), ttl=30)
+        assert await registry.instances() == [] and await registry.get("d-1") is None
+        assert await registry.register(_heartbeat("d-2", ("decode",)), ttl=30)  # its restart, renamed
+        assert [h.instance_id for h in await registry.instances()] == ["d-2"]
+        await store.close()
+
+    run(main())
+
+
 def test_heartbeats_re_register_after_a_redis_restart(redis_server: RedisServer) -> None:
     async def main() -> None:
         store = await Store.connect(StoreConfig(url=redis_server.url, socket_timeout=0.5, retries=0))
