@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.bus import BusConfig
+from common.secrets import DeploymentSecrets, with_credentials
 
 
 class ServiceSettings(BaseSettings):
@@ -20,6 +21,17 @@ class ServiceSettings(BaseSettings):
     model_name: str = Field("", description="Name served in the API; default: the directory's name")
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    secrets_dir: Path | None = Field(
+        None, description="Folder of the deployment's secrets (nats-token, redis-password, transfer-secret)"
+    )
+    transfer_secret: str = Field("", description="Asked of every bulk-transfer pull; empty: none")
+    # The gateway's API and the planner's write endpoints ask for one of them; empty: open.
+    api_keys: str = Field("", description="Comma-separated Bearer keys; empty disables auth")
+
+    @property
+    def api_key_set(self) -> set[str]:
+        return {k.strip() for k in self.api_keys.split(",") if k.strip()}
+
     # The prefix of every NATS subject and Redis key, so several deployments can share servers.
     namespace: str = "trident"
     bind_host: str = "127.0.0.1"  # compose sets 0.0.0.0
@@ -46,6 +58,16 @@ class ServiceSettings(BaseSettings):
         gt=0,
         description="Seconds of silence after which one whose /health hangs (frozen) is taken for dead",
     )
+
+    @model_validator(mode="after")
+    def _apply_secrets(self) -> ServiceSettings:
+        """Credentials from `secrets_dir` go into the URLs, unless the URLs carry their own."""
+        if self.secrets_dir is not None:
+            found = DeploymentSecrets.read(self.secrets_dir)
+            self.nats_url = with_credentials(self.nats_url, found.nats_token, "")
+            self.redis_url = with_credentials(self.redis_url, "", found.redis_password)
+            self.transfer_secret = self.transfer_secret or found.transfer_secret
+        return self
 
     def bus_config(self, name: str) -> BusConfig:
         return BusConfig(url=self.nats_url, prefix=self.namespace, name=name, ack_wait=self.task_ack_wait)
@@ -102,7 +124,6 @@ class GatewaySettings(ServiceSettings):
 
     port: int = 8000
     http_port: int = 8000
-    api_keys: str = Field("", description="Comma-separated Bearer keys; empty disables auth")
     max_images: int = 8
     max_image_bytes: int = 20 << 20
     max_image_pixels: int = Field(50_000_000, description="Pixels an image may declare in its header")
@@ -147,3 +168,6 @@ class PlannerSettings(ServiceSettings):
         Path("compose.yaml"), description="The file the compose actuator scales"
     )
     planner_jobs_url: str = Field("", description="Celery broker and result backend; default: redis_url")
+    planner_job_time_limit: float = Field(
+        600.0, gt=0, description="Seconds a what-if job may run before its worker kills it"
+    )

@@ -26,7 +26,7 @@ SCHEMA_PATH = REPO / "tests" / "data" / "compose-spec.json"  # shipped: data/REA
 WORKERS = ("encoder", "prefill", "decode", "worker-ep", "worker-ed", "worker-epd")
 APP = ("gateway", *WORKERS)  # the services built from this repository that load the model
 PLANNER = ("planner", "planner-jobs")  # built from this repository too; they need no model
-DEFAULT = {"nats", "redis", "model-init", "gateway", "encoder", "prefill", "decode", *PLANNER}
+DEFAULT = {"nats", "redis", "secrets-init", "model-init", "gateway", "encoder", "prefill", "decode", *PLANNER}
 # Compose's rule for profile names (a '+' is not allowed, hence ep-d rather than ep+d).
 PROFILE_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
 
@@ -106,9 +106,10 @@ def test_no_container_names(name: str) -> None:
 def test_only_unscaled_services_publish_ports(compose: dict[str, Any], gpu: dict[str, Any]) -> None:
     for doc in (compose, gpu):
         published = {name for name, service in doc["services"].items() if service.get("ports")}
-        assert published == {"gateway", "planner"}
+        assert published == {"gateway"}  # secure by default: nothing else is reachable from the host
     assert compose["services"]["gateway"]["ports"] == ["${TRIDENT_PORT:-8000}:8000"]
-    assert compose["services"]["planner"]["ports"] == ["${TRIDENT_PLANNER_PORT:-8100}:8100"]
+    expose = merge(compose, _load("compose.expose.yaml"))
+    assert expose["services"]["planner"]["ports"] == ["127.0.0.1:${TRIDENT_PLANNER_PORT:-8100}:8100"]
 
 
 def test_start_up_order(compose: dict[str, Any]) -> None:
@@ -169,7 +170,8 @@ def test_planner_services(compose: dict[str, Any]) -> None:
         assert service["environment"]["TRIDENT_REDIS_URL"] == "redis://redis:6379/0"
         assert service["image"] == "trident:cpu" and service["init"] is True
     # The compose actuator reads the methods of the file it would scale.
-    assert planner["volumes"] == ["./compose.yaml:/app/compose.yaml:ro"]
+    assert planner["volumes"] == ["./compose.yaml:/app/compose.yaml:ro", "secrets:/secrets:ro"]
+    assert jobs["volumes"] == ["secrets:/secrets:ro"]
     assert planner["environment"]["TRIDENT_PLANNER_ACTUATOR"] == "${TRIDENT_PLANNER_ACTUATOR:-advisory}"
 
 
@@ -192,7 +194,8 @@ def test_environment(compose: dict[str, Any]) -> None:
         assert env["TRIDENT_REDIS_URL"] == "redis://redis:6379/0"
         assert env["TRIDENT_MODEL"] == "/models/tiny-llava"
         assert env.get("TRIDENT_ROLES") == roles.get(name)
-        assert compose["services"][name]["volumes"] == ["models:/models:ro"]
+        assert env["TRIDENT_SECRETS_DIR"] == "/secrets"
+        assert compose["services"][name]["volumes"] == ["models:/models:ro", "secrets:/secrets:ro"]
     assert compose["services"]["model-init"]["volumes"] == ["models:/models"]
     script = compose["services"]["model-init"]["command"][-1]
     assert "trident make-model /models/tiny-llava --preset tiny-llava" in script

@@ -313,7 +313,7 @@ def _stand_in_compose(tmp_path: Path, decode_mode: str = "worker") -> Path:
     script.write_text(STAND_IN)
     data = yaml.safe_load(COMPOSE.read_text())
     for name, service in data["services"].items():
-        if "command" in service and name not in ("nats", "redis", "model-init"):
+        if "command" in service and name not in ("nats", "redis", "secrets-init", "model-init"):
             mode = "gateway" if name == "gateway" else decode_mode if name == "decode" else "worker"
             service["command"] = ["python", str(script), mode]
             service["environment"]["STAND_IN_OUT"] = "${STAND_IN_OUT}"  # interpolated from the caller

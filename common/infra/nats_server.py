@@ -61,6 +61,11 @@ class NatsServer(LocalServer):
         self.monitor_port = 0
 
     @property
+    def address(self) -> str:
+        """The URL without credentials: what may be printed or logged."""
+        return f"nats://{self.host}:{self.port}"
+
+    @property
     def url(self) -> str:
         """Client URL with the credentials in it, as nats-py's `connect(servers=...)` takes it."""
         if self.token:
@@ -73,6 +78,7 @@ class NatsServer(LocalServer):
         # The monitor port follows the client port: a fresh one for each spawn attempt.
         self.monitor_port = free_port(self.host)
         conf = self.workdir / "nats.conf"
+        conf.touch(mode=0o600)  # it may hold the token
         conf.write_text(self._config())
         return [nats_server_binary(), "-c", str(conf)]
 

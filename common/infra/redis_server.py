@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -42,6 +43,11 @@ class RedisServer(LocalServer):
         self.appendonly = appendonly
 
     @property
+    def address(self) -> str:
+        """The URL without the password: what may be printed or logged."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
     def url(self) -> str:
         """Client URL with the password in it, as `redis.asyncio.from_url` takes it."""
         auth = f":{self.password}@" if self.password else ""
@@ -58,8 +64,11 @@ class RedisServer(LocalServer):
             "--daemonize", "no",
             "--logfile", "",
         ]  # fmt: skip
-        if self.password:
-            argv += ["--requirepass", self.password]
+        if self.password:  # from a file only its owner reads, not the command line `ps` shows
+            conf = self.workdir / "auth.conf"
+            conf.touch(mode=0o600)
+            conf.write_text(f"requirepass {json.dumps(self.password)}\n")
+            argv.insert(1, str(conf))
         return argv
 
     def ready(self) -> bool:

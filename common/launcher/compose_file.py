@@ -305,6 +305,7 @@ class LocalSetup:
     hosts: Mapping[str, str]  # compose hostname -> "127.0.0.1:PORT" of the local server
     cpus: int
     user_env: Mapping[str, str]  # the caller's environment; its TRIDENT_NUM_THREADS wins over the split
+    secrets_dir: Path | None = None  # the deployment's secrets (common/secrets.py), for every service
     # Variables set on one service's processes over everything else (the planner's port and actuator).
     service_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
@@ -331,13 +332,16 @@ def local_argv(command: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _local_env(setup: LocalSetup) -> dict[str, str]:
-    return {
+    env = {
         "TRIDENT_MODEL": str(setup.model),
         "TRIDENT_BIND_HOST": "127.0.0.1",
         "TRIDENT_ADVERTISE_HOST": "127.0.0.1",
         # Children write to log files; unbuffered output keeps the logs current.
         "PYTHONUNBUFFERED": "1",
     }
+    if setup.secrets_dir is not None:
+        env["TRIDENT_SECRETS_DIR"] = str(setup.secrets_dir)
+    return env
 
 
 def plan(

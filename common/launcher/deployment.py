@@ -18,12 +18,13 @@ from typing import Any
 
 import typer
 
-from common.infra import InfraError, LocalServer, NatsServer, RedisServer
+from common.infra import InfraError, NatsServer, RedisServer
 from common.launcher.compose_file import ComposeFile, LocalSetup, Method, plan, worker_spec
 from common.launcher.follow import Change, PlanSource, change_for
 from common.launcher.processes import Child, stop_children
 from common.launcher.state import StateFile, identity
 from common.protocol import Plan
+from common.secrets import DeploymentSecrets
 
 Echo = Callable[..., None]
 
@@ -95,7 +96,10 @@ class Deployment:
         self._killed: set[str] = set()
         self._next_follow = 0.0
         self.state = StateFile(home / "up.json")
-        self.servers: dict[str, LocalServer] = {}
+        self.servers: dict[str, NatsServer | RedisServer] = {}
+        # Made once per home and kept: NATS and Redis ask for them, and so does every transfer port.
+        self.secrets_dir = home / "secrets"
+        self.secrets = DeploymentSecrets.ensure(self.secrets_dir)
         self.children: list[Child] = []
         self._stop = threading.Event()
         self._force = threading.Event()
@@ -134,13 +138,15 @@ class Deployment:
             if kind == "nats":
                 # A fresh task stream, as a new nats container would have: no stale tasks from a past run.
                 shutil.rmtree(workdir / "jetstream", ignore_errors=True)
-            server: LocalServer = (
-                NatsServer(workdir=workdir) if kind == "nats" else RedisServer(workdir=workdir)
+            server: NatsServer | RedisServer = (
+                NatsServer(workdir=workdir, token=self.secrets.nats_token)
+                if kind == "nats"
+                else RedisServer(workdir=workdir, password=self.secrets.redis_password)
             )
             server.log_path = self.logs / f"{service}.log"
             self.servers[service] = server
             server.start()
-            self.echo(f"{service}: {server.url} (log {server.log_path})")
+            self.echo(f"{service}: {server.address} (log {server.log_path})")
         self._write_state()
 
     def _start_children(self) -> None:
@@ -155,6 +161,7 @@ class Deployment:
             hosts={name: f"{s.host}:{s.port}" for name, s in self.servers.items()},
             cpus=len(os.sched_getaffinity(0)),
             user_env=os.environ,
+            secrets_dir=self.secrets_dir.resolve(),
             service_env={self.compose.planner: planner_env} if self.compose.planner else {},
         )
         for spec in plan(self.compose, self.method, self.scale, self.setup):
@@ -340,8 +347,9 @@ class Deployment:
             "model": str(self.model),
             "compose": str(self.compose.path.resolve()),
             "logs": str(self.logs.resolve()),
+            "secrets": str(self.secrets_dir.resolve()),  # the servers' credentials (common/secrets.py)
             "servers": {
-                name: {**identity(s.pid), "url": s.url, "port": s.port, "log": str(s.log_path.resolve())}
+                name: {**identity(s.pid), "url": s.address, "port": s.port, "log": str(s.log_path.resolve())}
                 for name, s in self.servers.items()
             },
             "processes": [

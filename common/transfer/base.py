@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import heapq
+import hmac
 import threading
 import time
 import uuid
@@ -41,6 +42,8 @@ class TransferConfig:
     # While a UCX pull waits, ping the owner this often; a dead owner fails the ping at once.
     probe_interval: float = 0.25
     inline_max_bytes: int = 256 * 1024  # smaller tensors ride inside the NATS message
+    # Sent with every pull, and asked of every puller: a client without it gets nothing. Empty: open.
+    secret: str = ""
 
 
 @dataclass
@@ -151,6 +154,18 @@ class TransferBackend(abc.ABC):
         """Stop serving a handle; a transfer already under way finishes. False if it was not held."""
         return self.handles.pop(handle)
 
+    def answer(self, request: dict) -> tuple[bytes, _Entry | None]:
+        """The owner's reply header to a pull request, and the entry whose bytes follow it (None:
+        nothing follows). A puller without the deployment's secret is refused whatever it asks."""
+        if self.config.secret and not hmac.compare_digest(
+            str(request.get("k", "")).encode(), self.config.secret.encode()
+        ):
+            return pack_refusal(), None
+        handle = str(request.get("h", ""))
+        entry = self.handles.get(handle)
+        header, has_data = pack_reply(entry, handle, int(request.get("n", -1)))
+        return header, entry if has_data else None
+
     @abc.abstractmethod
     async def pull(
         self, address: str, handle: str, out: torch.Tensor | None = None, timeout: float | None = None
@@ -182,6 +197,10 @@ class TransferBackend(abc.ABC):
 # -- the pull protocol's headers (msgpack maps, tiny) --------------------------------------------------
 def pack_request(handle: str, expect_nbytes: int = -1, **extra: object) -> bytes:
     return msgpack.packb({"op": "pull", "h": handle, "n": expect_nbytes, **extra}, use_bin_type=True)
+
+
+def pack_refusal() -> bytes:
+    return msgpack.packb({"ok": False, "e": "forbidden", "m": "wrong or missing transfer secret"})
 
 
 def pack_reply(entry: _Entry | None, handle: str, expect_nbytes: int) -> tuple[bytes, bool]:

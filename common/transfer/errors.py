@@ -28,6 +28,10 @@ class SizeMismatch(TransferError):
     """The caller's destination buffer does not match the tensor's size."""
 
 
+class Forbidden(TransferError):
+    """The owner refused the pull: it asks for the deployment's transfer secret, and this was not it."""
+
+
 class TransferClosed(TransferError):
     """The local backend was closed while the transfer was in flight."""
 
@@ -37,6 +41,7 @@ ERROR_CODES: dict[str, type[TransferError]] = {
     "not_found": HandleNotFound,
     "size_mismatch": SizeMismatch,
     "bad_request": TransferError,
+    "forbidden": Forbidden,
 }
 
 

@@ -23,7 +23,6 @@ from common.transfer.base import (
     TransferConfig,
     destination,
     out_nbytes,
-    pack_reply,
     pack_request,
     unpack,
 )
@@ -91,7 +90,7 @@ class TcpClient:
         if self._closed:
             raise TransferClosed("transfer backend closed")
         loop = asyncio.get_running_loop()
-        request = pack_request(handle, out_nbytes(out))
+        request = pack_request(handle, out_nbytes(out), k=self._backend.config.secret)
         # A reused connection may have died idle (owner restarted): retry once on a fresh one,
         # which is safe because nothing of the reply has arrived yet.
         for attempt in range(2):
@@ -258,12 +257,9 @@ class TcpBackend(TransferBackend):
                     raw = bytearray(length)
                     if await _recv_exact(loop, conn, memoryview(raw)) < length:
                         return
-                    request = unpack(raw)
-                    handle = str(request.get("h", ""))
-                    entry = self.handles.get(handle)
-                    header, has_data = pack_reply(entry, handle, int(request.get("n", -1)))
+                    header, entry = self.answer(unpack(raw))
                     await loop.sock_sendall(conn, _LEN.pack(len(header)) + header)
-                    if has_data and entry is not None and entry.bytes_view.numel():
+                    if entry is not None and entry.bytes_view.numel():
                         await loop.sock_sendall(conn, memoryview(entry.bytes_view.numpy()))
                 except (OSError, TransferError) as exc:
                     log.debug("transfer client went away: %r", exc)

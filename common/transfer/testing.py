@@ -123,7 +123,8 @@ def _owner_main(backend: str, specs: list[TensorSpec], env: dict[str, str], conn
 async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -> None:
     from common.transfer import TransferConfig, create_backend
 
-    backend = create_backend(TransferConfig(backend=backend_name))  # type: ignore[arg-type]
+    secret = os.environ.get("TRIDENT_TRANSFER_SECRET", "")  # the owner's env (OwnerProcess(env=...))
+    backend = create_backend(TransferConfig(backend=backend_name, secret=secret))  # type: ignore[arg-type]
     await backend.start()
     handles = [backend.publish(make_tensor(s)) for s in specs]
     await asyncio.to_thread(conn.send, (backend.address, handles))

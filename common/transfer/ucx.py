@@ -35,7 +35,6 @@ from common.transfer.base import (
     TransferConfig,
     destination,
     out_nbytes,
-    pack_reply,
     pack_request,
     unpack,
 )
@@ -140,7 +139,14 @@ class UcxBackend(TransferBackend):
         header = np.empty(CONTROL_SIZE, dtype=np.uint8)
         me = self._process.encode() if self._process else ""
         request = frame(
-            pack_request(pull.handle, out_nbytes(pull.out), rt=tag, ra=self._worker_address, pi=me)
+            pack_request(
+                pull.handle,
+                out_nbytes(pull.out),
+                rt=tag,
+                ra=self._worker_address,
+                pi=me,
+                k=self.config.secret,
+            )
         )
         # Each callback holds the array its request reads or writes: UCX may touch it until completion.
         recv = peer.ep.tag_recv(self._array(header), self._api.UCXXTag(tag))
@@ -219,16 +225,15 @@ class UcxBackend(TransferBackend):
             log.warning("bad UCX control message: %r", exc)
 
     def _serve(self, message: dict) -> None:
-        address, tag, handle = bytes(message["ra"]), int(message["rt"]), str(message["h"])
+        address, tag = bytes(message["ra"]), int(message["rt"])
         try:
             peer = self._peers.get(address, ProcessId.decode(str(message.get("pi", ""))))
         except Exception as exc:
             log.debug("cannot reach a puller: %r", exc)
             return
-        entry = self.handles.get(handle)
-        header, has_data = pack_reply(entry, handle, int(message.get("n", -1)))
+        header, entry = self.answer(message)
         sends = [frame(header)]
-        if has_data and entry is not None and entry.bytes_view.numel():
+        if entry is not None and entry.bytes_view.numel():
             # The tensor stays referenced until its send completes, even if released meanwhile.
             sends.append(entry.bytes_view.numpy())
         self._peers.start_work(peer)

@@ -84,7 +84,7 @@ class Gateway:
             max_pixels=settings.max_image_pixels,
         )
         self.slo = SLO(settings.ttft_slo, settings.tbt_slo)  # each request's outcome is judged by it
-        self.api_keys = {k.strip() for k in settings.api_keys.split(",") if k.strip()}
+        self.api_keys = settings.api_key_set
         self.metrics = Metrics.create()
         self.queues: QueueDepths | None = None  # set once connected
         # Decoding images and running the HF processor take milliseconds of CPU per request; on the
@@ -134,7 +134,9 @@ class Gateway:
         )
         self.heartbeats.start()
         host = socket.gethostname() if s.advertise_host == "auto" else s.advertise_host
-        self.transfer = create_backend(TransferConfig(backend="tcp", host=s.bind_host, advertise_host=host))
+        self.transfer = create_backend(
+            TransferConfig(backend="tcp", host=s.bind_host, advertise_host=host, secret=s.transfer_secret)
+        )
         await self.transfer.start()
 
     def heartbeat(self) -> Heartbeat:

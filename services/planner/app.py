@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from celery.result import AsyncResult
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, Header, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 
@@ -81,7 +81,14 @@ def create_app(settings: PlannerSettings | None = None) -> FastAPI:
         png = await asyncio.to_thread(goodput_chart, d.result, f"plan {d.plan.decision_id} ({d.trigger})")
         return Response(png, media_type="image/png")
 
-    @app.post("/plan/replan")
+    keys = settings.api_key_set
+
+    def authorized(authorization: str = Header("")) -> None:
+        """Writes (a re-plan, a job) ask for an API key when TRIDENT_API_KEYS sets any; reads do not."""
+        if keys and authorization.removeprefix("Bearer ").strip() not in keys:
+            raise APIError(401, "missing or invalid API key", code="invalid_api_key")
+
+    @app.post("/plan/replan", dependencies=[Depends(authorized)])
     async def replan(wait: bool = False) -> JSONResponse:
         """Re-plan now. Without `wait` the answer is 202 at once; GET /plan shows the new decision."""
         waiter = planner.request()
@@ -97,7 +104,7 @@ def create_app(settings: PlannerSettings | None = None) -> FastAPI:
         return JSONResponse(decision.to_dict())
 
     # -- what-if jobs ----------------------------------------------------------------------------
-    @app.post("/plan/jobs", status_code=202)
+    @app.post("/plan/jobs", status_code=202, dependencies=[Depends(authorized)])
     async def submit(body: JobRequest) -> dict:
         try:
             entries = body.entries()

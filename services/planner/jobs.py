@@ -80,16 +80,35 @@ def jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
-@app.task(bind=True, name=TASK)
-def what_if(self: Task, request: dict[str, Any]) -> dict[str, Any]:
-    last = 0.0
+class JobTimeLimit(RuntimeError):
+    """A what-if job ran past TRIDENT_PLANNER_JOB_TIME_LIMIT; it ends FAILURE, saying so."""
+
+
+def reporter(
+    update: Callable[[float, str], None], limit: float, clock: Callable[[], float] = time.monotonic
+) -> Callable[[float, str], None]:
+    """The progress callback of a job: reports at most every 0.2 s (and at the end), and raises
+    JobTimeLimit once the job has run `limit` seconds. The worker runs --pool=solo, where Celery
+    enforces no time limit, so the job enforces its own at each candidate it simulates (and its
+    inputs are bounded: job_models.py)."""
+    deadline, last = clock() + limit, -1e9
 
     def progress(fraction: float, message: str) -> None:
         nonlocal last
-        now = time.monotonic()
+        now = clock()
+        if now > deadline:
+            raise JobTimeLimit(f"the job ran over its {limit:g} s limit (TRIDENT_PLANNER_JOB_TIME_LIMIT)")
         if fraction >= 1.0 or now - last >= 0.2:  # a state write per simulated candidate is plenty
             last = now
-            self.update_state(state="PROGRESS", meta={"progress": round(fraction, 4), "message": message})
+            update(fraction, message)
 
-    self.update_state(state="PROGRESS", meta={"progress": 0.0, "message": "starting"})
-    return run_what_if(request, progress)
+    return progress
+
+
+@app.task(bind=True, name=TASK)
+def what_if(self: Task, request: dict[str, Any]) -> dict[str, Any]:
+    def update(fraction: float, message: str) -> None:
+        self.update_state(state="PROGRESS", meta={"progress": round(fraction, 4), "message": message})
+
+    update(0.0, "starting")
+    return run_what_if(request, reporter(update, PlannerSettings().planner_job_time_limit))

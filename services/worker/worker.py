@@ -88,7 +88,9 @@ class StageWorker:
         bus = await Bus.connect(s.bus_config(self.instance_id), store)
         transfer_host = "0.0.0.0" if s.bind_host == "0.0.0.0" else self.host
         transfer = create_backend(
-            TransferConfig(backend=s.transfer, host=transfer_host, advertise_host=self.host)
+            TransferConfig(
+                backend=s.transfer, host=transfer_host, advertise_host=self.host, secret=s.transfer_secret
+            )
         )
         await transfer.start()
         self.record = StageRecorder(store)

@@ -1,9 +1,11 @@
 """`docker compose up` as a user runs it: the image built from this repository, answers equal to HF
 `generate`, decode scaled to two replicas that both serve, a replica killed or stopped mid-stream
-while the stream still ends with the right answer, and a hybrid profile answering."""
+while the stream still ends with the right answer, a hybrid profile answering, and the defaults
+closed: only the gateway's port on the host, NATS and Redis asking for the deployment's secrets."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import threading
@@ -159,3 +161,43 @@ def test_the_gpu_override_is_valid_compose(stack):
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+# -- closed by default ------------------------------------------------------------------------
+NATS_WITHOUT_TOKEN = """
+import asyncio, nats
+async def main():
+    nc = await nats.connect("nats://nats:4222", allow_reconnect=False, max_reconnect_attempts=0,
+                            connect_timeout=3)
+    await nc.subscribe("trident.out.>")
+asyncio.run(main())
+"""
+REDIS_WITHOUT_PASSWORD = """
+import redis
+redis.Redis(host="redis", socket_timeout=3).set("trident:plan:apply", b"x")
+"""
+REDIS_WITH_PASSWORD = """
+import redis
+password = open("/secrets/redis-password").read().strip()
+print(redis.Redis(host="redis", password=password, socket_timeout=3).exists("trident:plan:apply"))
+"""
+
+
+def run_in_gateway(stack, script: str):
+    return stack.compose("exec", "-T", "gateway", "python", "-c", script, check=False)
+
+
+def test_only_the_gateway_publishes_a_port(stack):
+    listed = stack.compose("ps", "--format", "json").stdout
+    containers = [json.loads(line) for line in listed.splitlines() if line.strip()]
+    on_host = {c["Service"] for c in containers for p in c.get("Publishers") or [] if p.get("PublishedPort")}
+    assert on_host == {"gateway"}, listed
+
+
+def test_nats_and_redis_refuse_a_client_without_the_secrets(stack):
+    nats_try = run_in_gateway(stack, NATS_WITHOUT_TOKEN)
+    assert nats_try.returncode != 0 and "Authorization Violation" in nats_try.stderr, nats_try.stderr
+    redis_try = run_in_gateway(stack, REDIS_WITHOUT_PASSWORD)
+    assert redis_try.returncode != 0 and "Authentication" in redis_try.stderr, redis_try.stderr
+    with_it = run_in_gateway(stack, REDIS_WITH_PASSWORD)
+    assert with_it.returncode == 0 and with_it.stdout.strip() == "0", with_it.stderr  # nothing written

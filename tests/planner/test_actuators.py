@@ -19,6 +19,7 @@ from common.launcher.compose_file import Method, ProcessSpec, load_compose, plan
 from common.launcher.follow import change_for
 from common.launcher.processes import Child
 from common.protocol import Heartbeat, Plan, decode
+from common.secrets import DeploymentSecrets
 from common.store import Store, StoreConfig
 from common.store.keys import Keys
 from services.planner.actuators import LauncherActuator, compose_command
@@ -121,7 +122,8 @@ def test_trident_up_follows_the_plan(tmp_path: Path) -> None:
         planner_env = _record(tmp_path, pids["planner-1"])["env"]
         assert planner_env["TRIDENT_PLANNER_ACTUATOR"] == "launcher"
         assert planner_env["TRIDENT_HTTP_PORT"] == str(planner_port)
-        r = redis.Redis.from_url(state["servers"]["redis"]["url"])
+        password = DeploymentSecrets.read(Path(state["secrets"])).redis_password
+        r = redis.Redis.from_url(state["servers"]["redis"]["url"], password=password)
         r.set(Keys("trident").plan_apply, _plan("ep+d", 7, ep=2, d=1).to_bytes())
         _read_until(lines, "plan 7 (ep+d: 2 worker-ep, 1 decode): applying")
         _read_until(lines, "will drain encoder-1, prefill-1")

@@ -22,6 +22,7 @@ from common.infra import NatsServer, RedisServer, free_port
 from common.planner.paper_profiles import profiles_from
 from common.planner.types import METHOD_KINDS
 from common.planner.workloads import generate
+from services.planner.jobs import JobTimeLimit, reporter
 
 NAMESPACE = "jobs-test"
 
@@ -205,3 +206,18 @@ def test_unknown_jobs_are_404(planner: tuple[str, RedisServer]) -> None:
         reply = httpx.get(url + path, timeout=5)
         assert reply.status_code == 404 and "no job 'nope'" in reply.json()["error"]["message"]
     assert httpx.post(url + "/plan/jobs", content=b"{", timeout=5).status_code == 400
+
+
+def test_a_job_past_its_time_limit_fails_saying_so() -> None:
+    now = [0.0]
+    reports: list[tuple[float, str]] = []
+    progress = reporter(lambda f, m: reports.append((f, m)), limit=10.0, clock=lambda: now[0])
+    progress(0.0, "simulating 1E1P1D")
+    now[0] = 0.1
+    progress(0.1, "too soon to report")
+    now[0] = 9.0
+    progress(0.5, "simulating 2E1P1D")
+    assert reports == [(0.0, "simulating 1E1P1D"), (0.5, "simulating 2E1P1D")]
+    now[0] = 10.5
+    with pytest.raises(JobTimeLimit, match="over its 10 s limit"):
+        progress(0.6, "simulating 1E2P1D")

@@ -14,6 +14,7 @@ import httpx
 
 from common.infra import NatsServer, RedisServer, free_port
 from common.launcher.compose_file import Method, load_compose
+from common.secrets import DeploymentSecrets
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 LOG_TAIL = 40  # lines of each process's log shown under a failed test
@@ -38,8 +39,10 @@ class Cluster:
         env = dict(os.environ)
         env.update(
             TRIDENT_MODEL=str(self.model),
-            TRIDENT_NATS_URL=self.nats.url,
-            TRIDENT_REDIS_URL=self.redis.url,
+            # Closed, as `trident up` runs it: the credentials come from the secrets folder.
+            TRIDENT_NATS_URL=self.nats.address,
+            TRIDENT_REDIS_URL=self.redis.address,
+            TRIDENT_SECRETS_DIR=str(self.workdir / "secrets"),
             TRIDENT_NUM_THREADS="1",
             TRIDENT_PORT=str(self.port),
             TRIDENT_ALLOW_PRIVATE_IMAGE_URLS="0",
@@ -116,7 +119,11 @@ def running_cluster(
     scale: dict[str, int] | None = None,
     env: dict[str, str] | None = None,
 ):
-    with NatsServer(workdir=workdir / "nats") as nats, RedisServer(workdir=workdir / "redis") as redis:
+    secrets = DeploymentSecrets.ensure(workdir / "secrets")
+    with (
+        NatsServer(workdir=workdir / "nats", token=secrets.nats_token) as nats,
+        RedisServer(workdir=workdir / "redis", password=secrets.redis_password) as redis,
+    ):
         cluster = Cluster(model, workdir, nats, redis)
         Cluster.running.append(cluster)
         try:

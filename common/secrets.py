@@ -1,0 +1,60 @@
+"""Per-deployment secrets: the NATS token, the Redis password and the transfer secret.
+
+One directory holds one file per secret (mode 0600). Whoever starts a deployment creates them
+once (`ensure`: compose's `secrets-init` service, `trident up`); every service is pointed at the
+directory (TRIDENT_SECRETS_DIR) and `apply` puts them where its clients need them. A secret given
+outright (credentials in TRIDENT_NATS_URL or TRIDENT_REDIS_URL, TRIDENT_TRANSFER_SECRET) wins.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
+
+NAMES = ("nats-token", "redis-password", "transfer-secret")
+
+
+@dataclass(frozen=True)
+class DeploymentSecrets:
+    nats_token: str
+    redis_password: str
+    transfer_secret: str
+
+    @classmethod
+    def ensure(cls, folder: Path) -> DeploymentSecrets:
+        """The secrets in `folder`, each created (random, 0600) if it is not there yet."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in NAMES:
+            path = folder / name
+            if not path.exists():
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_urlsafe(24))
+        return cls.read(folder)
+
+    @classmethod
+    def read(cls, folder: Path) -> DeploymentSecrets:
+        """The secrets in `folder`; a missing or empty file is an error naming it."""
+        values = []
+        for name in NAMES:
+            path = folder / name
+            try:
+                value = path.read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"secret {path} cannot be read: {exc.strerror}") from None
+            if not value:
+                raise ValueError(f"secret {path} is empty")
+            values.append(value)
+        return cls(*values)
+
+
+def with_credentials(url: str, user: str, password: str) -> str:
+    """`url` with `user[:password]@` added, unless it carries credentials already."""
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        return url
+    auth = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
+    return urlunsplit(parts._replace(netloc=f"{auth}@{parts.netloc}"))
