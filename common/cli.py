@@ -11,7 +11,7 @@ import typer
 from common.bench.commands import bench_app
 from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters, write_checkpoint
 from common.generate_cmd import generate
-from common.launcher import down, up
+from common.launcher import down, follow_plan, up
 from common.plan_cmd import plan
 
 app = typer.Typer(
@@ -55,5 +55,6 @@ def make_model(
 app.command("generate")(generate)
 app.command("up")(up)
 app.command("down")(down)
+app.command("follow-plan")(follow_plan)
 app.command("plan")(plan)
 app.add_typer(bench_app, name="bench")

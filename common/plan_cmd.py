@@ -1,5 +1,5 @@
 """`trident plan`: offline planning of a trace file — which method and split of N instances serves the
-most requests per second within the SLOs."""
+most requests per second within the SLOs, or (`--rate`) how many instances a load needs."""
 
 from __future__ import annotations
 
@@ -23,7 +23,19 @@ def plan(
     ],
     ttft_slo: Annotated[float, typer.Option(help="Time-to-first-token SLO, seconds.")],
     tbt_slo: Annotated[float, typer.Option(help="Time-between-tokens SLO, seconds.")],
-    instances: Annotated[int, typer.Option(min=3, help="Instances to partition among the three stages.")],
+    instances: Annotated[
+        int | None, typer.Option(min=3, help="Instances to partition among the three stages.")
+    ] = None,
+    rate: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Instead of --instances: the load (req/s) to serve; plans the fewest instances that do.",
+        ),
+    ] = None,
+    max_instances: Annotated[
+        int, typer.Option(min=3, help="With --rate: the most instances to consider.")
+    ] = 64,
     profile: Annotated[
         str,
         typer.Option(
@@ -45,13 +57,15 @@ def plan(
         bool, typer.Option("--json", help="Print one JSON object (the whole result) instead of the table.")
     ] = False,
 ) -> None:
-    """Plan a deployment for a trace: simulate E+P+D, EP+D and ED+P splits and report each one's goodput."""
+    """Plan a deployment for a trace: simulate E+P+D, EP+D and ED+P splits and report each one's goodput;
+    with --rate, first find how many instances serve that load."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from common.planner.algorithm import plan as make_plan
     from common.planner.paper_profiles import profiles_from
     from common.planner.profiles import ProfileError
+    from common.planner.sizing import OutOfReach, size
     from common.planner.trace import TraceError, read_trace
     from common.stats import SLO
 
@@ -62,6 +76,11 @@ def plan(
     except (TraceError, ProfileError, ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)  # one line, not wrapped to the terminal
         raise typer.Exit(2) from None
+    if (instances is None) == (rate is None):
+        typer.echo(
+            "error: give --instances (split them) or --rate (how many a load needs), not both", err=True
+        )
+        raise typer.Exit(2)
     if len(entries) < 2:
         typer.echo(f"error: {trace} holds {len(entries)} request(s); a plan needs at least 2", err=True)
         raise typer.Exit(2)
@@ -72,11 +91,24 @@ def plan(
         def progress(fraction: float, message: str) -> None:
             bar.update(task, completed=fraction, description=message)
 
-        result = make_plan(entries, profiles, slo, instances, exhaustive=exhaustive, progress=progress)
+        if rate is None:
+            result = make_plan(entries, profiles, slo, instances, exhaustive=exhaustive, progress=progress)
+            sizing = None
+        else:
+            try:
+                sizing = size(entries, profiles, slo, rate, max_instances, exhaustive, progress)
+            except (OutOfReach, ValueError) as exc:
+                typer.echo(f"error: {exc}", err=True)
+                raise typer.Exit(1) from None
+            result = sizing.result
     if as_json:
-        typer.echo(json.dumps(result.to_dict(), default=_plain))
+        typer.echo(json.dumps((sizing or result).to_dict(), default=_plain))
         return
     _print_table(result, len(entries), profiles.source or profile)
+    if sizing is not None:
+        tried = ", ".join(f"{n}: {g:.3f}" for n, g in sorted(sizing.tried.items()))
+        typer.echo(f"instances: {sizing.instances}, the fewest whose best split serves {rate:g} req/s")
+        typer.echo(f"best goodput (req/s) by instance count: {tried}")
 
 
 def _plain(obj: object) -> object:

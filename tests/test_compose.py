@@ -238,9 +238,9 @@ def test_running_md_documents_every_variable_and_flag() -> None:
     fields = {*WorkerSettings.model_fields, *GatewaySettings.model_fields, *PlannerSettings.model_fields}
     missing = sorted(f"TRIDENT_{f.upper()}" for f in fields if f"`TRIDENT_{f.upper()}`" not in doc)
     assert not missing, f"docs/running.md lacks {missing}"
-    from common.cli import plan
+    from common.cli import follow_plan, plan
 
-    for command in (up, plan):
+    for command in (up, plan, follow_plan):
         app = typer.Typer(add_completion=False)
         app.command()(command)
         flags = [opt for param in typer.main.get_command(app).params for opt in param.opts]

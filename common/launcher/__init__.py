@@ -4,9 +4,10 @@
 - processes.py: start, restart and stop the service processes, each with its log file
 - deployment.py: one running `trident up`: servers, processes, readiness, supervision, shutdown
 - state.py: .trident/up.json, which `trident down` reads
+- compose_follow.py: `trident follow-plan`, a Docker Compose deployment following the planner
 - commands.py: the typer commands
 """
 
-from common.launcher.commands import down, up
+from common.launcher.commands import down, follow_plan, up
 
-__all__ = ["down", "up"]
+__all__ = ["down", "follow_plan", "up"]

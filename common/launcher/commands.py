@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,6 +13,13 @@ import typer
 
 from common.infra import free_port
 from common.launcher.compose_file import ComposeError, Method, load_compose, parse_scale, resolve_scale
+from common.launcher.compose_follow import (
+    ComposeProject,
+    Follower,
+    FollowError,
+    GatewayView,
+    default_gateway,
+)
 from common.launcher.deployment import Deployment
 from common.launcher.state import StateFile, is_alive, send, terminate, wait_gone
 
@@ -167,3 +175,47 @@ def down(
         typer.echo(f"trident up (pid {state['pid']}) was gone; stopped {stopped} process(es) it had left")
     else:
         typer.echo(f"nothing is running (removed a stale {STATE})")
+
+
+def follow_plan(
+    file: Annotated[
+        Path | None, typer.Option("--file", "-f", help="The compose file the deployment runs.")
+    ] = None,
+    project: Annotated[
+        str | None, typer.Option("--project-name", "-p", help="Compose project (default: the file's `name`).")
+    ] = None,
+    gateway: Annotated[
+        str | None,
+        typer.Option(help="The gateway's URL (default: http://127.0.0.1:$TRIDENT_PORT, or :8000)."),
+    ] = None,
+    api_key: Annotated[
+        str, typer.Option(envvar="TRIDENT_API_KEY", help="Bearer key, when the gateway asks for one.")
+    ] = "",
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between looks at the plan.")] = 5.0,
+    ready_timeout: Annotated[
+        float, typer.Option(min=1, help="Seconds new replicas get to register before giving up.")
+    ] = 300.0,
+    once: Annotated[bool, typer.Option("--once", help="Apply the current plan, then exit.")] = False,
+) -> None:
+    """Make a `docker compose` deployment run the plans its planner makes: new replicas first,
+    then the ones the plan drops, drained. Run it on the Docker host."""
+    path = find_compose(file)
+    try:
+        compose = load_compose(path, os.environ)
+    except ComposeError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--file") from None
+    view = GatewayView(gateway or default_gateway(os.environ), api_key)
+    follower = Follower(
+        compose, ComposeProject(compose, project, os.environ), view, ready_timeout, typer.echo
+    )
+    typer.echo(f"following the plans {view.url}/v1/cluster shows, for {path}")
+    while True:
+        try:
+            follower.step()
+        except (FollowError, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            if once:
+                raise typer.Exit(1) from None
+        if once:
+            return
+        time.sleep(interval)

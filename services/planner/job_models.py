@@ -64,7 +64,8 @@ class JobRequest(BaseModel):
     trace: list[TraceEntryIn] | None = Field(None, min_length=2, max_length=MAX_REQUESTS)
     workload: WorkloadIn | None = None
     slo: SLOIn
-    instances: int = Field(ge=3, le=256)  # Algorithm 2 splits N over the three stages
+    instances: int = Field(ge=3, le=256)  # Algorithm 2 splits N over the three stages; with rate, the most
+    rate: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False)  # req/s: find the fewest instances
     profiles: str | dict[str, Any] = "cluster"
     exhaustive: bool | None = None
 
@@ -87,6 +88,7 @@ class JobRequest(BaseModel):
             "workload": self.workload.model_dump() if self.workload is not None else None,
             "slo": self.slo.model_dump(),
             "instances": self.instances,
+            "rate": self.rate,
             "profiles": profiles,
             "exhaustive": self.exhaustive,
         }

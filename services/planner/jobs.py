@@ -53,6 +53,7 @@ def run_what_if(
     from common.planner.algorithm import plan
     from common.planner.paper_profiles import profiles_from
     from common.planner.profiles import ProfileSet
+    from common.planner.sizing import size
     from common.planner.trace import TraceEntry, summary
     from common.planner.workloads import generate
     from common.stats import SLO
@@ -65,14 +66,20 @@ def run_what_if(
     spec = request["profiles"]
     profiles = profiles_from(spec) if isinstance(spec, str) else ProfileSet.from_dict(spec)
     slo = SLO(**request["slo"])
-    result = plan(
-        trace, profiles, slo, request["instances"], exhaustive=request.get("exhaustive"), progress=progress
-    )
-    title = f"what-if: {len(trace)} requests on {request['instances']} instances"
-    png = goodput_chart(result, title)
-    return jsonable(
-        {"plan": result.to_dict(), "trace": summary(trace), "chart_png": base64.b64encode(png).decode()}
-    )
+    instances, exhaustive, rate = request["instances"], request.get("exhaustive"), request.get("rate")
+    sizing = None
+    if rate is None:
+        result = plan(trace, profiles, slo, instances, exhaustive=exhaustive, progress=progress)
+    else:  # the fewest instances, up to `instances`, that serve the rate
+        sizing = size(trace, profiles, slo, rate, instances, exhaustive, progress)
+        result, instances = sizing.result, sizing.instances
+    png = goodput_chart(result, f"what-if: {len(trace)} requests on {instances} instances")
+    body = {"plan": result.to_dict(), "trace": summary(trace), "chart_png": base64.b64encode(png).decode()}
+    if sizing is not None:
+        body["sizing"] = {
+            k: v for k, v in sizing.to_dict().items() if k in ("rate", "recommended_instances", "tried")
+        }
+    return jsonable(body)
 
 
 def jsonable(obj: Any) -> Any:

@@ -87,6 +87,9 @@ def stack() -> Iterator[Stack]:
         "TRIDENT_PORT": str(port),
         "TRIDENT_PLANNER_PORT": str(free_port()),
         "TRIDENT_LOG_LEVEL": "INFO",
+        # The planner plans for 4 instances (a change, whatever runs) once 10 requests have finished.
+        "TRIDENT_PLANNER_INSTANCES": "4",
+        "TRIDENT_PLANNER_MIN_REQUESTS": "10",
     }
     s = Stack(project=f"trident-test-{port}", env=env, url=f"http://127.0.0.1:{port}")
     try:

@@ -8,11 +8,17 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import threading
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from common.launcher.compose_file import Method, load_compose, plan_scale
+from common.launcher.compose_follow import ComposeProject
+from common.protocol import Plan
 from tests.docker.conftest import REPO
 from tests.engine.conftest import make_image
 from tests.services.conftest import data_url
@@ -201,3 +207,43 @@ def test_nats_and_redis_refuse_a_client_without_the_secrets(stack):
     assert redis_try.returncode != 0 and "Authentication" in redis_try.stderr, redis_try.stderr
     with_it = run_in_gateway(stack, REDIS_WITH_PASSWORD)
     assert with_it.returncode == 0 and with_it.stdout.strip() == "0", with_it.stderr  # nothing written
+
+
+# -- the planner's plans, applied -----------------------------------------------------------------
+REPLAN = (
+    "import urllib.request as u; "
+    "u.urlopen(u.Request('http://127.0.0.1:8100/plan/replan?wait=true', method='POST'), timeout=280)"
+)
+
+
+def test_follow_plan_runs_the_planners_plan_and_no_stream_is_lost(stack, hf_tiny):
+    """Last: it reshapes the deployment. The planner plans from the requests it has recorded; `trident
+    follow-plan` starts the new replicas, then drains the dropped ones while streams are in flight."""
+    for i in range(12):  # the recorded workload, on top of the earlier tests'
+        ask(stack, user_message([], f"question {i}"), 8)
+    stack.compose("exec", "-T", "planner", "python", "-c", REPLAN, timeout=300)
+    plan = Plan.model_validate(httpx.get(stack.url + "/v1/cluster", timeout=10).json()["plan"])
+    compose = load_compose(REPO / "compose.yaml", stack.env)
+    wanted = plan_scale(compose, Method(plan.method), plan.replicas)
+    assert sum(wanted.values()) == 4
+
+    want, count = reference(hf_tiny, 0, 200)
+    texts: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: texts.append(ask(stack, user_message([], QUESTION), count, True)))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    follow = subprocess.run(
+        [str(Path(sys.executable).with_name("trident")), "follow-plan", "--once", "-f", "compose.yaml",
+         "-p", stack.project, "--gateway", stack.url],
+        cwd=REPO, env=stack.env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert follow.returncode == 0, follow.stdout + follow.stderr
+    assert f"plan {plan.decision_id}" in follow.stdout and "applied" in follow.stdout, follow.stdout
+    for t in threads:
+        t.join(300)
+    assert texts == [want] * 3  # every stream in flight completed, as HF would have it
+    running = ComposeProject(compose, stack.project, stack.env).running()
+    assert {n: k for n, k in running.items() if k} == wanted

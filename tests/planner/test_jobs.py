@@ -137,6 +137,19 @@ def test_workload_job_runs_to_a_chart(planner: tuple[str, RedisServer]) -> None:
     assert not [k for k in keys if not k.startswith(f"{NAMESPACE}:")]
 
 
+def test_a_rate_job_finds_how_many_instances_serve_it(planner: tuple[str, RedisServer]) -> None:
+    url, _ = planner
+    job = {**GOOD, "workload": {"shape": "pope", "rate": 4.0, "num_requests": 60, "seed": 5}}
+    reply = httpx.post(f"{url}/plan/jobs", json={**job, "instances": 32, "rate": 60.0}, timeout=30)
+    assert reply.status_code == 202, reply.text
+    body, _ = _finish(url, reply.json()["id"])
+    assert body["state"] == "SUCCESS", body["error"]
+    sizing, plan = body["result"]["sizing"], body["result"]["plan"]
+    n = sizing["recommended_instances"]
+    assert 3 <= n <= 32 and sum(plan["replicas"].values()) == n and plan["goodput"] >= 60
+    assert sizing["tried"][str(n)] >= 60 and (n == 3 or sizing["tried"][str(n - 1)] < 60)
+
+
 def test_inline_trace_and_profiles(planner: tuple[str, RedisServer]) -> None:
     url, _ = planner
     trace = [dataclasses.asdict(e) for e in generate("pope", rate=3.0, num_requests=40, seed=1)]
@@ -167,6 +180,7 @@ GOOD = {
         ({"slo": None}, "slo"),
         ({"slo": {"ttft": 0, "tbt": 0.1}}, "slo.ttft"),
         ({"instances": 2}, "instances"),  # fewer than the three stages
+        ({"rate": 0}, "rate"),
         ({"workload": {"shape": "imagenet", "rate": 2.0}}, "workload.shape"),
         ({"workload": {"shape": "pope", "rate": -1}}, "workload.rate"),
         ({"workload": None}, "trace"),  # neither trace nor workload

@@ -85,3 +85,23 @@ def test_usage_errors_exit_2(app: typer.Typer, trace_file: Path, tmp_path: Path)
         assert result.exit_code == 2, (args, result.output)
         # typer boxes usage errors and wraps them to the terminal's width
         assert message in re.sub(r"[\s│]+", " ", result.output), (args, result.output)
+
+
+def test_rate_finds_the_fewest_instances_that_serve_it(app: typer.Typer, trace_file: Path) -> None:
+    result = _plan(app, "--trace", str(trace_file), "--rate", "60", "--json")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout.strip().splitlines()[-1])
+    n = body["recommended_instances"]
+    tried = {int(k): g for k, g in body["tried"].items()}
+    assert sum(body["replicas"].values()) == n and body["goodput"] >= 60 == body["rate"]
+    assert tried[n] >= 60 and (n == 3 or tried[n - 1] < 60)  # one fewer falls short: the fewest
+    one_fewer = _plan(app, "--trace", str(trace_file), "--instances", str(n - 1), "--json")
+    assert json.loads(one_fewer.stdout.strip().splitlines()[-1])["goodput"] < 60
+
+
+def test_rate_out_of_reach_and_both_or_neither_are_errors(app: typer.Typer, trace_file: Path) -> None:
+    far = _plan(app, "--trace", str(trace_file), "--rate", "1000", "--max-instances", "8")
+    assert far.exit_code == 1 and "8 instances serve at most" in far.output
+    for args in ([], ["--rate", "5", "--instances", "4"]):
+        both = _plan(app, "--trace", str(trace_file), *args)
+        assert both.exit_code == 2 and "--instances" in both.output
