@@ -31,12 +31,17 @@ def sample(
     tokens = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:
-            tokens[i] = _sample_one(logits[i].float(), p, generators[i])
+            tokens[i] = _sample_one(logits[i], p, generators[i])
     return tokens
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    logits = logits / p.temperature
+    # On the CPU, so a seed gives the same tokens on any device; in float64 and from the largest
+    # logit down, so any temperature the API admits is finite: near 0 the best token gets 0 and the
+    # rest -inf (one-hot), where float32 made 0/0 = NaN of it, and a top_p below float32's smallest
+    # number still keeps the first token.
+    logits = logits.detach().to("cpu", torch.float64)
+    logits = (logits - logits.max()) / p.temperature
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -45,7 +50,7 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p; the first token is always kept.
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    # Sampling happens on the CPU so a seed gives the same tokens on any device.
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+    return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.engine.processor import InputError
 from common.engine.sampling import SamplingParams, make_generator, sample
@@ -40,6 +42,25 @@ def test_top_k_and_top_p_restrict_the_choices():
         assert t in (0, 1)
         (t,) = sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)], [make_generator(seed)])
         assert t == 0  # token 0 alone holds more than half the mass
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    temperature=st.floats(0.0, 2.0, exclude_min=True) | st.sampled_from([5e-324, 1e-300, 1e-30]),
+    top_p=st.floats(0.0, 1.0, exclude_min=True) | st.sampled_from([5e-324, 4e-235, 1e-46]),
+    top_k=st.integers(0, 2**31 - 1) | st.sampled_from([1, 2]),
+    scale=st.sampled_from([1.0, 1e4, 1e30]),
+)
+def test_any_admitted_parameters_draw_a_token(temperature, top_p, top_k, scale):
+    """Every value the API admits draws a token, never a NaN distribution (an error there killed
+    the engine thread, and with it every request on the instance); a temperature or top_p near 0
+    comes down to the best token."""
+    logits = torch.tensor([[0.5, 3.0, -2.0, 3.0 - 1e-3, 1.0]]) * scale
+    p = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    (t,) = sample(logits, [p], [make_generator(0)])
+    assert 0 <= t < 5
+    if temperature < 1e-30 or top_p < 1e-30 or top_k == 1:
+        assert t == 1
 
 
 def test_greedy_is_argmax():
