@@ -140,18 +140,27 @@ def test_stopping_decode_mid_stream_drains_it(stack):
     stack.wait_for(lambda: len(stack.instances("decode")) == 2)
 
 
-def test_a_hybrid_profile_answers(stack, hf_tiny):
-    """EPD alone: the E+P+D workers scaled to 0, as docs/running.md says to switch methods."""
-    stack.compose(
-        "--profile", "epd", "up", "-d", "--scale", "encoder=0", "--scale", "prefill=0",
-        "--scale", "decode=0", "--wait", "--wait-timeout", "300", timeout=600,
-    )  # fmt: skip
+HYBRIDS = {  # profile -> the worker services that run it, as docs/running.md says to switch
+    "ep-d": {"worker-ep": 1, "decode": 1},
+    "ed-p": {"worker-ed": 1, "prefill": 1},
+    "epd": {"worker-epd": 1},
+}
 
-    def only_epd() -> bool:
-        found = stack.instances("decode")
-        return bool(found) and all(set(i["roles"]) == {"encode", "prefill", "decode"} for i in found)
 
-    stack.wait_for(only_epd)
+@pytest.mark.parametrize("profile", list(HYBRIDS))
+def test_each_hybrid_profile_answers(stack, hf_tiny, profile):
+    """The profile's workers alone, every other worker scaled to 0 (every profile named, so that the
+    other profiles' workers are scaled too), and an answer with an image equal to HF's."""
+    compose = load_compose(REPO / "compose.yaml", stack.env)
+    counts = HYBRIDS[profile]
+    ComposeProject(compose, stack.project, stack.env).scale(counts)
+    wanted = sorted(tuple(sorted(compose.services[name].roles)) for name in counts)
+
+    def only_the_profile() -> bool:
+        found = httpx.get(stack.url + "/v1/cluster", timeout=10).json()["instances"]
+        return sorted(tuple(sorted(i["roles"])) for i in found) == wanted
+
+    stack.wait_for(only_the_profile, timeout=300)
     want, _ = reference(hf_tiny, 1, 16)
     reply = client_of(stack).chat.completions.create(
         model="tiny-llava", messages=user_message([data_url(make_image(0))], QUESTION), max_tokens=16,
