@@ -12,6 +12,10 @@ Every path is a pull between two processes, the way prefill gets features and de
 * nats: the owner answers a request with the bytes inline in the reply (through nats-server);
   64 MB exceeds the 8 MB max_payload and is not measured.
 * memcpy: single-threaded `numpy.copyto` of the same size in this process, at the start of the run.
+* ucx-netns, tcp-netns: the ucx and tcp pulls again between two network namespaces joined by veth
+  links through a bridge (common/infra/netns.py), the owner in one and the puller in the other,
+  UCX on TCP only: the path between two hosts, without a NIC. Run where root can make namespaces
+  (skipped, saying why, elsewhere; `--no-netns` skips them).
 
 A table goes to stdout, then the key figures as one JSON object on the last line. Timings on a
 machine shared with busy processes swing widely; the load average is printed with them.
@@ -25,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -35,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.infra import NatsServer, RedisServer
+from common.infra import NatsServer, RedisServer, netns
 from common.transfer import TransferConfig, create_backend, ucx_available
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
 
@@ -58,10 +63,12 @@ def _repeats(nbytes: int, scale: float) -> int:
     return max(5, int((400 if nbytes < 1 << 20 else 60 if nbytes < 16 << 20 else 25) * scale))
 
 
-async def bench_pull(backend: str, scale: float) -> dict[str, dict[str, float]]:
+async def bench_pull(
+    backend: str, scale: float, owner_env: dict[str, str] | None = None
+) -> dict[str, dict[str, float]]:
     specs = [_spec(n, i) for i, n in enumerate(SIZES.values())]
     results = {}
-    owner = OwnerProcess(backend, specs)
+    owner = OwnerProcess(backend, specs, owner_env)
     await asyncio.to_thread(owner.start)
     try:
         puller = create_backend(TransferConfig(backend=backend, timeout=30))  # type: ignore[arg-type]
@@ -185,6 +192,32 @@ def bench_memcpy(scale: float) -> dict[str, dict[str, float]]:
     return results
 
 
+def across_namespaces(scale: float) -> dict[str, dict[str, dict[str, float]]]:
+    """The pulls between two namespaces, in this process (run as `--netns-only`: UCX is set up for
+    TCP alone before it starts, which a process that already used UCX on shared memory cannot be)."""
+    tcp_only = {"UCX_TLS": "tcp,self"}
+    os.environ.update(tcp_only)
+    results = {}
+    with netns.Namespaces(f"tb{os.getpid() % 10000}", 50 + os.getpid() % 40) as spaces:
+        netns.enter(spaces.names["d"])  # the puller: this process
+        owner_env = {
+            **tcp_only,
+            "TRIDENT_NETNS": spaces.names["ep"],
+            "TRIDENT_BIND_HOST": spaces.address["ep"],
+        }
+        for backend in (["ucx"] if ucx_available() else []) + ["tcp"]:
+            results[f"{backend}-netns"] = asyncio.run(bench_pull(backend, scale, owner_env))
+    return results
+
+
+def _across_namespaces_child(quick: bool) -> dict[str, dict[str, dict[str, float]]]:
+    argv = [sys.executable, __file__, "--netns-only", *(["--quick"] if quick else [])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise RuntimeError(f"the cross-namespace run failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
     lines = ["| path | size | p50 ms | p99 ms | GB/s (at p50) |", "| --- | --- | ---: | ---: | ---: |"]
     for path, by_size in results.items():
@@ -200,8 +233,13 @@ def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a fifth of the repetitions")
+    parser.add_argument("--no-netns", action="store_true", help="skip the pulls across namespaces")
+    parser.add_argument("--netns-only", action="store_true", help=argparse.SUPPRESS)  # the child run
     args = parser.parse_args()
     scale = 0.2 if args.quick else 1.0
+    if args.netns_only:
+        print(json.dumps(across_namespaces(scale)))
+        return
     # memcpy first, before any server or peer process exists to compete with it.
     results: dict[str, dict[str, dict[str, float]]] = {"memcpy": bench_memcpy(scale)}
     with NatsServer() as nats_server, RedisServer() as redis_server:
@@ -210,6 +248,11 @@ def main() -> None:
         results["tcp"] = asyncio.run(bench_pull("tcp", scale))
         results["redis"] = bench_redis(redis_server.url, scale)
         results["nats-inline"] = asyncio.run(bench_nats(nats_server.url, scale))
+    why_not = "--no-netns" if args.no_netns else netns.problem()
+    if why_not is None:
+        results.update(_across_namespaces_child(args.quick))
+    else:
+        print(f"across namespaces: not measured ({why_not})", file=sys.stderr)
     results["memcpy"] = results.pop("memcpy")  # listed last, as the reference
     print(table(results))
 

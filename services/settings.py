@@ -25,6 +25,9 @@ class ServiceSettings(BaseSettings):
         None, description="Folder of the deployment's secrets (nats-token, redis-password, transfer-secret)"
     )
     transfer_secret: str = Field("", description="Asked of every bulk-transfer pull; empty: none")
+    transfer_inline_max_bytes: int = Field(
+        256 * 1024, ge=0, description="Tensors up to this size ride inside the NATS message, not by handle"
+    )
     # The gateway's API and the planner's write endpoints ask for one of them; empty: open.
     api_keys: str = Field("", description="Comma-separated Bearer keys; empty disables auth")
 

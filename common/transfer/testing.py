@@ -117,14 +117,20 @@ class OwnerProcess:
 
 def _owner_main(backend: str, specs: list[TensorSpec], env: dict[str, str], conn: Connection) -> None:
     os.environ.update(env)
+    if env.get("TRIDENT_NETNS"):  # another "host" (bench/transfer.py across namespaces)
+        from common.infra import netns
+
+        netns.enter(env["TRIDENT_NETNS"])
     asyncio.run(_serve(backend, specs, conn))
 
 
 async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -> None:
     from common.transfer import TransferConfig, create_backend
 
-    secret = os.environ.get("TRIDENT_TRANSFER_SECRET", "")  # the owner's env (OwnerProcess(env=...))
-    backend = create_backend(TransferConfig(backend=backend_name, secret=secret))  # type: ignore[arg-type]
+    # From the owner's env (OwnerProcess(env=...)).
+    secret = os.environ.get("TRIDENT_TRANSFER_SECRET", "")
+    host = os.environ.get("TRIDENT_BIND_HOST", "127.0.0.1")
+    backend = create_backend(TransferConfig(backend=backend_name, secret=secret, host=host))  # type: ignore[arg-type]
     await backend.start()
     handles = [backend.publish(make_tensor(s)) for s in specs]
     await asyncio.to_thread(conn.send, (backend.address, handles))

@@ -135,7 +135,13 @@ class Gateway:
         self.heartbeats.start()
         host = socket.gethostname() if s.advertise_host == "auto" else s.advertise_host
         self.transfer = create_backend(
-            TransferConfig(backend="tcp", host=s.bind_host, advertise_host=host, secret=s.transfer_secret)
+            TransferConfig(
+                backend="tcp",
+                host=s.bind_host,
+                advertise_host=host,
+                secret=s.transfer_secret,
+                inline_max_bytes=s.transfer_inline_max_bytes,
+            )
         )
         await self.transfer.start()
 

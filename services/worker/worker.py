@@ -89,7 +89,11 @@ class StageWorker:
         transfer_host = "0.0.0.0" if s.bind_host == "0.0.0.0" else self.host
         transfer = create_backend(
             TransferConfig(
-                backend=s.transfer, host=transfer_host, advertise_host=self.host, secret=s.transfer_secret
+                backend=s.transfer,
+                host=transfer_host,
+                advertise_host=self.host,
+                secret=s.transfer_secret,
+                inline_max_bytes=s.transfer_inline_max_bytes,
             )
         )
         await transfer.start()

@@ -1,0 +1,62 @@
+"""More than one host, on one machine: the deployment across three network namespaces joined by
+veth links (common/infra/netns.py) — nats, redis and the gateway on one, encoder+prefill on a
+second, the decoder on a third — each process bound to its namespace's one address. Every tensor
+goes by handle (none inline in NATS) and UCX may use TCP only, so the KV cache crosses to the
+decoder over the network, with the UCX and the TCP backends alike; the answers are HF's."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.infra import netns
+from tests.engine.conftest import make_image
+from tests.services.conftest import data_url
+from tests.services.test_e2e import QUESTION, reference, user_message
+
+REPO = Path(__file__).resolve().parents[2]
+
+WHY_NOT = netns.problem()
+pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""), pytest.mark.timeout(400)]
+
+
+@pytest.mark.parametrize("transfer", ["ucx", "tcp"])
+def test_answers_across_three_namespaces_equal_hf(tiny_model_dir, hf_tiny, tmp_path, transfer):
+    tag, net = f"tr{os.getpid() % 10000}{transfer[0]}", 100 + (os.getpid() + len(transfer)) % 100
+    with netns.Namespaces(tag, net) as spaces:
+        spec = {
+            "workdir": str(tmp_path), "model": str(tiny_model_dir), "transfer": transfer,
+            "names": spaces.names, "address": spaces.address,
+            "messages": [user_message([], QUESTION), user_message([data_url(make_image(0))], QUESTION)],
+        }  # fmt: skip
+        argv = [sys.executable, "-m", "tests.services.three_hosts_driver", json.dumps(spec)]
+        done = subprocess.run(
+            spaces.run_in("infra", argv), cwd=REPO, capture_output=True, text=True, timeout=360
+        )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["answers"] == [reference(hf_tiny, 0, 16)[0], reference(hf_tiny, 1, 16)[0]]
+    # Only the namespaces' own addresses: each instance is reached at its namespace's address.
+    where = {tuple(i["roles"]): i for i in found["instances"]}
+    ep, d = where[("encode", "prefill")], where[("decode",)]
+    assert ep["http_address"].startswith(f"http://{spaces.address['ep']}:")
+    assert d["http_address"].startswith(f"http://{spaces.address['d']}:")
+    assert found["gateway"].startswith(f"http://{spaces.address['infra']}:")
+    if transfer == "tcp":
+        assert ep["transfer_address"].startswith(f"tcp://{spaces.address['ep']}:")
+    else:
+        assert ep["transfer_address"].startswith("ucx://")
+    # The decoder pulled both requests' KV from the other namespace, and no pull failed.
+    metrics = found["decoder_metrics"]
+    assert _metric(metrics, "trident_decodes_admitted") == 2
+    assert _metric(metrics, "trident_kv_pull_failures") == 0
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{name}\S* (\S+)$", text, re.M))
