@@ -21,9 +21,15 @@ app = typer.Typer(
     add_completion=False,
 )
 
-# An enum makes typer list the valid presets in --help and reject unknown ones with a usage error.
+# An enum makes typer reject unknown presets with a usage error that lists the valid ones.
 PresetName = StrEnum("PresetName", {name: name for name in PRESETS})
 DEFAULT_PRESET = PresetName("tiny-llava")
+# --help lists the presets by family in the option's help text, which wraps between whole names.
+FAMILY_TITLES = {"llava": "LLaVA-1.5", "qwen2_vl": "Qwen2-VL"}
+PRESET_HELP = "Model shapes to generate. " + " ".join(
+    f"{FAMILY_TITLES.get(family, family)}: {', '.join(n for n, p in PRESETS.items() if p.family == family)}."
+    for family in dict.fromkeys(p.family for p in PRESETS.values())
+)
 
 
 @app.callback()
@@ -36,11 +42,11 @@ def main() -> None:
 @app.command("make-model")
 def make_model(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="Where to write the checkpoint.")],
-    preset: Annotated[PresetName, typer.Option(help="Model shapes to generate.")] = DEFAULT_PRESET,
+    preset: Annotated[PresetName, typer.Option(metavar="PRESET", help=PRESET_HELP)] = DEFAULT_PRESET,
     seed: Annotated[int, typer.Option(min=0, help="The weights depend only on (preset, seed).")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace DIR if it holds a checkpoint.")] = False,
 ) -> None:
-    """Write a random-weight HF-format LLaVA-1.5 checkpoint (config, weights, tokenizer, processor)."""
+    """Write a random-weight HF-format LLaVA-1.5 or Qwen2-VL checkpoint (config, weights, tokenizer, ...)."""
     try:
         path = write_checkpoint(directory, preset=preset.value, seed=seed, overwrite=force)
     except CheckpointExistsError as exc:

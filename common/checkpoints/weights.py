@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlavaConfig
+from transformers import PreTrainedConfig
 
-from common.checkpoints.presets import Preset, meta_model
-from common.checkpoints.tokenizer import SpecialIds
+from common.checkpoints.presets import AnyPreset, meta_model
+from common.checkpoints.tokenizer import Qwen2VLSpecialIds, SpecialIds
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# Scales chosen (and checked by tests/test_checkpoints.py) so greedy decoding of the random model wanders
+# Scales chosen (and checked by tests/test_checkpoints*.py) so greedy decoding of the random model wanders
 # over many tokens and the top-1/top-2 logit gap stays far above float32 noise:
 LINEAR_GAIN = 1.75  # weight std = gain / sqrt(fan_in): a bit above 1, so layers mix tokens strongly
 EMBED_STD = 1.0  # token embeddings at the same scale as the residual updates of the layers
@@ -44,7 +44,7 @@ class TensorSpec:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def tensor_specs(config: LlavaConfig, dtype: torch.dtype) -> list[TensorSpec]:
+def tensor_specs(config: PreTrainedConfig, dtype: torch.dtype) -> list[TensorSpec]:
     """Every tensor HF's state_dict() holds, in module order, minus tied duplicates (as save_pretrained)."""
     model = meta_model(config)
     specs: list[TensorSpec] = []
@@ -82,11 +82,13 @@ def _std_for(name: str, shape: tuple[int, ...], tied: bool) -> float:
         return LM_HEAD_GAIN / math.sqrt(shape[1])
     if name.endswith(("class_embedding", "position_embedding.weight")):
         return 1.0
-    # Linear (out, in) and the patch Conv2d (out, c, kh, kw): fan_in is everything but the first dim.
+    # Linear (out, in) and the patch Conv2d/Conv3d (out, c, [kt,] kh, kw): fan_in is all but the first dim.
     return LINEAR_GAIN / math.sqrt(math.prod(shape[1:]))
 
 
-def make_tensor(spec: TensorSpec, seed: int, ids: SpecialIds, tied: bool = False) -> torch.Tensor:
+def make_tensor(
+    spec: TensorSpec, seed: int, ids: SpecialIds | Qwen2VLSpecialIds, tied: bool = False
+) -> torch.Tensor:
     """Generate one tensor from its own seeded generator, in float64, then cast to the storage dtype."""
     gen = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, spec.name))
     if len(spec.shape) == 1 and spec.name.endswith(".weight"):  # LayerNorm / RMSNorm scales
@@ -96,12 +98,8 @@ def make_tensor(spec: TensorSpec, seed: int, ids: SpecialIds, tied: bool = False
     if spec.name.endswith(("embed_tokens.weight", "lm_head.weight")):
         # Zero rows for ids past the tokenizer's vocab and for tokens that must never be generated: their
         # logit is exactly 0, far below the ~3-sigma winner, so greedy output always decodes to real text.
-        # (As inputs, <image> rows are replaced by image features and <pad> is masked, so zero is harmless.)
-        dead = [ids.unk, ids.pad, ids.image]
-        if spec.name.endswith("lm_head.weight"):
-            dead.append(ids.bos)  # untied only: tied, this row is also the <s> embedding of every prompt
         values[ids.num_tokens :] = 0.0
-        values[dead] = 0.0
+        values[ids.dead_rows(lm_head=spec.name.endswith("lm_head.weight"))] = 0.0
     return values.to(spec.dtype).contiguous()
 
 
@@ -126,7 +124,11 @@ def shard_names(count: int) -> list[str]:
 
 
 def write_weights(
-    out_dir: Path, config: LlavaConfig, preset: Preset, seed: int, ids: SpecialIds
+    out_dir: Path,
+    config: PreTrainedConfig,
+    preset: AnyPreset,
+    seed: int,
+    ids: SpecialIds | Qwen2VLSpecialIds,
 ) -> list[str]:
     """Write the weights; at most one shard is in memory at a time. Returns the files written."""
     specs = tensor_specs(config, preset.torch_dtype)

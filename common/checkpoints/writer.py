@@ -1,4 +1,4 @@
-"""Assemble a complete HF-format LLaVA-1.5 checkpoint directory (config, weights, tokenizer, processor)."""
+"""Assemble a complete HF-format checkpoint directory (config, weights, tokenizer, processor files)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,32 @@ from pathlib import Path
 
 from transformers import GenerationConfig
 
-from common.checkpoints.presets import Preset, build_config, count_parameters, get_preset
-from common.checkpoints.tokenizer import IMAGE, SpecialIds, build_processor, build_tokenizer
+from common.checkpoints.presets import (
+    AnyPreset,
+    Preset,
+    Qwen2VLPreset,
+    build_config,
+    build_qwen2_vl_config,
+    count_parameters,
+    get_preset,
+)
+from common.checkpoints.tokenizer import (
+    IMAGE,
+    Qwen2VLSpecialIds,
+    SpecialIds,
+    build_processor,
+    build_qwen2_vl_image_processor,
+    build_qwen2_vl_tokenizer,
+    build_tokenizer,
+    read_package_text,
+)
 from common.checkpoints.weights import write_weights
 
 # Provenance file; also how an existing directory is recognised as one of ours before it is replaced.
 MANIFEST_FILE = "trident_checkpoint.json"
+# The manifest's "format" for each model family (Preset.family); any of them marks a directory as ours.
+FORMATS = {"llava": "trident-llava", "qwen2_vl": "trident-qwen2-vl"}
+QWEN2_VL_CHAT_TEMPLATE = "qwen2_vl_chat_template.jinja"
 
 
 class CheckpointExistsError(FileExistsError):
@@ -31,8 +51,8 @@ def is_checkpoint_dir(path: str | Path) -> bool:
     """True if `path` holds a checkpoint written by this package (and so may be replaced as a whole)."""
     manifest = Path(path) / MANIFEST_FILE
     try:
-        return json.loads(manifest.read_text(encoding="utf-8")).get("format") == "trident-llava"
-    except (OSError, ValueError, AttributeError):
+        return json.loads(manifest.read_text(encoding="utf-8")).get("format") in FORMATS.values()
+    except (OSError, ValueError, AttributeError, TypeError):
         return False
 
 
@@ -67,18 +87,65 @@ def _apply_default_modes(directory: Path) -> None:
         path.chmod(0o666 & ~umask)
 
 
-def _write_all(out_dir: Path, preset: Preset, seed: int) -> None:
+def _update_json(path: Path, **fields: object) -> None:
+    _dump_json(path, {**json.loads(path.read_text(encoding="utf-8")), **fields})
+
+
+def _write_llava(out_dir: Path, preset: Preset, seed: int) -> tuple[SpecialIds, list[str]]:
     ids = _write_tokenizer_files(out_dir, preset)
     config = build_config(preset, bos_id=ids.bos, eos_id=ids.eos, pad_id=ids.pad, image_id=ids.image)
     config.save_pretrained(str(out_dir))
     GenerationConfig(bos_token_id=ids.bos, eos_token_id=ids.eos, pad_token_id=ids.pad).save_pretrained(
         str(out_dir)
     )
-    files = write_weights(out_dir, config, preset, seed, ids)
+    return ids, write_weights(out_dir, config, preset, seed, ids)
+
+
+def _write_qwen2_vl(out_dir: Path, preset: Qwen2VLPreset, seed: int) -> tuple[Qwen2VLSpecialIds, list[str]]:
+    # The files of a Qwen2-VL release: tokenizer.json + tokenizer_config.json, preprocessor_config.json,
+    # chat_template.json (the template also in tokenizer_config.json, so a bare tokenizer can apply it).
+    tokenizer, ids = build_qwen2_vl_tokenizer(preset)
+    tokenizer.save_pretrained(str(out_dir))
+    template = read_package_text(QWEN2_VL_CHAT_TEMPLATE)
+    _update_json(
+        out_dir / "tokenizer_config.json", chat_template=template, processor_class="Qwen2VLProcessor"
+    )
+    _dump_json(out_dir / "chat_template.json", {"chat_template": template})
+    build_qwen2_vl_image_processor(preset).save_pretrained(str(out_dir))
+    # transformers 5 saves the pixel bounds only as size.{shortest,longest}_edge; releases (and older
+    # readers) name them min_pixels / max_pixels. Loading gives both the same values.
+    _update_json(
+        out_dir / "preprocessor_config.json",
+        min_pixels=preset.min_pixels,
+        max_pixels=preset.max_pixels,
+        processor_class="Qwen2VLProcessor",
+    )
+    config = build_qwen2_vl_config(
+        preset,
+        pad_id=ids.pad,
+        eos_id=ids.eos,
+        image_id=ids.image,
+        video_id=ids.video,
+        vision_start_id=ids.vision_start,
+        vision_end_id=ids.vision_end,
+    )
+    config.save_pretrained(str(out_dir))
+    # As Qwen's releases: either <|im_end|> (end of turn) or <|endoftext|> ends generation.
+    GenerationConfig(
+        bos_token_id=ids.pad, eos_token_id=[ids.eos, ids.pad], pad_token_id=ids.pad
+    ).save_pretrained(str(out_dir))
+    return ids, write_weights(out_dir, config, preset, seed, ids)
+
+
+def _write_all(out_dir: Path, preset: AnyPreset, seed: int) -> None:
+    if isinstance(preset, Qwen2VLPreset):
+        ids, files = _write_qwen2_vl(out_dir, preset, seed)
+    else:
+        ids, files = _write_llava(out_dir, preset, seed)
     _dump_json(
         out_dir / MANIFEST_FILE,
         {
-            "format": "trident-llava",
+            "format": FORMATS[preset.family],
             "preset": preset.name,
             "seed": seed,
             "num_parameters": count_parameters(preset),
@@ -91,15 +158,16 @@ def _write_all(out_dir: Path, preset: Preset, seed: int) -> None:
 
 
 def write_checkpoint(
-    out_dir: str | Path, preset: str | Preset = "tiny-llava", seed: int = 0, *, overwrite: bool = False
+    out_dir: str | Path, preset: str | AnyPreset = "tiny-llava", seed: int = 0, *, overwrite: bool = False
 ) -> Path:
-    """Write a complete random-weight LLaVA-1.5 checkpoint to `out_dir` and return the directory.
+    """Write a complete random-weight checkpoint (LLaVA-1.5 or Qwen2-VL) to `out_dir`; return the directory.
 
-    The bytes depend only on (preset, seed); `preset` is a name from PRESETS or a custom Preset. A non-empty
+    The bytes depend only on (preset, seed); `preset` is a name from PRESETS or a custom Preset or
+    Qwen2VLPreset, whose family picks the architecture and the files written. A non-empty
     `out_dir` is refused unless it is a checkpoint of ours and `overwrite` is set; the new one is built
     beside it and swapped in, so no half-written directory ever looks complete.
     """
-    spec = preset if isinstance(preset, Preset) else get_preset(preset)
+    spec = get_preset(preset) if isinstance(preset, str) else preset
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     target = Path(out_dir).absolute()
