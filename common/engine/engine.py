@@ -4,6 +4,7 @@ schedule a batch, run it, then turn sampled tokens into outputs and stage hand-o
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from pathlib import Path
@@ -31,6 +32,22 @@ from common.roles import Role
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def eos_ids(model_dir: Path, config_eos, tokenizer_eos) -> set[int]:
+    """Every id that ends generation: the model config's (or the tokenizer's) and, as HF's
+    `generate` also stops on them, generation_config.json's (Qwen's releases list two there)."""
+    found: set[int] = set()
+    for eos in (config_eos if config_eos is not None else tokenizer_eos, _generation_eos(model_dir)):
+        found |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+    return found
+
+
+def _generation_eos(model_dir: Path):
+    try:
+        return json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class Engine:
@@ -65,8 +82,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
-        eos = text.eos_token_id if text.eos_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_ids = set(eos) if isinstance(eos, list) else {eos}
+        self.eos_ids = eos_ids(Path(model_dir), text.eos_token_id, self.tokenizer.eos_token_id)
 
     # -- admission ---------------------------------------------------------------------------------
 
@@ -92,6 +108,8 @@ class Engine:
             output_token_ids=list(output_token_ids),
         )  # fmt: skip
         self._admit(req)
+        if self.model.mrope:
+            req.mrope_positions, req.rope_delta = self._mrope_positions(req)
         if req.output_token_ids:
             req.detokenizer.add(req.output_token_ids)  # streamed before: only the stop check needs it
             if reason := self._stop_reason(req):
@@ -113,12 +131,22 @@ class Engine:
             self._pending.append(left)
         return req
 
+    def _mrope_positions(self, req: Request) -> tuple[torch.Tensor, int]:
+        try:
+            return self.model.positions(req.prompt_token_ids, req.images)
+        except ValueError as exc:
+            raise AdmissionError(f"request {req.request_id}: {exc}") from exc
+
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-        params: SamplingParams, kv: list[torch.Tensor],
+        params: SamplingParams, kv: list[torch.Tensor], rope_delta: int = 0,
     ) -> Request:  # fmt: skip
-        """Admit a request prefilled elsewhere: import its KV (one buffer per layer group) and decode."""
-        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
+        """Admit a request prefilled elsewhere: import its KV (one buffer per layer group) and decode.
+        `rope_delta` is the prefill's (`Request.rope_delta`): an M-RoPE model needs it to go on."""
+        req = Request(
+            request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids),
+            rope_delta=rope_delta,
+        )  # fmt: skip
         self._admit(req)
         req.num_computed_tokens = req.num_tokens - 1
         # An instance without prefill could not recompute a request it preempted, so it reserves

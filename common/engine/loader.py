@@ -1,12 +1,17 @@
-"""Load a local HF-format LLaVA-1.5-family checkpoint into our model, by path, never from a hub.
+"""Load a local HF-format checkpoint into our model, by path, never from a hub.
 
-Both weight layouts are accepted: transformers 5's (`model.language_model.*`, `lm_head.*`) and the
-older one of the public llava-hf checkpoints (`language_model.model.*`, `language_model.lm_head.*`).
+The family comes from `config.json` (`model_type`, `architectures`):
+- LLaVA-1.5 (`llava`: CLIP + Llama). Both weight layouts load: transformers 5's
+  (`model.language_model.*`, `lm_head.*`) and the older one of the public llava-hf checkpoints
+  (`language_model.model.*`, `language_model.lm_head.*`).
+- Qwen2-VL (`qwen2_vl`). Both layouts load: transformers 5's (`model.language_model.*`,
+  `model.visual.*`) and the public releases' (`model.*`, `visual.*`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,33 +19,64 @@ from safetensors import safe_open
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from common.engine.models import VisionLanguageModel
 from common.engine.models.llava import LlavaModel
-
-SUPPORTED_ARCHITECTURES = {"LlavaForConditionalGeneration"}
-SUPPORTED_TEXT_MODELS = {"llama"}
-SUPPORTED_VISION_MODELS = {"clip_vision_model"}
+from common.engine.models.qwen2_vl import Qwen2VLModel
 
 
 class CheckpointError(ValueError):
     """A model directory that cannot be served; the message names what is missing or unsupported."""
 
 
-# (checkpoint prefix, our module prefix): first match wins.
-_PREFIXES = [
-    ("model.language_model.", "language_model."),
-    ("language_model.model.", "language_model."),
-    ("language_model.lm_head.", "language_model.lm_head."),
-    ("lm_head.", "language_model.lm_head."),
-    ("model.vision_tower.", "vision.vision_tower."),
-    ("vision_tower.", "vision.vision_tower."),
-    ("model.multi_modal_projector.", "vision.multi_modal_projector."),
-    ("multi_modal_projector.", "vision.multi_modal_projector."),
-]
+@dataclass(frozen=True)
+class Family:
+    name: str  # as a person says it
+    model_type: str  # config.json's
+    architectures: frozenset[str]
+    model: type
+    prefixes: tuple[tuple[str, str], ...]  # (checkpoint prefix, our module prefix): first match wins
 
 
-def map_weight_name(name: str) -> str | None:
+FAMILIES = {
+    f.model_type: f
+    for f in (
+        Family(
+            "LLaVA-1.5", "llava", frozenset({"LlavaForConditionalGeneration"}), LlavaModel,
+            (
+                ("model.language_model.", "language_model."),
+                ("language_model.model.", "language_model."),
+                ("language_model.lm_head.", "language_model.lm_head."),
+                ("lm_head.", "language_model.lm_head."),
+                ("model.vision_tower.", "vision.vision_tower."),
+                ("vision_tower.", "vision.vision_tower."),
+                ("model.multi_modal_projector.", "vision.multi_modal_projector."),
+                ("multi_modal_projector.", "vision.multi_modal_projector."),
+            ),
+        ),
+        Family(
+            "Qwen2-VL", "qwen2_vl", frozenset({"Qwen2VLForConditionalGeneration"}), Qwen2VLModel,
+            (
+                ("model.language_model.", "language_model."),
+                ("model.visual.", "vision.visual."),
+                ("visual.", "vision.visual."),
+                ("lm_head.", "language_model.lm_head."),
+                ("model.", "language_model."),
+            ),
+        ),
+    )
+}  # fmt: skip
+SUPPORTED_ARCHITECTURES = frozenset().union(*(f.architectures for f in FAMILIES.values()))
+SUPPORTED_TEXT_MODELS = {"llama"}  # LLaVA's language model
+SUPPORTED_VISION_MODELS = {"clip_vision_model"}  # LLaVA's vision tower
+
+
+def supported() -> str:
+    return "; ".join(f"{f.name} (model_type {f.model_type!r})" for f in FAMILIES.values())
+
+
+def map_weight_name(name: str, family: str = "llava") -> str | None:
     """Checkpoint tensor name → our parameter name; None for tensors we do not use."""
-    for src, dst in _PREFIXES:
+    for src, dst in FAMILIES[family].prefixes:
         if name.startswith(src):
             # Older transformers nested CLIP's modules one level deeper (`vision_model.`).
             return (dst + name[len(src) :]).replace("vision_tower.vision_model.", "vision_tower.")
@@ -49,6 +85,7 @@ def map_weight_name(name: str) -> str | None:
 
 def load_config(model_dir: Path):
     """Read and validate config.json; errors name the file and the unsupported value."""
+    model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     if not (model_dir / "config.json").is_file():
@@ -58,20 +95,29 @@ def load_config(model_dir: Path):
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{model_dir}/config.json is not valid JSON: {exc}") from exc
     archs = set(raw.get("architectures") or [])
-    if raw.get("model_type") != "llava" or (archs and not archs & SUPPORTED_ARCHITECTURES):
+    family = FAMILIES.get(raw.get("model_type"))
+    if family is None or (archs and not archs & family.architectures):
         found = sorted(archs) or raw.get("model_type")
         raise CheckpointError(
-            f"unsupported architecture {found!r} in {model_dir}/config.json; supported: LLaVA-1.5 "
-            f"(model_type 'llava', {sorted(SUPPORTED_ARCHITECTURES)})"
+            f"unsupported architecture {found!r} in {model_dir}/config.json; supported: {supported()}"
         )
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    if config.text_config.model_type not in SUPPORTED_TEXT_MODELS:
-        raise CheckpointError(f"unsupported text model {config.text_config.model_type!r}; supported: llama")
-    if config.vision_config.model_type not in SUPPORTED_VISION_MODELS:
-        raise CheckpointError(
-            f"unsupported vision model {config.vision_config.model_type!r}; supported: CLIP"
-        )
+    if family.model_type == "llava":
+        if config.text_config.model_type not in SUPPORTED_TEXT_MODELS:
+            raise CheckpointError(
+                f"unsupported text model {config.text_config.model_type!r}; supported: llama"
+            )
+        if config.vision_config.model_type not in SUPPORTED_VISION_MODELS:
+            raise CheckpointError(
+                f"unsupported vision model {config.vision_config.model_type!r}; supported: CLIP"
+            )
+    elif getattr(config.text_config, "use_sliding_window", False):
+        raise CheckpointError(f"{model_dir}: sliding-window attention is not supported")
     return config
+
+
+def family_of(config) -> str:
+    return config.model_type
 
 
 def rope_tables(text_config) -> tuple[torch.Tensor, float]:
@@ -107,19 +153,20 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     with_language: bool = True,
-) -> LlavaModel:
+) -> VisionLanguageModel:
     """Build the parts of the model an instance needs and fill them from the safetensors files."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
+    family = family_of(config)
     inv_freq, scaling = rope_tables(config.text_config)
     with torch.device("meta"):
-        model = LlavaModel(config, inv_freq, scaling, with_vision, with_language)
+        model = FAMILIES[family].model(config, inv_freq, scaling, with_vision, with_language)
     params = dict(model.named_parameters(remove_duplicate=False))
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                ours = map_weight_name(name)
+                ours = map_weight_name(name, family)
                 if ours in params:
                     state[ours] = f.get_tensor(name).to(dtype)
     tied = config.text_config.tie_word_embeddings and with_language
@@ -135,7 +182,9 @@ def load_model(
     # Buffers (rotary inv_freq, CLIP position ids) were built on the meta device: rebuild them.
     if with_language:
         model.language_model.rotary.inv_freq = inv_freq.float()
-    if model.vision is not None:
+    if model.vision is not None and family == "llava":
         emb = model.vision.vision_tower.embeddings
         emb.position_ids = torch.arange(emb.num_positions).expand(1, -1)
+    elif model.vision is not None:
+        model.vision.rebuild_buffers(config.vision_config)
     return model.to(device).eval()

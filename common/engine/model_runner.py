@@ -13,7 +13,7 @@ from common.engine.kv_cache import KVCache
 from common.engine.request import Request
 
 if TYPE_CHECKING:
-    from common.engine.models.llava import LlavaModel
+    from common.engine.models import VisionLanguageModel
     from common.engine.scheduler import Batch
 
 
@@ -31,7 +31,7 @@ def slots_for(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> 
 class ModelRunner:
     def __init__(
         self,
-        model: LlavaModel,
+        model: VisionLanguageModel,
         cache: KVCache | None,
         block_tables,
         features: FeatureCache,
@@ -64,10 +64,9 @@ class ModelRunner:
         """Encode all scheduled images in one vision batch; keep features on the request and in the cache."""
         if not encodes:
             return
-        todo = [(req.images[i], req) for req, idx in encodes for i in idx]
-        pixels = torch.stack([img.pixel_values for img, _ in todo]).to(self.device, self._vision_dtype())
-        out = self.model.vision(pixels)  # [images, image_tokens, hidden]
-        for (img, _), feats in zip(todo, out, strict=True):
+        todo = [req.images[i] for req, idx in encodes for i in idx]
+        out = self.model.encode(todo, self.device, self._vision_dtype())  # [image_tokens, hidden] each
+        for img, feats in zip(todo, out, strict=True):
             if feats.shape[0] != img.num_tokens:
                 raise ValueError(
                     f"image yields {feats.shape[0]} features but the prompt has {img.num_tokens}"
@@ -83,12 +82,13 @@ class ModelRunner:
         ids, positions, slots, splices, sample_rows, sampled = [], [], [], [], [], []
         seqs: list[PrefillSeq] = []
         offset = 0
+        mrope = self.model.mrope
         for req, n in prefills:
             start = req.num_computed_tokens
             pos = torch.arange(start, start + n)
             table = torch.as_tensor(self.block_tables(req.request_id))
             ids.append(torch.as_tensor(req.all_token_ids[start : start + n]))
-            positions.append(pos)
+            positions.append(req.positions(start, start + n, mrope))
             slots.append(slots_for(table, pos, self.block_size))
             seqs.append(PrefillSeq(offset, n, slots_for(table, torch.arange(start + n), self.block_size)))
             splices.extend(self._image_splice(req, start, n, offset))
@@ -101,13 +101,13 @@ class ModelRunner:
         for req in decodes:
             pos = torch.tensor([req.num_tokens - 1])
             ids.append(torch.tensor([req.output_token_ids[-1]]))  # a decoding request has outputs
-            positions.append(pos)
+            positions.append(req.positions(req.num_tokens - 1, req.num_tokens, mrope))
             slots.append(slots_for(torch.as_tensor(self.block_tables(req.request_id)), pos, self.block_size))
             sample_rows.append(offset)
             sampled.append(req)
             offset += 1
         dev = self.device
-        pos_t = torch.cat(positions).to(dev)
+        pos_t = torch.cat(positions, dim=-1).to(dev)
         meta = self._metadata(torch.cat(slots).to(dev), seqs, num_prefill, decodes, decode_ctx)
         embeds = lm.embed_tokens(torch.cat(ids).to(dev))
         for rows, feats in splices:

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from PIL import Image, UnidentifiedImageError
-from transformers import AutoProcessor
+from transformers import AutoProcessor, AutoTokenizer, Qwen2VLImageProcessorPil
 
-from common.engine.loader import CheckpointError
+from common.engine.loader import CheckpointError, load_config
 from common.engine.request import ImageInput
 
 
@@ -64,26 +65,47 @@ def load_image(data: bytes | str | Path | Image.Image, max_pixels: int | None = 
 
 
 class RequestProcessor:
+    """The checkpoint's own tokenizer, chat template and image processor, for its family: LLaVA's
+    HF processor as it is; for Qwen2-VL the tokenizer and the PIL image processor, with the
+    processor's placeholder rule (one image becomes grid_t·grid_h·grid_w / merge² pad tokens),
+    because transformers' Qwen2VLProcessor insists on a video processor that needs torchvision."""
+
     def __init__(self, model_dir: str | Path) -> None:
         # transformers warns that torchvision is missing and falls back to its PIL image processor,
         # which is what we want on CPU-only machines; the warning is noise.
         logging.getLogger("transformers").setLevel(logging.ERROR)
+        model_dir = Path(model_dir)
+        self.family = load_config(model_dir).model_type
         try:
-            self.hf = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+            if self.family == "qwen2_vl":
+                self.hf = None
+                self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+                self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
+                self.image_token = "<|image_pad|>"
+                self.template = _chat_template(model_dir) or self.tokenizer.chat_template
+            else:
+                self.hf = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+                self.tokenizer = self.hf.tokenizer
+                self.image_token = self.hf.image_token
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{model_dir}: cannot load the tokenizer/processor files: {exc}") from exc
-        self.tokenizer = self.hf.tokenizer
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.hf.image_token)
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
 
     def chat_prompt(self, messages: list[dict]) -> str:
         """Apply the checkpoint's chat template; image parts become the model's image token."""
+        if self.hf is None:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=self.template, add_generation_prompt=True, tokenize=False
+            )
         return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def process(self, prompt: str, images: list[Image.Image]) -> ProcessedPrompt:
         """Tokenise `prompt` (which holds one image token per image) and preprocess the images."""
-        marks = prompt.count(self.hf.image_token)
+        marks = prompt.count(self.image_token)
         if marks != len(images):
             raise InputError(f"prompt has {marks} image placeholders but {len(images)} images were given")
+        if self.family == "qwen2_vl":
+            return self._process_grids(prompt, images)
         if images:
             enc = self.hf(text=prompt, images=images, return_tensors="pt")
             pixels = enc["pixel_values"]
@@ -99,3 +121,43 @@ class RequestProcessor:
             ImageInput(content_hash(img), per_image, pixel_values=pixels[i]) for i, img in enumerate(images)
         ]
         return ProcessedPrompt(ids.tolist(), inputs, positions)
+
+    def _process_grids(self, prompt: str, images: list[Image.Image]) -> ProcessedPrompt:
+        """Each image becomes its own number of pad tokens, and its patches with their grid."""
+        inputs: list[ImageInput] = []
+        if images:
+            enc = self.images(images=images, return_tensors="pt")
+            merge = self.images.merge_size
+            offset = 0
+            for img, grid in zip(images, enc["image_grid_thw"].tolist(), strict=True):
+                patches = grid[0] * grid[1] * grid[2]
+                pixels = enc["pixel_values"][offset : offset + patches]
+                offset += patches
+                inputs.append(
+                    ImageInput(
+                        content_hash(img),
+                        patches // (merge * merge),
+                        pixel_values=pixels,
+                        grid_thw=tuple(grid),
+                    )
+                )
+        pieces = prompt.split(self.image_token)
+        text = pieces[0] + "".join(
+            self.image_token * img.num_tokens + piece for img, piece in zip(inputs, pieces[1:], strict=True)
+        )
+        ids = torch.as_tensor(self.tokenizer(text)["input_ids"])
+        positions = (ids == self.image_token_id).nonzero().squeeze(1)
+        if len(positions) != sum(img.num_tokens for img in inputs):
+            raise InputError("the prompt's text holds image pad tokens of its own")
+        return ProcessedPrompt(ids.tolist(), inputs, positions)
+
+
+def _chat_template(model_dir: Path) -> str | None:
+    """A release's chat_template.json (the processor's template), if it has one."""
+    path = model_dir / "chat_template.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["chat_template"]
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{path} holds no chat_template: {exc}") from exc

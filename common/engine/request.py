@@ -31,8 +31,10 @@ class ImageInput:
 
     content_hash: str
     num_tokens: int
-    pixel_values: torch.Tensor | None = None  # [3, H, W]
+    pixel_values: torch.Tensor | None = None  # [3, H, W]; Qwen2-VL: [patches, 3·t·p·p]
     features: torch.Tensor | None = None  # [num_tokens, text_hidden]
+    # Qwen2-VL: the image's patch grid (t, h, w); its token count and positions follow from it.
+    grid_thw: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -49,6 +51,10 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     # Positions of image placeholder tokens in the prompt, in order: image features fill them.
     image_positions: torch.Tensor | None = None
+    # M-RoPE (Qwen2-VL): the prompt's [3, prompt_len] positions, and the offset of every later
+    # token's position from its index (the same in all three streams). None/0: position = index.
+    mrope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -82,6 +88,18 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return not self.needs_encode and not self.is_decoding and self.num_uncomputed > 0
+
+    def positions(self, start: int, stop: int, mrope: bool) -> torch.Tensor:
+        """Positions of tokens [start, stop): [n], or [3, n] for an M-RoPE model."""
+        index = torch.arange(start, stop)
+        if not mrope:
+            return index
+        out = (index + self.rope_delta).expand(3, -1).clone()
+        if self.mrope_positions is not None:
+            prompt = min(stop, self.mrope_positions.shape[1])
+            if start < prompt:
+                out[:, : prompt - start] = self.mrope_positions[:, start:prompt]
+        return out
 
     def images_to_encode(self) -> list[int]:
         return [i for i, img in enumerate(self.images) if img.features is None]

@@ -28,15 +28,31 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin tables by position; inv_freq and its scaling come from transformers' RoPE registry."""
+    """cos/sin tables by position; inv_freq and its scaling come from transformers' RoPE registry.
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+    With `mrope_section` (Qwen2-VL's M-RoPE) positions are [3, tokens] — temporal, height and width
+    streams — and the rotary frequencies are cut into those sections, section j turning with stream
+    j % 3; text tokens carry one position in all three streams, which makes it plain RoPE again."""
+
+    def __init__(
+        self, inv_freq: torch.Tensor, attention_scaling: float, mrope_section: list[int] | None = None
+    ) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scaling = attention_scaling
+        self.mrope_section = list(mrope_section) if mrope_section else None
+        if self.mrope_section and sum(self.mrope_section) != inv_freq.numel():
+            raise ValueError(
+                f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {inv_freq.numel()}"
+            )
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [tokens, dim / 2]
+        freqs = positions[..., None].float() * self.inv_freq  # [(3,) tokens, dim / 2]
+        if self.mrope_section is not None:
+            if positions.dim() == 1:  # text only: every stream at the same position
+                freqs = freqs.expand(3, -1, -1)
+            parts = freqs.split(self.mrope_section, dim=-1)
+            freqs = torch.cat([part[j % 3] for j, part in enumerate(parts)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)  # [tokens, dim]
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
@@ -49,13 +65,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool) -> None:
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool, o_bias: bool
+    ) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -78,12 +96,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        bias = getattr(cfg, "attention_bias", False)
         kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, kv_heads, head_dim, bias)
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_attention_heads, kv_heads, head_dim, qkv_bias, o_bias
+        )
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -94,23 +113,33 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head; `forward` takes packed embeddings."""
+    """Embeddings, decoder layers, final norm and LM head; `forward` takes packed embeddings.
 
-    def __init__(self, cfg, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+    Llama's attention has biases on all four projections or none (`attention_bias`); Qwen2's has
+    them on q, k and v only (`qkv_bias=True, o_bias=False`)."""
+
+    def __init__(
+        self, cfg, inv_freq: torch.Tensor, attention_scaling: float, *,
+        qkv_bias: bool | None = None, o_bias: bool | None = None, mrope_section: list[int] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.config = cfg
+        bias = getattr(cfg, "attention_bias", False)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        o_bias = bias if o_bias is None else o_bias
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(inv_freq, attention_scaling)
+        self.rotary = Rotary(inv_freq, attention_scaling, mrope_section)
 
     def forward(
         self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """embeds [tokens, hidden] → final hidden states [tokens, hidden]."""
+        """embeds [tokens, hidden], positions [tokens] (or [3, tokens] with M-RoPE) → final hidden
+        states [tokens, hidden]."""
         cos, sin = self.rotary(positions, embeds.dtype)
         x = embeds
         for i, layer in enumerate(self.layers):

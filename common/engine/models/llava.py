@@ -7,6 +7,7 @@ from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel
 
 from common.engine.models.llama import LlamaForCausalLM
+from common.engine.request import ImageInput
 
 
 class Projector(nn.Module):
@@ -57,6 +58,8 @@ class VisionEncoder(nn.Module):
 class LlavaModel(nn.Module):
     """The parts an instance's roles need: the vision side for encode, the LLM for prefill/decode."""
 
+    mrope = False  # one position stream: token i sits at position i
+
     def __init__(
         self, config, inv_freq: torch.Tensor, attention_scaling: float, with_vision: bool, with_language: bool
     ) -> None:
@@ -71,3 +74,9 @@ class LlavaModel(nn.Module):
             if with_vision
             else None
         )
+
+    def encode(
+        self, images: list[ImageInput], device: torch.device, dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """Every image is the same size here: one batch through the tower, a feature tensor each."""
+        return list(self.vision(torch.stack([img.pixel_values for img in images]).to(device, dtype)))

@@ -1,0 +1,218 @@
+"""Qwen2-VL: greedy output token-identical to HF's Qwen2VLForConditionalGeneration.generate on the
+tiny-qwen2-vl checkpoint — text only, images of different sizes (so of different token counts),
+batched, chunked through an image, a feature-cache hit, preemption and the E→P→D hand-off, where
+the M-RoPE position state (the rope delta) has to travel with the request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.checkpoints import write_checkpoint
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.models.qwen2_vl import mrope_positions
+from common.engine.sampling import SamplingParams
+from common.roles import Role
+from tests.engine.conftest import make_image
+
+QUESTIONS = [
+    "What is in the picture?",
+    "Tell me a long story about a small boat that sails to the island at night",
+    "Hi",
+    "Count the apples and the pears on the table, then say which fruit there is more of",
+]
+SIZES = [(80, 64), (120, 90), (56, 200), (64, 64)]  # different grids, so different token counts
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("qwen") / "tiny-qwen2-vl", "tiny-qwen2-vl", seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_qwen(qwen_dir):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(qwen_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def qwen_images():
+    return [make_image(i, size) for i, size in enumerate(SIZES)]
+
+
+@pytest.fixture
+def make_engine(qwen_dir):
+    made: list[Engine] = []
+
+    def build(**overrides) -> Engine:
+        engine = Engine(qwen_dir, EngineConfig(**overrides))
+        made.append(engine)
+        return engine
+
+    yield build
+    for engine in made:
+        engine.check_integrity()
+
+
+@pytest.fixture
+def hf_generate(hf_qwen, make_engine):
+    """HF's greedy generate on the same prompt: ids expanded by the processor's rule, the image
+    processor's patches and grids, and the token types M-RoPE needs (transformers 5)."""
+    processor = make_engine(roles=frozenset({Role.ENCODE})).processor
+
+    def run(prompt: str, imgs, max_tokens: int) -> list[int]:
+        processed = processor.process(prompt, imgs)
+        ids = torch.as_tensor([processed.token_ids])
+        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if imgs:
+            kwargs["pixel_values"] = torch.cat([img.pixel_values for img in processed.images])
+            kwargs["image_grid_thw"] = torch.as_tensor([img.grid_thw for img in processed.images])
+            kwargs["mm_token_type_ids"] = (ids == processor.image_token_id).int()
+        with torch.no_grad():
+            out = hf_qwen.generate(**kwargs, max_new_tokens=max_tokens, do_sample=False)
+        new = out[0, ids.shape[1] :].tolist()
+        eos = hf_qwen.generation_config.eos_token_id
+        eos = set(eos) if isinstance(eos, list) else {eos}
+        first = next((i for i, t in enumerate(new) if t in eos), None)
+        return new if first is None else new[: first + 1]
+
+    return run
+
+
+def check(engine, hf_generate, prompt, imgs, max_tokens):
+    got = engine.generate([prompt], [imgs], SamplingParams(max_tokens=max_tokens))[0]
+    assert got.token_ids == hf_generate(prompt, imgs, max_tokens)
+    return got
+
+
+def test_positions_follow_the_grid_and_text_resumes_past_it():
+    """Text, a 1×4×6 grid merged 2×2 (2×3 tokens), text: the image's tokens take (0, row, col)
+    offset by where it starts, and the text after it starts at one past its largest coordinate."""
+    ids = [1, 2, 9, 9, 9, 9, 9, 9, 3]
+    pos, delta = mrope_positions(ids, 9, [(1, 4, 6)], merge=2)
+    assert pos[:, :2].tolist() == [[0, 1]] * 3
+    assert pos[0, 2:8].tolist() == [2] * 6
+    assert pos[1, 2:8].tolist() == [2, 2, 2, 3, 3, 3]
+    assert pos[2, 2:8].tolist() == [2, 3, 4, 2, 3, 4]
+    assert pos[:, 8].tolist() == [5, 5, 5]
+    assert delta == 6 - len(ids)
+    with pytest.raises(ValueError, match="needs 6 placeholders"):
+        mrope_positions(ids[:-2], 9, [(1, 4, 6)], merge=2)
+
+
+def test_image_token_counts_follow_the_image_size(make_engine, qwen_images):
+    processor = make_engine(roles=frozenset({Role.ENCODE})).processor
+    counts = [processor.process(processor.image_token, [img]).images[0].num_tokens for img in qwen_images]
+    assert len(set(counts)) >= 3, counts
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 2])
+def test_single_request(make_engine, hf_generate, qwen_images, num_images):
+    engine = make_engine()
+    prompt = engine.chat_prompt(QUESTIONS[0], num_images)
+    check(engine, hf_generate, prompt, qwen_images[1 : 1 + num_images], 24)
+
+
+def test_eight_mixed_requests_batched(make_engine, hf_generate, qwen_images):
+    """Different prompt lengths, image counts and sizes and max_tokens, all in flight at once."""
+    engine = make_engine()
+    cases = [(QUESTIONS[i % 4], i % 3, 8 + 5 * i) for i in range(8)]
+    prompts = [engine.chat_prompt(q, n) for q, n, _ in cases]
+    imgs = [qwen_images[i % 3 : i % 3 + n] for i, (_, n, _) in enumerate(cases)]
+    reqs = [
+        engine.add_request(p, im, SamplingParams(max_tokens=m))
+        for p, im, (_, _, m) in zip(prompts, imgs, cases, strict=True)
+    ]
+    max_batch = 0
+    while engine.has_unfinished():
+        engine.step()
+        max_batch = max(max_batch, len(engine.scheduler.running))
+    assert max_batch >= 4, "requests should have run together"
+    for req, p, im, (_, _, m) in zip(reqs, prompts, imgs, cases, strict=True):
+        assert req.output_token_ids == hf_generate(p, im, m), req.request_id
+
+
+def test_chunked_prefill_splits_inside_an_image(make_engine, hf_generate, qwen_images):
+    """Chunks of 5 tokens start and end inside both images, whose M-RoPE positions are 3-D."""
+    engine = make_engine(token_budget=5)
+    prompt = engine.chat_prompt(QUESTIONS[3], 2)
+    req = engine.add_request(prompt, qwen_images[1:3], SamplingParams(max_tokens=16))
+    assert all(img.num_tokens > 5 for img in req.images)
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_token_ids == hf_generate(prompt, qwen_images[1:3], 16)
+
+
+def test_feature_cache_hit_skips_the_encoder(make_engine, hf_generate, qwen_images):
+    engine = make_engine()
+    check(engine, hf_generate, engine.chat_prompt(QUESTIONS[0], 1), qwen_images[1:2], 8)
+    misses = engine.features.misses
+    prompt = engine.chat_prompt(QUESTIONS[1], 1)
+    req = engine.add_request(prompt, qwen_images[1:2], SamplingParams(max_tokens=8))
+    assert not req.needs_encode and engine.features.misses == misses
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_token_ids == hf_generate(prompt, qwen_images[1:2], 8)
+
+
+def test_preemption_by_recompute_keeps_outputs_exact(make_engine, hf_generate, qwen_images):
+    engine = make_engine(kv_cache_bytes=14 * engine_block_bytes(make_engine))
+    assert engine.blocks.num_blocks == 14
+    prompts = [engine.chat_prompt(QUESTIONS[i], 1 if i % 2 else 0) for i in range(4)]
+    imgs = [qwen_images[:1] if i % 2 else [] for i in range(4)]
+    reqs = [
+        engine.add_request(p, im, SamplingParams(max_tokens=40)) for p, im in zip(prompts, imgs, strict=True)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    assert sum(r.num_preemptions for r in reqs) > 0, "the test must actually preempt"
+    for req, p, im in zip(reqs, prompts, imgs, strict=True):
+        assert req.output_token_ids == hf_generate(p, im, 40)
+
+
+def engine_block_bytes(make_engine) -> int:
+    return make_engine(roles=frozenset({Role.ENCODE})).kv_spec.bytes_per_block
+
+
+def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, qwen_images):
+    """E, P and D as three engines: features, KV and the rope delta move between them."""
+    enc, pre, dec = (make_engine(roles=frozenset({r})) for r in (Role.ENCODE, Role.PREFILL, Role.DECODE))
+    prompt = enc.chat_prompt(QUESTIONS[1], 2)
+    req = enc.add_request(prompt, qwen_images[1:3], SamplingParams(max_tokens=20), request_id="r1")
+    outs = []
+    while enc.has_unfinished():
+        outs += enc.step()
+    assert [o.next_stage for o in outs] == [Role.PREFILL]
+    processed = pre.processor.process(prompt, qwen_images[1:3])
+    for img, done in zip(processed.images, req.images, strict=True):
+        img.features, img.pixel_values = done.features, None
+    preq = pre.add_request(processed, params=SamplingParams(max_tokens=20), request_id="r1")
+    outs = []
+    while pre.has_unfinished():
+        outs += pre.step()
+    assert outs[-1].next_stage == Role.DECODE and len(preq.output_token_ids) == 1
+    assert preq.rope_delta < 0  # the images took fewer positions than tokens
+    kv = pre.export_kv("r1", group_size=2)
+    dreq = dec.add_prefilled(
+        "r1", preq.prompt_token_ids, preq.output_token_ids, preq.params, kv, rope_delta=preq.rope_delta
+    )
+    pre.abort("r1")
+    while dec.has_unfinished():
+        dec.step()
+    assert dreq.output_token_ids == hf_generate(prompt, qwen_images[1:3], 20)
+
+
+def test_a_request_resumed_from_its_streamed_tokens_ends_as_if_never_interrupted(
+    make_engine, hf_generate, qwen_images
+):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = make_engine().chat_prompt(QUESTIONS[1], 1)
+    (whole,) = make_engine().generate([prompt], [qwen_images[:1]], params)
+    engine = make_engine()
+    req = engine.add_request(prompt, qwen_images[:1], params, output_token_ids=whole.token_ids[:9])
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_token_ids == whole.token_ids
