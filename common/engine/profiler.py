@@ -22,10 +22,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
+from PIL import Image
 
 from common.engine.block_manager import blocks_needed
-from common.engine.request import Request
+from common.engine.request import ImageInput, Request
 from common.engine.sampling import SamplingParams
 from common.protocol import records
 from common.roles import Role
@@ -47,6 +49,9 @@ SEARCH_STEPS = 16
 # A first call that takes longer than this is a sample in its own right: the allocation and kernel
 # selection it pays for are lost in the noise, and a second run would double start-up.
 WARMUP_MATTERS = 0.05
+# The picture the encode curve is measured on, before the checkpoint's processor resizes it: what
+# a LLaVA-1.5 processor makes 336 px of, and a Qwen2-VL one, at 28 px a token, 256 tokens.
+REFERENCE_IMAGE = (448, 448)
 
 
 def latency_limit(roles: frozenset[Role], ttft_slo: float, tbt_slo: float, alpha: float = ALPHA) -> float:
@@ -142,6 +147,7 @@ class BudgetProfiler:
         self.repeats = repeats
         self.curves: dict[str, dict] = {"encode": {}, "prefill": {}, "decode": {}}
         self._warmed: set[str] = set()
+        self._image: ImageInput | None = None
 
     def profile(
         self, ttft_slo: float, tbt_slo: float, max_images: int = 32, max_tokens: int = 8192,
@@ -219,13 +225,24 @@ class BudgetProfiler:
     def encode_latency(self, images: int) -> float:
         if images in self.curves["encode"]:
             return self.curves["encode"][images]
-        vision = self.engine.model.vision
-        size = self.engine.model.config.vision_config.image_size
-        dtype = next(vision.parameters()).dtype
-        pixels = torch.randn(images, 3, size, size, device=self.engine.device, dtype=dtype)
-        seconds = self._time("encode", lambda: vision(pixels))
+        model, device = self.engine.model, self.engine.device
+        dtype = next(model.vision.parameters()).dtype
+        batch = [self._reference_image()] * images
+        seconds = self._time("encode", lambda: model.encode(batch, device, dtype))
         self.curves["encode"][images] = seconds
         return seconds
+
+    def _reference_image(self) -> ImageInput:
+        """The image the encode curve is measured with: REFERENCE_IMAGE through the checkpoint's
+        own processor, so a family whose image cost follows its size (Qwen2-VL) is measured at the
+        size its processor makes of a typical picture, and a fixed-size one (LLaVA) at its size."""
+        if self._image is None:
+            rng = np.random.default_rng(0)
+            w, h = REFERENCE_IMAGE
+            picture = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+            processor = self.engine.processor
+            (self._image,) = processor.process(processor.image_token, [picture]).images
+        return self._image
 
     def prefill_latency(self, tokens: int) -> float:
         """One iteration prefilling `tokens` prompt tokens: one sequence, or several of at most

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from common.protocol.codec import Message, Record
 from common.protocol.sampling import SamplingParams, TokenId
@@ -31,6 +31,9 @@ class ImageSpec(Record):
     num_tokens: int = Field(ge=1)
     pixels: InlineTensor | TensorRef | None = None
     features: InlineTensor | TensorRef | None = None
+    # Qwen2-VL: the image's patch grid (t, h, w), which its M-RoPE positions follow; None for
+    # families whose images are all one size.
+    grid_thw: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
 
 
 class RequestSpec(Record):
@@ -109,6 +112,8 @@ class KvLocation(Record):
     num_tokens: int = Field(ge=1)
     block_size: int = Field(ge=1)
     dtype: Dtype
+    # M-RoPE (Qwen2-VL): every token after the prompt sits at its index plus this; 0 elsewhere.
+    rope_delta: int = Field(0, ge=-(2**31), le=2**31)
 
     def refs(self) -> list[TensorRef]:
         """One pullable reference per layer group, in layer order."""

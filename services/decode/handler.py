@@ -78,7 +78,8 @@ class DecodeHandler(StageHandler):
         prompt, outputs = list(spec.prompt_token_ids), list(spec.output_token_ids)
         try:
             await ctx.ledger.enter(
-                held, lambda e: e.add_prefilled(rid, prompt, outputs, spec.sampling, buffers)
+                held,
+                lambda e: e.add_prefilled(rid, prompt, outputs, spec.sampling, buffers, msg.kv.rope_delta),
             )
         except AdmissionError as exc:
             await ctx.fail(rid, "invalid_request_error", str(exc))

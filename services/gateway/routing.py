@@ -81,8 +81,11 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         )  # fmt: skip
         features = None if needs_encode else stored[img.content_hash].ref
         images.append(
-            ImageSpec(content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=ref, features=features)
-        )
+            ImageSpec(
+                content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=ref, features=features,
+                grid_thw=img.grid_thw,
+            )
+        )  # fmt: skip
     spec = RequestSpec(
         request_id=rid,
         prompt_token_ids=tuple(prompt.token_ids),

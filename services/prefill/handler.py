@@ -92,6 +92,7 @@ class PrefillHandler(StageHandler):
         location = KvLocation(
             owner=ctx.instance_id, address=ctx.transfer.address, groups=tuple(groups),
             num_tokens=req.num_computed_tokens, block_size=spec.block_size, dtype=dtype_name(spec.dtype),
+            rope_delta=req.rope_delta,
         )  # fmt: skip
         prefilled = held.spec.model_copy(
             update={

@@ -121,7 +121,7 @@ def to_prompt(
     ids = torch.as_tensor(spec.prompt_token_ids)
     positions = (ids == image_token_id).nonzero().squeeze(1)
     images = [
-        ImageInput(img.content_hash, img.num_tokens, pixel_values=px, features=ft)
+        ImageInput(img.content_hash, img.num_tokens, pixel_values=px, features=ft, grid_thw=img.grid_thw)
         for img, px, ft in zip(spec.images, pixels, features, strict=True)
     ]
     expected = sum(img.num_tokens for img in spec.images)

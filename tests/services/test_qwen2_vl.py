@@ -1,0 +1,77 @@
+"""Qwen2-VL through the deployed services, under each method, against HF's own model: images of
+different sizes (so of different token counts) cross E→P as features and P→D as KV with the
+M-RoPE rope delta, and the answer is HF `generate`'s, streamed and whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.checkpoints import write_checkpoint
+from common.engine.processor import RequestProcessor
+from tests.engine.conftest import make_image
+from tests.services.conftest import client_for, data_url, start
+from tests.services.test_e2e import QUESTION, user_message
+
+SIZES = [(120, 90), (56, 200)]
+MODEL = "tiny-qwen2-vl"
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("qwen") / MODEL, MODEL, seed=0)
+
+
+@pytest.fixture(scope="module", params=["e+p+d", "ep+d", "ed+p", "epd"])
+def qwen_cluster(request, qwen_dir, tmp_path_factory):
+    with start(qwen_dir, tmp_path_factory, request.param) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(qwen_dir):
+    """HF's greedy answer for the chat: its model on the prompt our processor makes (the
+    processor's placeholder rule is checked against the engine tests' positions and parity)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(qwen_dir).eval()
+    processor = RequestProcessor(qwen_dir)
+
+    def answer(num_images: int, max_tokens: int) -> tuple[str, int]:
+        content = [{"type": "image"}] * num_images + [{"type": "text", "text": QUESTION}]
+        prompt = processor.chat_prompt([{"role": "user", "content": content}])
+        processed = processor.process(prompt, [make_image(i, s) for i, s in enumerate(SIZES[:num_images])])
+        ids = torch.as_tensor([processed.token_ids])
+        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if num_images:
+            kwargs["pixel_values"] = torch.cat([img.pixel_values for img in processed.images])
+            kwargs["image_grid_thw"] = torch.as_tensor([img.grid_thw for img in processed.images])
+            kwargs["mm_token_type_ids"] = (ids == processor.image_token_id).int()
+        with torch.no_grad():
+            out = model.generate(**kwargs, max_new_tokens=max_tokens, do_sample=False)
+        new = out[0, ids.shape[1] :].tolist()
+        eos = model.generation_config.eos_token_id
+        eos = set(eos) if isinstance(eos, list) else {eos}
+        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        return processor.tokenizer.decode(new[:cut], skip_special_tokens=True), cut
+
+    return answer
+
+
+@pytest.mark.parametrize("num_images", [0, 2])
+def test_answers_match_hf_streaming_and_not(qwen_cluster, reference, num_images):
+    client = client_for(qwen_cluster)
+    urls = [data_url(make_image(i, s)) for i, s in enumerate(SIZES[:num_images])]
+    messages = user_message(urls, QUESTION)
+    want_text, want_tokens = reference(num_images, 16)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert whole.choices[0].message.content == want_text
+    assert whole.usage.completion_tokens == want_tokens
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_text
+    assert chunks[-1].usage.completion_tokens == want_tokens
