@@ -25,7 +25,12 @@ app = typer.Typer(
 PresetName = StrEnum("PresetName", {name: name for name in PRESETS})
 DEFAULT_PRESET = PresetName("tiny-llava")
 # --help lists the presets by family in the option's help text, which wraps between whole names.
-FAMILY_TITLES = {"llava": "LLaVA-1.5", "qwen2_vl": "Qwen2-VL"}
+FAMILY_TITLES = {
+    "llava": "LLaVA-1.5",
+    "qwen2_vl": "Qwen2-VL",
+    "qwen2_5_vl": "Qwen2.5-VL",
+    "qwen3_vl": "Qwen3-VL",
+}
 PRESET_HELP = "Model shapes to generate. " + " ".join(
     f"{FAMILY_TITLES.get(family, family)}: {', '.join(n for n, p in PRESETS.items() if p.family == family)}."
     for family in dict.fromkeys(p.family for p in PRESETS.values())
@@ -46,7 +51,8 @@ def make_model(
     seed: Annotated[int, typer.Option(min=0, help="The weights depend only on (preset, seed).")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace DIR if it holds a checkpoint.")] = False,
 ) -> None:
-    """Write a random-weight HF-format LLaVA-1.5 or Qwen2-VL checkpoint (config, weights, tokenizer, ...)."""
+    """Write a random-weight HF-format checkpoint (config, weights, tokenizer, ...) of any preset's family:
+    LLaVA-1.5, Qwen2-VL, Qwen2.5-VL or Qwen3-VL."""
     try:
         path = write_checkpoint(directory, preset=preset.value, seed=seed, overwrite=force)
     except CheckpointExistsError as exc:

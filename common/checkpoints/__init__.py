@@ -1,13 +1,16 @@
-"""Deterministic random-weight LLaVA-1.5 and Qwen2-VL checkpoints in Hugging Face format (see
-`write_checkpoint`)."""
+"""Deterministic random-weight LLaVA-1.5, Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints in Hugging Face format
+(see `write_checkpoint`)."""
 
 from common.checkpoints.presets import (
     PRESETS,
     AnyPreset,
     Preset,
+    Qwen2_5VLPreset,
     Qwen2VLPreset,
+    Qwen3VLPreset,
+    QwenVLPreset,
     build_config,
-    build_qwen2_vl_config,
+    build_qwen_vl_config,
     count_parameters,
     get_preset,
 )
@@ -19,8 +22,11 @@ __all__ = [
     "CheckpointExistsError",
     "Preset",
     "Qwen2VLPreset",
+    "Qwen2_5VLPreset",
+    "Qwen3VLPreset",
+    "QwenVLPreset",
     "build_config",
-    "build_qwen2_vl_config",
+    "build_qwen_vl_config",
     "count_parameters",
     "get_preset",
     "is_checkpoint_dir",

@@ -1,9 +1,12 @@
-"""Model shapes of the random-weight checkpoints (LLaVA-1.5, Qwen2-VL) and the HF configs built from them."""
+"""Model shapes of the random-weight checkpoints (LLaVA-1.5, Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and the HF
+configs built from them."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from transformers import (
@@ -13,12 +16,17 @@ from transformers import (
     LlavaForConditionalGeneration,
     PreTrainedConfig,
     PreTrainedModel,
-    Qwen2VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 
 GIB = 1024**3
 MIB = 1024**2
+
+# The OpenAI CLIP normalisation constants of LLaVA-1.5's, Qwen2-VL's and Qwen2.5-VL's image processors.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass(frozen=True)
@@ -64,21 +72,36 @@ class Preset:
         return getattr(torch, self.dtype)
 
 
-@dataclass(frozen=True)
-class Qwen2VLPreset:
-    """Every shape and storage choice of one Qwen2-VL preset; the config is derived from this alone."""
+@dataclass(frozen=True, kw_only=True)
+class QwenVLPreset:
+    """Every shape and storage choice of one Qwen vision-language preset; the config derives from it alone.
 
-    family: ClassVar[str] = "qwen2_vl"
+    The fields are what Qwen2-VL, Qwen2.5-VL and Qwen3-VL share: a ViT over Conv3d patches whose merger
+    folds each spatial_merge_size^2 group of patches into one token of the text width, and a Qwen text
+    model with multimodal rotary embeddings (M-RoPE). A subclass per family adds its own fields and says
+    how they enter the HF config (`vision_fields`, `text_fields`).
+    """
+
+    # The model family (selects the config, tokenizer, processor files and manifest format), its HF model
+    # class (whose config_class is the config built) and the processor class a release's files name.
+    family: ClassVar[str]
+    model_class: ClassVar[type[PreTrainedModel]]
+    processor_class: ClassVar[str]
+    # The vision tower's activation and the image processor's normalisation constants.
+    vision_act: ClassVar[str]
+    image_mean: ClassVar[tuple[float, float, float]] = CLIP_MEAN
+    image_std: ClassVar[tuple[float, float, float]] = CLIP_STD
+    # Whether preprocessor_config.json names the pixel bounds min_pixels / max_pixels besides `size`.
+    pixel_bound_keys: ClassVar[bool] = True
 
     name: str
-    # Vision transformer: Conv3d patch embedding, pre-norm blocks, then a merger that folds each
-    # spatial_merge_size x spatial_merge_size group of patches into one token of the text width.
-    vision_embed_dim: int
+    # Vision transformer: width, blocks, heads, MLP width, square patch side in pixels.
+    vision_hidden: int
     vision_depth: int
     vision_heads: int
-    vision_mlp_ratio: int
+    vision_intermediate: int
     patch_size: int
-    # Qwen2 language model with multimodal rotary embeddings (M-RoPE)
+    # Qwen language model
     text_hidden: int
     text_layers: int
     text_heads: int
@@ -103,12 +126,12 @@ class Qwen2VLPreset:
     rope_theta: float = 1_000_000.0
 
     def __post_init__(self) -> None:
-        if self.text_hidden % self.text_heads or self.text_heads % self.text_kv_heads:
-            raise ValueError(f"{self.name}: text heads must divide the width and be a multiple of kv heads")
+        if self.text_heads % self.text_kv_heads:
+            raise ValueError(f"{self.name}: text heads must be a multiple of kv heads")
         if 2 * sum(self.mrope_section) != self.head_dim:
             raise ValueError(f"{self.name}: mrope_section {self.mrope_section} must sum to head_dim / 2")
         # The vision rotary embedding splits each head in halves for rows and columns, each in pairs.
-        if self.vision_embed_dim % self.vision_heads or (self.vision_embed_dim // self.vision_heads) % 4:
+        if self.vision_hidden % self.vision_heads or (self.vision_hidden // self.vision_heads) % 4:
             raise ValueError(f"{self.name}: vision head dim must be a whole multiple of 4")
         if not self.image_factor**2 <= self.min_pixels <= self.max_pixels:
             raise ValueError(f"{self.name}: need {self.image_factor}^2 <= min_pixels <= max_pixels")
@@ -116,6 +139,8 @@ class Qwen2VLPreset:
     @property
     def head_dim(self) -> int:
         """Width of one text attention head."""
+        if self.text_hidden % self.text_heads:
+            raise ValueError(f"{self.name}: text heads must divide the width")
         return self.text_hidden // self.text_heads
 
     @property
@@ -128,9 +153,143 @@ class Qwen2VLPreset:
         """The storage dtype of every weight tensor."""
         return getattr(torch, self.dtype)
 
+    def vision_fields(self) -> dict[str, object]:
+        """The family's entries of the HF vision config: by default a ViT of its own width whose merger
+        projects to out_hidden_size (Qwen2.5-VL, Qwen3-VL)."""
+        return {
+            "hidden_size": self.vision_hidden,
+            "intermediate_size": self.vision_intermediate,
+            "out_hidden_size": self.text_hidden,
+        }
+
+    def text_fields(self) -> dict[str, object]:
+        """The family's entries of the HF text config: by default Qwen2 attention, no sliding window."""
+        return {"max_window_layers": self.text_layers, "use_sliding_window": False}
+
+    def rope_parameters(self) -> dict[str, object]:
+        """The text model's M-RoPE: default rotary frequencies split over (t, h, w) by mrope_section."""
+        return {
+            "rope_type": "default",
+            "mrope_section": list(self.mrope_section),
+            "rope_theta": self.rope_theta,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen2VLPreset(QwenVLPreset):
+    """Qwen2-VL: LayerNorm ViT blocks with a quick-GELU MLP, full attention; Qwen2 text model."""
+
+    family: ClassVar[str] = "qwen2_vl"
+    model_class: ClassVar[type[PreTrainedModel]] = Qwen2VLForConditionalGeneration
+    processor_class: ClassVar[str] = "Qwen2VLProcessor"
+    vision_act: ClassVar[str] = "quick_gelu"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Qwen2VLVisionConfig states the MLP width as a whole multiple of the ViT width.
+        if self.vision_intermediate % self.vision_hidden:
+            raise ValueError(f"{self.name}: vision_intermediate must be a multiple of vision_hidden")
+
+    def vision_fields(self) -> dict[str, object]:
+        # Qwen2-VL names the ViT width embed_dim; its hidden_size is the merger's output (the text width).
+        return {
+            "embed_dim": self.vision_hidden,
+            "mlp_ratio": self.vision_intermediate // self.vision_hidden,
+            "hidden_size": self.text_hidden,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen2_5VLPreset(QwenVLPreset):
+    """Qwen2.5-VL: RMSNorm ViT blocks with a gated SiLU MLP; most blocks attend within windows of
+    window_size pixels, the fullatt_block_indexes blocks over the whole image; Qwen2 text model."""
+
+    family: ClassVar[str] = "qwen2_5_vl"
+    model_class: ClassVar[type[PreTrainedModel]] = Qwen2_5_VLForConditionalGeneration
+    processor_class: ClassVar[str] = "Qwen2_5_VLProcessor"
+    vision_act: ClassVar[str] = "silu"
+
+    # Side of one attention window in pixels: a whole number of merged (factor x factor px) tokens.
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    # Video only: temporal positions per second of video.
+    tokens_per_second: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window_size % self.image_factor:
+            raise ValueError(f"{self.name}: window_size must be a multiple of {self.image_factor}")
+        if not all(0 <= i < self.vision_depth for i in self.fullatt_block_indexes):
+            raise ValueError(f"{self.name}: fullatt_block_indexes must name vision blocks")
+
+    def vision_fields(self) -> dict[str, object]:
+        return {
+            **super().vision_fields(),
+            "window_size": self.window_size,
+            "fullatt_block_indexes": list(self.fullatt_block_indexes),
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3VLPreset(QwenVLPreset):
+    """Qwen3-VL: LayerNorm ViT blocks with a tanh-GELU MLP and a learned (interpolated) position grid;
+    DeepStack adds the features of deepstack_visual_indexes blocks to the first text layers' image
+    positions; Qwen3 text model (q/k RMSNorm, no attention biases, explicit head_dim, interleaved M-RoPE)."""
+
+    family: ClassVar[str] = "qwen3_vl"
+    model_class: ClassVar[type[PreTrainedModel]] = Qwen3VLForConditionalGeneration
+    processor_class: ClassVar[str] = "Qwen3VLProcessor"
+    vision_act: ClassVar[str] = "gelu_pytorch_tanh"
+    image_mean: ClassVar[tuple[float, float, float]] = (0.5, 0.5, 0.5)
+    image_std: ClassVar[tuple[float, float, float]] = (0.5, 0.5, 0.5)
+    # A Qwen3-VL release states the pixel bounds only as size.{shortest,longest}_edge.
+    pixel_bound_keys: ClassVar[bool] = False
+
+    text_head_dim: int
+    # Learned position embeddings: a square grid, bilinearly resampled to each image's patch grid.
+    num_position_embeddings: int
+    # Vision blocks whose output (merged by a merger of its own) is added after text layers 0, 1, ...
+    deepstack_visual_indexes: tuple[int, ...]
+    rope_theta: float = 5_000_000.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
+            raise ValueError(f"{self.name}: num_position_embeddings must be a square")
+        if not all(0 <= i < self.vision_depth for i in self.deepstack_visual_indexes):
+            raise ValueError(f"{self.name}: deepstack_visual_indexes must name vision blocks")
+        if len(self.deepstack_visual_indexes) > self.text_layers:
+            raise ValueError(f"{self.name}: more deepstack features than text layers to take them")
+        # Interleaved M-RoPE: frequency 3i+1 rotates by height (i < h), 3i+2 by width (i < w), the rest
+        # by time, so the height and width runs must end inside the head_dim / 2 frequencies.
+        _, h, w = self.mrope_section
+        if max(3 * h - 2, 3 * w - 1) >= self.head_dim // 2:
+            raise ValueError(f"{self.name}: interleaved mrope_section {self.mrope_section} overruns head_dim")
+
+    @property
+    def head_dim(self) -> int:
+        return self.text_head_dim
+
+    def vision_fields(self) -> dict[str, object]:
+        return {
+            **super().vision_fields(),
+            "num_position_embeddings": self.num_position_embeddings,
+            "deepstack_visual_indexes": list(self.deepstack_visual_indexes),
+        }
+
+    def text_fields(self) -> dict[str, object]:
+        return {"head_dim": self.text_head_dim, "attention_bias": False}
+
+    def rope_parameters(self) -> dict[str, object]:
+        return {**super().rope_parameters(), "mrope_interleaved": True}
+
+
+# The Qwen vision-language families, one preset class each.
+QWEN_FAMILIES: tuple[type[QwenVLPreset], ...] = (Qwen2VLPreset, Qwen2_5VLPreset, Qwen3VLPreset)
 
 # Any preset; `.family` tells them apart.
-AnyPreset = Preset | Qwen2VLPreset
+AnyPreset = Preset | QwenVLPreset
 
 PRESETS: dict[str, AnyPreset] = {
     "tiny-llava": Preset(
@@ -199,10 +358,10 @@ PRESETS: dict[str, AnyPreset] = {
     # Fast CPU tests: a 56x56 image is 4x4 patches = 4 placeholder tokens, 112x112 (the cap) is 16.
     "tiny-qwen2-vl": Qwen2VLPreset(
         name="tiny-qwen2-vl",
-        vision_embed_dim=32,
+        vision_hidden=32,
+        vision_intermediate=128,
         vision_depth=2,
         vision_heads=2,
-        vision_mlp_ratio=4,
         patch_size=14,
         text_hidden=64,
         text_layers=4,
@@ -222,10 +381,10 @@ PRESETS: dict[str, AnyPreset] = {
     # ~100M parameters for benchmarks; tied (like Qwen2-VL-2B) and sharded (~380 MB in 256 MiB shards).
     "small-qwen2-vl": Qwen2VLPreset(
         name="small-qwen2-vl",
-        vision_embed_dim=384,
+        vision_hidden=384,
+        vision_intermediate=1536,
         vision_depth=6,
         vision_heads=6,
-        vision_mlp_ratio=4,
         patch_size=14,
         text_hidden=768,
         text_layers=12,
@@ -245,10 +404,10 @@ PRESETS: dict[str, AnyPreset] = {
     # The shapes of Qwen/Qwen2-VL-7B-Instruct (675M-parameter ViT + Qwen2-7B), random weights.
     "qwen2-vl-7b": Qwen2VLPreset(
         name="qwen2-vl-7b",
-        vision_embed_dim=1280,
+        vision_hidden=1280,
+        vision_intermediate=5120,
         vision_depth=32,
         vision_heads=16,
-        vision_mlp_ratio=4,
         patch_size=14,
         text_hidden=3584,
         text_layers=28,
@@ -264,6 +423,105 @@ PRESETS: dict[str, AnyPreset] = {
         max_shard_bytes=2 * GIB,
         min_pixels=56 * 56,
         max_pixels=28 * 28 * 16384,
+    ),
+}
+
+
+def _like(base: str, family: type[QwenVLPreset], **changes: Any) -> QwenVLPreset:
+    """A `family` preset with the `base` preset's shapes and storage except `changes`; fields with a
+    default (rope_theta, ...) take the family's own default unless changed."""
+    template = PRESETS[base]
+    fields = dataclasses.fields(QwenVLPreset)
+    shared = {f.name: getattr(template, f.name) for f in fields if f.default is dataclasses.MISSING}
+    return family(**{**shared, **changes})
+
+
+# The later Qwen families: each tiny / small preset keeps the text model and storage of the Qwen2-VL one
+# (Qwen2.5-VL-7B's text model is Qwen2-VL-7B's), so what differs is the family's own architecture.
+PRESETS |= {
+    # Windowed and full attention both run: block 0 attends within 56-px windows (2x2 merged tokens),
+    # block 1 over the whole image; a 112-168 px image (the cap) spans 2x2 to 3x3 windows.
+    "tiny-qwen2.5-vl": _like(
+        "tiny-qwen2-vl",
+        Qwen2_5VLPreset,
+        name="tiny-qwen2.5-vl",
+        vision_intermediate=96,
+        window_size=56,
+        fullatt_block_indexes=(1,),
+        max_pixels=168 * 168,
+    ),
+    # ~100M parameters, tied and sharded like small-qwen2-vl; windows of 4x4 merged tokens.
+    "small-qwen2.5-vl": _like(
+        "small-qwen2-vl",
+        Qwen2_5VLPreset,
+        name="small-qwen2.5-vl",
+        vision_intermediate=1024,
+        window_size=112,
+        fullatt_block_indexes=(2, 5),
+    ),
+    # The shapes of Qwen/Qwen2.5-VL-7B-Instruct (windowed gated-MLP ViT + Qwen2-VL-7B's text), random weights.
+    "qwen2.5-vl-7b": _like(
+        "qwen2-vl-7b",
+        Qwen2_5VLPreset,
+        name="qwen2.5-vl-7b",
+        vision_intermediate=3420,
+        window_size=112,
+        fullatt_block_indexes=(7, 15, 23, 31),
+        tokenizer_vocab=151665,
+        max_position_embeddings=128000,
+    ),
+    # DeepStack runs: blocks 0 and 1 of 3 feed text layers 0 and 1. 16-px patches, an 8x8 position grid;
+    # a 56x56 image becomes 64x64 = 4x4 patches = 4 placeholder tokens, 160x160 (the cap) 25.
+    "tiny-qwen3-vl": _like(
+        "tiny-qwen2-vl",
+        Qwen3VLPreset,
+        name="tiny-qwen3-vl",
+        vision_intermediate=64,
+        vision_depth=3,
+        patch_size=16,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=(0, 1),
+        text_head_dim=16,
+        mrope_section=(4, 2, 2),
+        min_pixels=64 * 64,
+        max_pixels=160 * 160,
+    ),
+    "small-qwen3-vl": _like(
+        "small-qwen2-vl",
+        Qwen3VLPreset,
+        name="small-qwen3-vl",
+        patch_size=16,
+        num_position_embeddings=576,
+        deepstack_visual_indexes=(1, 3, 5),
+        text_head_dim=64,
+        mrope_section=(12, 10, 10),
+        min_pixels=64 * 64,
+    ),
+    # The shapes of Qwen/Qwen3-VL-8B-Instruct (SigLIP2-sized ViT with DeepStack + Qwen3-8B), random weights.
+    "qwen3-vl-8b": Qwen3VLPreset(
+        name="qwen3-vl-8b",
+        vision_hidden=1152,
+        vision_intermediate=4304,
+        vision_depth=27,
+        vision_heads=16,
+        patch_size=16,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=(8, 16, 24),
+        text_hidden=4096,
+        text_layers=36,
+        text_heads=32,
+        text_kv_heads=8,
+        text_head_dim=128,
+        text_intermediate=12288,
+        mrope_section=(24, 20, 20),
+        vocab_size=151936,
+        tokenizer_vocab=151669,
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        max_shard_bytes=2 * GIB,
+        min_pixels=256 * 256,
+        max_pixels=4096 * 4096,
     ),
 }
 
@@ -319,8 +577,8 @@ def build_config(preset: Preset, bos_id: int, eos_id: int, pad_id: int, image_id
     )
 
 
-def build_qwen2_vl_config(
-    preset: Qwen2VLPreset,
+def build_qwen_vl_config(
+    preset: QwenVLPreset,
     *,
     pad_id: int,
     eos_id: int,
@@ -328,20 +586,17 @@ def build_qwen2_vl_config(
     video_id: int,
     vision_start_id: int,
     vision_end_id: int,
-) -> Qwen2VLConfig:
-    """The Qwen2VLConfig for a preset, with special-token ids taken from the trained tokenizer."""
+) -> PreTrainedConfig:
+    """The family's HF config (Qwen2VLConfig, ...) for a preset, with the trained tokenizer's special ids."""
     vision = {
         "depth": preset.vision_depth,
-        "embed_dim": preset.vision_embed_dim,
-        # The merger's output width: merged image tokens go straight into the text model.
-        "hidden_size": preset.text_hidden,
-        "hidden_act": "quick_gelu",
-        "mlp_ratio": preset.vision_mlp_ratio,
+        "hidden_act": preset.vision_act,
         "num_heads": preset.vision_heads,
         "in_channels": 3,
         "patch_size": preset.patch_size,
         "spatial_merge_size": preset.spatial_merge_size,
         "temporal_patch_size": preset.temporal_patch_size,
+        **preset.vision_fields(),
     }
     text = {
         "vocab_size": preset.vocab_size,
@@ -352,24 +607,19 @@ def build_qwen2_vl_config(
         "num_key_value_heads": preset.text_kv_heads,
         "hidden_act": "silu",
         "max_position_embeddings": preset.max_position_embeddings,
-        "max_window_layers": preset.text_layers,
-        "use_sliding_window": False,
         "rms_norm_eps": preset.rms_norm_eps,
-        "rope_parameters": {
-            "rope_type": "default",
-            "mrope_section": list(preset.mrope_section),
-            "rope_theta": preset.rope_theta,
-        },
+        "rope_parameters": preset.rope_parameters(),
         # As in Qwen's own releases: bos is <|endoftext|> but the tokenizer never prepends it.
         "bos_token_id": pad_id,
         "eos_token_id": eos_id,
         "pad_token_id": pad_id,
         "tie_word_embeddings": preset.tie_word_embeddings,
         "dtype": preset.dtype,
+        **preset.text_fields(),
     }
-    return Qwen2VLConfig(
+    return preset.model_class.config_class(
         # Recorded in config.json as a release has it, so architecture-dispatching loaders pick the class.
-        architectures=["Qwen2VLForConditionalGeneration"],
+        architectures=[preset.model_class.__name__],
         vision_config=vision,
         text_config=text,
         image_token_id=image_id,
@@ -383,20 +633,19 @@ def build_qwen2_vl_config(
 
 def meta_model(config: PreTrainedConfig) -> PreTrainedModel:
     """Instantiate the model on the meta device: names and shapes without allocating any weights."""
-    if isinstance(config, LlavaConfig):
-        model_class: type[PreTrainedModel] = LlavaForConditionalGeneration
-    elif isinstance(config, Qwen2VLConfig):
-        model_class = Qwen2VLForConditionalGeneration
-    else:
-        raise TypeError(f"no model class for {type(config).__name__}")
+    model_classes = [LlavaForConditionalGeneration, *(cls.model_class for cls in QWEN_FAMILIES)]
+    try:
+        model_class = next(cls for cls in model_classes if type(config) is cls.config_class)
+    except StopIteration:
+        raise TypeError(f"no model class for {type(config).__name__}") from None
     with torch.device("meta"):
         return model_class(config)
 
 
 def placeholder_config(preset: AnyPreset) -> PreTrainedConfig:
     """A preset's config with made-up token ids: right for shapes and counts, not for a checkpoint."""
-    if isinstance(preset, Qwen2VLPreset):
-        return build_qwen2_vl_config(
+    if isinstance(preset, QwenVLPreset):
+        return build_qwen_vl_config(
             preset, pad_id=0, eos_id=2, image_id=5, video_id=6, vision_start_id=3, vision_end_id=4
         )
     return build_config(preset, bos_id=1, eos_id=2, pad_id=3, image_id=4)

@@ -13,14 +13,15 @@ from transformers import (
     Qwen2VLImageProcessorPil,
 )
 
-from common.checkpoints.presets import Preset, Qwen2VLPreset
+from common.checkpoints.presets import CLIP_MEAN, CLIP_STD, Preset, QwenVLPreset
 
 UNK, BOS, EOS, PAD, IMAGE = "<unk>", "<s>", "</s>", "<pad>", "<image>"
 # Trainer special tokens take the first ids in this order: <unk>=0, <s>=1, </s>=2, <pad>=3, <image>=4.
 SPECIAL_TOKENS = (UNK, BOS, EOS, PAD, IMAGE)
 
-# Qwen2-VL's special tokens. <|endoftext|> pads (there is no unk: byte-level BPE encodes anything),
-# <|im_end|> ends a turn (eos), and each image is <|vision_start|> <|image_pad|>... <|vision_end|>.
+# The special tokens of Qwen2-VL, Qwen2.5-VL and Qwen3-VL. <|endoftext|> pads (there is no unk: byte-level
+# BPE encodes anything), <|im_end|> ends a turn (eos), and each image is <|vision_start|> <|image_pad|>...
+# <|vision_end|>.
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
     "<|vision_start|>",
@@ -31,10 +32,6 @@ VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
 # The same order as Qwen's own ids, but first: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2,
 # <|vision_start|>=3, <|vision_end|>=4, <|image_pad|>=5, <|video_pad|>=6.
 QWEN2_VL_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
-
-# The OpenAI CLIP normalisation constants that LLaVA-1.5's (and Qwen2-VL's) image processor uses.
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass(frozen=True)
@@ -58,8 +55,8 @@ class SpecialIds:
 
 
 @dataclass(frozen=True)
-class Qwen2VLSpecialIds:
-    """Qwen2-VL's special-token ids, plus how many ids the tokenizer can produce."""
+class QwenVLSpecialIds:
+    """The Qwen-VL special-token ids, plus how many ids the tokenizer can produce."""
 
     pad: int  # <|endoftext|>
     im_start: int
@@ -173,8 +170,8 @@ def build_processor(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> Llava
     )
 
 
-def build_qwen2_vl_tokenizer(preset: Qwen2VLPreset) -> tuple[PreTrainedTokenizerFast, Qwen2VLSpecialIds]:
-    """The HF tokenizer for a Qwen2-VL preset (no BOS, no unk) and its special ids."""
+def build_qwen_vl_tokenizer(preset: QwenVLPreset) -> tuple[PreTrainedTokenizerFast, QwenVLSpecialIds]:
+    """The HF tokenizer for a Qwen-VL preset of any family (no BOS, no unk) and its special ids."""
     backend = train_bpe(preset.tokenizer_vocab, QWEN2_VL_SPECIAL_TOKENS, None)
     # Adds no tokens (Qwen prepends nothing); keeps byte-level offsets untrimmed, as Qwen's tokenizer does.
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -182,13 +179,13 @@ def build_qwen2_vl_tokenizer(preset: Qwen2VLPreset) -> tuple[PreTrainedTokenizer
         tokenizer_object=backend,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
-        # `image_token` / `video_token` attributes, which Qwen2VLProcessor reads.
+        # `image_token` / `video_token` attributes, which the Qwen-VL processors read.
         extra_special_tokens={"image_token": IMAGE_PAD, "video_token": VIDEO_PAD},
         model_max_length=preset.max_position_embeddings,
         padding_side="left",
         errors="replace",
     )
-    ids = Qwen2VLSpecialIds(
+    ids = QwenVLSpecialIds(
         pad=hf_tok.convert_tokens_to_ids(ENDOFTEXT),
         im_start=hf_tok.convert_tokens_to_ids(IM_START),
         eos=hf_tok.convert_tokens_to_ids(IM_END),
@@ -203,8 +200,9 @@ def build_qwen2_vl_tokenizer(preset: Qwen2VLPreset) -> tuple[PreTrainedTokenizer
     return hf_tok, ids
 
 
-def build_qwen2_vl_image_processor(preset: Qwen2VLPreset) -> Qwen2VLImageProcessorPil:
-    """Qwen2-VL's dynamic-resolution image processor, matching the preset's patching and pixel bounds."""
+def build_qwen_vl_image_processor(preset: QwenVLPreset) -> Qwen2VLImageProcessorPil:
+    """Qwen2-VL's dynamic-resolution image processor (every Qwen-VL family's), matching the preset's
+    patching, pixel bounds and normalisation."""
     # The PIL backend is instantiated directly because torchvision is not installed; it saves as
     # "Qwen2VLImageProcessor", so a machine with torchvision loads the fast backend from the same file.
     return Qwen2VLImageProcessorPil(
@@ -217,6 +215,6 @@ def build_qwen2_vl_image_processor(preset: Qwen2VLPreset) -> Qwen2VLImageProcess
         do_rescale=True,
         do_normalize=True,
         do_convert_rgb=True,
-        image_mean=list(CLIP_MEAN),
-        image_std=list(CLIP_STD),
+        image_mean=list(preset.image_mean),
+        image_std=list(preset.image_std),
     )

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import PreTrainedConfig
 
 from common.checkpoints.presets import AnyPreset, meta_model
-from common.checkpoints.tokenizer import Qwen2VLSpecialIds, SpecialIds
+from common.checkpoints.tokenizer import QwenVLSpecialIds, SpecialIds
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -87,7 +87,7 @@ def _std_for(name: str, shape: tuple[int, ...], tied: bool) -> float:
 
 
 def make_tensor(
-    spec: TensorSpec, seed: int, ids: SpecialIds | Qwen2VLSpecialIds, tied: bool = False
+    spec: TensorSpec, seed: int, ids: SpecialIds | QwenVLSpecialIds, tied: bool = False
 ) -> torch.Tensor:
     """Generate one tensor from its own seeded generator, in float64, then cast to the storage dtype."""
     gen = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, spec.name))
@@ -128,7 +128,7 @@ def write_weights(
     config: PreTrainedConfig,
     preset: AnyPreset,
     seed: int,
-    ids: SpecialIds | Qwen2VLSpecialIds,
+    ids: SpecialIds | QwenVLSpecialIds,
 ) -> list[str]:
     """Write the weights; at most one shard is in memory at a time. Returns the files written."""
     specs = tensor_specs(config, preset.torch_dtype)

@@ -13,19 +13,19 @@ from transformers import GenerationConfig
 from common.checkpoints.presets import (
     AnyPreset,
     Preset,
-    Qwen2VLPreset,
+    QwenVLPreset,
     build_config,
-    build_qwen2_vl_config,
+    build_qwen_vl_config,
     count_parameters,
     get_preset,
 )
 from common.checkpoints.tokenizer import (
     IMAGE,
-    Qwen2VLSpecialIds,
+    QwenVLSpecialIds,
     SpecialIds,
     build_processor,
-    build_qwen2_vl_image_processor,
-    build_qwen2_vl_tokenizer,
+    build_qwen_vl_image_processor,
+    build_qwen_vl_tokenizer,
     build_tokenizer,
     read_package_text,
 )
@@ -34,8 +34,14 @@ from common.checkpoints.weights import write_weights
 # Provenance file; also how an existing directory is recognised as one of ours before it is replaced.
 MANIFEST_FILE = "trident_checkpoint.json"
 # The manifest's "format" for each model family (Preset.family); any of them marks a directory as ours.
-FORMATS = {"llava": "trident-llava", "qwen2_vl": "trident-qwen2-vl"}
-QWEN2_VL_CHAT_TEMPLATE = "qwen2_vl_chat_template.jinja"
+FORMATS = {
+    "llava": "trident-llava",
+    "qwen2_vl": "trident-qwen2-vl",
+    "qwen2_5_vl": "trident-qwen2.5-vl",
+    "qwen3_vl": "trident-qwen3-vl",
+}
+# Every Qwen-VL family formats a chat the same way, images included (<|vision_start|><|image_pad|>...).
+QWEN_VL_CHAT_TEMPLATE = "qwen2_vl_chat_template.jinja"
 
 
 class CheckpointExistsError(FileExistsError):
@@ -101,26 +107,22 @@ def _write_llava(out_dir: Path, preset: Preset, seed: int) -> tuple[SpecialIds, 
     return ids, write_weights(out_dir, config, preset, seed, ids)
 
 
-def _write_qwen2_vl(out_dir: Path, preset: Qwen2VLPreset, seed: int) -> tuple[Qwen2VLSpecialIds, list[str]]:
-    # The files of a Qwen2-VL release: tokenizer.json + tokenizer_config.json, preprocessor_config.json,
+def _write_qwen_vl(out_dir: Path, preset: QwenVLPreset, seed: int) -> tuple[QwenVLSpecialIds, list[str]]:
+    # The files of a Qwen-VL release: tokenizer.json + tokenizer_config.json, preprocessor_config.json,
     # chat_template.json (the template also in tokenizer_config.json, so a bare tokenizer can apply it).
-    tokenizer, ids = build_qwen2_vl_tokenizer(preset)
+    tokenizer, ids = build_qwen_vl_tokenizer(preset)
     tokenizer.save_pretrained(str(out_dir))
-    template = read_package_text(QWEN2_VL_CHAT_TEMPLATE)
-    _update_json(
-        out_dir / "tokenizer_config.json", chat_template=template, processor_class="Qwen2VLProcessor"
-    )
+    template = read_package_text(QWEN_VL_CHAT_TEMPLATE)
+    release_keys = {"processor_class": preset.processor_class}
+    _update_json(out_dir / "tokenizer_config.json", chat_template=template, **release_keys)
     _dump_json(out_dir / "chat_template.json", {"chat_template": template})
-    build_qwen2_vl_image_processor(preset).save_pretrained(str(out_dir))
-    # transformers 5 saves the pixel bounds only as size.{shortest,longest}_edge; releases (and older
-    # readers) name them min_pixels / max_pixels. Loading gives both the same values.
-    _update_json(
-        out_dir / "preprocessor_config.json",
-        min_pixels=preset.min_pixels,
-        max_pixels=preset.max_pixels,
-        processor_class="Qwen2VLProcessor",
-    )
-    config = build_qwen2_vl_config(
+    build_qwen_vl_image_processor(preset).save_pretrained(str(out_dir))
+    # transformers 5 saves the pixel bounds only as size.{shortest,longest}_edge; Qwen2(.5)-VL releases
+    # (and older readers) name them min_pixels / max_pixels too. Loading gives both the same values.
+    if preset.pixel_bound_keys:
+        release_keys |= {"min_pixels": preset.min_pixels, "max_pixels": preset.max_pixels}
+    _update_json(out_dir / "preprocessor_config.json", **release_keys)
+    config = build_qwen_vl_config(
         preset,
         pad_id=ids.pad,
         eos_id=ids.eos,
@@ -138,8 +140,8 @@ def _write_qwen2_vl(out_dir: Path, preset: Qwen2VLPreset, seed: int) -> tuple[Qw
 
 
 def _write_all(out_dir: Path, preset: AnyPreset, seed: int) -> None:
-    if isinstance(preset, Qwen2VLPreset):
-        ids, files = _write_qwen2_vl(out_dir, preset, seed)
+    if isinstance(preset, QwenVLPreset):
+        ids, files = _write_qwen_vl(out_dir, preset, seed)
     else:
         ids, files = _write_llava(out_dir, preset, seed)
     _dump_json(
@@ -160,10 +162,11 @@ def _write_all(out_dir: Path, preset: AnyPreset, seed: int) -> None:
 def write_checkpoint(
     out_dir: str | Path, preset: str | AnyPreset = "tiny-llava", seed: int = 0, *, overwrite: bool = False
 ) -> Path:
-    """Write a complete random-weight checkpoint (LLaVA-1.5 or Qwen2-VL) to `out_dir`; return the directory.
+    """Write a complete random-weight checkpoint (LLaVA-1.5, Qwen2-VL, Qwen2.5-VL or Qwen3-VL) to `out_dir`;
+    return the directory.
 
     The bytes depend only on (preset, seed); `preset` is a name from PRESETS or a custom Preset or
-    Qwen2VLPreset, whose family picks the architecture and the files written. A non-empty
+    QwenVLPreset subclass instance, whose family picks the architecture and the files written. A non-empty
     `out_dir` is refused unless it is a checkpoint of ours and `overwrite` is set; the new one is built
     beside it and swapped in, so no half-written directory ever looks complete.
     """
