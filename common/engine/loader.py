@@ -4,8 +4,9 @@ The family comes from `config.json` (`model_type`, `architectures`):
 - LLaVA-1.5 (`llava`: CLIP + Llama). Both weight layouts load: transformers 5's
   (`model.language_model.*`, `lm_head.*`) and the older one of the public llava-hf checkpoints
   (`language_model.model.*`, `language_model.lm_head.*`).
-- Qwen2-VL (`qwen2_vl`). Both layouts load: transformers 5's (`model.language_model.*`,
-  `model.visual.*`) and the public releases' (`model.*`, `visual.*`).
+- Qwen2-VL, Qwen2.5-VL, Qwen3-VL (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`). Both layouts load:
+  transformers 5's (`model.language_model.*`, `model.visual.*`) and the older releases'
+  (`model.*`, `visual.*`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from common.engine.models import VisionLanguageModel
+from common.engine.models.llama import tied_embeddings
 from common.engine.models.llava import LlavaModel
-from common.engine.models.qwen2_vl import Qwen2VLModel
+from common.engine.models.qwen_vl import QwenVLModel
 
 
 class CheckpointError(ValueError):
@@ -37,6 +39,15 @@ class Family:
     prefixes: tuple[tuple[str, str], ...]  # (checkpoint prefix, our module prefix): first match wins
 
 
+# transformers 5's layout (`model.language_model.*`, `model.visual.*`) and the one of the public
+# Qwen2-VL and Qwen2.5-VL releases (`model.*`, `visual.*`).
+_QWEN_PREFIXES = (
+    ("model.language_model.", "language_model."),
+    ("model.visual.", "vision.visual."),
+    ("visual.", "vision.visual."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.", "language_model."),
+)
 FAMILIES = {
     f.model_type: f
     for f in (
@@ -53,15 +64,13 @@ FAMILIES = {
                 ("multi_modal_projector.", "vision.multi_modal_projector."),
             ),
         ),
-        Family(
-            "Qwen2-VL", "qwen2_vl", frozenset({"Qwen2VLForConditionalGeneration"}), Qwen2VLModel,
-            (
-                ("model.language_model.", "language_model."),
-                ("model.visual.", "vision.visual."),
-                ("visual.", "vision.visual."),
-                ("lm_head.", "language_model.lm_head."),
-                ("model.", "language_model."),
-            ),
+        *(
+            Family(name, model_type, frozenset({arch}), QwenVLModel, _QWEN_PREFIXES)
+            for name, model_type, arch in (
+                ("Qwen2-VL", "qwen2_vl", "Qwen2VLForConditionalGeneration"),
+                ("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+                ("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration"),
+            )
         ),
     )
 }  # fmt: skip
@@ -169,7 +178,7 @@ def load_model(
                 ours = map_weight_name(name, family)
                 if ours in params:
                     state[ours] = f.get_tensor(name).to(dtype)
-    tied = config.text_config.tie_word_embeddings and with_language
+    tied = tied_embeddings(config) and with_language
     if tied:
         state.pop("language_model.lm_head.weight", None)
         params.pop("language_model.lm_head.weight", None)
@@ -185,6 +194,4 @@ def load_model(
     if model.vision is not None and family == "llava":
         emb = model.vision.vision_tower.embeddings
         emb.position_ids = torch.arange(emb.num_positions).expand(1, -1)
-    elif model.vision is not None:
-        model.vision.rebuild_buffers(config.vision_config)
     return model.to(device).eval()

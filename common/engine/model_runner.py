@@ -110,9 +110,14 @@ class ModelRunner:
         pos_t = torch.cat(positions, dim=-1).to(dev)
         meta = self._metadata(torch.cat(slots).to(dev), seqs, num_prefill, decodes, decode_ctx)
         embeds = lm.embed_tokens(torch.cat(ids).to(dev))
+        width, deep_rows, deep_feats = embeds.shape[1], [], []
         for rows, feats in splices:
-            embeds[rows.to(dev)] = feats.to(embeds.dtype)
-        hidden = lm(embeds, pos_t, self.cache, meta)
+            embeds[rows.to(dev)] = feats[:, :width].to(embeds.dtype)
+            if feats.shape[1] > width:  # DeepStack's features ride beside the embedding (Qwen3-VL)
+                deep_rows.append(rows)
+                deep_feats.append(feats[:, width:].unflatten(1, (-1, width)))
+        deepstack = (torch.cat(deep_rows).to(dev), torch.cat(deep_feats).to(dev)) if deep_rows else None
+        hidden = lm(embeds, pos_t, self.cache, meta, deepstack)
         logits = lm.logits(hidden[torch.as_tensor(sample_rows, device=dev)]) if sampled else None
         return ForwardResult(sampled, logits)
 

@@ -16,6 +16,7 @@ from PIL import Image, UnidentifiedImageError
 from transformers import AutoProcessor, AutoTokenizer, Qwen2VLImageProcessorPil
 
 from common.engine.loader import CheckpointError, load_config
+from common.engine.models.qwen_vl import VARIANTS as QWEN_VL
 from common.engine.request import ImageInput
 
 
@@ -66,9 +67,9 @@ def load_image(data: bytes | str | Path | Image.Image, max_pixels: int | None = 
 
 class RequestProcessor:
     """The checkpoint's own tokenizer, chat template and image processor, for its family: LLaVA's
-    HF processor as it is; for Qwen2-VL the tokenizer and the PIL image processor, with the
-    processor's placeholder rule (one image becomes grid_t·grid_h·grid_w / merge² pad tokens),
-    because transformers' Qwen2VLProcessor insists on a video processor that needs torchvision."""
+    HF processor as it is; for the Qwen-VL family the tokenizer and the PIL image processor, with
+    the processor's placeholder rule (one image becomes grid_t·grid_h·grid_w / merge² pad tokens),
+    because transformers' Qwen-VL processors insist on a video processor that needs torchvision."""
 
     def __init__(self, model_dir: str | Path) -> None:
         # transformers warns that torchvision is missing and falls back to its PIL image processor,
@@ -77,7 +78,7 @@ class RequestProcessor:
         model_dir = Path(model_dir)
         self.family = load_config(model_dir).model_type
         try:
-            if self.family == "qwen2_vl":
+            if self.family in QWEN_VL:
                 self.hf = None
                 self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
                 self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
@@ -104,7 +105,7 @@ class RequestProcessor:
         marks = prompt.count(self.image_token)
         if marks != len(images):
             raise InputError(f"prompt has {marks} image placeholders but {len(images)} images were given")
-        if self.family == "qwen2_vl":
+        if self.family in QWEN_VL:
             return self._process_grids(prompt, images)
         if images:
             enc = self.hf(text=prompt, images=images, return_tensors="pt")

@@ -32,7 +32,8 @@ class ImageInput:
     content_hash: str
     num_tokens: int
     pixel_values: torch.Tensor | None = None  # [3, H, W]; Qwen2-VL: [patches, 3·t·p·p]
-    features: torch.Tensor | None = None  # [num_tokens, text_hidden]
+    # [num_tokens, text_hidden]; Qwen3-VL: [num_tokens, text_hidden · (1 + DeepStack layers)]
+    features: torch.Tensor | None = None
     # Qwen2-VL: the image's patch grid (t, h, w); its token count and positions follow from it.
     grid_thw: tuple[int, int, int] | None = None
 

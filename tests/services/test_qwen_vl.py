@@ -1,6 +1,8 @@
-"""Qwen2-VL through the deployed services, under each method, against HF's own model: images of
-different sizes (so of different token counts) cross E→P as features and P→D as KV with the
-M-RoPE rope delta, and the answer is HF `generate`'s, streamed and whole."""
+"""The Qwen-VL family through the deployed services, against HF's own model: images of different
+sizes (so of different token counts) cross E→P as features (with Qwen3-VL's DeepStack features)
+and P→D as KV with the M-RoPE rope delta, and the answer is HF `generate`'s, streamed and whole.
+Qwen2-VL under each method; Qwen2.5-VL and Qwen3-VL under E+P+D, where every hand-off crosses
+processes."""
 
 from __future__ import annotations
 
@@ -14,27 +16,29 @@ from tests.services.conftest import client_for, data_url, start
 from tests.services.test_e2e import QUESTION, user_message
 
 SIZES = [(120, 90), (56, 200)]
-MODEL = "tiny-qwen2-vl"
+DEPLOYMENTS = [
+    *(("tiny-qwen2-vl", method) for method in ("e+p+d", "ep+d", "ed+p", "epd")),
+    ("tiny-qwen2.5-vl", "e+p+d"),
+    ("tiny-qwen3-vl", "e+p+d"),
+]
+
+
+@pytest.fixture(scope="module", params=DEPLOYMENTS, ids=["-".join(d) for d in DEPLOYMENTS])
+def deployment(request, tmp_path_factory):
+    preset, method = request.param
+    model_dir = write_checkpoint(tmp_path_factory.mktemp("qwen") / preset, preset, seed=0)
+    with start(model_dir, tmp_path_factory, method) as cluster:
+        yield preset, model_dir, cluster
 
 
 @pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("qwen") / MODEL, MODEL, seed=0)
-
-
-@pytest.fixture(scope="module", params=["e+p+d", "ep+d", "ed+p", "epd"])
-def qwen_cluster(request, qwen_dir, tmp_path_factory):
-    with start(qwen_dir, tmp_path_factory, request.param) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def reference(qwen_dir):
+def reference(deployment):
     """HF's greedy answer for the chat: its model on the prompt our processor makes (the
     processor's placeholder rule is checked against the engine tests' positions and parity)."""
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(qwen_dir).eval()
+    _, qwen_dir, _ = deployment
+    model = AutoModelForImageTextToText.from_pretrained(qwen_dir).eval()
     processor = RequestProcessor(qwen_dir)
 
     def answer(num_images: int, max_tokens: int) -> tuple[str, int]:
@@ -59,17 +63,18 @@ def reference(qwen_dir):
 
 
 @pytest.mark.parametrize("num_images", [0, 2])
-def test_answers_match_hf_streaming_and_not(qwen_cluster, reference, num_images):
-    client = client_for(qwen_cluster)
+def test_answers_match_hf_streaming_and_not(deployment, reference, num_images):
+    model, _, cluster = deployment
+    client = client_for(cluster)
     urls = [data_url(make_image(i, s)) for i, s in enumerate(SIZES[:num_images])]
     messages = user_message(urls, QUESTION)
     want_text, want_tokens = reference(num_images, 16)
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
     assert whole.choices[0].message.content == want_text
     assert whole.usage.completion_tokens == want_tokens
     chunks = list(
         client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True,
+            model=model, messages=messages, max_tokens=16, temperature=0, stream=True,
             stream_options={"include_usage": True},
         )
     )  # fmt: skip

@@ -1,10 +1,14 @@
-"""A Llama-family decoder over the paged KV cache: GQA, RoPE (with the config's scaling), RMSNorm, SwiGLU.
+"""A Llama-family decoder over the paged KV cache: GQA, RoPE (with the config's scaling), RMSNorm,
+SwiGLU — and the variations of it the served families use (`TextArch`): Qwen2's q/k/v biases,
+Qwen3's per-head q/k norms, Qwen-VL's M-RoPE, Qwen3-VL's DeepStack.
 
 Parameter names follow HF's LlamaModel (`layers.N.self_attn.q_proj.weight`, ...) so a checkpoint's
-text-model weights load by name once the LLaVA prefix is stripped.
+text-model weights load by name once the family's prefix is stripped.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,20 +31,42 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+@dataclass(frozen=True)
+class TextArch:
+    """How a family's decoder differs from Llama's. None biases: the config's `attention_bias`."""
+
+    qkv_bias: bool | None = None  # Qwen2: True (and o_proj without)
+    o_bias: bool | None = None
+    qk_norm: bool = False  # Qwen3: q and k RMS-normalised per head, before RoPE
+    mrope_section: tuple[int, ...] | None = None  # Qwen-VL: frequencies per position stream (t, h, w)
+    mrope_interleaved: bool = False  # Qwen3-VL: streams interleaved over frequencies, not in sections
+
+
+def tied_embeddings(config) -> bool:
+    """Whether the LM head is the embedding matrix: the text config says so, or (Qwen-VL releases)
+    only the top-level config does."""
+    for part in (config.text_config, config):
+        tied = getattr(part, "tie_word_embeddings", None)
+        if tied is not None:
+            return bool(tied)
+    return False
+
+
 class Rotary(nn.Module):
     """cos/sin tables by position; inv_freq and its scaling come from transformers' RoPE registry.
 
-    With `mrope_section` (Qwen2-VL's M-RoPE) positions are [3, tokens] — temporal, height and width
-    streams — and the rotary frequencies are cut into those sections, section j turning with stream
-    j % 3; text tokens carry one position in all three streams, which makes it plain RoPE again."""
+    With an `mrope_section` (Qwen-VL's M-RoPE) positions are [3, tokens] — temporal, height and
+    width streams — and each rotary frequency turns with one of them: in contiguous sections
+    (Qwen2-VL, Qwen2.5-VL: section j with stream j % 3), or interleaved (Qwen3-VL: frequency i with
+    stream i % 3 while that stream's section lasts, the temporal stream after). Text tokens carry
+    one position in all three streams, which makes it plain RoPE again."""
 
-    def __init__(
-        self, inv_freq: torch.Tensor, attention_scaling: float, mrope_section: list[int] | None = None
-    ) -> None:
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, arch: TextArch = TextArch()) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scaling = attention_scaling
-        self.mrope_section = list(mrope_section) if mrope_section else None
+        self.mrope_section = list(arch.mrope_section) if arch.mrope_section else None
+        self.interleaved = arch.mrope_interleaved
         if self.mrope_section and sum(self.mrope_section) != inv_freq.numel():
             raise ValueError(
                 f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {inv_freq.numel()}"
@@ -51,10 +77,20 @@ class Rotary(nn.Module):
         if self.mrope_section is not None:
             if positions.dim() == 1:  # text only: every stream at the same position
                 freqs = freqs.expand(3, -1, -1)
-            parts = freqs.split(self.mrope_section, dim=-1)
-            freqs = torch.cat([part[j % 3] for j, part in enumerate(parts)], dim=-1)
+            freqs = self._mix_streams(freqs)
         emb = torch.cat((freqs, freqs), dim=-1)  # [tokens, dim]
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def _mix_streams(self, freqs: torch.Tensor) -> torch.Tensor:
+        """[3, tokens, dim / 2] → [tokens, dim / 2]: each frequency from its stream."""
+        if not self.interleaved:
+            parts = freqs.split(self.mrope_section, dim=-1)
+            return torch.cat([part[j % 3] for j, part in enumerate(parts)], dim=-1)
+        out = freqs[0].clone()
+        for stream in (1, 2):
+            picked = slice(stream, 3 * self.mrope_section[stream], 3)
+            out[..., picked] = freqs[stream, ..., picked]
+        return out
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,20 +101,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(
-        self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool, o_bias: bool
-    ) -> None:
+    def __init__(self, cfg, arch: TextArch) -> None:
         super().__init__()
+        hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+        kv_heads = cfg.num_key_value_heads or heads
+        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+        bias = getattr(cfg, "attention_bias", False)
+        qkv_bias = bias if arch.qkv_bias is None else arch.qkv_bias
+        o_bias = bias if arch.o_bias is None else arch.o_bias
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim)), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
         o = paged_attention(q, k, v, k_cache, v_cache, meta)  # [tokens, heads, head_dim]
         return self.o_proj(o.reshape(n, -1))
@@ -96,13 +141,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg, arch: TextArch) -> None:
         super().__init__()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-        self.self_attn = Attention(
-            cfg.hidden_size, cfg.num_attention_heads, kv_heads, head_dim, qkv_bias, o_bias
-        )
+        self.self_attn = Attention(cfg, arch)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -113,38 +154,37 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head; `forward` takes packed embeddings.
-
-    Llama's attention has biases on all four projections or none (`attention_bias`); Qwen2's has
-    them on q, k and v only (`qkv_bias=True, o_bias=False`)."""
+    """Embeddings, decoder layers, final norm and LM head; `forward` takes packed embeddings."""
 
     def __init__(
-        self, cfg, inv_freq: torch.Tensor, attention_scaling: float, *,
-        qkv_bias: bool | None = None, o_bias: bool | None = None, mrope_section: list[int] | None = None,
+        self, cfg, inv_freq: torch.Tensor, attention_scaling: float, arch: TextArch = TextArch(),
+        tied: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         self.config = cfg
-        bias = getattr(cfg, "attention_bias", False)
-        qkv_bias = bias if qkv_bias is None else qkv_bias
-        o_bias = bias if o_bias is None else o_bias
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, arch) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        if tied:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(inv_freq, attention_scaling, mrope_section)
+        self.rotary = Rotary(inv_freq, attention_scaling, arch)
 
     def forward(
-        self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """embeds [tokens, hidden], positions [tokens] (or [3, tokens] with M-RoPE) → final hidden
-        states [tokens, hidden]."""
+        states [tokens, hidden]. `deepstack` (Qwen3-VL): (rows, extra [rows, k, hidden]) — after
+        layer i < k, the image tokens at `rows` get their i-th extra visual features added."""
         cos, sin = self.rotary(positions, embeds.dtype)
         x = embeds
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = cache.layer(i)
             x = layer(x, cos, sin, k_cache, v_cache, meta)
+            if deepstack is not None and i < deepstack[1].shape[1]:
+                rows, extra = deepstack
+                x = x.index_add(0, rows, extra[:, i].to(x.dtype))
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

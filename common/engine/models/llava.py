@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel
 
-from common.engine.models.llama import LlamaForCausalLM
+from common.engine.models.llama import LlamaForCausalLM, tied_embeddings
 from common.engine.request import ImageInput
 
 
@@ -67,7 +67,9 @@ class LlavaModel(nn.Module):
         self.config = config
         self.image_token_id = config.image_token_index
         self.language_model = (
-            LlamaForCausalLM(config.text_config, inv_freq, attention_scaling) if with_language else None
+            LlamaForCausalLM(config.text_config, inv_freq, attention_scaling, tied=tied_embeddings(config))
+            if with_language
+            else None
         )
         self.vision = (
             VisionEncoder(config.vision_config, config.text_config.hidden_size, config)

@@ -1,25 +1,50 @@
-"""Qwen2-VL: a ViT with 2-D RoPE whose patch merger folds 2×2 patches into one token (the encode
-stage), and a Qwen2 LLM with M-RoPE (prefill, decode).
+"""The Qwen-VL family: Qwen2-VL, Qwen2.5-VL and Qwen3-VL. A ViT with 2-D RoPE whose patch merger
+folds 2×2 patches into one token (the encode stage), and a Qwen LLM with M-RoPE (prefill, decode).
 
 What differs from LLaVA, and where it is handled:
 - an image's token count follows its size: grid (t, h, w) patches give t·h·w / merge² tokens, so
   each `ImageInput` carries its grid, and the vision tower runs every image of a batch as one packed
-  sequence with attention kept inside each image;
+  sequence with attention kept inside each image (Qwen2.5-VL: inside windows, in most blocks);
 - positions have three streams (temporal, height, width): text advances all three by one per
-  token, an image's tokens take their grid coordinates, and text after an image resumes at one past
-  the largest position used. So the positions of a prompt are computed once at admission
-  (`mrope_positions`), and every token after the prompt sits at its index plus `rope_delta`, the
-  one number a later stage (decode on another instance) needs to go on.
+  token, an image's tokens take their grid coordinates, and text after an image resumes one past
+  its largest. So the positions of a prompt are computed once at admission (`mrope_positions`),
+  and every token after the prompt sits at its index plus `rope_delta`, the one number a later
+  stage (decode on another instance) needs to go on;
+- Qwen3-VL's DeepStack: the tower also returns features taken from some of its blocks, which
+  are added to the image tokens' hidden states after the LLM's first layers. They travel as more
+  columns of the same feature tensor — [tokens, hidden · (1 + deepstack layers)] — so the feature
+  cache, the E→P transfer and chunked prefill carry them as they carry the rest.
+
+The vision towers are transformers' own modules (the checkpoints' weights load into them by name);
+the LLM is ours (`models/llama.py`, over the paged KV cache), with each variant's `TextArch`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-from common.engine.models.llama import LlamaForCausalLM
+from common.engine.models.llama import LlamaForCausalLM, TextArch, tied_embeddings
 from common.engine.request import ImageInput
+
+
+@dataclass(frozen=True)
+class Variant:
+    vision: type  # transformers' vision tower for this model_type
+    qkv_bias: bool  # Qwen2's q/k/v projections have biases; Qwen3's have q/k norms instead
+    qwen3: bool  # q/k norms, interleaved M-RoPE, DeepStack
+
+
+VARIANTS = {
+    "qwen2_vl": Variant(Qwen2VisionTransformerPretrainedModel, qkv_bias=True, qwen3=False),
+    "qwen2_5_vl": Variant(Qwen2_5_VisionTransformerPretrainedModel, qkv_bias=True, qwen3=False),
+    "qwen3_vl": Variant(Qwen3VLVisionModel, qkv_bias=False, qwen3=True),
+}
 
 
 def image_token_count(grid_thw: tuple[int, int, int], merge: int) -> int:
@@ -70,18 +95,17 @@ def mrope_positions(
     return positions, next_pos - n
 
 
-class Qwen2VisionEncoder(nn.Module):
-    """Patches of several images → their merged features, one tensor per image."""
+class QwenVisionEncoder(nn.Module):
+    """Patches of several images → their merged features (DeepStack's beside them), one tensor
+    per image."""
 
-    def __init__(self, vision_config) -> None:
+    def __init__(self, vision_config, tower: type) -> None:
         super().__init__()
         vision_config._attn_implementation = "sdpa"
-        self.visual = Qwen2VisionTransformerPretrainedModel(vision_config)
+        # Built for real, not on the meta device: its rotary tables are buffers no checkpoint holds.
+        with torch.device("cpu"):
+            self.visual = tower(vision_config)
         self.merge = vision_config.spatial_merge_size
-
-    def rebuild_buffers(self, vision_config) -> None:
-        """The rotary table is not in the checkpoint: made again after a load on the meta device."""
-        self.visual.rotary_pos_emb = type(self.visual.rotary_pos_emb)(vision_config)
 
     @torch.no_grad()
     def forward(
@@ -89,12 +113,16 @@ class Qwen2VisionEncoder(nn.Module):
     ) -> list[torch.Tensor]:
         patches = torch.cat([img.pixel_values for img in images]).to(device, dtype)
         grid = torch.as_tensor([img.grid_thw for img in images], device=device)
-        merged = self.visual(patches, grid_thw=grid).pooler_output  # [all images' tokens, hidden]
+        out = self.visual(patches, grid_thw=grid)
+        merged = out.pooler_output  # [all images' tokens, hidden]
+        extra = getattr(out, "deepstack_features", None) or []
+        if extra:
+            merged = torch.cat([merged, *extra], dim=-1)
         sizes = [image_token_count(img.grid_thw, self.merge) for img in images]
         return list(merged.split(sizes))
 
 
-class Qwen2VLModel(nn.Module):
+class QwenVLModel(nn.Module):
     """The parts an instance's roles need: the vision tower for encode, the LLM for prefill/decode."""
 
     mrope = True
@@ -103,19 +131,23 @@ class Qwen2VLModel(nn.Module):
         self, config, inv_freq: torch.Tensor, attention_scaling: float, with_vision: bool, with_language: bool
     ) -> None:
         super().__init__()
+        variant = VARIANTS[config.model_type]
         self.config = config
         self.image_token_id = config.image_token_id
         self.merge = config.vision_config.spatial_merge_size
         text = config.text_config
-        section = (text.rope_parameters or {}).get("mrope_section")
+        rope = text.rope_parameters or {}
+        arch = TextArch(
+            qkv_bias=variant.qkv_bias or None, o_bias=False if variant.qkv_bias else None,
+            qk_norm=variant.qwen3, mrope_section=tuple(rope.get("mrope_section") or ()) or None,
+            mrope_interleaved=variant.qwen3 or bool(rope.get("mrope_interleaved")),
+        )  # fmt: skip
         self.language_model = (
-            LlamaForCausalLM(
-                text, inv_freq, attention_scaling, qkv_bias=True, o_bias=False, mrope_section=section
-            )
+            LlamaForCausalLM(text, inv_freq, attention_scaling, arch, tied=tied_embeddings(config))
             if with_language
             else None
         )
-        self.vision = Qwen2VisionEncoder(config.vision_config) if with_vision else None
+        self.vision = QwenVisionEncoder(config.vision_config, variant.vision) if with_vision else None
 
     def encode(
         self, images: list[ImageInput], device: torch.device, dtype: torch.dtype
