@@ -2,6 +2,7 @@
 
     python bench/engine.py [--preset small-llava] [--requests 32] [--max-tokens 64] [--model DIR]
     python bench/engine.py --quick          # tiny-llava, 8 requests: a smoke run
+    python bench/engine.py --preset small-qwen2-vl   # any family: small-qwen2.5-vl, small-qwen3-vl, ...
 
 Workload: `--requests` requests, each one distinct random image and a short question through the
 chat template, greedy, exactly `--max-tokens` output tokens (ignore_eos on our side,
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import nn
-from transformers import AutoProcessor, LlavaForConditionalGeneration
+from transformers import AutoModelForImageTextToText
 
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.engine.config import EngineConfig
@@ -87,7 +88,7 @@ class Run:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small-llava", help="checkpoint preset (when --model is not given)")
-    ap.add_argument("--model", type=Path, help="an existing HF-format LLaVA checkpoint directory")
+    ap.add_argument("--model", type=Path, help="an existing HF-format checkpoint directory (any family)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="end-to-end rounds, interleaved; medians reported")
@@ -98,10 +99,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (both sides run there)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny-llava and 8 requests: a smoke run")
+    ap.add_argument(
+        "--quick", action="store_true", help="the preset's tiny sibling and 8 requests: a smoke run"
+    )
     args = ap.parse_args(argv)
     if args.quick:
-        args.preset, args.requests = "tiny-llava", min(args.requests, 8)
+        # The preset's tiny sibling: small-llava -> tiny-llava, small-qwen2-vl -> tiny-qwen2-vl.
+        args.preset = "tiny-" + args.preset.removeprefix("small-").removeprefix("tiny-")
+        args.requests = min(args.requests, 8)
         args.serial_repeats = args.serial_repeats or args.repeats
     args.serial_repeats = min(args.serial_repeats or 1, args.repeats)
     return args
@@ -122,7 +127,7 @@ def ensure_model(preset: str, model: Path | None) -> Path:
 def make_workload(engine: Engine, n: int, seed: int) -> list[Item]:
     """Distinct seeded random images (sizes vary, so the processor really resizes) and varied questions."""
     rng = np.random.default_rng(seed)
-    side = engine.model.config.vision_config.image_size
+    side = getattr(engine.model.config.vision_config, "image_size", 336)  # Qwen-VL: any size
     items = []
     for i in range(n):
         w, h = (int(side * f) for f in rng.uniform(0.8, 1.6, size=2))
@@ -158,19 +163,42 @@ def run_ours(engine: Engine, work: list[Item], max_tokens: int) -> Run:
     return Run(seconds, [list(r.output_token_ids) for r in reqs], steps)
 
 
+def hf_inputs(processor, chunk: list[Item], pad_id: int) -> dict[str, torch.Tensor]:
+    """HF `generate`'s inputs for a batch, left padded, from the checkpoint's own processor (the
+    one our engine uses: LLaVA's HF processor; for Qwen-VL the tokenizer and image processor with
+    the placeholder rule, since transformers' Qwen-VL processors need torchvision)."""
+    done = [processor.process(it.prompt, [it.image]) for it in chunk]
+    width = max(len(d.token_ids) for d in done)
+    ids = torch.full((len(done), width), pad_id)
+    mask = torch.zeros_like(ids)
+    for row, d in enumerate(done):
+        ids[row, width - len(d.token_ids) :] = torch.as_tensor(d.token_ids)
+        mask[row, width - len(d.token_ids) :] = 1
+    images = [img for d in done for img in d.images]
+    enc = {"input_ids": ids, "attention_mask": mask}
+    if images[0].grid_thw is None:  # LLaVA: one fixed-size tensor per image
+        enc["pixel_values"] = torch.stack([img.pixel_values for img in images])
+    else:  # Qwen-VL: every image's patches, their grids, and the token types M-RoPE needs
+        enc["pixel_values"] = torch.cat([img.pixel_values for img in images])
+        enc["image_grid_thw"] = torch.as_tensor([img.grid_thw for img in images])
+        enc["mm_token_type_ids"] = (ids == processor.image_token_id).int()
+    return enc
+
+
 def run_hf(model, processor, work: list[Item], max_tokens: int, batch_size: int) -> Run:
     """HF `generate` over `batch_size` requests at a time (left padded), exactly max_tokens each."""
     device = model.device
+    pad_id = processor.tokenizer.pad_token_id or 0
     outputs: list[list[int]] = []
     sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
         for lo in range(0, len(work), batch_size):
-            chunk = work[lo : lo + batch_size]
-            enc = processor(
-                text=[it.prompt for it in chunk], images=[it.image for it in chunk],
-                padding=True, return_tensors="pt",
-            ).to(device, model.dtype)  # fmt: skip
+            enc = hf_inputs(processor, work[lo : lo + batch_size], pad_id)
+            enc = {
+                k: v.to(device, model.dtype) if v.is_floating_point() else v.to(device)
+                for k, v in enc.items()
+            }
             out = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
             outputs += out[:, enc["input_ids"].shape[1] :].tolist()
     sync(device)
@@ -269,10 +297,11 @@ def vision_flops(engine: Engine) -> int:
     """FLOPs of encoding one image (vision tower + projector), counted by torch's FLOP counter."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    size = engine.model.config.vision_config.image_size
-    pixels = torch.zeros(1, 3, size, size, device=engine.device, dtype=engine.kv_spec.dtype)
+    side = getattr(engine.model.config.vision_config, "image_size", 336)
+    picture = Image.new("RGB", (side, side))
+    images = engine.processor.process(engine.processor.image_token, [picture]).images
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-        engine.model.vision(pixels)
+        engine.model.encode(images, engine.device, engine.kv_spec.dtype)
     return counter.get_total_flops()
 
 
@@ -303,9 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()
     engine = Engine(model_dir, EngineConfig(device=args.device))
     dtype = engine.kv_spec.dtype  # HF runs in the engine's dtype: float32 on CPU, bfloat16 on CUDA
-    hf = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    processor = AutoProcessor.from_pretrained(model_dir)
-    processor.tokenizer.padding_side = "left"  # decoder-only batching: pads must precede the prompt
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    processor = engine.processor  # HF's inputs are built from the same processor, left padded
     work = make_workload(engine, args.requests, args.seed)
     prompt_lens = [len(engine.processor.process(it.prompt, [it.image]).token_ids) for it in work]
 
@@ -335,8 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     counts = {name: sorted({len(t) for r in rs for t in r.tokens}) for name, rs in runs.items()}
     tokens_match = all(c == [args.max_tokens] for c in counts.values())
     # Greedy parity against unpadded single-request HF (padding may legitimately change float results).
-    text = engine.model.config.text_config
-    eos = set(text.eos_token_id) if isinstance(text.eos_token_id, list) else {text.eos_token_id}
+    eos = engine.eos_ids
     ours_tokens, serial_tokens = runs["ours"][0].tokens, runs["hf_serial"][0].tokens
     parity = sum(prefix_agrees(o, s, eos) for o, s in zip(ours_tokens, serial_tokens, strict=True))
     exact = sum(o == s for o, s in zip(ours_tokens, serial_tokens, strict=True))
