@@ -23,7 +23,7 @@ from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import Completion, RequestOutput
-from common.engine.processor import ProcessedPrompt, RequestProcessor, load_image
+from common.engine.processor import ProcessedPrompt, RequestProcessor, load_image, reference_image
 from common.engine.profiler import budget_target
 from common.engine.request import Request, Status
 from common.engine.sampling import SamplingParams, make_generator, sample
@@ -75,6 +75,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.features = FeatureCache(config.feature_cache_bytes)
         self.scheduler = Scheduler(config, self.blocks)
+        if Role.ENCODE in config.roles and (ref := reference_image(self.processor)).grid_thw is not None:
+            self.scheduler.image_unit = ref.num_tokens  # τe counts what an image costs: its tokens
         self.governor: BudgetGovernor | None = None  # set when a profile is applied
         self.runner = ModelRunner(self.model, self.cache, self.blocks.table, self.features, self.device)
         # Every request this engine holds: scheduled (waiting, running) or handed off, its KV kept
@@ -209,7 +211,8 @@ class Engine:
     def _govern(self, batch: Batch, seconds: float) -> None:
         """Tell the governor how long this step took for the share of the budgets it used."""
         s = self.scheduler
-        share = batch.num_images / max(1, s.image_budget) + batch.num_tokens / max(1, s.token_budget)
+        images = batch.image_cost(s.image_unit) / (s.image_unit or 1)
+        share = images / max(1, s.image_budget) + batch.num_tokens / max(1, s.token_budget)
         if self.governor.observe(share, seconds):
             s.image_budget, s.token_budget = self.governor.budgets
             log.info(

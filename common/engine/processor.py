@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from transformers import AutoProcessor, AutoTokenizer, Qwen2VLImageProcessorPil
@@ -162,3 +163,17 @@ def _chat_template(model_dir: Path) -> str | None:
         return json.loads(path.read_text())["chat_template"]
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{path} holds no chat_template: {exc}") from exc
+
+
+# The picture budgets are measured on, before the checkpoint's processor resizes it: what a
+# LLaVA-1.5 processor makes 336 px of, and a Qwen2-VL one, at 28 px a token, 256 tokens.
+REFERENCE_IMAGE = (448, 448)
+
+
+def reference_image(processor: RequestProcessor) -> ImageInput:
+    """REFERENCE_IMAGE (random pixels) through the checkpoint's own processor: the image the
+    encode curve is profiled on, and the unit τe counts in where an image's cost follows its size."""
+    w, h = REFERENCE_IMAGE
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))
+    (image,) = processor.process(processor.image_token, [picture]).images
+    return image

@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
-from PIL import Image
 
 from common.engine.block_manager import blocks_needed
+from common.engine.processor import reference_image
 from common.engine.request import ImageInput, Request
 from common.engine.sampling import SamplingParams
 from common.protocol import records
@@ -49,9 +48,6 @@ SEARCH_STEPS = 16
 # A first call that takes longer than this is a sample in its own right: the allocation and kernel
 # selection it pays for are lost in the noise, and a second run would double start-up.
 WARMUP_MATTERS = 0.05
-# The picture the encode curve is measured on, before the checkpoint's processor resizes it: what
-# a LLaVA-1.5 processor makes 336 px of, and a Qwen2-VL one, at 28 px a token, 256 tokens.
-REFERENCE_IMAGE = (448, 448)
 
 
 def latency_limit(roles: frozenset[Role], ttft_slo: float, tbt_slo: float, alpha: float = ALPHA) -> float:
@@ -233,15 +229,11 @@ class BudgetProfiler:
         return seconds
 
     def _reference_image(self) -> ImageInput:
-        """The image the encode curve is measured with: REFERENCE_IMAGE through the checkpoint's
-        own processor, so a family whose image cost follows its size (Qwen2-VL) is measured at the
-        size its processor makes of a typical picture, and a fixed-size one (LLaVA) at its size."""
+        """The image the encode curve is measured with (processor.reference_image): a family whose
+        image cost follows its size (Qwen-VL) is measured at what its processor makes of a typical
+        picture, a fixed-size one (LLaVA) at its size."""
         if self._image is None:
-            rng = np.random.default_rng(0)
-            w, h = REFERENCE_IMAGE
-            picture = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-            processor = self.engine.processor
-            (self._image,) = processor.process(processor.image_token, [picture]).images
+            self._image = reference_image(self.engine.processor)
         return self._image
 
     def prefill_latency(self, tokens: int) -> float:

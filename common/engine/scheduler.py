@@ -46,6 +46,14 @@ class Batch:
         return sum(len(idx) for _, idx in self.encodes)
 
     @property
+    def image_tokens(self) -> int:
+        return sum(req.images[i].num_tokens for req, idx in self.encodes for i in idx)
+
+    def image_cost(self, unit: int | None) -> int:
+        """What the encodes take of τe, in 1/unit parts of an image (see Scheduler.image_unit)."""
+        return self.image_tokens if unit else self.num_images
+
+    @property
     def empty(self) -> bool:
         return not (self.encodes or self.prefills or self.decodes)
 
@@ -59,6 +67,10 @@ class Scheduler:
         self.blocks = blocks
         self.token_budget = config.token_budget
         self.image_budget = config.image_budget
+        # What τe counts. None: images, each one (LLaVA-1.5: all images are one size). Otherwise the
+        # tokens of the reference image the encode curve was profiled on: an image then costs
+        # num_tokens / image_unit of τe, so a Qwen-VL image twice the reference's area costs two.
+        self.image_unit: int | None = None
         # Encodes and LLM tokens in one iteration share its latency limit (module docstring).
         self.shared_limit = (
             config.policy == Policy.STAGE
@@ -170,10 +182,23 @@ class Scheduler:
         return len(self.running) >= self.config.max_num_seqs
 
     def _take_encode(self, req: Request, batch: Batch) -> bool:
-        room = self._images_left(batch)
-        if Role.ENCODE not in self.config.roles or room <= 0:
+        room = self._images_left(batch)  # in cost units
+        if Role.ENCODE not in self.config.roles:
             return False
-        batch.encodes.append((req, req.images_to_encode()[:room]))
+        todo, taken = req.images_to_encode(), []
+        for i in todo:
+            cost = req.images[i].num_tokens if self.image_unit else 1
+            if cost > room:
+                # An image larger than all of τe runs as the first encode of an iteration (as a
+                # prompt larger than τt does), else it could never run.
+                if not (taken or batch.encodes) and cost > self.image_budget * (self.image_unit or 1):
+                    taken.append(i)
+                break
+            taken.append(i)
+            room -= cost
+        if not taken:
+            return False
+        batch.encodes.append((req, taken))
         return True
 
     def _take_chunk(self, req: Request, batch: Batch) -> bool:
@@ -188,15 +213,17 @@ class Scheduler:
 
     def _tokens_left(self, batch: Batch) -> int:
         if self.shared_limit:  # what the images leave of the limit, in tokens (exact integer floor)
-            tau_t, tau_e = self.token_budget, self.image_budget
-            return tau_t * max(0, tau_e - batch.num_images) // tau_e - batch.num_tokens
+            tau_t, tau_e = self.token_budget, self.image_budget * (self.image_unit or 1)
+            return tau_t * max(0, tau_e - batch.image_cost(self.image_unit)) // tau_e - batch.num_tokens
         return self.token_budget - batch.num_tokens
 
     def _images_left(self, batch: Batch) -> int:
+        """Room left in τe, in cost units (images, or image tokens when image_unit is set)."""
+        tau_e = self.image_budget * (self.image_unit or 1)
         if self.shared_limit:
-            tau_t, tau_e = self.token_budget, self.image_budget
-            return tau_e * max(0, tau_t - batch.num_tokens) // tau_t - batch.num_images
-        return self.image_budget - batch.num_images
+            tau_t = self.token_budget
+            return tau_e * max(0, tau_t - batch.num_tokens) // tau_t - batch.image_cost(self.image_unit)
+        return tau_e - batch.image_cost(self.image_unit)
 
     def _start(self, req: Request) -> None:
         self.waiting.remove(req)

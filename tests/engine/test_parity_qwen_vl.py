@@ -13,6 +13,7 @@ from common.checkpoints import write_checkpoint
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.models.qwen_vl import mrope_positions
+from common.engine.processor import REFERENCE_IMAGE
 from common.engine.sampling import SamplingParams
 from common.roles import Role
 from tests.engine.conftest import make_image
@@ -235,3 +236,38 @@ def test_features_carry_what_the_llm_needs(make_engine, hf_qwen, qwen_images):
     deep = len(getattr(hf_qwen.config.vision_config, "deepstack_visual_indexes", None) or [])
     assert img.features.shape == (img.num_tokens, hidden * (1 + deep))
     engine.abort(req.request_id)
+
+
+def test_the_image_budget_counts_what_an_image_costs(make_engine, qwen_images):
+    """τe counts image tokens in units of the reference image's (its encode cost is what the
+    profile measured): images that together fit one unit share an iteration, larger ones do not,
+    and one larger than all of τe still runs, first in an iteration of its own encodes."""
+    engine = make_engine(roles=frozenset({Role.ENCODE}), image_budget=1)
+    unit = engine.scheduler.image_unit
+    small = qwen_images[0]  # 80x64: a few tokens
+    large = make_image(8, REFERENCE_IMAGE)  # as the reference: one unit
+
+    def encoded_per_step(images) -> list[list[int]]:
+        for i, img in enumerate(images):
+            engine.add_request(
+                engine.chat_prompt("Hi", 1), [img], SamplingParams(max_tokens=1), f"r{i}-{id(images)}"
+            )
+        steps = []
+        for _ in range(2 * len(images)):  # bounded: a request the budget never lets in fails the test
+            if not engine.has_unfinished():
+                break
+            batch = engine.scheduler.schedule()
+            steps.append([r.images[i].num_tokens for r, idx in batch.encodes for i in idx])
+            engine.runner.run(batch)
+            for r in [r for r, _ in batch.encodes]:
+                engine.requests.pop(r.request_id)
+                engine.scheduler.remove(r)
+        return steps
+
+    small_steps = encoded_per_step([small] * 4)
+    assert len(small_steps[0]) == min(4, unit // small_steps[0][0]) > 1
+    large_steps = encoded_per_step([large] * 2)
+    assert large_steps == [[unit], [unit]]  # two would exceed τe
+    engine.scheduler.image_unit = large_steps[0][0] * 2 // 3  # now one image alone exceeds all of τe
+    other = make_image(9, large.size)  # not in the feature cache yet
+    assert encoded_per_step([other] * 2) == large_steps
