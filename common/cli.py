@@ -24,16 +24,22 @@ app = typer.Typer(
 # An enum makes typer reject unknown presets with a usage error that lists the valid ones.
 PresetName = StrEnum("PresetName", {name: name for name in PRESETS})
 DEFAULT_PRESET = PresetName("tiny-llava")
-# --help lists the presets by family in the option's help text, which wraps between whole names.
+# --help lists the presets by family, in this order (then any family not named here), in the option's help
+# text, which wraps between whole names.
 FAMILY_TITLES = {
     "llava": "LLaVA-1.5",
+    "llava_next": "LLaVA-NeXT",
     "qwen2_vl": "Qwen2-VL",
     "qwen2_5_vl": "Qwen2.5-VL",
     "qwen3_vl": "Qwen3-VL",
 }
 PRESET_HELP = "Model shapes to generate. " + " ".join(
     f"{FAMILY_TITLES.get(family, family)}: {', '.join(n for n, p in PRESETS.items() if p.family == family)}."
-    for family in dict.fromkeys(p.family for p in PRESETS.values())
+    # A stable sort: families without a title follow the titled ones, in the order PRESETS has them.
+    for family in sorted(
+        dict.fromkeys(p.family for p in PRESETS.values()),
+        key=lambda family: [*FAMILY_TITLES, family].index(family),
+    )
 )
 
 
@@ -52,7 +58,7 @@ def make_model(
     force: Annotated[bool, typer.Option("--force", help="Replace DIR if it holds a checkpoint.")] = False,
 ) -> None:
     """Write a random-weight HF-format checkpoint (config, weights, tokenizer, ...) of any preset's family:
-    LLaVA-1.5, Qwen2-VL, Qwen2.5-VL or Qwen3-VL."""
+    LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL or Qwen3-VL."""
     try:
         path = write_checkpoint(directory, preset=preset.value, seed=seed, overwrite=force)
     except CheckpointExistsError as exc:

@@ -1,9 +1,10 @@
-"""Deterministic random-weight LLaVA-1.5, Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints in Hugging Face format
-(see `write_checkpoint`)."""
+"""Deterministic random-weight LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints in Hugging
+Face format (see `write_checkpoint`)."""
 
 from common.checkpoints.presets import (
     PRESETS,
     AnyPreset,
+    LlavaNextPreset,
     Preset,
     Qwen2_5VLPreset,
     Qwen2VLPreset,
@@ -20,6 +21,7 @@ __all__ = [
     "PRESETS",
     "AnyPreset",
     "CheckpointExistsError",
+    "LlavaNextPreset",
     "Preset",
     "Qwen2VLPreset",
     "Qwen2_5VLPreset",

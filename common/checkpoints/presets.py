@@ -1,12 +1,12 @@
-"""Model shapes of the random-weight checkpoints (LLaVA-1.5, Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and the HF
-configs built from them."""
+"""Model shapes of the random-weight checkpoints (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and
+the HF configs built from them."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from transformers import (
@@ -14,6 +14,8 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2_5_VLForConditionalGeneration,
@@ -24,17 +26,21 @@ from transformers import (
 GIB = 1024**3
 MIB = 1024**2
 
-# The OpenAI CLIP normalisation constants of LLaVA-1.5's, Qwen2-VL's and Qwen2.5-VL's image processors.
+# The OpenAI CLIP normalisation constants of LLaVA-1.5's, LLaVA-NeXT's, Qwen2-VL's and Qwen2.5-VL's image
+# processors.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass(frozen=True)
 class Preset:
-    """Every shape and storage choice of one LLaVA-1.5 preset; the config is derived from this alone."""
+    """Every shape and storage choice of one LLaVA-1.5 preset (and, with its tiling, of a LlavaNextPreset);
+    the config is derived from this alone."""
 
-    # The model family; selects the config, tokenizer, processor files and manifest format.
+    # The model family (selects the config, tokenizer, processor files and manifest format) and its HF model
+    # class, whose config_class is the config built.
     family: ClassVar[str] = "llava"
+    model_class: ClassVar[type[PreTrainedModel]] = LlavaForConditionalGeneration
 
     name: str
     # CLIP vision tower
@@ -63,13 +69,72 @@ class Preset:
 
     @property
     def num_image_tokens(self) -> int:
-        """Placeholder tokens per image: one per patch, the CLS token dropped ("default" strategy)."""
+        """Placeholder tokens of one image_size x image_size image (LLaVA-1.5: of every image): one per
+        patch, the CLS token dropped ("default" strategy)."""
         return (self.image_size // self.patch_size) ** 2
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The storage dtype of every weight tensor."""
         return getattr(torch, self.dtype)
+
+    def config_fields(self) -> dict[str, object]:
+        """The family's own entries of the top-level HF config."""
+        return {"image_seq_length": self.num_image_tokens}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlavaNextPreset(Preset):
+    """LLaVA-NeXT (LLaVA-1.6): LLaVA-1.5's CLIP tower, projector and Llama text model, over any-resolution
+    tiles. An image is resized (aspect kept) and padded to the best of image_grid_pinpoints and cut into
+    image_size x image_size tiles; the tiles and a downscaled whole-image base tile are encoded, the tiles'
+    patch grid is unpadded back to the image's aspect with a learned image_newline after each row, and the
+    base tile's features go first. So the placeholder count depends on the image's size (`image_tokens`)."""
+
+    family: ClassVar[str] = "llava_next"
+    model_class: ClassVar[type[PreTrainedModel]] = LlavaNextForConditionalGeneration
+
+    # (height, width) resolutions an image may be tiled at; each side a whole number of tiles.
+    image_grid_pinpoints: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"{self.name}: image_size must be a multiple of patch_size")
+        if not self.image_grid_pinpoints or any(
+            side <= 0 or side % self.image_size for pinpoint in self.image_grid_pinpoints for side in pinpoint
+        ):
+            raise ValueError(f"{self.name}: every pinpoint side must be a positive multiple of image_size")
+
+    def config_fields(self) -> dict[str, object]:
+        return {
+            **super().config_fields(),
+            # Recorded as a release has it, so architecture-dispatching loaders pick the class.
+            "architectures": [self.model_class.__name__],
+            "image_grid_pinpoints": [list(pinpoint) for pinpoint in self.image_grid_pinpoints],
+        }
+
+    def best_pinpoint(self, height: int, width: int) -> tuple[int, int]:
+        """The tiling resolution of a height x width image: the most image pixels kept once it is scaled
+        to fit (never counting upscaling), then the least padding; the first listed wins a tie."""
+
+        def rank(pinpoint: tuple[int, int]) -> tuple[int, int]:
+            scale = min(pinpoint[0] / height, pinpoint[1] / width)
+            kept = min(int(height * scale) * int(width * scale), height * width)
+            return kept, kept - pinpoint[0] * pinpoint[1]
+
+        return max(self.image_grid_pinpoints, key=rank)
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """Placeholder tokens of a height x width image: the base tile's, then the unpadded tile grid's
+        patches with one newline per row."""
+        per_tile = self.image_size // self.patch_size
+        rows, cols = (side // self.image_size * per_tile for side in self.best_pinpoint(height, width))
+        # The image fills the grid along one axis; drop the padding rows (or columns) of the other evenly.
+        if width * rows > cols * height:
+            rows -= (rows - int(round(height * (cols / width), 7))) // 2 * 2
+        else:
+            cols -= (cols - int(round(width * (rows / height), 7))) // 2 * 2
+        return self.num_image_tokens + rows * cols + rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,7 +350,8 @@ class Qwen3VLPreset(QwenVLPreset):
         return {**super().rope_parameters(), "mrope_interleaved": True}
 
 
-# The Qwen vision-language families, one preset class each.
+# The LLaVA and the Qwen vision-language families, one preset class each.
+LLAVA_FAMILIES: tuple[type[Preset], ...] = (Preset, LlavaNextPreset)
 QWEN_FAMILIES: tuple[type[QwenVLPreset], ...] = (Qwen2VLPreset, Qwen2_5VLPreset, Qwen3VLPreset)
 
 # Any preset; `.family` tells them apart.
@@ -427,12 +493,20 @@ PRESETS: dict[str, AnyPreset] = {
 }
 
 
-def _like(base: str, family: type[QwenVLPreset], **changes: Any) -> QwenVLPreset:
+PresetT = TypeVar("PresetT", bound=AnyPreset)
+
+
+def _like(base: str, family: type[PresetT], **changes: Any) -> PresetT:
     """A `family` preset with the `base` preset's shapes and storage except `changes`; fields with a
-    default (rope_theta, ...) take the family's own default unless changed."""
+    default (rope_theta, ...) take the family's own default unless changed, and fields of the base's family
+    that `family` lacks are dropped."""
     template = PRESETS[base]
-    fields = dataclasses.fields(QwenVLPreset)
-    shared = {f.name: getattr(template, f.name) for f in fields if f.default is dataclasses.MISSING}
+    own = {f.name for f in dataclasses.fields(family)}
+    shared = {
+        f.name: getattr(template, f.name)
+        for f in dataclasses.fields(template)
+        if f.name in own and f.default is dataclasses.MISSING
+    }
     return family(**{**shared, **changes})
 
 
@@ -526,6 +600,36 @@ PRESETS |= {
 }
 
 
+def _tile_grids(tile: int) -> tuple[tuple[int, int], ...]:
+    """llava-v1.6's pinpoints for `tile`-pixel tiles: (height, width) of 1x2, 2x1, 2x2, 3x1 and 1x3 tiles."""
+    return tuple((rows * tile, cols * tile) for rows, cols in ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3)))
+
+
+# LLaVA-NeXT: each preset keeps the CLIP tower, text model and storage of its LLaVA-1.5 counterpart (as
+# llava-v1.6-vicuna-7b keeps llava-1.5-7b's) and tiles images with llava-v1.6's grids of that tower's tiles.
+PRESETS |= {
+    # 56-px tiles of 7x7 patches: a 90x70 (width x height) image tiles 2x2 and unpads to 10x14 patches,
+    # 49 + 140 + 10 = 199 placeholder tokens; 70x90 gives 203, a wide 160x40 (1x3 tiles) 159, and a
+    # square of 112 px or more the most, 259.
+    "tiny-llava-next": _like(
+        "tiny-llava", LlavaNextPreset, name="tiny-llava-next", image_grid_pinpoints=_tile_grids(56)
+    ),
+    # Tied and sharded like small-llava; 192-px tiles of 12x12 patches, up to 144 + 576 + 24 = 744 tokens.
+    "small-llava-next": _like(
+        "small-llava", LlavaNextPreset, name="small-llava-next", image_grid_pinpoints=_tile_grids(192)
+    ),
+    # The shapes of llava-hf/llava-v1.6-vicuna-7b-hf (CLIP ViT-L/14-336 + Vicuna-7B, i.e. llava-1.5-7b's,
+    # plus image_newline), random weights; up to 576 + 2304 + 48 = 2928 tokens per image.
+    "llava-next-7b": _like(
+        "llava-1.5-7b",
+        LlavaNextPreset,
+        name="llava-next-7b",
+        vision_projection_dim=768,
+        image_grid_pinpoints=_tile_grids(336),
+    ),
+}
+
+
 def get_preset(name: str) -> AnyPreset:
     """Look a preset up by name, with an error that lists the valid names."""
     try:
@@ -534,8 +638,11 @@ def get_preset(name: str) -> AnyPreset:
         raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
 
 
-def build_config(preset: Preset, bos_id: int, eos_id: int, pad_id: int, image_id: int) -> LlavaConfig:
-    """The LlavaConfig for a preset, with special-token ids taken from the trained tokenizer."""
+def build_config(
+    preset: Preset, bos_id: int, eos_id: int, pad_id: int, image_id: int
+) -> LlavaConfig | LlavaNextConfig:
+    """The LlavaConfig (LlavaNextConfig for a LlavaNextPreset) for a preset, with special-token ids taken
+    from the trained tokenizer."""
     vision = CLIPVisionConfig(
         hidden_size=preset.vision_hidden,
         intermediate_size=preset.vision_intermediate,
@@ -563,17 +670,17 @@ def build_config(preset: Preset, bos_id: int, eos_id: int, pad_id: int, image_id
         tie_word_embeddings=preset.tie_word_embeddings,
         dtype=preset.dtype,
     )
-    return LlavaConfig(
+    return preset.model_class.config_class(
         vision_config=vision,
         text_config=text,
         image_token_index=image_id,
-        image_seq_length=preset.num_image_tokens,
         projector_hidden_act="gelu",
         vision_feature_select_strategy="default",
         vision_feature_layer=-2,
         multimodal_projector_bias=True,
         tie_word_embeddings=preset.tie_word_embeddings,
         dtype=preset.dtype,
+        **preset.config_fields(),
     )
 
 
@@ -633,7 +740,7 @@ def build_qwen_vl_config(
 
 def meta_model(config: PreTrainedConfig) -> PreTrainedModel:
     """Instantiate the model on the meta device: names and shapes without allocating any weights."""
-    model_classes = [LlavaForConditionalGeneration, *(cls.model_class for cls in QWEN_FAMILIES)]
+    model_classes = [cls.model_class for cls in (*LLAVA_FAMILIES, *QWEN_FAMILIES)]
     try:
         model_class = next(cls for cls in model_classes if type(config) is cls.config_class)
     except StopIteration:

@@ -8,12 +8,14 @@ from importlib import resources
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     CLIPImageProcessorPil,
+    LlavaNextImageProcessorPil,
+    LlavaNextProcessor,
     LlavaProcessor,
     PreTrainedTokenizerFast,
     Qwen2VLImageProcessorPil,
 )
 
-from common.checkpoints.presets import CLIP_MEAN, CLIP_STD, Preset, QwenVLPreset
+from common.checkpoints.presets import CLIP_MEAN, CLIP_STD, LlavaNextPreset, Preset, QwenVLPreset
 
 UNK, BOS, EOS, PAD, IMAGE = "<unk>", "<s>", "</s>", "<pad>", "<image>"
 # Trainer special tokens take the first ids in this order: <unk>=0, <s>=1, </s>=2, <pad>=3, <image>=4.
@@ -143,27 +145,44 @@ def build_tokenizer(preset: Preset) -> tuple[PreTrainedTokenizerFast, SpecialIds
     return hf_tok, ids
 
 
-def build_processor(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaProcessor:
-    """A LlavaProcessor (CLIP image processing + chat template) matching the preset's vision tower."""
-    # The PIL backend is instantiated directly because torchvision is not installed; it still saves as
-    # "CLIPImageProcessor", so a machine with torchvision loads the fast backend from the same file.
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": preset.image_size},
-        crop_size={"height": preset.image_size, "width": preset.image_size},
-        do_resize=True,
-        do_center_crop=True,
-        do_rescale=True,
-        do_normalize=True,
-        do_convert_rgb=True,
-        image_mean=list(CLIP_MEAN),
-        image_std=list(CLIP_STD),
-    )
-    return LlavaProcessor(
+def build_processor(
+    preset: Preset, tokenizer: PreTrainedTokenizerFast
+) -> LlavaProcessor | LlavaNextProcessor:
+    """A LlavaProcessor (CLIP image processing + chat template) matching the preset's vision tower; for
+    LLaVA-NeXT a LlavaNextProcessor, whose image processor also tiles at the preset's grid pinpoints."""
+    # Every tile (LLaVA-1.5: the image) is CLIP-processed: shortest edge resized and centre-cropped to the
+    # tower's image_size, rescaled and normalised.
+    clip_processing = {
+        "size": {"shortest_edge": preset.image_size},
+        "crop_size": {"height": preset.image_size, "width": preset.image_size},
+        "do_resize": True,
+        "do_center_crop": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": list(CLIP_MEAN),
+        "image_std": list(CLIP_STD),
+    }
+    # The PIL backends are instantiated directly because torchvision is not installed; they still save as
+    # "CLIPImageProcessor" / "LlavaNextImageProcessor", so a machine with torchvision loads the fast backend
+    # from the same file.
+    if isinstance(preset, LlavaNextPreset):
+        image_processor = LlavaNextImageProcessorPil(
+            **clip_processing,
+            image_grid_pinpoints=[list(pinpoint) for pinpoint in preset.image_grid_pinpoints],
+            # Pads every image's tile stack to the batch's most tiles, so pixel_values stack to one tensor.
+            do_pad=True,
+        )
+        processor_class = LlavaNextProcessor
+    else:
+        image_processor = CLIPImageProcessorPil(**clip_processing)
+        processor_class = LlavaProcessor
+    return processor_class(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=preset.patch_size,
         vision_feature_select_strategy="default",
-        # The CLIP tower emits a CLS token; "default" drops it, so one image = (size / patch)^2 tokens.
+        # The CLIP tower emits a CLS token; "default" drops it, so one tile = (size / patch)^2 tokens.
         num_additional_image_tokens=1,
         chat_template=read_package_text("chat_template.jinja"),
         image_token=IMAGE,

@@ -26,6 +26,10 @@ EMBED_STD = 1.0  # token embeddings at the same scale as the residual updates of
 # predict itself (greedy output collapses to one repeated token); a small E lets the layers dominate h.
 TIED_EMBED_STD = 0.1
 LM_HEAD_GAIN = 5.0  # lm_head std = gain / sqrt(hidden): logit std ~5, top-1/top-2 gaps ~1
+# LLaVA-NeXT's image_newline is a learned input vector that ends each row of image features: drawn like an
+# untied token embedding, it is a distinct input, well clear of zero (HF initialises it at 1/sqrt(hidden)),
+# though below the projected features around it (std ~6 in the tiny preset, ~15 in the small one).
+IMAGE_NEWLINE_STD = EMBED_STD
 NORM_NOISE = 0.1  # norm weights 1 +- this, so a loader that forgets a norm weight is caught by a comparison
 BIAS_STD = 0.02  # small but non-zero, for the same reason
 
@@ -82,6 +86,8 @@ def _std_for(name: str, shape: tuple[int, ...], tied: bool) -> float:
         return LM_HEAD_GAIN / math.sqrt(shape[1])
     if name.endswith(("class_embedding", "position_embedding.weight")):
         return 1.0
+    if name.endswith("image_newline"):
+        return IMAGE_NEWLINE_STD
     # Linear (out, in) and the patch Conv2d/Conv3d (out, c, [kt,] kh, kw): fan_in is all but the first dim.
     return LINEAR_GAIN / math.sqrt(math.prod(shape[1:]))
 

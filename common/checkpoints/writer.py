@@ -36,6 +36,7 @@ MANIFEST_FILE = "trident_checkpoint.json"
 # The manifest's "format" for each model family (Preset.family); any of them marks a directory as ours.
 FORMATS = {
     "llava": "trident-llava",
+    "llava_next": "trident-llava-next",
     "qwen2_vl": "trident-qwen2-vl",
     "qwen2_5_vl": "trident-qwen2.5-vl",
     "qwen3_vl": "trident-qwen3-vl",
@@ -162,13 +163,13 @@ def _write_all(out_dir: Path, preset: AnyPreset, seed: int) -> None:
 def write_checkpoint(
     out_dir: str | Path, preset: str | AnyPreset = "tiny-llava", seed: int = 0, *, overwrite: bool = False
 ) -> Path:
-    """Write a complete random-weight checkpoint (LLaVA-1.5, Qwen2-VL, Qwen2.5-VL or Qwen3-VL) to `out_dir`;
-    return the directory.
+    """Write a complete random-weight checkpoint (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL or Qwen3-VL) to
+    `out_dir`; return the directory.
 
-    The bytes depend only on (preset, seed); `preset` is a name from PRESETS or a custom Preset or
-    QwenVLPreset subclass instance, whose family picks the architecture and the files written. A non-empty
-    `out_dir` is refused unless it is a checkpoint of ours and `overwrite` is set; the new one is built
-    beside it and swapped in, so no half-written directory ever looks complete.
+    The bytes depend only on (preset, seed); `preset` is a name from PRESETS or a custom Preset,
+    LlavaNextPreset or QwenVLPreset subclass instance, whose family picks the architecture and the files
+    written. A non-empty `out_dir` is refused unless it is a checkpoint of ours and `overwrite` is set; the
+    new one is built beside it and swapped in, so no half-written directory ever looks complete.
     """
     spec = get_preset(preset) if isinstance(preset, str) else preset
     if seed < 0:
