@@ -7,21 +7,53 @@ decode. Each sequence attends to its whole context (cached tokens plus the ones 
     context of A     | A's cached tokens ... | A's n_a new tokens |   (causal within the chunk)
 
 Prefill chunks run one SDPA call each; decodes run as one batched call over their contexts
-gathered to the longest one and masked. On CUDA with flash-attn installed, everything runs as
-one varlen call over gathered contexts.
+gathered to the longest one and masked. On CUDA with flash-attn installed (and a half-precision
+cache), everything runs as one varlen call over gathered contexts.
+
+The varlen call goes through whatever kernel `varlen_kernel` picks for the iteration: flash-attn's
+in production. `use_varlen_kernel` forces the varlen path with another kernel on any device and
+dtype — tests run it on CPU with `varlen_attention_reference`, a pure-torch statement of the same
+semantics, so the CUDA path's metadata is checked where no GPU is.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-try:  # optional CUDA kernel; the CPU path never needs it
-    from flash_attn import flash_attn_varlen_func
-except ImportError:  # pragma: no cover - depends on the machine
-    flash_attn_varlen_func = None
+log = logging.getLogger(__name__)
+
+# flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...,
+# causal=...) -> [total_q, heads, dim]; `varlen_attention_reference` documents the semantics.
+VarlenKernel = Callable[..., torch.Tensor]
+
+
+def _installed_flash() -> VarlenKernel | None:
+    """flash-attn's varlen kernel, if installed at a version whose causal mask is aligned to the
+    bottom right (≥ 2.1; 2.0 aligned it top-left, which would silently break chunked prefill)."""
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    version = tuple(int(n) for n in re.findall(r"\d+", getattr(flash_attn, "__version__", "0"))[:2])
+    if version < (2, 1):  # pragma: no cover - depends on the machine
+        log.warning("flash-attn %s aligns its causal mask top-left; using SDPA", flash_attn.__version__)
+        return None
+    return flash_attn_varlen_func
+
+
+#: The production varlen kernel: flash-attn's, or None when it is not installed.
+flash_attn_varlen_func: VarlenKernel | None = _installed_flash()
+# Set by `use_varlen_kernel`: the varlen path runs through it on every device and dtype.
+_forced_kernel: VarlenKernel | None = None
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the only dtypes flash-attn takes
 
 
 @dataclass
@@ -41,12 +73,17 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block tables, padded
     decode_bias: torch.Tensor | None  # [num_decodes, 1, 1, max_context] 0 or -inf
     num_cache_blocks: int = 0
-    use_flash: bool = False
+    # Set: the whole batch is one call of this varlen kernel (flash-attn's, or a test's stand-in).
+    varlen_kernel: VarlenKernel | None = None
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     flash_slots: torch.Tensor | None = None  # [total_context] for the varlen call
     max_q: int = 0
     max_k: int = 0
+
+    @property
+    def use_flash(self) -> bool:
+        return self.varlen_kernel is not None
 
 
 def paged_attention(
@@ -106,7 +143,7 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> torch.Tensor:
     # Gathering contexts keeps any block size usable (flash's own paged path wants 256-token pages).
     ks, vs = gather_rows(k_cache, meta.flash_slots), gather_rows(v_cache, meta.flash_slots)
-    return flash_attn_varlen_func(
+    return meta.varlen_kernel(
         q, ks, vs, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, meta.max_k, causal=True
     )
 
@@ -117,5 +154,108 @@ def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1).index_select(0, index).view(len(index), *t.shape[1:])
 
 
-def flash_available(device: torch.device) -> bool:
-    return device.type == "cuda" and flash_attn_varlen_func is not None
+def varlen_kernel(device: torch.device, dtype: torch.dtype) -> VarlenKernel | None:
+    """The kernel for one varlen call over the batch, or None for the SDPA path.
+
+    Production: flash-attn's on CUDA when installed and the cache is float16/bfloat16 (the only
+    dtypes it takes; a float32 engine on CUDA runs SDPA). Inside `use_varlen_kernel`: that kernel,
+    on any device and dtype."""
+    if _forced_kernel is not None:
+        return _forced_kernel
+    if device.type == "cuda" and flash_attn_varlen_func is not None and dtype in _FLASH_DTYPES:
+        return flash_attn_varlen_func
+    return None
+
+
+@contextmanager
+def use_varlen_kernel(kernel: VarlenKernel | None = None) -> Iterator[VarlenKernel]:
+    """Force the varlen (flash) path while inside, through `kernel` (default: the reference).
+
+    For tests and debugging: on CPU it runs the CUDA path's metadata (cu_seqlens, gathered slots,
+    max lengths) through `varlen_attention_reference`; on a GPU, swapping the reference in for
+    flash-attn tells a kernel fault from a metadata fault. Metadata is built per iteration, so the
+    kernel applies to iterations run inside the block. Process-wide state: not for concurrent use.
+    """
+    global _forced_kernel
+    before, _forced_kernel = _forced_kernel, kernel or varlen_attention_reference
+    try:
+        yield _forced_kernel
+    finally:
+        _forced_kernel = before
+
+
+def varlen_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Pure-torch statement of flash-attn 2's `flash_attn_varlen_func` (forward, no dropout).
+
+    Semantics, as flash-attn documents them:
+
+    - q [total_q, heads, dim], k/v [total_k, kv_heads, dim]: sequences packed with no padding.
+      Sequence b owns query rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] and key rows
+      cu_seqlens_k[b] : cu_seqlens_k[b + 1]; cu_seqlens are int32 [batch + 1], starting at 0 and
+      ending at the total. Sequences never attend to each other.
+    - max_seqlen_q/k: the longest query / key sequence in the batch (the kernel sizes its work
+      by them; a bound below a real length is outside its contract, so here it is an error).
+    - GQA/MQA: heads must be a multiple of kv_heads; query head h uses kv head h // (heads // kv_heads)
+      (with 6 query and 2 kv heads, query heads 0-2 read kv head 0 and 3-5 kv head 1).
+    - softmax_scale defaults to 1 / sqrt(dim).
+    - causal (flash-attn ≥ 2.1): the mask is aligned to the bottom-right corner. With q_len ≤ k_len,
+      query i sees keys 0 .. k_len - q_len + i — the queries are the last q_len positions of the
+      context, as for a prefill chunk after cached tokens or a decode (q_len 1 sees every key).
+      With q_len > k_len the first q_len - k_len rows see no key, and their output is zero.
+    - Returns [total_q, heads, dim] in q's dtype. Scores, softmax and the weighted sum are
+      computed in float32 (the kernel accumulates in float32 too), at least.
+
+    The real kernel also requires fp16/bf16, CUDA tensors and a contiguous last dimension; this
+    reference takes any float dtype and device (its purpose), but checks everything else.
+    """
+    _check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    group = heads // kv_heads
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
+    work = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q)
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(bq) - 1):
+        q_len, k_len = bq[b + 1] - bq[b], bk[b + 1] - bk[b]
+        qs = q[bq[b] : bq[b + 1]].to(work).transpose(0, 1)  # [heads, q_len, dim]
+        ks = k[bk[b] : bk[b + 1]].to(work).transpose(0, 1).repeat_interleave(group, 0)  # [heads, k_len, dim]
+        vs = v[bk[b] : bk[b + 1]].to(work).transpose(0, 1).repeat_interleave(group, 0)
+        scores = (qs @ ks.transpose(1, 2)) * scale  # [heads, q_len, k_len]
+        if causal:
+            allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # rows with no key: 0
+        else:
+            probs = scores.softmax(-1)
+        out[bq[b] : bq[b + 1]] = (probs @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _check_varlen_args(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p) -> None:
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        raise ValueError(f"want q [total_q, heads, dim], k/v [total_k, kv_heads, dim]; got {shapes}")
+    if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]}), head dims equal"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("q, k and v must share dtype and device")
+    if dropout_p:
+        raise ValueError("the reference computes no dropout (inference)")
+    for name, cu, total, bound in (("q", cu_q, q.shape[0], max_q), ("k", cu_k, k.shape[0], max_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device:
+            raise ValueError(f"cu_seqlens_{name} must be 1-D int32 on q's device: {cu.dtype}, {cu.device}")
+        lens = cu.diff()
+        if len(lens) == 0 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((lens < 0).any()):
+            raise ValueError(f"cu_seqlens_{name} must rise from 0 to {total}: {cu.tolist()}")
+        if int(lens.max()) > bound:
+            raise ValueError(f"max_seqlen_{name} {bound} is below the longest sequence ({int(lens.max())})")
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k disagree on the batch size: {len(cu_q)} vs {len(cu_k)}"
+        )

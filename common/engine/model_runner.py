@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine.attention import AttentionMetadata, PrefillSeq, flash_available
+from common.engine.attention import AttentionMetadata, PrefillSeq, varlen_kernel
 from common.engine.feature_cache import FeatureCache
 from common.engine.kv_cache import KVCache
 from common.engine.request import Request
@@ -153,17 +153,23 @@ class ModelRunner:
             meta.decode_blocks = grid.to(dev)
             meta.num_cache_blocks = self.cache.num_blocks
             meta.decode_bias = bias[:, None, None, :].to(dev)
-        if flash_available(dev):
-            self._flash_metadata(meta, seqs, decodes, decode_ctx)
+        kernel = varlen_kernel(dev, self.cache.spec.dtype)
+        if kernel is not None:
+            self._flash_metadata(meta, seqs, decode_ctx, kernel)
         return meta
 
-    def _flash_metadata(self, meta, seqs, decodes, decode_ctx) -> None:
-        q_lens = [s.q_len for s in seqs] + [1] * len(decodes)
-        k_slots = [s.context_slots for s in seqs] + [
-            meta.decode_slots[i, :c] for i, c in enumerate(decode_ctx)
-        ]
+    def _flash_metadata(self, meta, seqs, decode_ctx, kernel) -> None:
+        """One varlen call: sequence b's queries are its packed rows (a chunk, or a decode's one
+        token) and its keys its whole context, gathered in position order, so the kernel's
+        bottom-right causal alignment puts the queries at the context's end."""
+        q_lens = [s.q_len for s in seqs] + [1] * len(decode_ctx)
+        k_slots = [s.context_slots for s in seqs]
+        if decode_ctx:  # the slots of each decode's context, from its block table row
+            bs = self.block_size
+            grid = meta.decode_blocks[:, :, None] * bs + torch.arange(bs, device=self.device)
+            k_slots += [row[:c] for row, c in zip(grid.flatten(1), decode_ctx, strict=True)]
         k_lens = [len(k) for k in k_slots]
-        meta.use_flash = True
+        meta.varlen_kernel = kernel
         meta.cu_seqlens_q = _cumsum(q_lens, self.device)
         meta.cu_seqlens_k = _cumsum(k_lens, self.device)
         meta.flash_slots = torch.cat(k_slots)
