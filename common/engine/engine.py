@@ -75,7 +75,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.features = FeatureCache(config.feature_cache_bytes)
         self.scheduler = Scheduler(config, self.blocks)
-        if Role.ENCODE in config.roles and (ref := reference_image(self.processor)).grid_thw is not None:
+        ref = reference_image(self.processor) if Role.ENCODE in config.roles else None
+        if ref is not None and (ref.grid_thw or ref.image_size):  # Qwen-VL, LLaVA-NeXT
             self.scheduler.image_unit = ref.num_tokens  # τe counts what an image costs: its tokens
         self.governor: BudgetGovernor | None = None  # set when a profile is applied
         self.runner = ModelRunner(self.model, self.cache, self.blocks.table, self.features, self.device)

@@ -1,7 +1,8 @@
 """Load a local HF-format checkpoint into our model, by path, never from a hub.
 
 The family comes from `config.json` (`model_type`, `architectures`):
-- LLaVA-1.5 (`llava`: CLIP + Llama). Both weight layouts load: transformers 5's
+- LLaVA-1.5 (`llava`: CLIP + Llama) and LLaVA-NeXT (`llava_next`: the same over any-resolution
+  tiles, Vicuna or Mistral). Both weight layouts load: transformers 5's
   (`model.language_model.*`, `lm_head.*`) and the older one of the public llava-hf checkpoints
   (`language_model.model.*`, `language_model.lm_head.*`).
 - Qwen2-VL, Qwen2.5-VL, Qwen3-VL (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`). Both layouts load:
@@ -23,6 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from common.engine.models import VisionLanguageModel
 from common.engine.models.llama import tied_embeddings
 from common.engine.models.llava import LlavaModel
+from common.engine.models.llava_next import LlavaNextModel
 from common.engine.models.qwen_vl import QwenVLModel
 
 
@@ -48,21 +50,27 @@ _QWEN_PREFIXES = (
     ("lm_head.", "language_model.lm_head."),
     ("model.", "language_model."),
 )
+_LLAVA_PREFIXES = (
+    ("model.language_model.", "language_model."),
+    ("language_model.model.", "language_model."),
+    ("language_model.lm_head.", "language_model.lm_head."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.", "vision.vision_tower."),
+    ("vision_tower.", "vision.vision_tower."),
+    ("model.multi_modal_projector.", "vision.multi_modal_projector."),
+    ("multi_modal_projector.", "vision.multi_modal_projector."),
+    ("model.image_newline", "vision.image_newline"),  # LLaVA-NeXT
+    ("image_newline", "vision.image_newline"),
+)
 FAMILIES = {
     f.model_type: f
     for f in (
         Family(
-            "LLaVA-1.5", "llava", frozenset({"LlavaForConditionalGeneration"}), LlavaModel,
-            (
-                ("model.language_model.", "language_model."),
-                ("language_model.model.", "language_model."),
-                ("language_model.lm_head.", "language_model.lm_head."),
-                ("lm_head.", "language_model.lm_head."),
-                ("model.vision_tower.", "vision.vision_tower."),
-                ("vision_tower.", "vision.vision_tower."),
-                ("model.multi_modal_projector.", "vision.multi_modal_projector."),
-                ("multi_modal_projector.", "vision.multi_modal_projector."),
-            ),
+            "LLaVA-1.5", "llava", frozenset({"LlavaForConditionalGeneration"}), LlavaModel, _LLAVA_PREFIXES
+        ),
+        Family(
+            "LLaVA-NeXT", "llava_next", frozenset({"LlavaNextForConditionalGeneration"}), LlavaNextModel,
+            _LLAVA_PREFIXES,
         ),
         *(
             Family(name, model_type, frozenset({arch}), QwenVLModel, _QWEN_PREFIXES)
@@ -75,7 +83,7 @@ FAMILIES = {
     )
 }  # fmt: skip
 SUPPORTED_ARCHITECTURES = frozenset().union(*(f.architectures for f in FAMILIES.values()))
-SUPPORTED_TEXT_MODELS = {"llama"}  # LLaVA's language model
+SUPPORTED_TEXT_MODELS = {"llama", "mistral"}  # LLaVA's language model (Vicuna, Mistral)
 SUPPORTED_VISION_MODELS = {"clip_vision_model"}  # LLaVA's vision tower
 
 
@@ -111,11 +119,13 @@ def load_config(model_dir: Path):
             f"unsupported architecture {found!r} in {model_dir}/config.json; supported: {supported()}"
         )
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    if family.model_type == "llava":
+    if family.model_type in ("llava", "llava_next"):
         if config.text_config.model_type not in SUPPORTED_TEXT_MODELS:
             raise CheckpointError(
-                f"unsupported text model {config.text_config.model_type!r}; supported: llama"
+                f"unsupported text model {config.text_config.model_type!r}; supported: llama, mistral"
             )
+        if getattr(config.text_config, "sliding_window", None):
+            raise CheckpointError(f"{model_dir}: sliding-window attention is not supported")
         if config.vision_config.model_type not in SUPPORTED_VISION_MODELS:
             raise CheckpointError(
                 f"unsupported vision model {config.vision_config.model_type!r}; supported: CLIP"
@@ -191,7 +201,7 @@ def load_model(
     # Buffers (rotary inv_freq, CLIP position ids) were built on the meta device: rebuild them.
     if with_language:
         model.language_model.rotary.inv_freq = inv_freq.float()
-    if model.vision is not None and family == "llava":
+    if model.vision is not None and family in ("llava", "llava_next"):
         emb = model.vision.vision_tower.embeddings
         emb.position_ids = torch.arange(emb.num_positions).expand(1, -1)
     return model.to(device).eval()

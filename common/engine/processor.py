@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from transformers import AutoProcessor, AutoTokenizer, Qwen2VLImageProcessorPil
+from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
 from common.engine.loader import CheckpointError, load_config
 from common.engine.models.qwen_vl import VARIANTS as QWEN_VL
@@ -116,13 +117,21 @@ class RequestProcessor:
             pixels = None
         ids = enc["input_ids"][0]
         positions = (ids == self.image_token_id).nonzero().squeeze(1)
-        per_image = len(positions) // max(1, len(images))
-        if images and per_image * len(images) != len(positions):
-            raise InputError("image placeholders do not split evenly between the images")
-        inputs = [
-            ImageInput(content_hash(img), per_image, pixel_values=pixels[i]) for i, img in enumerate(images)
-        ]
+        counts = _tokens_per_image(positions, len(images))
+        sizes = enc["image_sizes"].tolist() if "image_sizes" in enc else [None] * len(images)
+        inputs = []
+        for img, n, tiles, size in zip(images, counts, pixels if images else [], sizes, strict=True):
+            if size is None:
+                inputs.append(ImageInput(content_hash(img), n, pixel_values=tiles))
+            else:  # LLaVA-NeXT: the image's own tiles (the batch pads them), and its size to stitch to
+                kept = tiles[: self._tiles(size)]
+                inputs.append(ImageInput(content_hash(img), n, pixel_values=kept, image_size=tuple(size)))
         return ProcessedPrompt(ids.tolist(), inputs, positions)
+
+    def _tiles(self, image_size: list[int]) -> int:
+        """LLaVA-NeXT: how many of the (padded) tiles the processor made are this image's."""
+        images = self.hf.image_processor
+        return image_size_to_num_patches(image_size, images.image_grid_pinpoints, images.crop_size["height"])
 
     def _process_grids(self, prompt: str, images: list[Image.Image]) -> ProcessedPrompt:
         """Each image becomes its own number of pad tokens, and its patches with their grid."""
@@ -152,6 +161,21 @@ class RequestProcessor:
         if len(positions) != sum(img.num_tokens for img in inputs):
             raise InputError("the prompt's text holds image pad tokens of its own")
         return ProcessedPrompt(ids.tolist(), inputs, positions)
+
+
+def _tokens_per_image(positions: torch.Tensor, num_images: int) -> list[int]:
+    """How many of the prompt's image placeholders each image has: one run of them per image
+    (LLaVA-NeXT's differ with the image's size; chat templates separate images by text), or, for
+    images all one size placed side by side, equal shares."""
+    if not num_images:
+        return []
+    breaks = (positions[1:] - positions[:-1] != 1).nonzero().squeeze(1) + 1
+    runs = [len(run) for run in torch.tensor_split(positions, breaks.tolist())]
+    if len(runs) == num_images:
+        return runs
+    if len(positions) % num_images == 0:
+        return [len(positions) // num_images] * num_images
+    raise InputError("cannot tell which image placeholders belong to which image; put text between images")
 
 
 def _chat_template(model_dir: Path) -> str | None:

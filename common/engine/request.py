@@ -34,8 +34,10 @@ class ImageInput:
     pixel_values: torch.Tensor | None = None  # [3, H, W]; Qwen2-VL: [patches, 3·t·p·p]
     # [num_tokens, text_hidden]; Qwen3-VL: [num_tokens, text_hidden · (1 + DeepStack layers)]
     features: torch.Tensor | None = None
-    # Qwen2-VL: the image's patch grid (t, h, w); its token count and positions follow from it.
+    # Qwen-VL: the image's patch grid (t, h, w); its token count and positions follow from it.
     grid_thw: tuple[int, int, int] | None = None
+    # LLaVA-NeXT: the picture's (height, width) before tiling, which its tiles are stitched back to.
+    image_size: tuple[int, int] | None = None
 
 
 @dataclass

@@ -34,6 +34,8 @@ class ImageSpec(Record):
     # Qwen2-VL: the image's patch grid (t, h, w), which its M-RoPE positions follow; None for
     # families whose images are all one size.
     grid_thw: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
+    # LLaVA-NeXT: the picture's (height, width) before tiling, which its tiles are stitched back to.
+    image_size: tuple[PositiveInt, PositiveInt] | None = None
 
 
 class RequestSpec(Record):

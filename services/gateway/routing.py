@@ -83,7 +83,7 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         images.append(
             ImageSpec(
                 content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=ref, features=features,
-                grid_thw=img.grid_thw,
+                grid_thw=img.grid_thw, image_size=img.image_size,
             )
         )  # fmt: skip
     spec = RequestSpec(

@@ -120,10 +120,10 @@ def to_prompt(
     """The engine's view of a request: one ImageInput per image, with its pixels or its features."""
     ids = torch.as_tensor(spec.prompt_token_ids)
     positions = (ids == image_token_id).nonzero().squeeze(1)
-    images = [
-        ImageInput(img.content_hash, img.num_tokens, pixel_values=px, features=ft, grid_thw=img.grid_thw)
-        for img, px, ft in zip(spec.images, pixels, features, strict=True)
-    ]
+    images = []
+    for img, px, ft in zip(spec.images, pixels, features, strict=True):
+        extra = {"grid_thw": img.grid_thw, "image_size": img.image_size}  # families whose images vary
+        images.append(ImageInput(img.content_hash, img.num_tokens, pixel_values=px, features=ft, **extra))
     expected = sum(img.num_tokens for img in spec.images)
     if len(positions) != expected:
         raise ValueError(f"prompt has {len(positions)} image placeholders, its images need {expected}")

@@ -1,8 +1,9 @@
-"""The Qwen-VL family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): greedy output token-identical to HF's own
-`*ForConditionalGeneration.generate` on each tiny preset — text only, images of different sizes
-(so of different token counts), batched, chunked through an image, a feature-cache hit,
-preemption and the E→P→D hand-off, where the M-RoPE position state (the rope delta) and
-Qwen3-VL's DeepStack features have to travel with the request."""
+"""The families whose image cost follows the image's size — LLaVA-NeXT's any-resolution tiles and
+the Qwen-VL family's native resolution (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): greedy output
+token-identical to HF's own `*ForConditionalGeneration.generate` on each tiny preset — text only,
+images of different sizes (so of different token counts), batched, chunked through an image, a
+feature-cache hit, preemption and the E→P→D hand-off, where the M-RoPE position state (the rope
+delta) and Qwen3-VL's DeepStack features have to travel with the request."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from common.engine.models.qwen_vl import mrope_positions
 from common.engine.processor import REFERENCE_IMAGE
 from common.engine.sampling import SamplingParams
 from common.roles import Role
-from tests.engine.conftest import make_image
+from tests.engine.conftest import hf_inputs, make_image
 
 QUESTIONS = [
     "What is in the picture?",
@@ -27,32 +28,32 @@ QUESTIONS = [
 SIZES = [(80, 64), (120, 90), (56, 200), (64, 64)]  # different grids, so different token counts
 
 
-PRESETS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+PRESETS = ["tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 
 
 @pytest.fixture(scope="module", params=PRESETS)
-def qwen_dir(request, tmp_path_factory):
+def model_dir(request, tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("qwen") / request.param, request.param, seed=0)
 
 
 @pytest.fixture(scope="module")
-def hf_qwen(qwen_dir):
+def hf_model(model_dir):
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(qwen_dir).eval()
+    return AutoModelForImageTextToText.from_pretrained(model_dir).eval()
 
 
 @pytest.fixture(scope="module")
-def qwen_images():
+def sized_images():
     return [make_image(i, size) for i, size in enumerate(SIZES)]
 
 
 @pytest.fixture
-def make_engine(qwen_dir):
+def make_engine(model_dir):
     made: list[Engine] = []
 
     def build(**overrides) -> Engine:
-        engine = Engine(qwen_dir, EngineConfig(**overrides))
+        engine = Engine(model_dir, EngineConfig(**overrides))
         made.append(engine)
         return engine
 
@@ -62,23 +63,20 @@ def make_engine(qwen_dir):
 
 
 @pytest.fixture
-def hf_generate(hf_qwen, make_engine):
+def hf_generate(hf_model, make_engine):
     """HF's greedy generate on the same prompt: ids expanded by the processor's rule, the image
-    processor's patches and grids, and the token types M-RoPE needs (transformers 5)."""
+    processor's pixels (Qwen-VL: with grids and the token types M-RoPE needs; LLaVA-NeXT: tiles and
+    image sizes)."""
     processor = make_engine(roles=frozenset({Role.ENCODE})).processor
 
     def run(prompt: str, imgs, max_tokens: int) -> list[int]:
         processed = processor.process(prompt, imgs)
         ids = torch.as_tensor([processed.token_ids])
-        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if imgs:
-            kwargs["pixel_values"] = torch.cat([img.pixel_values for img in processed.images])
-            kwargs["image_grid_thw"] = torch.as_tensor([img.grid_thw for img in processed.images])
-            kwargs["mm_token_type_ids"] = (ids == processor.image_token_id).int()
+        kwargs = hf_inputs(processed, processor.image_token_id, ids)
         with torch.no_grad():
-            out = hf_qwen.generate(**kwargs, max_new_tokens=max_tokens, do_sample=False)
+            out = hf_model.generate(**kwargs, max_new_tokens=max_tokens, do_sample=False)
         new = out[0, ids.shape[1] :].tolist()
-        eos = hf_qwen.generation_config.eos_token_id
+        eos = hf_model.generation_config.eos_token_id
         eos = set(eos) if isinstance(eos, list) else {eos}
         first = next((i for i, t in enumerate(new) if t in eos), None)
         return new if first is None else new[: first + 1]
@@ -107,25 +105,25 @@ def test_positions_follow_the_grid_and_text_resumes_past_it():
         mrope_positions(ids[:-2], 9, [(1, 4, 6)], merge=2)
 
 
-def test_image_token_counts_follow_the_image_size(make_engine, qwen_images):
+def test_image_token_counts_follow_the_image_size(make_engine, sized_images):
     processor = make_engine(roles=frozenset({Role.ENCODE})).processor
-    counts = [processor.process(processor.image_token, [img]).images[0].num_tokens for img in qwen_images]
-    assert len(set(counts)) >= 2 and counts[1] > counts[0], counts
+    counts = [processor.process(processor.image_token, [img]).images[0].num_tokens for img in sized_images]
+    assert len(set(counts)) >= 2, counts  # LLaVA-NeXT: by size and aspect; Qwen-VL: by area
 
 
 @pytest.mark.parametrize("num_images", [0, 1, 2])
-def test_single_request(make_engine, hf_generate, qwen_images, num_images):
+def test_single_request(make_engine, hf_generate, sized_images, num_images):
     engine = make_engine()
     prompt = engine.chat_prompt(QUESTIONS[0], num_images)
-    check(engine, hf_generate, prompt, qwen_images[1 : 1 + num_images], 24)
+    check(engine, hf_generate, prompt, sized_images[1 : 1 + num_images], 24)
 
 
-def test_eight_mixed_requests_batched(make_engine, hf_generate, qwen_images):
+def test_eight_mixed_requests_batched(make_engine, hf_generate, sized_images):
     """Different prompt lengths, image counts and sizes and max_tokens, all in flight at once."""
     engine = make_engine()
     cases = [(QUESTIONS[i % 4], i % 3, 8 + 5 * i) for i in range(8)]
     prompts = [engine.chat_prompt(q, n) for q, n, _ in cases]
-    imgs = [qwen_images[i % 3 : i % 3 + n] for i, (_, n, _) in enumerate(cases)]
+    imgs = [sized_images[i % 3 : i % 3 + n] for i, (_, n, _) in enumerate(cases)]
     reqs = [
         engine.add_request(p, im, SamplingParams(max_tokens=m))
         for p, im, (_, _, m) in zip(prompts, imgs, cases, strict=True)
@@ -139,34 +137,38 @@ def test_eight_mixed_requests_batched(make_engine, hf_generate, qwen_images):
         assert req.output_token_ids == hf_generate(p, im, m), req.request_id
 
 
-def test_chunked_prefill_splits_inside_an_image(make_engine, hf_generate, qwen_images):
+def test_chunked_prefill_splits_inside_an_image(make_engine, hf_generate, sized_images):
     """Chunks of 5 tokens start and end inside both images, whose M-RoPE positions are 3-D."""
     engine = make_engine(token_budget=5)
     prompt = engine.chat_prompt(QUESTIONS[3], 2)
-    req = engine.add_request(prompt, qwen_images[1:3], SamplingParams(max_tokens=16))
+    req = engine.add_request(prompt, sized_images[1:3], SamplingParams(max_tokens=16))
     assert all(img.num_tokens > 5 for img in req.images)
     while engine.has_unfinished():
         engine.step()
-    assert req.output_token_ids == hf_generate(prompt, qwen_images[1:3], 16)
+    assert req.output_token_ids == hf_generate(prompt, sized_images[1:3], 16)
 
 
-def test_feature_cache_hit_skips_the_encoder(make_engine, hf_generate, qwen_images):
+def test_feature_cache_hit_skips_the_encoder(make_engine, hf_generate, sized_images):
     engine = make_engine()
-    check(engine, hf_generate, engine.chat_prompt(QUESTIONS[0], 1), qwen_images[1:2], 8)
+    check(engine, hf_generate, engine.chat_prompt(QUESTIONS[0], 1), sized_images[1:2], 8)
     misses = engine.features.misses
     prompt = engine.chat_prompt(QUESTIONS[1], 1)
-    req = engine.add_request(prompt, qwen_images[1:2], SamplingParams(max_tokens=8))
+    req = engine.add_request(prompt, sized_images[1:2], SamplingParams(max_tokens=8))
     assert not req.needs_encode and engine.features.misses == misses
     while engine.has_unfinished():
         engine.step()
-    assert req.output_token_ids == hf_generate(prompt, qwen_images[1:2], 8)
+    assert req.output_token_ids == hf_generate(prompt, sized_images[1:2], 8)
 
 
-def test_preemption_by_recompute_keeps_outputs_exact(make_engine, hf_generate, qwen_images):
-    engine = make_engine(kv_cache_bytes=14 * engine_block_bytes(make_engine))
-    assert engine.blocks.num_blocks == 14
-    prompts = [engine.chat_prompt(QUESTIONS[i], 1 if i % 2 else 0) for i in range(4)]
-    imgs = [qwen_images[:1] if i % 2 else [] for i in range(4)]
+def test_preemption_by_recompute_keeps_outputs_exact(make_engine, hf_generate, sized_images):
+    """A KV cache with room for the longest request and a little more forces preemption."""
+    probe = make_engine(roles=frozenset({Role.ENCODE}))
+    prompts = [probe.chat_prompt(QUESTIONS[i], 1 if i % 2 else 0) for i in range(4)]
+    imgs = [sized_images[:1] if i % 2 else [] for i in range(4)]
+    longest = max(len(probe.processor.process(p, im).token_ids) for p, im in zip(prompts, imgs, strict=True))
+    blocks = -(-(longest + 40) // 16) + 2
+    engine = make_engine(kv_cache_bytes=blocks * probe.kv_spec.bytes_per_block)
+    assert engine.blocks.num_blocks == blocks
     reqs = [
         engine.add_request(p, im, SamplingParams(max_tokens=40)) for p, im in zip(prompts, imgs, strict=True)
     ]
@@ -178,20 +180,16 @@ def test_preemption_by_recompute_keeps_outputs_exact(make_engine, hf_generate, q
         assert req.output_token_ids == hf_generate(p, im, 40)
 
 
-def engine_block_bytes(make_engine) -> int:
-    return make_engine(roles=frozenset({Role.ENCODE})).kv_spec.bytes_per_block
-
-
-def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, qwen_images):
+def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, sized_images):
     """E, P and D as three engines: features, KV and the rope delta move between them."""
     enc, pre, dec = (make_engine(roles=frozenset({r})) for r in (Role.ENCODE, Role.PREFILL, Role.DECODE))
     prompt = enc.chat_prompt(QUESTIONS[1], 2)
-    req = enc.add_request(prompt, qwen_images[1:3], SamplingParams(max_tokens=20), request_id="r1")
+    req = enc.add_request(prompt, sized_images[1:3], SamplingParams(max_tokens=20), request_id="r1")
     outs = []
     while enc.has_unfinished():
         outs += enc.step()
     assert [o.next_stage for o in outs] == [Role.PREFILL]
-    processed = pre.processor.process(prompt, qwen_images[1:3])
+    processed = pre.processor.process(prompt, sized_images[1:3])
     for img, done in zip(processed.images, req.images, strict=True):
         img.features, img.pixel_values = done.features, None
     preq = pre.add_request(processed, params=SamplingParams(max_tokens=20), request_id="r1")
@@ -199,7 +197,7 @@ def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, qwen_images):
     while pre.has_unfinished():
         outs += pre.step()
     assert outs[-1].next_stage == Role.DECODE and len(preq.output_token_ids) == 1
-    assert preq.rope_delta < 0  # the images took fewer positions than tokens
+    assert (preq.rope_delta < 0) == pre.model.mrope  # M-RoPE: images take fewer positions than tokens
     kv = pre.export_kv("r1", group_size=2)
     dreq = dec.add_prefilled(
         "r1", preq.prompt_token_ids, preq.output_token_ids, preq.params, kv, rope_delta=preq.rope_delta
@@ -207,44 +205,44 @@ def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, qwen_images):
     pre.abort("r1")
     while dec.has_unfinished():
         dec.step()
-    assert dreq.output_token_ids == hf_generate(prompt, qwen_images[1:3], 20)
+    assert dreq.output_token_ids == hf_generate(prompt, sized_images[1:3], 20)
 
 
 def test_a_request_resumed_from_its_streamed_tokens_ends_as_if_never_interrupted(
-    make_engine, hf_generate, qwen_images
+    make_engine, hf_generate, sized_images
 ):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompt = make_engine().chat_prompt(QUESTIONS[1], 1)
-    (whole,) = make_engine().generate([prompt], [qwen_images[:1]], params)
+    (whole,) = make_engine().generate([prompt], [sized_images[:1]], params)
     engine = make_engine()
-    req = engine.add_request(prompt, qwen_images[:1], params, output_token_ids=whole.token_ids[:9])
+    req = engine.add_request(prompt, sized_images[:1], params, output_token_ids=whole.token_ids[:9])
     while engine.has_unfinished():
         engine.step()
     assert req.output_token_ids == whole.token_ids
 
 
-def test_features_carry_what_the_llm_needs(make_engine, hf_qwen, qwen_images):
+def test_features_carry_what_the_llm_needs(make_engine, hf_model, sized_images):
     """One tensor per image, of its token count; Qwen3-VL's holds DeepStack's features beside it."""
     engine = make_engine(roles=frozenset({Role.ENCODE}))
     req = engine.add_request(
-        engine.chat_prompt(QUESTIONS[0], 1), qwen_images[1:2], SamplingParams(max_tokens=1)
+        engine.chat_prompt(QUESTIONS[0], 1), sized_images[1:2], SamplingParams(max_tokens=1)
     )
     while engine.has_unfinished():
         engine.step()
     (img,) = req.images
-    hidden = hf_qwen.config.text_config.hidden_size
-    deep = len(getattr(hf_qwen.config.vision_config, "deepstack_visual_indexes", None) or [])
+    hidden = hf_model.config.text_config.hidden_size
+    deep = len(getattr(hf_model.config.vision_config, "deepstack_visual_indexes", None) or [])
     assert img.features.shape == (img.num_tokens, hidden * (1 + deep))
     engine.abort(req.request_id)
 
 
-def test_the_image_budget_counts_what_an_image_costs(make_engine, qwen_images):
+def test_the_image_budget_counts_what_an_image_costs(make_engine, sized_images):
     """τe counts image tokens in units of the reference image's (its encode cost is what the
     profile measured): images that together fit one unit share an iteration, larger ones do not,
     and one larger than all of τe still runs, first in an iteration of its own encodes."""
     engine = make_engine(roles=frozenset({Role.ENCODE}), image_budget=1)
     unit = engine.scheduler.image_unit
-    small = qwen_images[0]  # 80x64: a few tokens
+    small = make_image(10, (56, 56))  # the fewest tokens a picture gets
     large = make_image(8, REFERENCE_IMAGE)  # as the reference: one unit
 
     def encoded_per_step(images) -> list[list[int]]:

@@ -12,9 +12,9 @@ from common.checkpoints import write_checkpoint
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.sampling import SamplingParams
-from tests.engine.conftest import make_image
+from tests.engine.conftest import hf_inputs, make_image
 
-PRESETS = ["tiny-llava", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+PRESETS = ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 POSITIONS, TOP = 8, 5
 TOLERANCE = 1e-4  # nats; both run float32 on the CPU, so only summation order differs
 
@@ -22,18 +22,6 @@ TOLERANCE = 1e-4  # nats; both run float32 on the CPU, so only summation order d
 @pytest.fixture(scope="module", params=PRESETS)
 def model_dir(request, tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("lp") / request.param, request.param, seed=0)
-
-
-def hf_inputs(processed, image_token_id: int, ids: torch.Tensor) -> dict:
-    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    images = processed.images
-    if images and images[0].grid_thw is None:  # LLaVA: one fixed-size tensor per image
-        kwargs["pixel_values"] = torch.stack([img.pixel_values for img in images])
-    elif images:  # Qwen-VL: every image's patches, with their grids and the token types M-RoPE needs
-        kwargs["pixel_values"] = torch.cat([img.pixel_values for img in images])
-        kwargs["image_grid_thw"] = torch.as_tensor([img.grid_thw for img in images])
-        kwargs["mm_token_type_ids"] = (ids == image_token_id).int()
-    return kwargs
 
 
 @pytest.mark.parametrize("num_images", [0, 1])

@@ -1,8 +1,8 @@
-"""The Qwen-VL family through the deployed services, against HF's own model: images of different
-sizes (so of different token counts) cross E→P as features (with Qwen3-VL's DeepStack features)
-and P→D as KV with the M-RoPE rope delta, and the answer is HF `generate`'s, streamed and whole.
-Qwen2-VL under each method; Qwen2.5-VL and Qwen3-VL under E+P+D, where every hand-off crosses
-processes."""
+"""The families whose image cost follows the image's size (Qwen-VL, LLaVA-NeXT) through the
+deployed services, against HF's own model: images of different sizes (so of different token
+counts) cross E→P as features (with Qwen3-VL's DeepStack features) and P→D as KV with the M-RoPE
+rope delta, and the answer is HF `generate`'s, streamed and whole. Qwen2-VL under each method; the
+others under E+P+D, where every hand-off crosses processes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from common.checkpoints import write_checkpoint
 from common.engine.processor import RequestProcessor
-from tests.engine.conftest import make_image
+from tests.engine.conftest import hf_inputs, make_image
 from tests.services.conftest import client_for, data_url, start
 from tests.services.test_e2e import QUESTION, user_message
 
@@ -19,6 +19,7 @@ SIZES = [(120, 90), (56, 200)]
 DEPLOYMENTS = [
     *(("tiny-qwen2-vl", method) for method in ("e+p+d", "ep+d", "ed+p", "epd")),
     ("tiny-qwen2.5-vl", "e+p+d"),
+    ("tiny-llava-next", "e+p+d"),
     ("tiny-qwen3-vl", "e+p+d"),
 ]
 
@@ -26,7 +27,7 @@ DEPLOYMENTS = [
 @pytest.fixture(scope="module", params=DEPLOYMENTS, ids=["-".join(d) for d in DEPLOYMENTS])
 def deployment(request, tmp_path_factory):
     preset, method = request.param
-    model_dir = write_checkpoint(tmp_path_factory.mktemp("qwen") / preset, preset, seed=0)
+    model_dir = write_checkpoint(tmp_path_factory.mktemp("family") / preset, preset, seed=0)
     with start(model_dir, tmp_path_factory, method) as cluster:
         yield preset, model_dir, cluster
 
@@ -37,20 +38,16 @@ def reference(deployment):
     processor's placeholder rule is checked against the engine tests' positions and parity)."""
     from transformers import AutoModelForImageTextToText
 
-    _, qwen_dir, _ = deployment
-    model = AutoModelForImageTextToText.from_pretrained(qwen_dir).eval()
-    processor = RequestProcessor(qwen_dir)
+    _, model_dir, _ = deployment
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    processor = RequestProcessor(model_dir)
 
     def answer(num_images: int, max_tokens: int) -> tuple[str, int]:
         content = [{"type": "image"}] * num_images + [{"type": "text", "text": QUESTION}]
         prompt = processor.chat_prompt([{"role": "user", "content": content}])
         processed = processor.process(prompt, [make_image(i, s) for i, s in enumerate(SIZES[:num_images])])
         ids = torch.as_tensor([processed.token_ids])
-        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if num_images:
-            kwargs["pixel_values"] = torch.cat([img.pixel_values for img in processed.images])
-            kwargs["image_grid_thw"] = torch.as_tensor([img.grid_thw for img in processed.images])
-            kwargs["mm_token_type_ids"] = (ids == processor.image_token_id).int()
+        kwargs = hf_inputs(processed, processor.image_token_id, ids)
         with torch.no_grad():
             out = model.generate(**kwargs, max_new_tokens=max_tokens, do_sample=False)
         new = out[0, ids.shape[1] :].tolist()

@@ -59,6 +59,7 @@ class LlavaModel(nn.Module):
     """The parts an instance's roles need: the vision side for encode, the LLM for prefill/decode."""
 
     mrope = False  # one position stream: token i sits at position i
+    vision_encoder: type[VisionEncoder] = VisionEncoder  # LLaVA-NeXT's stitches tiles
 
     def __init__(
         self, config, inv_freq: torch.Tensor, attention_scaling: float, with_vision: bool, with_language: bool
@@ -72,7 +73,7 @@ class LlavaModel(nn.Module):
             else None
         )
         self.vision = (
-            VisionEncoder(config.vision_config, config.text_config.hidden_size, config)
+            self.vision_encoder(config.vision_config, config.text_config.hidden_size, config)
             if with_vision
             else None
         )
