@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from PIL import Image
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
+from common.engine.sampling import SamplingParams
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -25,19 +28,44 @@ def images():
     return [make_image(i) for i in range(4)]
 
 
-@pytest.fixture
-def make_engine(tiny_model_dir):
-    """Build an engine with config overrides; every engine made is integrity-checked at teardown."""
+@contextmanager
+def engines(model_dir) -> Iterator[Callable[..., Engine]]:
+    """A builder of engines on `model_dir` with config overrides; each is integrity-checked at the end."""
     made: list[Engine] = []
 
     def build(**overrides) -> Engine:
-        engine = Engine(tiny_model_dir, EngineConfig(**overrides))
+        engine = Engine(model_dir, EngineConfig(**overrides))
         made.append(engine)
         return engine
 
     yield build
     for engine in made:
         engine.check_integrity()
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir):
+    with engines(tiny_model_dir) as build:
+        yield build
+
+
+def check_mixed_batch(engine: Engine, hf_generate, questions: list[str], images: list, stride: int) -> None:
+    """8 requests of different prompt lengths, image counts (0-2, from `images` at i % stride) and
+    max_tokens, all in flight at once; each answers as HF does alone."""
+    cases = [(questions[i % 4], i % 3, 8 + 5 * i) for i in range(8)]
+    prompts = [engine.chat_prompt(q, n) for q, n, _ in cases]
+    imgs = [images[i % stride : i % stride + n] for i, (_, n, _) in enumerate(cases)]
+    reqs = [
+        engine.add_request(p, im, SamplingParams(max_tokens=m))
+        for p, im, (_, _, m) in zip(prompts, imgs, cases, strict=True)
+    ]
+    max_batch = 0
+    while engine.has_unfinished():
+        engine.step()
+        max_batch = max(max_batch, len(engine.scheduler.running))
+    assert max_batch >= 4, "requests should have run together"
+    for req, p, im, (_, _, m) in zip(reqs, prompts, imgs, cases, strict=True):
+        assert req.output_token_ids == hf_generate(p, im, m), req.request_id
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import pytest
 from common.engine.config import Policy
 from common.engine.sampling import SamplingParams
 from common.roles import Role
+from tests.engine.conftest import check_mixed_batch
 
 QUESTIONS = [
     "What is in the picture?",
@@ -32,21 +33,7 @@ def test_single_request(make_engine, hf_generate, images, num_images):
 @pytest.mark.parametrize("policy", list(Policy))
 def test_eight_mixed_requests_batched(make_engine, hf_generate, images, policy):
     """Different prompt lengths, image counts and max_tokens, all in flight at once."""
-    engine = make_engine(policy=policy)
-    cases = [(QUESTIONS[i % 4], i % 3, 8 + 5 * i) for i in range(8)]
-    prompts = [engine.chat_prompt(q, n) for q, n, _ in cases]
-    imgs = [images[i % 2 : i % 2 + n] for i, (_, n, _) in enumerate(cases)]
-    reqs = [
-        engine.add_request(p, im, SamplingParams(max_tokens=m))
-        for p, im, (_, _, m) in zip(prompts, imgs, cases, strict=True)
-    ]
-    max_batch = 0
-    while engine.has_unfinished():
-        engine.step()
-        max_batch = max(max_batch, len(engine.scheduler.running))
-    assert max_batch >= 4, "requests should have run together"
-    for req, p, im, (_, _, m) in zip(reqs, prompts, imgs, cases, strict=True):
-        assert req.output_token_ids == hf_generate(p, im, m), req.request_id
+    check_mixed_batch(make_engine(policy=policy), hf_generate, QUESTIONS, images, stride=2)
 
 
 def test_chunked_prefill_splits_inside_an_image(make_engine, hf_generate, images):

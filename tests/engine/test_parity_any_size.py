@@ -11,13 +11,11 @@ import pytest
 import torch
 
 from common.checkpoints import write_checkpoint
-from common.engine.config import EngineConfig
-from common.engine.engine import Engine
 from common.engine.models.qwen_vl import mrope_positions
 from common.engine.processor import REFERENCE_IMAGE
 from common.engine.sampling import SamplingParams
 from common.roles import Role
-from tests.engine.conftest import hf_inputs, make_image
+from tests.engine.conftest import check_mixed_batch, engines, hf_inputs, make_image
 
 QUESTIONS = [
     "What is in the picture?",
@@ -50,16 +48,8 @@ def sized_images():
 
 @pytest.fixture
 def make_engine(model_dir):
-    made: list[Engine] = []
-
-    def build(**overrides) -> Engine:
-        engine = Engine(model_dir, EngineConfig(**overrides))
-        made.append(engine)
-        return engine
-
-    yield build
-    for engine in made:
-        engine.check_integrity()
+    with engines(model_dir) as build:
+        yield build
 
 
 @pytest.fixture
@@ -120,21 +110,7 @@ def test_single_request(make_engine, hf_generate, sized_images, num_images):
 
 def test_eight_mixed_requests_batched(make_engine, hf_generate, sized_images):
     """Different prompt lengths, image counts and sizes and max_tokens, all in flight at once."""
-    engine = make_engine()
-    cases = [(QUESTIONS[i % 4], i % 3, 8 + 5 * i) for i in range(8)]
-    prompts = [engine.chat_prompt(q, n) for q, n, _ in cases]
-    imgs = [sized_images[i % 3 : i % 3 + n] for i, (_, n, _) in enumerate(cases)]
-    reqs = [
-        engine.add_request(p, im, SamplingParams(max_tokens=m))
-        for p, im, (_, _, m) in zip(prompts, imgs, cases, strict=True)
-    ]
-    max_batch = 0
-    while engine.has_unfinished():
-        engine.step()
-        max_batch = max(max_batch, len(engine.scheduler.running))
-    assert max_batch >= 4, "requests should have run together"
-    for req, p, im, (_, _, m) in zip(reqs, prompts, imgs, cases, strict=True):
-        assert req.output_token_ids == hf_generate(p, im, m), req.request_id
+    check_mixed_batch(make_engine(), hf_generate, QUESTIONS, sized_images, stride=3)
 
 
 def test_chunked_prefill_splits_inside_an_image(make_engine, hf_generate, sized_images):
