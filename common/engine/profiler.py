@@ -104,6 +104,7 @@ class StageProfile:
     feature_bytes_per_image_token: int = 0  # one projected image token as it travels E→P
     max_num_seqs: int = 0
     max_model_len: int = 0
+    tokens_per_image: int = 0  # the encode curve's image, where cost follows size (Scheduler.image_unit)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -183,6 +184,7 @@ class BudgetProfiler:
             "feature_bytes_per_image_token": e.model.config.text_config.hidden_size * dtype_bytes,
             "max_num_seqs": e.config.max_num_seqs,
             "max_model_len": e.max_model_len,
+            "tokens_per_image": e.scheduler.image_unit or 0,
         }
 
     def decode_grid(self, limit: float, max_batch: int) -> None:

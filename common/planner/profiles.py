@@ -325,6 +325,8 @@ def _record_curves(llm, vision, image_cap: int = 0) -> StageCurves:
     """StageCurves from protocol StageProfile records: LLM curves and sizes from `llm`, the vision
     curve from `vision` (None: none); budgets found become the search caps."""
     sizes = {k: int(getattr(llm, k)) for k in _INT_FIELDS if getattr(llm, k, None)}
+    if vision is not None and getattr(vision, "tokens_per_image", 0):  # what the encode curve's image was
+        sizes["tokens_per_image"] = int(vision.tokens_per_image)
     sizes.setdefault("num_kv_blocks", 1)
     if llm.token_budget:
         sizes["max_tokens"] = llm.token_budget

@@ -105,6 +105,8 @@ class _Instance:
         )
         self.blocks = BlockManager(curves.num_kv_blocks, curves.block_size)
         self.scheduler = Scheduler(config, self.blocks)
+        # τe counts what the engine's does: images, or image tokens in units of the profiled image.
+        self.scheduler.image_unit = curves.tokens_per_image or None
         self.busy_until: float | None = None  # when the running iteration ends; None when idle
         self.busy_time = 0.0
         self.batch: Batch | None = None

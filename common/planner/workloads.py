@@ -213,6 +213,25 @@ def llava_next_tokens(width: int, height: int) -> int:
     return base + rows * cols + rows
 
 
+def qwen2_vl_tokens(
+    width: int, height: int, *, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280
+) -> int:
+    """Qwen2-VL / Qwen2.5-VL (native resolution): the image resized to multiples of `factor`
+    (patch 14 × merge 2; Qwen3-VL: 32) with its area held within [min_pixels, max_pixels], one
+    token per factor×factor square — the image processor's rule at a release's defaults (checked
+    against it in the tests): 999 for 1024x768, at most 1,280."""
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return (h // factor) * (w // factor)
+
+
 def _best_pinpoint(width: int, height: int) -> tuple[int, int]:
     """The pinpoint keeping most of the image's pixels, then wasting the fewest (LLaVA-NeXT's rule)."""
     best, best_key = _PINPOINTS[0], (-1, 0)

@@ -69,6 +69,9 @@ class StageProfile(Message):
     feature_bytes_per_image_token: int = Field(0, ge=0)  # one projected image token, as sent E→P
     max_num_seqs: int = Field(0, ge=0)
     max_model_len: int = Field(0, ge=0)
+    # Tokens of the image the encode curve was measured on, where an image's cost follows its size
+    # (LLaVA-NeXT, Qwen-VL): an image of k times as many costs k. 0: every image costs one.
+    tokens_per_image: int = Field(0, ge=0)
 
 
 class DeadLetter(Message):

@@ -97,3 +97,15 @@ def test_kv_memory_limits_decode_pulls() -> None:
     assert result.complete and result.attainment == 1.0
     # The second request's decoding starts only after the first finished and freed its blocks.
     assert max(result.gaps) > 19 * 0.02
+
+
+def test_the_image_budget_counts_tokens_where_the_profile_names_its_image() -> None:
+    """With `tokens_per_image` (the profiled image's tokens) τe counts image tokens, as the engine's
+    scheduler does for LLaVA-NeXT and Qwen-VL: two half-size images share one iteration's budget
+    and are encoded together (0→0.1); counted as images, the second waits for the first (0.1→0.2)."""
+    halves = [TraceEntry(0.0, 12, 1, 5, 2), TraceEntry(0.0, 12, 1, 5, 2)]
+    deployment = Deployment.of("e+p+d", e=1, p=1, d=1)
+    by_tokens = dataclasses.replace(PROFILES, curves=dataclasses.replace(CURVES, tokens_per_image=10))
+    together = simulate(halves, deployment, by_tokens, SLO_)
+    apart = simulate(halves, deployment, PROFILES, SLO_)
+    assert max(apart.ttft) - max(together.ttft) == pytest.approx(0.1, abs=0.02)

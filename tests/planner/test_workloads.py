@@ -6,6 +6,7 @@ import types
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from common.planner.trace import rate, summary
 from common.planner.workloads import (
@@ -15,6 +16,7 @@ from common.planner.workloads import (
     generate,
     llava15_tokens,
     llava_next_tokens,
+    qwen2_vl_tokens,
 )
 
 
@@ -181,3 +183,15 @@ def test_distributions_are_data():
     assert min(draws) >= 10 and max(draws) <= 60
     with pytest.raises(ValueError):
         Discrete((1, 2), (1.0,))
+
+
+def test_qwen2_vl_tokens_match_the_image_processor():
+    """HF's Qwen2-VL image processor is the oracle: its grid (at a release's default pixel bounds)
+    over the merge size squared is the image's token count."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil()
+    for w, h in itertools.chain(itertools.product(range(20, 3000, 397), range(20, 3000, 389)), [(28, 28)]):
+        grid = processor(images=[Image.new("RGB", (w, h))], return_tensors="pt")["image_grid_thw"][0]
+        assert qwen2_vl_tokens(w, h) == int(grid.prod()) // 4, (w, h)
+    assert qwen2_vl_tokens(1024, 768) == 999  # the figure the function's docstring gives
