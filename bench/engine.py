@@ -46,6 +46,7 @@ from PIL import Image
 from torch import nn
 from transformers import AutoModelForImageTextToText
 
+from common.bench.oracle import hf_model_inputs
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
@@ -175,14 +176,7 @@ def hf_inputs(processor, chunk: list[Item], pad_id: int) -> dict[str, torch.Tens
         ids[row, width - len(d.token_ids) :] = torch.as_tensor(d.token_ids)
         mask[row, width - len(d.token_ids) :] = 1
     images = [img for d in done for img in d.images]
-    enc = {"input_ids": ids, "attention_mask": mask}
-    if images[0].grid_thw is None:  # LLaVA: one fixed-size tensor per image
-        enc["pixel_values"] = torch.stack([img.pixel_values for img in images])
-    else:  # Qwen-VL: every image's patches, their grids, and the token types M-RoPE needs
-        enc["pixel_values"] = torch.cat([img.pixel_values for img in images])
-        enc["image_grid_thw"] = torch.as_tensor([img.grid_thw for img in images])
-        enc["mm_token_type_ids"] = (ids == processor.image_token_id).int()
-    return enc
+    return hf_model_inputs(images, ids, mask, processor.image_token_id)
 
 
 def run_hf(model, processor, work: list[Item], max_tokens: int, batch_size: int) -> Run:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from common.bench.oracle import hf_model_inputs
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.sampling import SamplingParams
@@ -87,21 +88,4 @@ def hf_generate(hf_tiny):
 def hf_inputs(processed, image_token_id: int, ids: torch.Tensor) -> dict:
     """HF's model inputs for a prompt our processor made (`processed`), over token ids `ids`
     [1, n] (the prompt, maybe with generated tokens after it), for any family."""
-    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    images = processed.images
-    if not images:
-        return kwargs
-    if images[0].grid_thw is not None:  # Qwen-VL: patches, grids, and the token types M-RoPE needs
-        kwargs["pixel_values"] = torch.cat([img.pixel_values for img in images])
-        kwargs["image_grid_thw"] = torch.as_tensor([img.grid_thw for img in images])
-        kwargs["mm_token_type_ids"] = (ids == image_token_id).int()
-    elif images[0].image_size is not None:  # LLaVA-NeXT: tiles padded to the most any image has
-        most = max(img.pixel_values.shape[0] for img in images)
-        tiles = torch.zeros(len(images), most, *images[0].pixel_values.shape[1:])
-        for i, img in enumerate(images):
-            tiles[i, : img.pixel_values.shape[0]] = img.pixel_values
-        kwargs["pixel_values"] = tiles
-        kwargs["image_sizes"] = torch.as_tensor([img.image_size for img in images])
-    else:  # LLaVA-1.5: one fixed-size tensor per image
-        kwargs["pixel_values"] = torch.stack([img.pixel_values for img in images])
-    return kwargs
+    return hf_model_inputs(processed.images, ids, torch.ones_like(ids), image_token_id)
