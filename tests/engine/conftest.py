@@ -85,6 +85,20 @@ def hf_generate(hf_tiny):
     return run
 
 
+def hf_greedy_ids(model, processed, image_token_id: int, max_tokens: int) -> list[int]:
+    """HF `generate`'s greedy ids for a prompt our processor made, cut after the first eos that
+    its generation config names."""
+    ids = torch.as_tensor([processed.token_ids])
+    with torch.no_grad():
+        out = model.generate(
+            **hf_inputs(processed, image_token_id, ids), max_new_tokens=max_tokens, do_sample=False
+        )
+    new = out[0, ids.shape[1] :].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    return new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+
+
 def hf_inputs(processed, image_token_id: int, ids: torch.Tensor) -> dict:
     """HF's model inputs for a prompt our processor made (`processed`), over token ids `ids`
     [1, n] (the prompt, maybe with generated tokens after it), for any family."""

@@ -8,14 +8,13 @@ delta) and Qwen3-VL's DeepStack features have to travel with the request."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from common.checkpoints import write_checkpoint
 from common.engine.models.qwen_vl import mrope_positions
 from common.engine.processor import REFERENCE_IMAGE
 from common.engine.sampling import SamplingParams
 from common.roles import Role
-from tests.engine.conftest import check_mixed_batch, engines, hf_inputs, make_image
+from tests.engine.conftest import check_mixed_batch, engines, hf_greedy_ids, make_image
 
 QUESTIONS = [
     "What is in the picture?",
@@ -61,15 +60,7 @@ def hf_generate(hf_model, make_engine):
 
     def run(prompt: str, imgs, max_tokens: int) -> list[int]:
         processed = processor.process(prompt, imgs)
-        ids = torch.as_tensor([processed.token_ids])
-        kwargs = hf_inputs(processed, processor.image_token_id, ids)
-        with torch.no_grad():
-            out = hf_model.generate(**kwargs, max_new_tokens=max_tokens, do_sample=False)
-        new = out[0, ids.shape[1] :].tolist()
-        eos = hf_model.generation_config.eos_token_id
-        eos = set(eos) if isinstance(eos, list) else {eos}
-        first = next((i for i, t in enumerate(new) if t in eos), None)
-        return new if first is None else new[: first + 1]
+        return hf_greedy_ids(hf_model, processed, processor.image_token_id, max_tokens)
 
     return run
 

@@ -7,11 +7,10 @@ method; the others under E+P+D, where every hand-off crosses processes."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from common.checkpoints import write_checkpoint
 from common.engine.processor import RequestProcessor
-from tests.engine.conftest import hf_inputs, make_image
+from tests.engine.conftest import hf_greedy_ids, make_image
 from tests.services.conftest import client_for, data_url, start
 from tests.services.test_e2e import QUESTION, user_message
 
@@ -47,15 +46,8 @@ def reference(deployment):
         content = [{"type": "image"}] * num_images + [{"type": "text", "text": QUESTION}]
         prompt = processor.chat_prompt([{"role": "user", "content": content}])
         processed = processor.process(prompt, [make_image(i, s) for i, s in enumerate(SIZES[:num_images])])
-        ids = torch.as_tensor([processed.token_ids])
-        kwargs = hf_inputs(processed, processor.image_token_id, ids)
-        with torch.no_grad():
-            out = model.generate(**kwargs, max_new_tokens=max_tokens, do_sample=False)
-        new = out[0, ids.shape[1] :].tolist()
-        eos = model.generation_config.eos_token_id
-        eos = set(eos) if isinstance(eos, list) else {eos}
-        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-        return processor.tokenizer.decode(new[:cut], skip_special_tokens=True), cut
+        new = hf_greedy_ids(model, processed, processor.image_token_id, max_tokens)
+        return processor.tokenizer.decode(new, skip_special_tokens=True), len(new)
 
     return answer
 
