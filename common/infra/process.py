@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import shutil
 import signal
 import socket
@@ -21,10 +22,39 @@ class InfraError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the caller binds it soon after; a lost race is retried)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port nothing listens on right now, from below the kernel's ephemeral range.
+
+    A port the kernel hands out for `bind(0)` or an outgoing connection can be taken by any
+    process between this call and the caller's bind (a worker's NATS client did, to a gateway in
+    CI). Ports below the ephemeral range are never handed out that way, so only another caller of
+    this function could take one; each process hands a port out once.
+    """
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - _OWN_RANGE), low)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_OWN_RANGE = 12000  # how far below the ephemeral range free_port looks
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS starts at 49152, and anything below works there too
 
 
 class LocalServer:
