@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from typing import NoReturn, Protocol
 
 import nats.errors
@@ -129,6 +130,14 @@ class Task:
         """An instance had this task before: delivered again, or handed on from a dead instance
         (common/failover.py). Its request may have streamed tokens since the task was made."""
         return self.deliveries > 1 or FAILOVER_HEADER in (self.msg.headers or {})
+
+    @property
+    def stored(self) -> datetime | None:
+        """When the broker stored the task (its clock); None if the message does not say."""
+        try:
+            return self.msg.metadata.timestamp
+        except Exception:  # not a JetStream message (its reply subject carries the metadata)
+            return None
 
     @property
     def stream_seq(self) -> int:

@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,6 +80,7 @@ class Engine:
         if ref is not None and (ref.grid_thw or ref.image_size):  # Qwen-VL, LLaVA-NeXT
             self.scheduler.image_unit = ref.num_tokens  # τe counts what an image costs: its tokens
         self.governor: BudgetGovernor | None = None  # set when a profile is applied
+        self.on_step: Callable[[Batch, float], None] | None = None  # each step's batch and seconds
         self.runner = ModelRunner(self.model, self.cache, self.blocks.table, self.features, self.device)
         # Every request this engine holds: scheduled (waiting, running) or handed off, its KV kept
         # until the next stage pulled it.
@@ -205,8 +207,11 @@ class Engine:
             tokens = sample(result.logits, params, draws)
             outputs += [self._append_token(r, t) for r, t in zip(result.sampled, tokens, strict=True)]
         outputs += self._hand_offs(batch)
+        seconds = time.perf_counter() - started
         if self.governor is not None:
-            self._govern(batch, time.perf_counter() - started)
+            self._govern(batch, seconds)
+        if self.on_step is not None:
+            self.on_step(batch, seconds)
         return outputs
 
     def _govern(self, batch: Batch, seconds: float) -> None:

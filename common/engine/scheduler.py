@@ -57,6 +57,13 @@ class Batch:
     def empty(self) -> bool:
         return not (self.encodes or self.prefills or self.decodes)
 
+    @property
+    def kind(self) -> str:
+        """ "encode", "prefill" or "decode" when the batch holds only that work, else "mixed"."""
+        held = [name for name, work in (("encode", self.encodes), ("prefill", self.prefills),
+                                        ("decode", self.decodes)) if work]  # fmt: skip
+        return held[0] if len(held) == 1 else "mixed"
+
     def scheduled(self, req: Request) -> bool:
         return any(r is req for r in self.decodes) or any(r is req for r, _ in self.prefills + self.encodes)
 

@@ -61,6 +61,7 @@ class DecodeHandler(StageHandler):
             await asyncio.sleep(BLOCKS_POLL)
             ctx.ledger.check_live(held)
         ctx.ledger.mark(held, Stage.PD_TRANSFER_STARTED, decode_instance=ctx.instance_id)
+        ctx.metrics.taken(self.role, task.stored, at=held.marks[Stage.PD_TRANSFER_STARTED])
         buffers, refs = [], iter(msg.kv.refs())
         try:
             for group in msg.kv.groups:  # one transfer per group of layers (002 §3.3)
@@ -75,6 +76,8 @@ class DecodeHandler(StageHandler):
             await self._back_to_prefill(held, await ctx.streamed(rid, spec.output_token_ids))
             return
         ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED)
+        seconds = held.marks[Stage.PD_TRANSFER_ENDED] - held.marks[Stage.PD_TRANSFER_STARTED]
+        ctx.metrics.transferred("pd", seconds, sum(b.numel() * b.element_size() for b in buffers))
         prompt, outputs = list(spec.prompt_token_ids), list(spec.output_token_ids)
         try:
             await ctx.ledger.enter(

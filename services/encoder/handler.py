@@ -25,6 +25,7 @@ class EncodeHandler(StageHandler):
         ctx = self.ctx
         spec = await ctx.resumed(task)
         held = ctx.ledger.begin(spec, self.role, task)
+        ctx.metrics.taken(self.role, task.stored)
         ctx.ledger.mark(held, Stage.ENCODE_STARTED, encode_instance=ctx.instance_id)
         pixels = []
         for img in spec.images:  # an image without pixels had its features cached when routed
@@ -55,6 +56,7 @@ class EncodeHandler(StageHandler):
             pixels = img.pixels if isinstance(img.pixels, TensorRef) else None  # kept for a recompute
             images.append(img.model_copy(update={"pixels": pixels, "features": carried}))
         ctx.ledger.mark(held, Stage.ENCODE_ENDED, encode_instance=ctx.instance_id)
+        ctx.metrics.ran(self.role, held.marks, Stage.ENCODE_STARTED)
         encoded = held.spec.model_copy(update={"images": tuple(images)})
         await ctx.dispatch.send(PrefillTask(request=encoded), held.source)
         for entry in entries:  # after the task: it carries the refs; the index serves later requests

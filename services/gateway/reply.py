@@ -156,6 +156,8 @@ class Reply:
             gw.record.outcome(self.rid, clock.ttft, clock.tbt_p90, clock.slo_met(gw.slo))
         gw.metrics.requests.labels(self.kind, outcome).inc()
         gw.metrics.latency.observe(time.perf_counter() - self.start)
+        for gap in clock.gaps:
+            gw.metrics.tbt.observe(gap)
         if outcome != "ok":
             reason = "client went away" if outcome == "cancelled" else "the request failed"
             with contextlib.suppress(Exception):

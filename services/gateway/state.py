@@ -30,6 +30,7 @@ from services.gateway.routing import LiveRoles
 from services.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
+TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Metrics:
     handed_on: Gauge
     ttft: Histogram
     latency: Histogram
+    tbt: Histogram
 
     @classmethod
     def create(cls) -> Metrics:
@@ -64,6 +66,12 @@ class Metrics:
             Gauge("trident_tasks_handed_on", "Tasks of dead instances this gateway queued again", registry=r),
             Histogram("trident_gateway_ttft_seconds", "Time to first token", registry=r),
             Histogram("trident_gateway_latency_seconds", "Request latency", registry=r),
+            Histogram(
+                "trident_gateway_tbt_seconds",
+                "Time between output tokens as they reached the gateway",
+                registry=r,
+                buckets=TBT_BUCKETS,
+            ),
         )
 
 

@@ -51,6 +51,7 @@ class PrefillHandler(StageHandler):
         ctx = self.ctx
         spec = await ctx.resumed(task)
         held = ctx.ledger.begin(spec, self.role, task)
+        ctx.metrics.taken(self.role, task.stored)
         if spec.images and not self.prefetch:
             await self._wait_for_turn(held)
         pixels: list[torch.Tensor | None] = [None] * len(spec.images)
@@ -147,6 +148,8 @@ class PrefillHandler(StageHandler):
                     await ctx.store.features.remove(img.content_hash, ref.owner)
                 return None
         ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED)
+        seconds = held.marks[Stage.EP_TRANSFER_ENDED] - held.marks[Stage.EP_TRANSFER_STARTED]
+        ctx.metrics.transferred("ep", seconds, sum(t.numel() * t.element_size() for t in out))
         return out
 
     async def _pull_pixels(self, held: Held) -> list[torch.Tensor | None] | None:

@@ -25,6 +25,7 @@ from common.transfer import TransferBackend, TransferError, fetch
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
 from services.worker.ledger import Held, Ledger
+from services.worker.stage_metrics import StageMetrics
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class StageContext:
     counters: Counters
     draining: asyncio.Event = field(default_factory=asyncio.Event)  # set when the worker drains
     fenced: asyncio.Event = field(default_factory=asyncio.Event)  # set once taken for dead: do nothing
+    metrics: StageMetrics = field(default_factory=StageMetrics.unregistered)
 
     async def pull(self, held: Held, ref: InlineTensor | TensorRef | None) -> torch.Tensor:
         """A tensor a task points to, copied out of the transfer pool. Raises TransferError when it

@@ -35,6 +35,9 @@ class EngineStats:
     image_budget: int  # τe in force (the governor may have scaled it)
     token_budget: int  # τt in force
     feature_hits: int
+    budget_scale: float  # the governor's scale of the profiled budgets (1.0: as profiled)
+    feature_cache_bytes: int
+    feature_cache_capacity: int
 
     @classmethod
     def of(cls, e: Engine) -> EngineStats:
@@ -47,6 +50,9 @@ class EngineStats:
             image_budget=e.scheduler.image_budget,
             token_budget=e.scheduler.token_budget,
             feature_hits=e.features.hits,
+            budget_scale=e.governor.scale if e.governor is not None else 1.0,
+            feature_cache_bytes=e.features.used_bytes,
+            feature_cache_capacity=e.features.capacity_bytes,
         )
 
 

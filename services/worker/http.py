@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Response
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.failover import INSTANCE_HEADER
@@ -58,6 +58,9 @@ class WorkerCollector:
             ("engine_steps", w.loop.steps, "Engine iterations so far"),
             ("image_budget", stats.image_budget, "Images encoded per iteration at most (τe)"),
             ("token_budget", stats.token_budget, "Tokens per iteration at most (τt)"),
+            ("budget_scale", stats.budget_scale, "The governor's scale of the profiled budgets"),
+            ("feature_cache_bytes", stats.feature_cache_bytes, "Bytes of image features cached"),
+            ("feature_cache_capacity_bytes", stats.feature_cache_capacity, "The feature cache's byte cap"),
         ]:
             metric = GaugeMetricFamily(f"trident_{name}", doc, labels=labels)
             metric.add_metric(values, value)
@@ -73,7 +76,7 @@ class WorkerCollector:
 
 def make_app(worker: StageWorker) -> FastAPI:
     app = FastAPI(title=f"trident worker {worker.instance_id}", docs_url=None, redoc_url=None)
-    registry = CollectorRegistry()
+    registry = worker.registry  # the stage histograms are in it already
     registry.register(WorkerCollector(worker))
 
     @app.get("/health")

@@ -91,6 +91,7 @@ class OutputPublisher:
             if index == 0:
                 ctx.ledger.mark(held, Stage.PREFILL_ENDED)
                 ctx.ledger.mark(held, Stage.FIRST_TOKEN)
+                ctx.metrics.ran(Role.PREFILL, held.marks, Stage.PREFILL_STARTED)
             ctx.counters.tokens_generated += len(out.new_token_ids)
         if out.finished:
             usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens)
@@ -106,6 +107,8 @@ class OutputPublisher:
             if ctx.ledger.record is not None:
                 ctx.ledger.record.finish(rid, out.num_output_tokens, out.finish_reason)
             ctx.counters.finished += 1
+            began = Stage.DECODE_STARTED if Stage.DECODE_STARTED in held.marks else Stage.FIRST_TOKEN
+            ctx.metrics.ran(Role.DECODE, held.marks, began)
             await ctx.ledger.settle(rid)
         elif out.next_stage is not None:
             await self.hand_on[out.next_stage](held)

@@ -12,6 +12,8 @@ import socket
 import time
 from collections.abc import Mapping
 
+from prometheus_client import CollectorRegistry
+
 from common.aio import raise_if_cancelled
 from common.bus import Bus, Task, keep_alive
 from common.dispatch import Dispatcher
@@ -31,6 +33,7 @@ from services.worker.engine_loop import EngineLoop
 from services.worker.ledger import AlreadyHeld, Cancelled, Ledger
 from services.worker.outputs import OutputPublisher
 from services.worker.stage import StageHandler
+from services.worker.stage_metrics import StageMetrics
 
 log = logging.getLogger(__name__)
 CLOSE_STEP_TIMEOUT = 5.0  # seconds each part of shutdown may take
@@ -51,6 +54,7 @@ class StageWorker:
         self.host = advertise_host(settings.advertise_host)
         self.stages = stages
         self.counters = Counters()
+        self.registry = CollectorRegistry()  # what /metrics serves (services/worker/http.py)
         self.draining = asyncio.Event()
         self.http_address = ""
         self.profile_id = ""
@@ -100,9 +104,11 @@ class StageWorker:
         self.record = StageRecorder(store)
         self.loop = EngineLoop(engine, self._outputs.put_nowait)
         self.ledger = Ledger(self.loop, transfer, self.record)
+        self.metrics = StageMetrics(self.registry, self.instance_id, ",".join(sorted(self.roles)))
+        engine.on_step = lambda batch, seconds: self.metrics.step(batch.kind, seconds)
         self.ctx = StageContext(
             self.instance_id, self.roles, self.loop, self.ledger, bus, store, transfer,
-            Dispatcher(bus.tasks, self.record), self.counters, self.draining,
+            Dispatcher(bus.tasks, self.record), self.counters, self.draining, metrics=self.metrics,
         )  # fmt: skip
         self.handlers = {
             role: self.stages[role].from_settings(self.ctx, s) for role in in_path_order(self.roles)

@@ -1,0 +1,83 @@
+"""Each stage's Prometheus histograms count what really passed through it: one queue wait and one
+run per request at each stage's instance, one E→P and one P→D pull per request with its bytes, every
+gap between tokens at the gateway, and the engines' steps by kind."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.services.conftest import client_for, start
+from tests.services.test_behaviour import instances
+from tests.services.test_e2e import user_message
+
+REQUESTS = 4
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """Every sample on one service's /metrics, summed over labels other than `kind`."""
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=5).text):
+        for s in family.samples:
+            name = s.name + (f"{{{s.labels['kind']}}}" if "kind" in s.labels and "le" not in s.labels else "")
+            if "le" not in s.labels:
+                samples[name] = samples.get(name, 0.0) + s.value
+    return samples
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory, image_urls):
+    """An E+P+D deployment after REQUESTS requests with images, and what each service exposes."""
+    with start(tiny_model_dir, tmp_path_factory, "e+p+d") as cluster:
+        client = client_for(cluster)
+
+        def ask(i: int):
+            messages = user_message(image_urls[i % 3 : i % 3 + 1 + i % 2], f"question {i}")
+            return client.chat.completions.create(
+                model="tiny-llava", messages=messages, max_tokens=6, temperature=0
+            )
+
+        with ThreadPoolExecutor(REQUESTS) as pool:
+            answers = list(pool.map(ask, range(REQUESTS)))
+        by_role = {
+            role: scrape(instances(cluster, role)[0]["http_address"])
+            for role in ("encode", "prefill", "decode")
+        }
+        yield answers, by_role, scrape(cluster.url)
+
+
+def test_each_stage_times_each_request_once(served):
+    _, m, _ = served
+    for role in ("encode", "prefill", "decode"):
+        assert m[role][f"trident_{role}_queue_seconds_count"] == REQUESTS, role
+        assert m[role][f"trident_{role}_seconds_count"] == REQUESTS, role
+        assert m[role][f"trident_{role}_seconds_sum"] > 0, role
+        others = {"encode", "prefill", "decode"} - {role}
+        assert all(m[role][f"trident_{o}_seconds_count"] == 0 for o in others), "only the stages it ran"
+    assert m["encode"]["trident_engine_step_seconds_count{encode}"] > 0
+    assert m["prefill"]["trident_engine_step_seconds_count{prefill}"] > 0
+    assert m["decode"]["trident_engine_step_seconds_count{decode}"] > 0
+
+
+def test_transfers_count_each_pull_and_its_bytes(served):
+    _, m, _ = served
+    for hop, role in (("ep", "prefill"), ("pd", "decode")):
+        assert m[role][f"trident_{hop}_transfer_seconds_count"] == REQUESTS, hop
+        assert m[role][f"trident_{hop}_transfer_bytes_count"] == REQUESTS, hop
+        assert m[role][f"trident_{hop}_transfer_bytes_sum"] > 0, hop
+
+
+def test_gateway_counts_every_gap_between_tokens(served):
+    answers, _, gateway = served
+    assert gateway["trident_gateway_tbt_seconds_count"] == sum(a.usage.completion_tokens - 1 for a in answers)
+
+
+def test_instances_expose_budgets_scale_and_feature_cache(served):
+    _, m, _ = served
+    assert m["encode"]["trident_feature_cache_bytes"] > 0  # the images' features stay cached
+    for role in ("encode", "prefill", "decode"):
+        assert m[role]["trident_budget_scale"] > 0
+        assert m[role]["trident_feature_cache_capacity_bytes"] >= 0
