@@ -18,9 +18,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: system-deps $(STAMP)
 
-# redis-server comes from Debian; installed only when missing.
+# redis-server, and prometheus/promtool (the monitoring profile's tests), come from Debian; installed
+# only when missing.
 system-deps:
-	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+	@(command -v redis-server && command -v promtool && command -v prometheus) >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq redis-server prometheus >/dev/null)
 
 test: install
 	$(BIN)/ruff check .

@@ -13,6 +13,7 @@ from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters,
 from common.generate_cmd import generate
 from common.launcher import down, follow_plan, up
 from common.plan_cmd import plan
+from common.top_cmd import top
 
 app = typer.Typer(
     name="trident",
@@ -75,4 +76,5 @@ app.command("up")(up)
 app.command("down")(down)
 app.command("follow-plan")(follow_plan)
 app.command("plan")(plan)
+app.command("top")(top)
 app.add_typer(bench_app, name="bench")

@@ -1,0 +1,36 @@
+"""`trident top`'s arithmetic: quantiles from Prometheus buckets as `histogram_quantile` makes them,
+and the window since the previous frame."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from common.top import Buckets
+
+INF = math.inf
+
+
+@pytest.mark.parametrize(
+    ("counts", "q", "want"),
+    [
+        ([10, 20, 30, 30], 0.5, 0.15),  # rank 15: halfway through (0.1, 0.2]
+        ([10, 20, 30, 30], 0.9, 0.41),  # rank 27: 70 % through (0.2, 0.5]
+        ([10, 20, 30, 30], 0.1, 0.03),  # rank 3: 30 % through (0, 0.1]
+        ([10, 10, 10, 20], 0.9, 0.5),  # past the last finite bound: that bound
+        ([0, 0, 0, 0], 0.5, None),
+    ],
+)
+def test_quantile_interpolates_inside_the_bucket(counts, q, want):
+    got = Buckets([0.1, 0.2, 0.5, INF], counts).quantile(q)
+    assert got == pytest.approx(want) if want is not None else got is None
+
+
+def test_window_is_what_came_after_the_earlier_read():
+    earlier = Buckets([0.1, INF], [5, 8])
+    later = Buckets([0.1, INF], [6, 12])
+    assert later.since(earlier).counts == [1, 4]
+    assert later.since(None) is later
+    restarted = Buckets([0.1, INF], [1, 1])  # fewer than before: the gateway restarted
+    assert restarted.since(earlier) is restarted
