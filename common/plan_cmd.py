@@ -143,6 +143,12 @@ def _print_table(result, requests: int, source: str) -> None:
         f"{result.attainment:.1%} of requests within TTFT {slo.get('ttft')} s and TBT {slo.get('tbt')} s",
         highlight=False,
     )
+    if (runner := result.runner_up) is not None:
+        out.print(
+            f"runner-up: {runner.deployment.label} ({runner.deployment.method}), {runner.goodput:.3f} req/s, "
+            f"{result.margin:.1%} below the pick",
+            highlight=False,
+        )
 
 
 def _maybe(value: float | None) -> str:

@@ -83,13 +83,30 @@ class PlanResult:
     candidates: list[CandidateScore]
     inputs: dict = field(default_factory=dict)
 
+    @property
+    def runner_up(self) -> CandidateScore | None:
+        """The best simulated candidate other than the pick: how close the choice was."""
+        others = [c for c in self.candidates if not c.pruned and c.deployment != self.deployment]
+        return max(others, key=lambda c: c.goodput or 0.0, default=None)
+
+    @property
+    def margin(self) -> float | None:
+        """How much more the pick is predicted to serve than the runner-up, as a share of the pick's
+        goodput (0: a tie; None: no runner-up was simulated)."""
+        runner = self.runner_up
+        if runner is None or not self.goodput:
+            return None
+        return (self.goodput - (runner.goodput or 0.0)) / self.goodput
+
     def to_dict(self) -> dict:
+        runner = self.runner_up
         return {
             "method": self.deployment.method,
             "replicas": self.deployment.counts,
             "label": self.deployment.label,
             "goodput": self.goodput,
             "attainment": self.attainment,
+            "runner_up": None if runner is None else {**runner.to_dict(), "margin": self.margin},
             "candidates": [c.to_dict() for c in self.candidates],
             "inputs": self.inputs,
         }

@@ -217,6 +217,9 @@ class Planner:
             self.progress = None
         duration = time.monotonic() - started
         reason = f"{trigger}; {len(trace)} requests, {instances} instances"
+        if (runner := result.runner_up) is not None:
+            below = f"{result.margin:.0%} below"
+            reason += f"; runner-up {runner.deployment.label} at {runner.goodput:.3f} req/s ({below})"
         decision_plan = await self.store.planning.put_plan(
             result.deployment.method, result.deployment.counts, result.goodput, reason
         )

@@ -79,3 +79,14 @@ def test_the_pick_equals_brute_force_over_every_split(shape: str, slo: SLO) -> N
     assert result.deployment.label == best.deployment.label or result.goodput == best.goodput
     heuristic = plan(trace, PROFILES, slo, 5, exhaustive=False)
     assert heuristic.goodput == pytest.approx(best.goodput, rel=0.05)
+
+
+def test_the_plan_says_how_close_the_runner_up_was() -> None:
+    trace = generate("textcaps", rate=5, num_requests=80, seed=7)
+    result = plan(trace, PROFILES, SLO(ttft=4, tbt=0.08), 5)
+    runner = result.runner_up
+    simulated = sorted((c.goodput for c in result.candidates if not c.pruned), reverse=True)
+    assert runner is not None and runner.deployment != result.deployment
+    assert runner.goodput == simulated[1]  # the second best simulated, whatever its label
+    assert result.margin == pytest.approx((result.goodput - runner.goodput) / result.goodput)
+    assert result.to_dict()["runner_up"]["margin"] == result.margin

@@ -1,8 +1,8 @@
 """The families whose image cost follows the image's size (Qwen-VL, LLaVA-NeXT) through the
 deployed services, against HF's own model: images of different sizes (so of different token
 counts) cross E→P as features (with Qwen3-VL's DeepStack features) and P→D as KV with the M-RoPE
-rope delta, and the answer is HF `generate`'s, streamed and whole. Qwen2-VL and Qwen3-VL under each
-method; the others under E+P+D, where every hand-off crosses processes."""
+rope delta, and the answer is HF `generate`'s, streamed and whole; every family under each method
+(E+P+D, where every hand-off crosses processes, and the hybrids, where some stay in memory)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,8 @@ from tests.services.test_e2e import QUESTION, user_message
 
 SIZES = [(120, 90), (56, 200)]
 METHODS = ("e+p+d", "ep+d", "ed+p", "epd")
-DEPLOYMENTS = [
-    *(("tiny-qwen2-vl", method) for method in METHODS),
-    *(("tiny-qwen3-vl", method) for method in METHODS),  # DeepStack's features in memory and across
-    ("tiny-qwen2.5-vl", "e+p+d"),
-    ("tiny-llava-next", "e+p+d"),
-]
+FAMILIES = ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-llava-next")
+DEPLOYMENTS = [(preset, method) for preset in FAMILIES for method in METHODS]
 
 
 @pytest.fixture(scope="module", params=DEPLOYMENTS, ids=["-".join(d) for d in DEPLOYMENTS])
