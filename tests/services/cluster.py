@@ -101,11 +101,14 @@ class Cluster:
         ]
 
     def stop(self, name: str | None = None, timeout: float = 20.0) -> None:
-        for n in [name] if name else list(self.procs):
-            proc = self.procs.pop(n)
+        """SIGTERM to one process, or to all at once (they drain side by side), then wait for each."""
+        procs = [self.procs.pop(n) for n in ([name] if name else list(self.procs))]
+        for proc in procs:
             proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
             try:
-                proc.wait(timeout)
+                proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -1,55 +1,228 @@
-"""`trident up` runs the real services from compose.yaml, serves, and stops cleanly on SIGTERM."""
+"""A real `trident up` (EP+D with its planner), as a user runs it: it prints its gateway, serves,
+keeps its state file, and drains and exits 0 on SIGTERM. And what the user watches it with:
+
+- the shipped Prometheus config passes `promtool check config`;
+- every metric the Grafana dashboard queries is exposed by the running services, and a real
+  Prometheus scraping them answers every one of the dashboard's queries;
+- `trident top` shows the instances, latencies and plan, live in a pseudo-terminal and once.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import pty
 import re
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
+import pytest
+import yaml
 
 from common.infra import free_port
+from tests.engine.conftest import make_image
+from tests.services.conftest import data_url
+from tests.services.test_e2e import user_message
 
 REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "monitoring" / "grafana" / "dashboards" / "trident.json"
+PROMETHEUS_CONFIG = REPO / "monitoring" / "prometheus.yml"
+TRIDENT = Path(sys.executable).with_name("trident")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def test_trident_up_serves_ep_plus_d_and_drains(tiny_model_dir, tmp_path):
-    shutil.copy(REPO / "compose.yaml", tmp_path / "compose.yaml")
-    port = free_port()
-    trident = Path(sys.executable).with_name("trident")
+def wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model_dir, tmp_path_factory):
+    """`trident up --method ep+d` (workers, gateway, planner and its jobs worker as processes), after
+    a few requests with images: (gateway, planner, workers). It must drain and exit 0 on SIGTERM."""
+    home = tmp_path_factory.mktemp("up")
+    shutil.copy(REPO / "compose.yaml", home / "compose.yaml")
+    port, planner_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [str(trident), "up", "--model", str(tiny_model_dir), "--method", "ep+d", "--port", str(port)],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(os.environ),
-    )
+        [str(TRIDENT), "up", "--model", str(tiny_model_dir), "--method", "ep+d",
+         "--port", str(port), "--planner-port", str(planner_port)],
+        cwd=home, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+    )  # fmt: skip
+    printed: list[str] = []
+    reader = threading.Thread(target=lambda: printed.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    url, planner = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{planner_port}"
     try:
-        url, seen = None, []
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            match = re.fullmatch(r"gateway: (http://\S+)\n", line)
-            url = match.group(1) if match else None
-        assert url == f"http://127.0.0.1:{port}", "".join(seen)
+        wait_for(lambda: f"gateway: {url}\n" in printed or proc.poll() is not None, 120, "no gateway line")
+        assert f"gateway: {url}\n" in printed, "".join(printed)
+
+        def ready():
+            assert proc.poll() is None, "".join(printed)
+            try:
+                found = httpx.get(url + "/v1/cluster", timeout=2).json()["instances"]
+                up = httpx.get(planner + "/ready", timeout=2).status_code == 200
+            except (httpx.HTTPError, ValueError, KeyError):
+                return None
+            workers = [i for i in found if i.get("kind") == "worker"]
+            return workers if len(workers) == 2 and up else None
+
+        workers = wait_for(ready, 120, "trident up did not come up")
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        reply = client.chat.completions.create(
-            model=tiny_model_dir.name,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=5,
-            temperature=0,
-        )
-        assert reply.usage.completion_tokens == 5
-        assert (tmp_path / ".trident" / "logs").is_dir() and (tmp_path / ".trident" / "up.json").is_file()
+        images = [data_url(make_image(i)) for i in range(2)]
+
+        def ask(i: int):
+            return client.chat.completions.create(
+                model=tiny_model_dir.name, messages=user_message(images[: i % 3], f"question {i}"),
+                max_tokens=5, temperature=0,
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(ask, range(6)))
+        assert all(a.usage.completion_tokens == 5 for a in answers)
+        assert (home / ".trident" / "logs").is_dir() and (home / ".trident" / "up.json").is_file()
+        yield url, planner, workers
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(90) == 0
+        code = proc.wait(90)
+        reader.join(10)
+    assert code == 0, "".join(printed[-50:])  # drained and stopped everything
+    assert not (home / ".trident" / "up.json").exists()
+
+
+def dashboard_queries() -> list[str]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [t["expr"] for p in panels for t in p.get("targets", [])]
+
+
+def exposed(base_url: str) -> set[str]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=5).text
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_promtool_passes_the_shipped_config():
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: install Debian's prometheus package (`make install` does)"
+    check = subprocess.run(
+        [promtool, "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_every_metric_the_dashboard_queries_is_exposed(deployment):
+    url, planner, workers = deployment
+    names = exposed(url) | exposed(planner)
+    for worker in workers:
+        names |= exposed(worker["http_address"])
+    queried = {m for expr in dashboard_queries() for m in re.findall(r"\btrident_[a-z0-9_]+", expr)}
+    assert len(queried) > 20
+    assert queried <= names, f"queried but not exposed: {sorted(queried - names)}"
+
+
+def test_prometheus_answers_every_dashboard_query(deployment, tmp_path):
+    """The shipped scrape config with each job's targets made local (the compose network's names
+    do not resolve here); every dashboard query, as Grafana would send it, returns series."""
+    url, planner, workers = deployment
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is missing: install Debian's prometheus package (`make install` does)"
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    config["global"]["scrape_interval"] = "1s"
+    local = {
+        "trident-gateway": [url],
+        "trident-planner": [planner],
+        "trident-workers": [w["http_address"] for w in workers],
+    }
+    assert {job["job_name"] for job in config["scrape_configs"]} == set(local)
+    for job in config["scrape_configs"]:
+        job.pop("dns_sd_configs", None)
+        job["static_configs"] = [{"targets": [u.removeprefix("http://") for u in local[job["job_name"]]]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api/v1"
+    with open(tmp_path / "prometheus.log", "w") as log:
+        proc = subprocess.Popen(
+            [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+
+            def all_up():
+                try:
+                    targets = httpx.get(api + "/targets", timeout=2).json()["data"]["activeTargets"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    return False
+                return len(targets) == 2 + len(workers) and all(t["health"] == "up" for t in targets)
+
+            wait_for(all_up, 60, "Prometheus did not scrape every service")
+
+            def answers(expr: str):
+                query = expr.replace("$__rate_interval", "15s")
+                reply = httpx.get(api + "/query", params={"query": query}, timeout=5).json()
+                assert reply["status"] == "success", (expr, reply)
+                return reply["data"]["result"]
+
+            for expr in dashboard_queries():
+                wait_for(lambda e=expr: answers(e), 30, f"no series for {expr}")
+        finally:
+            proc.terminate()
+            proc.wait(20)
+
+
+def test_trident_top_shows_the_deployment_live_in_a_terminal(deployment):
+    url, _, workers = deployment
+    main, child = pty.openpty()
+    proc = subprocess.Popen(
+        [str(TRIDENT), "top", "--url", url, "--interval", "0.5"],
+        stdin=child, stdout=child, stderr=child, env={**os.environ, "COLUMNS": "160", "TERM": "xterm"},
+    )  # fmt: skip
+    os.close(child)
+    seen = ""
+    want = [w["instance_id"] for w in workers] + ["TTFT p50/p90", "TBT p50/p90", "queued:", "plan"]
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(w in seen for w in want):
+            ready, _, _ = select.select([main], [], [], 0.5)
+            if ready:
+                try:
+                    seen += ANSI.sub("", os.read(main, 65536).decode(errors="replace"))
+                except OSError:  # the child closed the terminal
+                    break
+        assert all(w in seen for w in want), seen[-3000:]
+        assert "requests/s" in seen and "cannot read" not in seen
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(main)
+
+
+def test_trident_top_once_prints_a_frame_and_says_when_it_cannot(deployment):
+    url, _, workers = deployment
+    once = subprocess.run(
+        [str(TRIDENT), "top", "--url", url, "--once"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "COLUMNS": "160"},
+    )  # fmt: skip
+    assert once.returncode == 0, once.stderr
+    assert all(w["instance_id"] in once.stdout for w in workers)
+    assert re.search(r"TTFT p50/p90 \d+ ms / \d+ ms", once.stdout), once.stdout
+    gone = subprocess.run(
+        [str(TRIDENT), "top", "--url", f"http://127.0.0.1:{free_port()}", "--once"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert gone.returncode == 1 and "error: cannot read" in gone.stderr
