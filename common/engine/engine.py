@@ -18,7 +18,7 @@ from common.engine.block_manager import BlockManager, blocks_needed
 from common.engine.config import EngineConfig
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.feature_cache import FeatureCache
-from common.engine.governor import BudgetGovernor
+from common.engine.governor import BudgetGovernor, budget_share
 from common.engine.kv_cache import KVCache, KVSpec, layer_groups, num_blocks_for
 from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
@@ -217,8 +217,7 @@ class Engine:
     def _govern(self, batch: Batch, seconds: float) -> None:
         """Tell the governor how long this step took for the share of the budgets it used."""
         s = self.scheduler
-        images = batch.image_cost(s.image_unit) / (s.image_unit or 1)
-        share = images / max(1, s.image_budget) + batch.num_tokens / max(1, s.token_budget)
+        share = budget_share(batch, s.image_budget, s.token_budget, s.image_unit)
         if self.governor.observe(share, seconds):
             s.image_budget, s.token_budget = self.governor.budgets
             log.info(

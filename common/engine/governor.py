@@ -27,6 +27,14 @@ GROW_BELOW = 0.9  # grow only when a full step takes under this share of the tar
 FLOOR = 0.25  # budgets never fall below this share of the profiled ones
 
 
+def budget_share(batch, image_budget: int, token_budget: int, image_unit: int | None) -> float:
+    """The share of its budgets a batch used: images/τe + tokens/τt, τe counted as the scheduler
+    counts it (Scheduler.image_unit). What `BudgetGovernor.observe` takes, in the engine and in the
+    planner's simulated instances alike."""
+    images = batch.image_cost(image_unit) / (image_unit or 1)
+    return images / max(1, image_budget) + batch.num_tokens / max(1, token_budget)
+
+
 class BudgetGovernor:
     def __init__(self, image_budget: int, token_budget: int, target: float) -> None:
         self.profiled = (image_budget, token_budget)

@@ -25,6 +25,8 @@ import numpy as np
 from common.engine.admission import pull_room
 from common.engine.block_manager import BlockManager, blocks_needed
 from common.engine.config import EngineConfig, Policy
+from common.engine.governor import BudgetGovernor, budget_share
+from common.engine.profiler import budget_target, latency_limit
 from common.engine.request import ImageInput, Request, Status
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Batch, Scheduler
@@ -88,8 +90,9 @@ class _Instance:
     """One simulated engine: the engine's scheduler and block manager, timed by a profile."""
 
     def __init__(
-        self, name: str, kind: str, curves: StageCurves, slo: SLO, policy: Policy, context: float
-    ) -> None:
+        self, name: str, kind: str, curves: StageCurves, slo: SLO, policy: Policy, context: float,
+        governor: bool = True,
+    ) -> None:  # fmt: skip
         self.name = name
         self.kind = kind
         self.roles = KIND_ROLES[kind]
@@ -107,6 +110,10 @@ class _Instance:
         self.scheduler = Scheduler(config, self.blocks)
         # τe counts what the engine's does: images, or image tokens in units of the profiled image.
         self.scheduler.image_unit = curves.tokens_per_image or None
+        # The workers' budget governor, by default on there too: it shrinks the budgets while full
+        # iterations run over their target (here: slowed by shared cores or jitter).
+        target = budget_target(latency_limit(self.roles, slo.ttft, slo.tbt))
+        self.governor = BudgetGovernor(image_budget, token_budget, target) if governor else None
         self.busy_until: float | None = None  # when the running iteration ends; None when idle
         self.busy_time = 0.0
         self.batch: Batch | None = None
@@ -148,6 +155,7 @@ class Simulation:
         correction: Correction | None = None,
         stop_early: bool = False,
         seed: int = 0,
+        governor: bool = True,
     ) -> None:
         self.trace = sorted(trace, key=lambda e: e.arrival)
         self.slo = slo
@@ -159,7 +167,7 @@ class Simulation:
         # The decode context budgets are sized for: the trace's mean over a request's decode.
         context = sum(e.prompt_tokens + e.output_tokens / 2 for e in self.trace) / max(len(self.trace), 1)
         self.instances = [
-            _Instance(f"{kind}{i}", kind, profiles.for_kind(kind), slo, policy, context)
+            _Instance(f"{kind}{i}", kind, profiles.for_kind(kind), slo, policy, context, governor)
             for kind, n in deployment.replicas
             for i in range(n)
         ]
@@ -347,6 +355,11 @@ class Simulation:
     def _end_iteration(self, inst: _Instance) -> None:
         batch, inst.batch, inst.busy_until = inst.batch, None, None
         inst.busy_time += self.now - inst.started
+        if inst.governor is not None:
+            s = inst.scheduler
+            share = budget_share(batch, s.image_budget, s.token_budget, s.image_unit)
+            if inst.governor.observe(share, self.now - inst.started):
+                s.image_budget, s.token_budget = inst.governor.budgets
         for req, indices in batch.encodes:
             for k in indices:
                 req.images[k].features = _ENCODED
@@ -413,10 +426,12 @@ def simulate(
     correction: Correction | None = None,
     stop_early: bool = False,
     seed: int = 0,
+    governor: bool = True,
 ) -> SimResult:
     """Replay `trace` (TraceEntry-like: arrival, prompt_tokens, num_images, image_tokens,
     output_tokens) on `deployment`; with `stop_early`, stop once attainment cannot be reached.
-    `seed` drives the profile's iteration jitter, if it has any."""
+    `seed` drives the profile's iteration jitter, if it has any; `governor` False keeps every
+    instance's start-up budgets whatever its iterations take (a worker with adapt_budgets off)."""
     sim = Simulation(
         trace,
         deployment,
@@ -426,6 +441,7 @@ def simulate(
         correction=correction,
         stop_early=stop_early,
         seed=seed,
+        governor=governor,
     )
     return sim.run()
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from common.planner.profiles import ProfileSet, StageCurves, TransferModel
-from common.planner.simulator import Correction, simulate
+from common.planner.simulator import Correction, Simulation, simulate
 from common.planner.trace import TraceEntry
 from common.planner.types import Deployment
 from common.stats import SLO
@@ -109,3 +109,24 @@ def test_the_image_budget_counts_tokens_where_the_profile_names_its_image() -> N
     together = simulate(halves, deployment, by_tokens, SLO_)
     apart = simulate(halves, deployment, PROFILES, SLO_)
     assert max(apart.ttft) - max(together.ttft) == pytest.approx(0.1, abs=0.02)
+
+
+def test_the_simulated_governor_shrinks_budgets_as_the_workers_does_on_shared_cores() -> None:
+    """Two EPD instances on one core: each full iteration runs twice its profiled time, so the
+    governor (the engine's own BudgetGovernor and budget share) halves τt, as it would in service.
+    Off, the start-up budgets stay."""
+    shared = dataclasses.replace(PROFILES, host_cores=1)
+    # Long prompts arriving steadily keep both instances' iterations full of prefill tokens.
+    trace = [entry(0.02 * i, images=0, prompt=600, output=8) for i in range(80)]
+    slo = SLO(ttft=30, tbt=0.25)
+    deployment = Deployment.of("epd", epd=2)
+
+    on = Simulation(trace, deployment, shared, slo)
+    on.run()
+    off = Simulation(trace, deployment, shared, slo, governor=False)
+    off.run()
+    start = off.instances[0].scheduler.token_budget
+    assert all(i.scheduler.token_budget == start for i in off.instances)
+    for inst in on.instances:
+        assert inst.governor.scale == pytest.approx(0.5, abs=0.1)
+        assert inst.scheduler.token_budget < 0.6 * start
