@@ -159,6 +159,9 @@ class PlannerSettings(ServiceSettings):
     planner_window: int = Field(2000, ge=1, description="Most recent finished requests planned for")
     planner_min_requests: int = Field(50, ge=1, description="Finished requests needed before the first plan")
     planner_instances: int = Field(0, ge=0, description="Instances to partition; 0: as many as are live")
+    planner_calibrate: bool = Field(
+        True, description="Fit the stage curves to the steps instances ran in service (their StepStats)"
+    )
     planner_attainment: float = Field(
         0.9, gt=0, le=1, description="Share of requests that must meet the SLOs"
     )

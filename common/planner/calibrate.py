@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from common.planner.profiles import ProfileSet, StageCurves, TransferModel, scale_profiles
 from common.planner.simulator import simulate
+from common.planner.types import KIND_ROLES
 from common.roles import Role
 from common.stats import quantile
 
@@ -181,3 +183,71 @@ def fit_decode(entries: Sequence, deployment, profiles: ProfileSet, slo) -> tupl
     low, high = FACTOR_RANGE
     factor = round(min(high, max(low, float(np.median(ratios)))), 4)
     return scale_profiles(profiles, {"decode": factor}), factor
+
+
+SERVICE_MIN_STEPS = 20  # steps of a stage before its factor is trusted
+
+
+@dataclass(frozen=True)
+class ServiceCalibration:
+    """Each stage's curve scaled to what its steps took in service (`factors`), the spread of
+    single steps around the scaled curves (`jitter`, σ of a log-normal factor), and what it was
+    fitted on: step counts by kind, and each instance's budgets as its governor set them."""
+
+    factors: dict[str, float]
+    jitter: float
+    steps: dict[str, int]
+    budgets: dict[str, dict[str, float]]
+
+    def apply(self, profiles: ProfileSet) -> ProfileSet:
+        return scale_profiles(profiles, self.factors, jitter=max(profiles.jitter, self.jitter))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def service_factors(stats: Sequence, profiles: ProfileSet) -> ServiceCalibration:
+    """Fit the profile's stage curves to the steps instances ran in service (StepStats records):
+    each stage's factor is the time its steps took over the time the curve predicts for the same
+    batches, summed (so the big steps, which set throughput, weigh most). Steps of one stage only
+    fit that stage; mixed steps (prefill chunks beside decodes, an image beside them) fit every
+    stage that lacks SERVICE_MIN_STEPS pure ones. A factor left unfitted is 1.
+
+    Times in service hold what the profile cannot see: the other processes on the same cores, the
+    worker's Python around a step, a GPU shared with another tenant. They are the times under the
+    load that was served, so a plan for a much heavier or lighter load extrapolates from them."""
+    sums: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in ("encode", "prefill", "decode", "mixed")}
+    counts = dict.fromkeys(sums, 0)
+    logs: dict[str, list[float]] = {kind: [] for kind in sums}
+    budgets = {}
+    for record in stats:
+        kind = next((k for k, r in KIND_ROLES.items() if r == frozenset(record.roles)), None)
+        curves = profiles.for_kind(kind) if kind else profiles.curves
+        budgets[record.instance_id] = {
+            "image_budget": record.image_budget, "token_budget": record.token_budget,
+            "scale": record.budget_scale,
+        }  # fmt: skip
+        for step_kind, images, prefill_tokens, decodes, context, seconds in record.steps:
+            if step_kind not in sums or (images and not curves.encode):
+                continue
+            predicted = curves.iteration_time(images, prefill_tokens, decodes, context)
+            if predicted <= 0 or seconds <= 0:
+                continue
+            sums[step_kind][0] += seconds
+            sums[step_kind][1] += predicted
+            counts[step_kind] += 1
+            logs[step_kind].append(float(np.log(seconds / predicted)))
+    low, high = FACTOR_RANGE
+    mixed = sums["mixed"][0] / sums["mixed"][1] if counts["mixed"] >= SERVICE_MIN_STEPS else None
+    factors = {}
+    for stage in ("encode", "prefill", "decode"):
+        observed, predicted = sums[stage]
+        factor = observed / predicted if counts[stage] >= SERVICE_MIN_STEPS else mixed
+        if factor is not None:
+            factors[stage] = round(min(high, max(low, factor)), 4)
+    # Spread of a step around its stage's scaled curve, pooled over the stages fitted.
+    residuals = [
+        v - float(np.log(factors[kind])) for kind, values in logs.items() if kind in factors for v in values
+    ]
+    spread = round(float(np.std(residuals)), 4) if len(residuals) >= SERVICE_MIN_STEPS else 0.0
+    return ServiceCalibration(factors, spread, counts, budgets)

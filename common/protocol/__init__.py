@@ -20,7 +20,7 @@ from common.protocol.events import (
     TokenDelta,
     Usage,
 )
-from common.protocol.records import DeadLetter, FeatureEntry, StageProfile, TraceRecord
+from common.protocol.records import DeadLetter, FeatureEntry, StageProfile, StepStats, TraceRecord
 from common.protocol.sampling import SamplingParams, TokenId
 from common.protocol.tasks import (
     DecodeTask,
@@ -63,6 +63,7 @@ __all__ = [
     "SamplingParams",
     "StageProfile",
     "StageTask",
+    "StepStats",
     "TensorRef",
     "TokenDelta",
     "TokenId",

@@ -74,6 +74,22 @@ class StageProfile(Message):
     tokens_per_image: int = Field(0, ge=0)
 
 
+class StepStats(Message):
+    """What an instance's engine steps took in service, lately (the planner calibrates its curves
+    with them): one (kind, images, prefill tokens, decodes, mean decode context, seconds) per step,
+    images in the profile's image units; and the budgets the governor has set."""
+
+    KIND: ClassVar[str] = "rec.steps"
+    instance_id: str
+    roles: tuple[str, ...]
+    profile_id: str = ""
+    time: float  # wall clock when published
+    image_budget: int = Field(0, ge=0)
+    token_budget: int = Field(0, ge=0)
+    budget_scale: float = Field(1.0, gt=0)
+    steps: tuple[tuple[str, float, int, int, float, float], ...] = ()
+
+
 class DeadLetter(Message):
     """A task that will not be processed: malformed, failed on its last delivery, or out of deliveries."""
 

@@ -12,6 +12,7 @@
 <p>:profile:<profile_id>      string StageProfile
 <p>:profiles                  set    profile ids
 <p>:profile:<id>:claim        string instance measuring that profile now                  TTL claim_ttl
+<p>:steps                     hash   instance id -> its StepStats (engine steps in service)
 <p>:plan                      string the current Plan
 <p>:plan:seq                  int    last decision id (INCR)
 <p>:plan:apply                string the Plan for `trident up --follow-plan` (the launcher actuator)
@@ -71,6 +72,10 @@ class Keys:
     @property
     def plan(self) -> str:
         return f"{self.prefix}:plan"
+
+    @property
+    def steps(self) -> str:
+        return f"{self.prefix}:steps"
 
     @property
     def plan_seq(self) -> str:

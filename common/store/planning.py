@@ -8,12 +8,13 @@ from collections.abc import Mapping
 
 from redis.asyncio import Redis
 
-from common.protocol import DeadLetter, Method, Plan, ProtocolError, StageProfile, decode
+from common.protocol import DeadLetter, Method, Plan, ProtocolError, StageProfile, StepStats, decode
 from common.store.keys import Keys
 
 log = logging.getLogger(__name__)
 
 _SEEN_TTL = 7 * 24 * 3600
+STEPS_MAX_AGE = 60.0  # seconds: step stats older than this are from an instance that is gone
 
 
 class Planning:
@@ -52,6 +53,25 @@ class Planning:
         ids = sorted(i.decode() for i in await self._r.smembers(self._keys.profiles))
         found = [await self.get_profile(i) for i in ids]
         return [p for p in found if p is not None]
+
+    async def put_steps(self, stats: StepStats) -> None:
+        await self._r.hset(self._keys.steps, stats.instance_id, stats.to_bytes())
+
+    async def steps(self, max_age: float = STEPS_MAX_AGE) -> list[StepStats]:
+        """Every instance's latest StepStats no older than `max_age` seconds; older ones (their
+        instance is gone) are dropped from Redis as they are found."""
+        found, stale = [], []
+        now = time.time()
+        for instance, raw in (await self._r.hgetall(self._keys.steps)).items():
+            try:
+                stats = decode(raw, expect=StepStats)
+            except ProtocolError as exc:
+                log.warning("unreadable step stats of %s: %s", instance, exc)
+                continue
+            (found if now - stats.time <= max_age else stale).append(stats)
+        if stale:
+            await self._r.hdel(self._keys.steps, *[s.instance_id for s in stale])
+        return sorted(found, key=lambda s: s.instance_id)
 
     async def put_plan(
         self, method: Method, replicas: Mapping[str, int], goodput: float | None = None, reason: str = ""

@@ -26,7 +26,7 @@ from typing import Any
 from common.aio import raise_if_cancelled
 from common.bus import Bus
 from common.planner.algorithm import plan as make_plan
-from common.planner.calibrate import transfer_model
+from common.planner.calibrate import service_factors, transfer_model
 from common.planner.drift import current_deployment, measure_correction, workload_distance
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
@@ -191,6 +191,12 @@ class Planner:
             profiles = load_profiles(s.planner_profiles, await self.store.planning.profiles(), self.window)
         except ProfileError as exc:
             raise NotPlanned(f"stage profiles ({s.planner_profiles}): {exc}") from exc
+        calibration = None
+        if s.planner_calibrate and s.planner_profiles == "cluster":  # the same machines' steps
+            live_ids = {hb.instance_id for hb in await self.store.registry.instances()}
+            served = [st for st in await self.store.planning.steps() if st.instance_id in live_ids]
+            calibration = service_factors(served, profiles)
+            profiles = calibration.apply(profiles)
         live = [hb for hb in await self.store.registry.instances() if not hb.draining]
         current = current_deployment([hb.roles for hb in live])
         instances = s.planner_instances or self._instances(current, len(live))
@@ -230,6 +236,7 @@ class Planner:
             "current": current.to_dict() if current else None,
             "live_instances": len(live),
             "correction": dataclasses.asdict(correction),
+            "calibration": calibration.to_dict() if calibration else None,
             "slo": dataclasses.asdict(self.slo),
             "instances": instances,
             "actuator": self.actuator.name,

@@ -34,6 +34,7 @@ from services.worker.ledger import AlreadyHeld, Cancelled, Ledger
 from services.worker.outputs import OutputPublisher
 from services.worker.stage import StageHandler
 from services.worker.stage_metrics import StageMetrics
+from services.worker.step_log import PUBLISH_EVERY, StepLog
 
 log = logging.getLogger(__name__)
 CLOSE_STEP_TIMEOUT = 5.0  # seconds each part of shutdown may take
@@ -105,7 +106,13 @@ class StageWorker:
         self.loop = EngineLoop(engine, self._outputs.put_nowait)
         self.ledger = Ledger(self.loop, transfer, self.record)
         self.metrics = StageMetrics(self.registry, self.instance_id, ",".join(sorted(self.roles)))
-        engine.on_step = lambda batch, seconds: self.metrics.step(batch.kind, seconds)
+        self.steps = StepLog()
+
+        def on_step(batch, seconds: float) -> None:  # on the engine thread
+            self.metrics.step(batch.kind, seconds)
+            self.steps.record(batch, seconds, engine.scheduler.image_unit)
+
+        engine.on_step = on_step
         self.ctx = StageContext(
             self.instance_id, self.roles, self.loop, self.ledger, bus, store, transfer,
             Dispatcher(bus.tasks, self.record), self.counters, self.draining, metrics=self.metrics,
@@ -136,6 +143,7 @@ class StageWorker:
             tg.create_task(self.record.run())
             tg.create_task(keep_alive(self._tasks, self.ctx.bus.config.keep_alive_period))
             tg.create_task(self._housekeeping())
+            tg.create_task(self._publish_steps())
             tg.create_task(self.reaper.run())
             tg.create_task(self.ctx.watch_cancels())
             for handler in self.handlers.values():
@@ -307,6 +315,29 @@ class StageWorker:
         while True:
             raise_if_cancelled()
             await self.outputs.publish(await self._outputs.get())
+
+    async def _publish_steps(self) -> None:
+        """The engine's last steps and the budgets in force, for the planner's calibration; a
+        Redis outage skips a round (the planner uses what it has)."""
+        published = -1
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(PUBLISH_EVERY)
+            if not len(self.steps) or self.loop.steps == published:
+                continue
+            s = self.loop.stats
+            stats = self.steps.stats(
+                self.instance_id,
+                self.roles,
+                self.profile_id,
+                (s.image_budget, s.token_budget),
+                s.budget_scale,
+            )
+            try:
+                await self.ctx.store.planning.put_steps(stats)
+                published = self.loop.steps
+            except Exception as exc:
+                log.warning("%s: step stats not published (%r)", self.instance_id, exc)
 
     async def _housekeeping(self) -> None:
         """Free KV nobody came for, drop the requests of dead gateways, say outputs again after a

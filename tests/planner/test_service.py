@@ -165,6 +165,15 @@ async def test_a_plan_reaches_every_channel(cluster: Cluster) -> None:
             assert gauges["trident_planner_predicted_goodput"] == pytest.approx(event.goodput)
             assert gauges["trident_planner_plan_duration_seconds"] > 0
 
+            # The instance publishes its steps in service (every 5 s); the next plan fits its
+            # curves to them and says what it fitted on.
+            deadline = time.monotonic() + 30
+            while not (published := await store.planning.steps()):
+                assert time.monotonic() < deadline, "no step stats published"
+                await asyncio.sleep(0.2)
+            (instance,) = [i["instance_id"] for i in cluster_view["instances"] if i.get("kind") == "worker"]
+            assert [p.instance_id for p in published] == [instance] and published[0].steps
+
             # Asked for, a new decision comes at once under the next id, on every channel again.
             again = await http.post(
                 cluster.planner_url + "/plan/replan", params={"wait": "true"}, timeout=120
@@ -172,6 +181,9 @@ async def test_a_plan_reaches_every_channel(cluster: Cluster) -> None:
             assert again.status_code == 200, again.text
             assert again.json()["decision_id"] == event.decision_id + 1
             assert again.json()["trigger"] == "requested"
+            calibration = again.json()["inputs"]["calibration"]
+            assert sum(calibration["steps"].values()) >= len(published[0].steps) > 0
+            assert set(calibration["budgets"]) == {instance}
             second = await plans.get(timeout=10)
             assert second.decision_id == event.decision_id + 1
             assert (await store.planning.current_plan()).decision_id == second.decision_id

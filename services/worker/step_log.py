@@ -1,0 +1,43 @@
+"""The engine's last steps as they ran in service, for the planner to calibrate its stage curves
+with (common/planner/calibrate.py `service_factors`): the profile times the model alone at
+start-up; in service the same step shares the cores and pays for the worker around it.
+
+The engine thread appends one sample per step; the worker publishes the window with the budgets
+in force every PUBLISH_EVERY seconds (Redis `<p>:steps`, docs/substrate.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from common.engine.scheduler import Batch
+from common.protocol import StepStats
+
+KEPT = 512  # steps in the window
+PUBLISH_EVERY = 5.0  # seconds
+
+
+class StepLog:
+    def __init__(self, kept: int = KEPT) -> None:
+        self._steps: deque[tuple[str, float, int, int, float, float]] = deque(maxlen=kept)
+
+    def record(self, batch: Batch, seconds: float, image_unit: int | None) -> None:
+        """On the engine thread, after each step (a deque's append is thread-safe)."""
+        decodes = batch.decodes
+        context = sum(r.num_tokens for r in decodes) / len(decodes) if decodes else 0.0
+        images = batch.image_cost(image_unit) / (image_unit or 1)
+        prefill_tokens = sum(n for _, n in batch.prefills)
+        self._steps.append((batch.kind, round(images, 4), prefill_tokens, len(decodes), round(context, 1),
+                            round(seconds, 6)))  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def stats(
+        self, instance_id: str, roles, profile_id: str, budgets: tuple[int, int], scale: float
+    ) -> StepStats:
+        return StepStats(
+            instance_id=instance_id, roles=tuple(sorted(roles)), profile_id=profile_id, time=time.time(),
+            image_budget=budgets[0], token_budget=budgets[1], budget_scale=scale, steps=tuple(self._steps),
+        )  # fmt: skip
