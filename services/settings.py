@@ -87,6 +87,12 @@ class WorkerSettings(ServiceSettings):
     policy: str = Field("stage", description="stage | prefill-first | decode-first")
     device: str = "cpu"
     num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default")
+    core_board: str = Field(
+        "",
+        description="A file every worker on this host shares: each step then takes the cores the others "
+        "leave idle (services/worker/cores.py); empty: num_threads throughout",
+    )
+    host_cores: int = Field(0, ge=0, description="Cores the core board shares out; 0: this process's CPUs")
     kv_cache_bytes: int = 256 << 20
     block_size: int = 16
     # Upper caps: with profiling on, the budgets in use are the largest within the SLO-derived

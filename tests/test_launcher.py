@@ -8,6 +8,7 @@ SIGTERM), against the real nats-server and redis-server, so it stays fast and ne
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -159,6 +160,20 @@ def test_plan_per_method(method: Method, names: list[str]) -> None:
     for proc in procs[len(names) : -1]:
         assert not proc.roles and "TRIDENT_NUM_THREADS" not in proc.env
         assert proc.env["TRIDENT_HTTP_PORT"] == "0"  # `trident up` sets the planner's own with service_env
+
+
+def test_workers_share_a_core_board_unless_the_caller_fixed_their_threads() -> None:
+    compose = load_compose(COMPOSE, {})
+    board = Path("/run/trident/cores.board")
+    setup = dataclasses.replace(_setup(cpus=2), core_board=board)
+    procs = plan(compose, Method.EP_D, {}, setup)
+    workers = [p for p in procs if p.roles]
+    assert [(p.env["TRIDENT_CORE_BOARD"], p.env["TRIDENT_HOST_CORES"]) for p in workers] == [
+        (str(board), "2")
+    ] * 2
+    assert all("TRIDENT_CORE_BOARD" not in p.env for p in procs if not p.roles)
+    fixed = dataclasses.replace(_setup(cpus=2, user_env={"TRIDENT_NUM_THREADS": "2"}), core_board=board)
+    assert all("TRIDENT_CORE_BOARD" not in p.env for p in plan(compose, Method.EP_D, {}, fixed))
 
 
 def test_scale_by_service_role_or_initials() -> None:
@@ -313,7 +328,8 @@ def _stand_in_compose(tmp_path: Path, decode_mode: str = "worker") -> Path:
     script.write_text(STAND_IN)
     data = yaml.safe_load(COMPOSE.read_text())
     for name, service in data["services"].items():
-        if "command" in service and name not in ("nats", "redis", "secrets-init", "model-init"):
+        ours = str(service.get("image", "")).startswith("trident")  # not nats, redis, prometheus, grafana
+        if ours and "command" in service and name not in ("secrets-init", "model-init"):
             mode = "gateway" if name == "gateway" else decode_mode if name == "decode" else "worker"
             service["command"] = ["python", str(script), mode]
             service["environment"]["STAND_IN_OUT"] = "${STAND_IN_OUT}"  # interpolated from the caller

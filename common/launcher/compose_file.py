@@ -306,6 +306,8 @@ class LocalSetup:
     cpus: int
     user_env: Mapping[str, str]  # the caller's environment; its TRIDENT_NUM_THREADS wins over the split
     secrets_dir: Path | None = None  # the deployment's secrets (common/secrets.py), for every service
+    # The workers' shared core board (services/worker/cores.py), used unless the caller fixed the threads.
+    core_board: Path | None = None
     # Variables set on one service's processes over everything else (the planner's port and actuator).
     service_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
@@ -368,6 +370,9 @@ def worker_spec(
     env = {**_local_env(setup), "TRIDENT_HTTP_PORT": "0"}
     if "TRIDENT_NUM_THREADS" not in setup.user_env:
         env["TRIDENT_NUM_THREADS"] = str(thread_split(setup.cpus, workers))
+        if setup.core_board is not None:  # the split under load; all the cores a step finds idle
+            env["TRIDENT_CORE_BOARD"] = str(setup.core_board)
+            env["TRIDENT_HOST_CORES"] = str(setup.cpus)
     return _spec(compose.services[service], index, setup, env)
 
 

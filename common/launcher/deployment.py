@@ -162,6 +162,7 @@ class Deployment:
             cpus=len(os.sched_getaffinity(0)),
             user_env=os.environ,
             secrets_dir=self.secrets_dir.resolve(),
+            core_board=(self.home / "cores.board").resolve(),
             service_env={self.compose.planner: planner_env} if self.compose.planner else {},
         )
         for spec in plan(self.compose, self.method, self.scale, self.setup):

@@ -15,8 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from common.engine import Engine, RequestOutput
 from common.engine.request import Status
+from services.worker.cores import CoreBoard
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,8 +60,15 @@ class EngineStats:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        cores: CoreBoard | None = None,
+    ) -> None:
         self.engine = engine
+        self.cores = cores  # with a core board, each step's torch threads follow the host's idle cores
+        self.threads = torch.get_num_threads()
         self._on_outputs = on_outputs
         self._calls: queue.Queue[tuple[Callable[[], Any], asyncio.Future | None, Any] | None]
         self._calls = queue.Queue()
@@ -96,7 +106,7 @@ class EngineLoop:
                 if not self._drain_calls(block=idle):
                     return
                 if self.engine.has_unfinished():
-                    outputs = self.engine.step()
+                    outputs = self._step()
                     self.steps += 1
                     if outputs:
                         self._loop.call_soon_threadsafe(self._on_outputs, outputs)
@@ -104,6 +114,18 @@ class EngineLoop:
         except BaseException as exc:  # surfaced to every later call and to the health check
             log.exception("engine thread failed")
             self.failure = exc
+
+    def _step(self) -> list[RequestOutput]:
+        if self.cores is None:
+            return self.engine.step()
+        threads = self.cores.begin_step()
+        try:
+            if threads != self.threads:
+                torch.set_num_threads(threads)
+                self.threads = threads
+            return self.engine.step()
+        finally:
+            self.cores.end_step()
 
     def _drain_calls(self, block: bool) -> bool:
         """Run queued calls; wait for one when idle. False once asked to stop."""

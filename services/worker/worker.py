@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from common.transfer import TransferConfig, create_backend
 from services.settings import WorkerSettings
 from services.worker import profiling
 from services.worker.context import StageContext
+from services.worker.cores import CoreBoard
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
 from services.worker.ledger import AlreadyHeld, Cancelled, Ledger
@@ -103,7 +105,10 @@ class StageWorker:
         )
         await transfer.start()
         self.record = StageRecorder(store)
-        self.loop = EngineLoop(engine, self._outputs.put_nowait)
+        cores = None
+        if s.core_board:
+            cores = CoreBoard(s.core_board, s.host_cores or len(os.sched_getaffinity(0)))
+        self.loop = EngineLoop(engine, self._outputs.put_nowait, cores)
         self.ledger = Ledger(self.loop, transfer, self.record)
         self.metrics = StageMetrics(self.registry, self.instance_id, ",".join(sorted(self.roles)))
         self.steps = StepLog()
@@ -203,6 +208,8 @@ class StageWorker:
                 )
             except Exception as exc:
                 log.warning("%s: %s failed: %r", self.instance_id, step.__qualname__, exc)
+        if self.loop.cores is not None:
+            self.loop.cores.close()  # the slot is free for the next worker on this host
 
     async def _stop_heartbeats(self) -> None:
         """A last, leaving heartbeat and out of the registry — unless taken for dead: then it says

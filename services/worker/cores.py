@@ -1,0 +1,88 @@
+"""Torch threads matched, step by step, to the cores that co-located workers leave free.
+
+Workers on one host split its cores (`trident up`: cores // workers each), so that under load
+their torch threads do not oversubscribe the cores and spin against each other. At low load the
+split leaves cores idle: an EP instance alone with a request computes it on half the machine, and
+its TTFT is twice what one process with every core gives.
+
+A core board is a small file that every worker on the host maps (`TRIDENT_CORE_BOARD`): one slot
+per worker, holding its pid and whether an engine step is running. Before each step a worker
+marks itself busy and takes the cores the others' marks leave: all of them when it steps alone,
+an even share when all step at once. A slot whose process is gone counts as idle, and is taken
+over by the next worker to start.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import struct
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SLOTS = 64
+SLOT = struct.Struct("<qq")  # pid, busy (0/1)
+SIZE = SLOTS * SLOT.size
+
+
+class CoreBoard:
+    def __init__(self, path: str | Path, cores: int) -> None:
+        self.cores = max(1, cores)
+        self.pid = os.getpid()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # claiming a slot: one worker at a time
+            if os.fstat(fd).st_size < SIZE:
+                os.ftruncate(fd, SIZE)
+            self._map = mmap.mmap(fd, SIZE)
+            self.slot = self._claim()
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+        self._others: list[int] = []
+
+    def _claim(self) -> int:
+        for i in range(SLOTS):
+            pid, _ = SLOT.unpack_from(self._map, i * SLOT.size)
+            if pid == 0 or pid == self.pid or not _alive(pid):
+                SLOT.pack_into(self._map, i * SLOT.size, self.pid, 0)
+                return i
+        raise RuntimeError(f"the core board has no free slot ({SLOTS} workers on one host)")
+
+    def busy_others(self) -> int:
+        """Workers on this host in an engine step now, this one not counted."""
+        count = 0
+        for i in range(SLOTS):
+            if i == self.slot:
+                continue
+            pid, busy = SLOT.unpack_from(self._map, i * SLOT.size)
+            if busy and pid and _alive(pid):
+                count += 1
+        return count
+
+    def begin_step(self) -> int:
+        """Mark this worker busy; the torch threads its step may use now."""
+        SLOT.pack_into(self._map, self.slot * SLOT.size, self.pid, 1)
+        return max(1, self.cores // (1 + self.busy_others()))
+
+    def end_step(self) -> None:
+        SLOT.pack_into(self._map, self.slot * SLOT.size, self.pid, 0)
+
+    def close(self) -> None:
+        SLOT.pack_into(self._map, self.slot * SLOT.size, 0, 0)
+        self._map.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

@@ -1,0 +1,70 @@
+"""The core board: a worker's step takes every core the other workers on the host leave idle, its
+share when they step too, and a worker that died counts as idle."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from services.worker.cores import CoreBoard
+
+BUSY_CHILD = """
+import sys, time
+from services.worker.cores import CoreBoard
+board = CoreBoard(sys.argv[1], 2)
+board.begin_step()
+print("busy", flush=True)
+sys.stdin.readline()  # until told
+if sys.argv[2] == "end":
+    board.end_step()
+    print("idle", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def other_worker(path, then: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BUSY_CHILD, str(path), then],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline() == "busy\n"
+    return proc
+
+
+def test_a_step_takes_the_cores_the_others_leave(tmp_path):
+    board = CoreBoard(tmp_path / "cores", cores=2)
+    assert board.begin_step() == 2  # alone on the host: every core
+    board.end_step()
+    other = other_worker(tmp_path / "cores", "end")
+    try:
+        assert board.busy_others() == 1
+        assert board.begin_step() == 1  # the other steps too: half each
+        board.end_step()
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.stdout.readline() == "idle\n"
+        assert board.begin_step() == 2
+        board.end_step()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_dead_workers_slot_is_idle_and_taken_over(tmp_path):
+    other = other_worker(tmp_path / "cores", "die")
+    board = CoreBoard(tmp_path / "cores", cores=4)
+    assert board.busy_others() == 1
+    other.kill()  # dies mid-step, its mark still set
+    other.wait()
+    deadline = time.monotonic() + 5
+    while board.busy_others() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert board.begin_step() == 4
+    newcomer = CoreBoard(tmp_path / "cores", cores=4)
+    assert newcomer.slot != board.slot  # the dead worker's slot, not the live one's
+    assert newcomer.busy_others() == 1  # this one is stepping
+    board.close()
+    newcomer.close()
