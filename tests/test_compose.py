@@ -105,8 +105,15 @@ def test_no_container_names(name: str) -> None:
 
 def test_only_unscaled_services_publish_ports(compose: dict[str, Any], gpu: dict[str, Any]) -> None:
     for doc in (compose, gpu):
-        published = {name for name, service in doc["services"].items() if service.get("ports")}
+        published = {
+            name for name, service in doc["services"].items()
+            if service.get("ports") and "monitoring" not in service.get("profiles", ())
+        }  # fmt: skip
         assert published == {"gateway"}  # secure by default: nothing else is reachable from the host
+    # The opt-in monitoring profile publishes Prometheus and Grafana, on loopback only.
+    monitoring = {n: s for n, s in compose["services"].items() if "monitoring" in s.get("profiles", ())}
+    assert set(monitoring) == {"prometheus", "grafana"}
+    assert all(port.startswith("127.0.0.1:") for s in monitoring.values() for port in s["ports"])
     assert compose["services"]["gateway"]["ports"] == ["${TRIDENT_PORT:-8000}:8000"]
     expose = merge(compose, _load("compose.expose.yaml"))
     assert expose["services"]["planner"]["ports"] == ["127.0.0.1:${TRIDENT_PLANNER_PORT:-8100}:8100"]
