@@ -56,6 +56,13 @@ def compare(
         size = parse_size(image_size) if image_size else None
     except (ValueError, WorkloadError) as exc:
         raise typer.BadParameter(str(exc)) from None
+    from common.bench.machine import single_thread_gflops
+
+    before = single_thread_gflops()  # this machine's speed varies from run to run: read the ratio beside it
     result = run_compare(chosen, model, load, slo, out, image_size=size, reporter=progress_reporter)
+    after = single_thread_gflops()
+    machine = {"matmul_gflops_before": round(before, 1), "matmul_gflops_after": round(after, 1)}
     typer.echo((out / "compare.md").read_text())
-    typer.echo(json.dumps({**result.to_dict(), "out": str(out)}))
+    typer.echo(f"machine: single-thread fp32 matmul {machine['matmul_gflops_before']} GFLOP/s before, "
+               f"{machine['matmul_gflops_after']} after")  # fmt: skip
+    typer.echo(json.dumps({**result.to_dict(), "machine": machine, "out": str(out)}))

@@ -17,3 +17,15 @@ def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
         torch.mm(a, b)
         times.append(time.perf_counter() - start)
     return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def single_thread_gflops() -> float:
+    """The fp32 matmul rate of one core (the figure docs/benchmarks.md quotes beside serving runs)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return matmul_gflops()
+    finally:
+        torch.set_num_threads(threads)
