@@ -80,7 +80,12 @@ class Preset:
 
     def config_fields(self) -> dict[str, object]:
         """The family's own entries of the top-level HF config."""
-        return {"image_seq_length": self.num_image_tokens}
+        return {
+            # Recorded as a release has it, so architecture-dispatching loaders (HF's Auto classes,
+            # llama.cpp's converter) pick the class.
+            "architectures": [self.model_class.__name__],
+            "image_seq_length": self.num_image_tokens,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,8 +113,6 @@ class LlavaNextPreset(Preset):
     def config_fields(self) -> dict[str, object]:
         return {
             **super().config_fields(),
-            # Recorded as a release has it, so architecture-dispatching loaders pick the class.
-            "architectures": [self.model_class.__name__],
             "image_grid_pinpoints": [list(pinpoint) for pinpoint in self.image_grid_pinpoints],
         }
 
