@@ -155,6 +155,8 @@ class Deployment:
             planner_env["TRIDENT_HTTP_PORT"] = str(self.planner_port)
         if self.follow_plan:
             planner_env["TRIDENT_PLANNER_ACTUATOR"] = "launcher"
+        board = (self.home / "cores.board").resolve()
+        board.unlink(missing_ok=True)  # this deployment's workers only
         self.setup = LocalSetup(
             model=self.model,
             port=self.port,
@@ -162,7 +164,7 @@ class Deployment:
             cpus=len(os.sched_getaffinity(0)),
             user_env=os.environ,
             secrets_dir=self.secrets_dir.resolve(),
-            core_board=(self.home / "cores.board").resolve(),
+            core_board=board,
             service_env={self.compose.planner: planner_env} if self.compose.planner else {},
         )
         for spec in plan(self.compose, self.method, self.scale, self.setup):

@@ -1,5 +1,5 @@
 """The core board: a worker's step takes every core the other workers on the host leave idle, its
-share when they step too, and a worker that died counts as idle."""
+share when they step too or stepped a moment ago, and a worker that died counts as idle."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from services.worker.cores import CoreBoard
+from services.worker.cores import RECENT, CoreBoard
 
 BUSY_CHILD = """
 import sys, time
@@ -46,6 +46,11 @@ def test_a_step_takes_the_cores_the_others_leave(tmp_path):
         other.stdin.write("\n")
         other.stdin.flush()
         assert other.stdout.readline() == "idle\n"
+        # Between its steps a worker still counts as busy; only a while after its last one ends
+        # are its cores free.
+        assert board.begin_step() == 1
+        board.end_step()
+        time.sleep(RECENT)
         assert board.begin_step() == 2
         board.end_step()
     finally:
