@@ -165,16 +165,18 @@ class EventBus:
         )
         found: list[Message] = []
         try:
-            while True:
+            # Ask for exactly what is stored: a fetch of more than there is waits out its timeout,
+            # and this runs while the request's client waits (the collector reads back on silence).
+            remaining = (await sub.consumer_info()).num_pending
+            while remaining > 0:
                 try:
-                    batch = await sub.fetch(batch=256, timeout=0.5)
+                    batch = await sub.fetch(batch=min(256, remaining), timeout=0.5)
                 except (TimeoutError, nats.errors.TimeoutError):
                     break
                 for msg in batch:
                     with contextlib.suppress(ProtocolError):
                         found.append(decode(msg.data, expect=OUTPUT_KINDS))
-                if len(batch) < 256:
-                    break
+                remaining = batch[-1].metadata.num_pending if batch else 0
         finally:
             with contextlib.suppress(Exception):
                 await js.delete_consumer(self.subjects.output_stream, (await sub.consumer_info()).name)

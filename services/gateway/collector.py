@@ -169,6 +169,7 @@ class OutputCollector:
     async def _refilled(self) -> list[Piece]:
         """Read back what the output stream keeps for the request and fold it in."""
         self.refills += 1
+        before, began = self.received, time.perf_counter()
         if self.reconnects is not None:
             self._seen_reconnects = self.reconnects()
         self._silence = min(2 * self._silence, SILENCE_MAX)
@@ -180,7 +181,13 @@ class OutputCollector:
         except Exception as exc:  # NATS still away: try again at the next due time
             log.warning("outputs could not be read back (%r); trying again", exc)
             return []
-        return [piece for msg in stored if (piece := self.take(msg)) is not None]
+        pieces = [piece for msg in stored if (piece := self.take(msg)) is not None]
+        if self.received > before:  # outputs the live subscription never delivered
+            log.info(
+                "read back %d outputs the subscription missed (%d kept, %.0f ms)",
+                self.received - before, len(stored), 1000 * (time.perf_counter() - began),
+            )  # fmt: skip
+        return pieces
 
     def take(self, msg: Message) -> Piece | None:
         """Fold one output in: tokens are kept by index (a repeat or an overlap is harmless) and
