@@ -157,6 +157,13 @@ class PlannerSettings(ServiceSettings):
     """The planner service and its what-if jobs worker (docs/running.md, "Planner")."""
 
     http_port: int = Field(8100, description="REST API, health and metrics")
+    planner_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="CPU niceness of the planner and its jobs worker: on cores shared with workers, a plan "
+        "being computed takes what the serving path leaves",
+    )
     planner_interval: float = Field(60.0, gt=0, description="Seconds between re-plans")
     planner_shift_threshold: float = Field(
         0.2, ge=0, le=1, description="Workload distance since the last plan that triggers a re-plan"

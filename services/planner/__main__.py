@@ -1,6 +1,7 @@
 """`python -m services.planner`: the planner's REST API on TRIDENT_HTTP_PORT (default 8100)."""
 
 import logging
+import os
 import sys
 
 import uvicorn
@@ -9,6 +10,7 @@ from services.planner.app import create_app
 from services.settings import PlannerSettings
 
 settings = PlannerSettings()
+os.nice(settings.planner_nice)  # before any thread starts: every thread of the process inherits it
 logging.basicConfig(
     level=settings.log_level.upper(),
     stream=sys.stderr,

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from celery import Celery, Task
+from celery.signals import worker_init
 
 from services.settings import PlannerSettings
 
@@ -44,6 +46,13 @@ def celery_app(settings: PlannerSettings) -> Celery:
 
 
 app = celery_app(PlannerSettings())
+
+
+@worker_init.connect
+def _lower_priority(**_: Any) -> None:
+    """What-if plans run beside the serving path on shared cores: they take what it leaves (set in
+    the worker's main process before any pool starts, so every child inherits it)."""
+    os.nice(PlannerSettings().planner_nice)
 
 
 def run_what_if(

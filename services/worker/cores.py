@@ -7,8 +7,11 @@ its TTFT is twice what one process with every core gives.
 
 A core board is a small file that every worker on the host maps (`TRIDENT_CORE_BOARD`): one slot
 per worker, holding its pid, whether an engine step is running and when its last one ended.
-Before each step a worker marks itself busy and takes the cores the others leave: all of them
-when no other has stepped within RECENT seconds, an even share otherwise. A worker under load
+Before each step a worker that encodes or prefills marks itself busy and takes the cores the others
+leave: all of them when no other has stepped within RECENT seconds, an even share otherwise. A
+decode-only worker marks its steps too but keeps its share: changing its threads while another
+worker's step ran stalled its decode steps for up to a second (OpenMP teams spinning on
+oversubscribed cores), and a small decode step gains nothing from more threads. A worker under load
 steps back to back, so it counts as busy between its steps too: taking its cores for the gap
 would oversubscribe them at its next step (on small-llava EP+D, a board without that grace
 served 1.4 req/s where the fixed split served 2.2). A slot whose process is gone counts as idle,
@@ -34,8 +37,12 @@ SIZE = SLOTS * SLOT.size
 
 
 class CoreBoard:
-    def __init__(self, path: str | Path, cores: int) -> None:
+    def __init__(self, path: str | Path, cores: int, greedy: bool = True) -> None:
+        """`greedy` False: this worker marks its steps for the others but keeps its own threads
+        (a decode-only worker: its steps are small, gain nothing from more threads, and changing a
+        step's threads while another worker's step runs stalled decode steps for up to a second)."""
         self.cores = max(1, cores)
+        self.greedy = greedy
         self.pid = os.getpid()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +61,7 @@ class CoreBoard:
     def _claim(self) -> int:
         for i in range(SLOTS):
             pid, _, _ = SLOT.unpack_from(self._map, i * SLOT.size)
-            if pid == 0 or pid == self.pid or not _alive(pid):
+            if pid == 0 or not _alive(pid):
                 SLOT.pack_into(self._map, i * SLOT.size, self.pid, 0, 0.0)
                 return i
         raise RuntimeError(f"the core board has no free slot ({SLOTS} workers on one host)")
@@ -70,9 +77,11 @@ class CoreBoard:
                 count += 1
         return count
 
-    def begin_step(self) -> int:
-        """Mark this worker busy; the torch threads its step may use now."""
+    def begin_step(self) -> int | None:
+        """Mark this worker busy; the torch threads its step may use now (None: keep its own)."""
         SLOT.pack_into(self._map, self.slot * SLOT.size, self.pid, 1, self._ended)
+        if not self.greedy:
+            return None
         return max(1, self.cores // (1 + self.busy_others()))
 
     def end_step(self) -> None:

@@ -120,7 +120,7 @@ class EngineLoop:
             return self.engine.step()
         threads = self.cores.begin_step()
         try:
-            if threads != self.threads:
+            if threads is not None and threads != self.threads:
                 torch.set_num_threads(threads)
                 self.threads = threads
             return self.engine.step()

@@ -107,7 +107,9 @@ class StageWorker:
         self.record = StageRecorder(store)
         cores = None
         if s.core_board:
-            cores = CoreBoard(s.core_board, s.host_cores or len(os.sched_getaffinity(0)))
+            # Instances that encode or prefill run the large steps a request's TTFT waits for.
+            greedy = bool(self.roles & {Role.ENCODE, Role.PREFILL})
+            cores = CoreBoard(s.core_board, s.host_cores or len(os.sched_getaffinity(0)), greedy)
         self.loop = EngineLoop(engine, self._outputs.put_nowait, cores)
         self.ledger = Ledger(self.loop, transfer, self.record)
         self.metrics = StageMetrics(self.registry, self.instance_id, ",".join(sorted(self.roles)))

@@ -93,6 +93,11 @@ def deployment(tiny_model_dir, tmp_path_factory):
             answers = list(pool.map(ask, range(6)))
         assert all(a.usage.completion_tokens == 5 for a in answers)
         assert (home / ".trident" / "logs").is_dir() and (home / ".trident" / "up.json").is_file()
+        # The planner and its jobs worker run niced: a plan takes the cores serving leaves.
+        side = [p["pid"] for p in json.loads((home / ".trident" / "up.json").read_text())["processes"]
+                if p["service"] in ("planner", "planner-jobs")]  # fmt: skip
+        assert len(side) == 2
+        wait_for(lambda: all(os.getpriority(os.PRIO_PROCESS, pid) == 10 for pid in side), 60, "not niced")
         yield url, planner, workers
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -73,3 +73,13 @@ def test_a_dead_workers_slot_is_idle_and_taken_over(tmp_path):
     assert newcomer.busy_others() == 1  # this one is stepping
     board.close()
     newcomer.close()
+
+
+def test_a_worker_that_is_not_greedy_marks_its_steps_but_keeps_its_threads(tmp_path):
+    decoder = CoreBoard(tmp_path / "cores", cores=2, greedy=False)
+    prefill = CoreBoard(tmp_path / "cores", cores=2)
+    assert decoder.begin_step() is None  # alone, still its own threads
+    assert prefill.busy_others() == 1  # but the others see it stepping
+    decoder.end_step()
+    decoder.close()
+    prefill.close()
