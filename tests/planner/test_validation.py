@@ -18,7 +18,7 @@ from common.stats import SLO
 from tests.planner.validation import validate
 
 FACTOR = 3.0
-RATES = (1.0, 2.0, 4.0)
+RATES = (1.0, 4.0)  # unloaded-ish and loaded; bench/planner_validation.py sweeps more
 
 
 @pytest.mark.timeout(300)

@@ -64,10 +64,16 @@ def test_a_consumer_takes_no_more_than_it_asks_for(nats_server: NatsServer) -> N
         for i in range(5):
             await bus.tasks.publish(prefill_task(f"r{i}"))
         assert await consumer.fetch(5, timeout=0.3) == []  # another role's tasks are not ours
+        # Never more than asked for. (The tasks queued behind the first come with it when they
+        # arrive within a few ms; on a loaded machine they may come with the next fetch instead.)
         first = await other.fetch(2, timeout=1.0)
-        assert len(first) == 2
-        rest = await other.fetch(10, timeout=1.0)
-        assert len(rest) == 3
+        assert 1 <= len(first) <= 2
+        rest: list = []
+        for _ in range(10):
+            if len(first) + len(rest) == 5:
+                break
+            rest += await other.fetch(10, timeout=1.0)
+        assert len(first) + len(rest) == 5
         for t in first + rest:
             await t.ack()
         await bus.close()

@@ -31,6 +31,7 @@ from common.protocol import (
     RequestSpec,
     SamplingParams,
     StageProfile,
+    StepStats,
     TensorRef,
     TokenDelta,
     TraceRecord,
@@ -113,6 +114,15 @@ EXAMPLES: list[Message] = [
         image_budget=0,
         token_budget=2048,
         prefill=((512, 0.05), (1024, 0.09)),
+    ),
+    StepStats(
+        instance_id="p-1",
+        roles=("prefill",),
+        time=5.0,
+        image_budget=0,
+        token_budget=512,
+        budget_scale=0.75,
+        steps=(("prefill", 0.0, 300, 0, 0.0, 0.04), ("mixed", 1.0, 120, 3, 410.5, 0.09)),
     ),
     DeadLetter(
         stream="S",
