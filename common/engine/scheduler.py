@@ -39,7 +39,16 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + self.prefill_tokens
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefills)
+
+    @property
+    def decode_context(self) -> float:
+        """The decodes' mean context (tokens each attends over); 0 without decodes."""
+        return sum(r.num_tokens for r in self.decodes) / len(self.decodes) if self.decodes else 0.0
 
     @property
     def num_images(self) -> int:

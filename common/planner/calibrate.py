@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.planner.profiles import ProfileSet, StageCurves, TransferModel, scale_profiles
+from common.planner.profiles import ProfileSet, StageCurves, TransferModel, kind_of, scale_profiles
 from common.planner.simulator import simulate
-from common.planner.types import KIND_ROLES
 from common.roles import Role
 from common.stats import quantile
 
@@ -221,7 +220,7 @@ def service_factors(stats: Sequence, profiles: ProfileSet) -> ServiceCalibration
     logs: dict[str, list[float]] = {kind: [] for kind in sums}
     budgets = {}
     for record in stats:
-        kind = next((k for k, r in KIND_ROLES.items() if r == frozenset(record.roles)), None)
+        kind = kind_of(record.roles)
         curves = profiles.for_kind(kind) if kind else profiles.curves
         budgets[record.instance_id] = {
             "image_budget": record.image_budget, "token_budget": record.token_budget,

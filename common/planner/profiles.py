@@ -254,7 +254,7 @@ class ProfileSet:
         base = _record_curves(lm, enc, image_cap=max((r.image_budget for r in vision), default=0))
         by_kind: dict[str, StageCurves] = {}
         for record in records:
-            kind = _kind_of(record.roles)
+            kind = kind_of(record.roles)
             if kind is None:
                 continue
             own_llm = record if record.prefill and record.decode else lm
@@ -316,7 +316,8 @@ def _most_roles(record) -> tuple[int, str]:
     return len(record.roles), record.profile_id
 
 
-def _kind_of(roles: Sequence[str]) -> str | None:
+def kind_of(roles: Sequence[str]) -> str | None:
+    """The instance kind (`e`, `ep`, ...) of a role set; None for a set no kind has."""
     names = frozenset(roles)
     return next((k for k, r in KIND_ROLES.items() if r == names), None)
 

@@ -319,12 +319,10 @@ class Simulation:
                 self._enqueue(Role.PREFILL, self.now + self.transfer.hop, req)
         if batch.empty:
             return
-        decodes = batch.decodes
-        context = sum(r.num_tokens for r in decodes) / len(decodes) if decodes else 0.0
-        prefill_tokens = sum(n for _, n in batch.prefills)
-        image_tokens = sum(req.images[k].num_tokens for req, idx in batch.encodes for k in idx)
-        images = inst.curves.image_units(image_tokens, batch.num_images)
-        seconds = inst.curves.iteration_time(images, prefill_tokens, len(decodes), context)
+        images = inst.curves.image_units(batch.image_tokens, batch.num_images)
+        seconds = inst.curves.iteration_time(
+            images, batch.prefill_tokens, len(batch.decodes), batch.decode_context
+        )
         if self.jitter:
             seconds *= float(np.exp(self.jitter * self._rng.standard_normal() - self.jitter**2 / 2))
         inst.batch, inst.started = batch, self.now

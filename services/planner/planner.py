@@ -191,13 +191,14 @@ class Planner:
             profiles = load_profiles(s.planner_profiles, await self.store.planning.profiles(), self.window)
         except ProfileError as exc:
             raise NotPlanned(f"stage profiles ({s.planner_profiles}): {exc}") from exc
+        registered = await self.store.registry.instances()
         calibration = None
         if s.planner_calibrate and s.planner_profiles == "cluster":  # the same machines' steps
-            live_ids = {hb.instance_id for hb in await self.store.registry.instances()}
+            live_ids = {hb.instance_id for hb in registered}
             served = [st for st in await self.store.planning.steps() if st.instance_id in live_ids]
             calibration = service_factors(served, profiles)
             profiles = calibration.apply(profiles)
-        live = [hb for hb in await self.store.registry.instances() if not hb.draining]
+        live = [hb for hb in registered if not hb.draining]
         current = current_deployment([hb.roles for hb in live])
         instances = s.planner_instances or self._instances(current, len(live))
         if instances < 1:

@@ -24,12 +24,9 @@ class StepLog:
 
     def record(self, batch: Batch, seconds: float, image_unit: int | None) -> None:
         """On the engine thread, after each step (a deque's append is thread-safe)."""
-        decodes = batch.decodes
-        context = sum(r.num_tokens for r in decodes) / len(decodes) if decodes else 0.0
         images = batch.image_cost(image_unit) / (image_unit or 1)
-        prefill_tokens = sum(n for _, n in batch.prefills)
-        self._steps.append((batch.kind, round(images, 4), prefill_tokens, len(decodes), round(context, 1),
-                            round(seconds, 6)))  # fmt: skip
+        self._steps.append((batch.kind, round(images, 4), batch.prefill_tokens, len(batch.decodes),
+                            round(batch.decode_context, 1), round(seconds, 6)))  # fmt: skip
 
     def __len__(self) -> int:
         return len(self._steps)
