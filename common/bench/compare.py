@@ -17,12 +17,13 @@ from pathlib import Path
 
 import httpx
 
-from common.bench import deployments, plots
+from common.bench import deployments, llamacpp, plots
 from common.bench.sweep import LoadSpec, SweepResult, run_sweep
 from common.infra import free_port
 from common.stats import SLO
 
 PEER = "transformers-serve"
+PEERS = (PEER, PEER + "-cb", llamacpp.LLAMACPP)
 PLANNER = "planner"
 KIND_SERVICE = {"e": "encode", "p": "prefill", "d": "decode", "ep": "ep", "ed": "ed", "epd": "epd"}
 
@@ -30,7 +31,7 @@ KIND_SERVICE = {"e": "encode", "p": "prefill", "d": "decode", "ep": "ep", "ed": 
 @dataclass(frozen=True)
 class System:
     """One deployment to measure: a Trident method (with replica counts and environment), the
-    planner's pick, or the peer server."""
+    planner's pick, or a peer server (`transformers serve`, llama.cpp's `llama-server`)."""
 
     name: str
     method: str = ""  # e+p+d | ep+d | ed+p | epd; empty for the peer and the planner's pick
@@ -41,16 +42,16 @@ class System:
 
     @classmethod
     def parse(cls, spec: str) -> System:
-        """`e+p+d`, `ep+d`, `ed+p`, `epd`, `planner`, `transformers-serve` or `transformers-serve-cb`
-        (the peer with continuous batching)."""
+        """`e+p+d`, `ep+d`, `ed+p`, `epd`, `planner`, `transformers-serve`, `transformers-serve-cb`
+        (that peer with continuous batching) or `llama.cpp`."""
         if spec in ("e+p+d", "ep+d", "ed+p", "epd"):
             return cls(spec, method=spec)
         if spec == PLANNER:
             return cls(PLANNER)
-        if spec in (PEER, PEER + "-cb"):
+        if spec in PEERS:
             return cls(spec, peer=True, continuous_batching=spec.endswith("-cb"))
         raise ValueError(
-            f"unknown system {spec!r}; known: e+p+d, ep+d, ed+p, epd, planner, {PEER}, {PEER}-cb"
+            f"unknown system {spec!r}; known: e+p+d, ep+d, ed+p, epd, planner, {', '.join(PEERS)}"
         )
 
 
@@ -65,20 +66,24 @@ class Comparison:
         return {r.name: r.goodput for r in self.results}
 
     def headline(self) -> dict:
-        """Trident's best goodput against the peer's (the issue's 3x goal), when both ran."""
-        ours = {r.name: r.goodput for r in self.results if not r.name.startswith(PEER)}
-        peers = {r.name: r.goodput for r in self.results if r.name.startswith(PEER)}
+        """Trident's best goodput against the strongest peer's (`ratio`) and each peer's (`ratios`),
+        for the peers that ran."""
+        ours = {r.name: r.goodput for r in self.results if r.name not in PEERS}
+        peers = {r.name: r.goodput for r in self.results if r.name in PEERS}
         best = max(ours, key=ours.get) if ours else None
         peer = max(peers, key=peers.get) if peers else None
-        ratio = None
-        if best and peer:
-            ratio = round(ours[best] / peers[peer], 3) if peers[peer] > 0 else float("inf")
+
+        def ratio(name: str) -> float:
+            return round(ours[best] / peers[name], 3) if peers[name] > 0 else float("inf")
+
+        ratios = {name: ratio(name) for name in peers} if best else {}
         return {
             "best": best,
             "best_goodput": ours.get(best),
             "peer": peer,
             "peer_goodput": peers.get(peer),
-            "ratio": ratio,
+            "ratio": ratios.get(peer),
+            "ratios": ratios,
         }
 
     def to_dict(self) -> dict:
@@ -108,6 +113,10 @@ def picked_system(plan: dict) -> System:
 @contextlib.contextmanager
 def started(system: System, model: Path, slo: SLO, log_dir: Path) -> Iterator[deployments.Served]:
     port = free_port()
+    if system.name == llamacpp.LLAMACPP:
+        with llamacpp.llama_server(model, port=port, log_dir=log_dir) as served:
+            yield served
+        return
     if system.peer:
         with deployments.transformers_serve(
             model, port=port, continuous_batching=system.continuous_batching, log_dir=log_dir
@@ -154,6 +163,9 @@ def compare(
         log_dir = out / "logs" / system.name
         try:
             with started(system, model, slo, log_dir) as served:
+                if system.name == llamacpp.LLAMACPP:  # that it serves the same model as we do
+                    agreements = llamacpp.greedy_parity(served.url, model, llamacpp.PARITY_PROMPTS)
+                    result.notes[system.name] = llamacpp.parity_note(agreements)
                 opts = RequestOptions(
                     model=served.model, ignore_eos=ignore_eos, image_size=image_size, seed=load.seed,
                     fix_length=served.ignoring_eos,

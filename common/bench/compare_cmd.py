@@ -23,7 +23,10 @@ def compare(
     duration: Annotated[float, typer.Option(help="Seconds of arrivals per rate.")],
     sweep: Annotated[str, typer.Option(help="Rates A:B:STEP, requests/s.")],
     systems: Annotated[
-        str, typer.Option(help="Comma-separated: e+p+d, ep+d, ed+p, epd, planner, transformers-serve[-cb].")
+        str,
+        typer.Option(
+            help="Comma-separated: e+p+d, ep+d, ed+p, epd, planner, transformers-serve[-cb], llama.cpp."
+        ),
     ] = DEFAULT_SYSTEMS,
     workload: Annotated[str, typer.Option(help="A workload shape (docs/workloads.md).")] = "mix",
     arrivals: Annotated[

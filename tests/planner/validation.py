@@ -1,13 +1,16 @@
-"""Checking the simulator against the real thing: run a deployment, send it a workload at a rate,
-take each request's TTFT and TBT p90 as the gateway measured them (the trace), then replay the same
-requests (same arrival times, prompt and output lengths) in the simulator with the profiles the
-instances published and the fixed costs calibrated beforehand from unloaded requests' stage marks.
+"""Checking the simulator against the real thing: run a deployment, send it a workload at a rate
+(as many times over as asked), take each request's TTFT and TBT p90 as the gateway measured them
+(the trace), then replay the same requests (same arrival times, prompt and output lengths) in the
+simulator, calibrated as the planner service calibrates itself: the profiles the instances
+published, fitted to the steps they ran in service (a calibration load first) — plus the fixed
+costs from unloaded requests' stage marks.
 
 The gateway's numbers are per token; the client's are per non-empty text chunk, and a random-weight
 model often emits part of a UTF-8 character, which merges two tokens into one chunk.
 
-Compared: TTFT p50 and p90 over requests, and the median over requests of each one's TBT p90 (the
-quantity the TBT SLO judges). Used by bench/planner_validation.py and tests/planner/test_validation.py.
+Compared: TTFT p50 and p90 over requests, the median over requests of each one's TBT p90 (the
+quantity the TBT SLO judges), and the share of requests within both SLOs, from which `goodput`
+reads the highest rate served. Used by bench/planner_validation.py and tests/planner/test_validation.py.
 """
 
 from __future__ import annotations
@@ -27,13 +30,13 @@ import openai
 from PIL import Image
 
 from common.engine.loader import load_config
-from common.planner.calibrate import fit_decode, fit_dispatch, jitter, stage_factors, transfer_model
-from common.planner.profiles import ProfileSet, scale_profiles
+from common.planner.calibrate import fit_decode, fit_dispatch, service_factors, transfer_model
+from common.planner.profiles import ProfileSet
 from common.planner.simulator import simulate
 from common.planner.trace import TraceEntry
 from common.planner.types import Deployment
 from common.planner.workloads import generate
-from common.stats import SLO
+from common.stats import SLO, slo_met
 from common.store import Store, StoreConfig
 
 _WORDS = [
@@ -68,26 +71,58 @@ class Measured:
     tbt_p90: float = 0.0
 
 
+METRICS = ("ttft_p50", "ttft_p90", "tbt_p90")  # latencies compared, each a median over repeats
+
+
 @dataclass
 class Comparison:
+    """One rate: each repeat's measurement (the same requests sent again), their median and spread,
+    and the simulator's prediction for the same requests (the median over the repeats' replays,
+    which differ only in the arrival times as actually sent)."""
+
     rate: float
-    measured: dict[str, float]
+    measured: dict[str, float]  # median over repeats: METRICS and attainment
     predicted: dict[str, float]
-    # The requests as sent, each with the TTFT and TBT p90 the gateway measured: enough to replay
+    spread: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # [min, max] over repeats
+    repeats: list[dict[str, float]] = dataclasses.field(default_factory=list)  # each repeat's measurement
+    # Each repeat's requests as sent, with the TTFT and TBT p90 the gateway measured: enough to replay
     # them in a changed simulator without running the deployment again.
-    requests: list[TraceEntry] = dataclasses.field(default_factory=list)
+    runs: list[list[TraceEntry]] = dataclasses.field(default_factory=list)
 
     @property
     def errors(self) -> dict[str, float]:
-        return {k: (self.predicted[k] - v) / v for k, v in self.measured.items() if v > 0}
+        return {
+            k: (self.predicted[k] - self.measured[k]) / self.measured[k]
+            for k in METRICS
+            if self.measured[k] > 0
+        }
 
     def to_dict(self) -> dict:
         return {
             "rate": self.rate,
             "measured": self.measured,
+            "spread": self.spread,
             "predicted": self.predicted,
             "errors": {k: round(v, 4) for k, v in self.errors.items()},
+            "repeats": self.repeats,
         }
+
+
+def goodput(rates: Sequence[float], attainments: Sequence[float], target: float) -> float:
+    """The highest rate whose attainment reaches `target`, read between the swept rates: past the
+    last rate that reaches it, linearly toward the first that does not (0 if none does; the top
+    rate if all do). Measured and predicted goodput are read the same way."""
+    points = sorted(zip(rates, attainments, strict=True))
+    best = 0.0
+    for (rate, att), after in zip(points, [*points[1:], None], strict=True):
+        if att < target:
+            break
+        best = rate
+        if after is not None and after[1] < target:
+            next_rate, next_att = after
+            best = rate + (next_rate - rate) * (att - target) / (att - next_att)
+            break
+    return round(best, 4)
 
 
 def image_url(seed: int, size: int = 64) -> str:
@@ -172,18 +207,21 @@ async def send(
         return list(await asyncio.gather(*jobs))
 
 
-def summarise(ttft: Sequence[float], tbt_p90: Sequence[float]) -> dict[str, float]:
-    ttft = np.asarray([t for t in ttft if np.isfinite(t)])
-    tbt = [t for t in tbt_p90 if t > 0]
+def summarise(entries: Sequence[TraceEntry], slo: SLO) -> dict[str, float]:
+    """TTFT p50/p90 over requests, the median of their TBT p90s, and the share that met both SLOs."""
+    ttft = np.asarray([e.ttft for e in entries if e.ttft is not None and np.isfinite(e.ttft)])
+    tbt = [e.tbt_p90 for e in entries if e.tbt_p90]
+    met = [slo_met(e.ttft, e.tbt_p90 or None, slo) for e in entries]
     return {
-        "ttft_p50": round(float(np.percentile(ttft, 50)), 5),
-        "ttft_p90": round(float(np.percentile(ttft, 90)), 5),
+        "ttft_p50": round(float(np.percentile(ttft, 50)), 5) if len(ttft) else float("nan"),
+        "ttft_p90": round(float(np.percentile(ttft, 90)), 5) if len(ttft) else float("nan"),
         "tbt_p90": round(float(np.median(tbt)), 5) if tbt else 0.0,
+        "attainment": round(float(np.mean(met)), 4) if met else 1.0,
     }
 
 
-async def cluster_inputs(redis_url: str, namespace: str = "trident") -> tuple[list, list]:
-    """The published profiles and every trace record so far."""
+async def cluster_inputs(redis_url: str, namespace: str = "trident") -> tuple[list, list, list]:
+    """The published profiles, every trace record so far, and each instance's latest StepStats."""
     store = await Store.connect(StoreConfig(url=redis_url, prefix=namespace))
     try:
         profiles = await store.planning.profiles()
@@ -194,56 +232,67 @@ async def cluster_inputs(redis_url: str, namespace: str = "trident") -> tuple[li
                 break
             after = batch[-1][0]
             records += [r for _, r in batch]
-        return profiles, records
+        return profiles, records, await store.planning.steps()
     finally:
         await store.close()
 
 
-def predict(
-    measured: Sequence[Measured], deployment: Deployment, profiles: ProfileSet, slo: SLO
-) -> dict[str, float]:
-    result = simulate([m.entry for m in measured], deployment, profiles, slo)
-    return summarise(list(result.ttft), list(result.tbt_p90))
+def predict(entries: Sequence[TraceEntry], deployment: Deployment, profiles: ProfileSet, slo: SLO) -> dict:
+    result = simulate(entries, deployment, profiles, slo)
+    replayed = [
+        dataclasses.replace(e, ttft=float(t), tbt_p90=float(g) or None)
+        for e, t, g in zip(entries, result.ttft, result.tbt_p90, strict=True)
+    ]
+    return summarise(replayed, slo)
+
+
+def _median(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    return {k: round(float(np.median([r[k] for r in rows])), 5) for k in rows[0]}
 
 
 def compare(
-    rate: float, measured: Sequence[Measured], deployment: Deployment, profiles: ProfileSet, slo: SLO
+    rate: float, runs: Sequence[Sequence[TraceEntry]], deployment: Deployment, profiles: ProfileSet, slo: SLO
 ) -> Comparison:
-    observed = summarise([m.ttft for m in measured], [m.tbt_p90 for m in measured])
-    sent = [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in measured]
-    return Comparison(rate, observed, predict(measured, deployment, profiles, slo), sent)
+    """Each repeat's measured requests summarised and replayed; medians, spreads and the repeats."""
+    observed = [summarise(run, slo) for run in runs]
+    predicted = [predict(run, deployment, profiles, slo) for run in runs]
+    spread = {k: [min(r[k] for r in observed), max(r[k] for r in observed)] for k in observed[0]}
+    return Comparison(rate, _median(observed), _median(predicted), spread, observed, [list(r) for r in runs])
 
 
 def replay(
-    rate: float, requests: Sequence[TraceEntry], deployment: Deployment, profiles: ProfileSet, slo: SLO
+    rate: float, runs: Sequence[Sequence[TraceEntry]], deployment: Deployment, profiles: ProfileSet, slo: SLO
 ) -> Comparison:
     """A saved comparison predicted again (a changed simulator or calibration, the same measurement)."""
-    measured = [Measured(e.request_id, e, e.ttft, e.tbt_p90 or 0.0) for e in requests]
-    return compare(rate, measured, deployment, profiles, slo)
+    return compare(rate, runs, deployment, profiles, slo)
 
 
 def calibrated_profiles(
-    profile_records: list, trace_records: list, quiet: Sequence[Measured], deployment: Deployment, slo: SLO
+    profile_records: list,
+    step_records: list,
+    trace_records: list,
+    quiet: Sequence[Measured],
+    deployment: Deployment,
+    slo: SLO,
 ) -> tuple[ProfileSet, dict]:
-    """Curves from the instances' published profiles, scaled by how the deployed stages compared
-    with them, with the spread of their step times; hops and pulls from the same unloaded requests'
-    marks (medians), the gateway's dispatch from what their TTFT has beyond a replay; instances
-    share this machine's cores. Returns the profiles and what the calibration found."""
+    """What the planner service does, plus the fixed costs its stage curves cannot see: the
+    instances' published profiles, their curves fitted to the steps the instances ran in service
+    and the spread of those steps (`service_factors`, as the planner's TRIDENT_PLANNER_CALIBRATE);
+    hops and pulls from the unloaded requests' stage marks (medians), the gateway's dispatch from
+    what their TTFT has beyond a replay, and the decode gap as the client sees it (`fit_decode`:
+    token delivery on top of the step); the instances share this machine's cores. Returns the
+    profiles and what the calibration found."""
     base = ProfileSet.from_records(profile_records)
-    factors = stage_factors(trace_records, base.curves)
+    service = service_factors(step_records, base)
     transfer = transfer_model(trace_records, base.transfer, quantile=50)
-    spread = jitter(trace_records)
-    profiles = dataclasses.replace(
-        scale_profiles(base, factors, transfer, spread), host_cores=os.cpu_count() or 1
-    )
+    profiles = dataclasses.replace(service.apply(base), transfer=transfer, host_cores=os.cpu_count() or 1)
     entries = [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in quiet]
     profiles = dataclasses.replace(profiles, transfer=fit_dispatch(entries, deployment, profiles, slo))
     profiles, decode_fit = fit_decode(entries, deployment, profiles, slo)
     found = {
-        "stage_factors": factors,
+        "service": service.to_dict(),
         "decode_fit": decode_fit,
         "transfer": dataclasses.asdict(profiles.transfer),
-        "jitter": spread,
         "host_cores": profiles.host_cores,
         "profiles": profiles.to_dict(),  # to replay offline
     }
@@ -262,7 +311,7 @@ def _traced(redis_url: str, measured: list[Measured], timeout: float = 10.0) -> 
     """Wait until every request's trace record (with the gateway's latencies) is in Redis."""
     deadline = time.monotonic() + timeout
     while True:
-        _, records = asyncio.run(cluster_inputs(redis_url))
+        _, records, _ = asyncio.run(cluster_inputs(redis_url))
         try:
             attach(measured, records)
             return
@@ -270,6 +319,21 @@ def _traced(redis_url: str, measured: list[Measured], timeout: float = 10.0) -> 
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def _published_since(redis_url: str, since: float, instances: int, timeout: float = 20.0) -> list:
+    """Each instance's StepStats, once all `instances` have published one after wall time `since`
+    (they publish every few seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, _, steps = asyncio.run(cluster_inputs(redis_url))
+        if len([s for s in steps if s.time > since]) >= instances:
+            return steps
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{len(steps)} of {instances} instances published their steps within {timeout:.0f} s"
+            )
+        time.sleep(0.5)
 
 
 def validate(
@@ -280,47 +344,58 @@ def validate(
     workdir: Path,
     slo: SLO,
     *,
+    repeats: int = 1,
     shape: str = "mix",
     max_output: int = 16,
     calibration: int = 16,
+    calibration_rate: float | None = None,
     seed: int = 0,
 ) -> tuple[dict, list[Comparison]]:
-    """Measure `method` at each rate (requests/s) and compare with the simulator's prediction
-    (module docstring)."""
-    from tests.services.cluster import running_cluster
+    """Measure `method` at each rate (requests/s), `repeats` times over, and compare with the
+    simulator's prediction (module docstring). Before measuring, `calibration` requests one at a
+    time and then `requests` more at `calibration_rate` (default: the middle rate), with seeds of
+    their own, warm the deployment up and give the calibration its steps in service."""
+    from tests.services.cluster import method_workers, running_cluster
 
     tokens_per_image = load_config(model_dir).image_seq_length
     env = {"TRIDENT_TTFT_SLO": str(slo.ttft), "TRIDENT_TBT_SLO": str(slo.tbt)}
-    with running_cluster(model_dir, workdir, method, env=env) as cluster:
-        model = model_dir.name
-        # Requests one at a time (none overlaps another): they warm every process up and calibrate
-        # the stages against their profiles, the spread of step times and the fixed costs.
-        quiet = generate(
+    deployment = DEPLOYMENTS[method]
+
+    def workload(rate: float, count: int, seed: int) -> list[TraceEntry]:
+        return generate(
             shape,
-            rate=2.0,
-            num_requests=calibration,
-            seed=seed + 1000,
+            rate=rate,
+            num_requests=count,
+            seed=seed,
             image_tokens=tokens_per_image,
             max_output_tokens=max_output,
         )
+
+    with running_cluster(model_dir, workdir, method, env=env) as cluster:
+        model = model_dir.name
+        # Requests one at a time (none overlaps another): the fixed costs and the client's TBT.
+        quiet = workload(2.0, calibration, seed + 1000)
         unloaded = asyncio.run(
             send(cluster.url, model, quiet, tokens_per_image, seed=999, one_at_a_time=True)
         )
         _traced(cluster.redis.url, unloaded)
-        profile_records, records = asyncio.run(cluster_inputs(cluster.redis.url))
-        deployment = DEPLOYMENTS[method]
-        profiles, calibration = calibrated_profiles(profile_records, records, unloaded, deployment, slo)
-        results = []
-        for i, rate in enumerate(rates):
-            entries = generate(
-                shape,
-                rate=rate,
-                num_requests=requests,
-                seed=seed + i,
-                image_tokens=tokens_per_image,
-                max_output_tokens=max_output,
-            )
-            measured = asyncio.run(send(cluster.url, model, entries, tokens_per_image, seed=i + 1))
-            _traced(cluster.redis.url, measured)
-            results.append(compare(rate, measured, deployment, profiles, slo))
-    return calibration, results
+        # Then a load, so that the steps the instances publish are steps in service.
+        middle = calibration_rate or sorted(rates)[len(rates) // 2]
+        loaded = asyncio.run(
+            send(cluster.url, model, workload(middle, requests, seed + 2000), tokens_per_image, seed=998)
+        )
+        _traced(cluster.redis.url, loaded)
+        steps = _published_since(cluster.redis.url, time.time(), len(method_workers(method)))
+        profile_records, records, _ = asyncio.run(cluster_inputs(cluster.redis.url))
+        profiles, found = calibrated_profiles(profile_records, steps, records, unloaded, deployment, slo)
+        measured: dict[float, list[list[TraceEntry]]] = {rate: [] for rate in rates}
+        for _ in range(repeats):
+            for i, rate in enumerate(rates):
+                sent = asyncio.run(
+                    send(cluster.url, model, workload(rate, requests, seed + i), tokens_per_image, seed=i + 1)
+                )
+                _traced(cluster.redis.url, sent)
+                measured[rate].append(
+                    [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in sent]
+                )
+    return found, [compare(rate, runs, deployment, profiles, slo) for rate, runs in measured.items()]
