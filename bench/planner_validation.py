@@ -30,7 +30,6 @@ simulator as it is now, without measuring again (the CI test holds a recorded ru
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import tempfile
@@ -40,13 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
-from common.planner.profiles import ProfileSet
-from common.planner.trace import read_trace, write_trace
 from common.stats import SLO
-from tests.planner.validation import DEPLOYMENTS, Comparison, goodput, replay, validate
-
-GOAL = 0.20
-Run = tuple[str, str, dict, list[Comparison]]  # preset, method, calibration, one comparison per rate
+from tests.planner.validation import Comparison, Run, replay_folder, save, summary, validate
 
 
 def _cell(name: str, c: Comparison) -> str:
@@ -73,7 +67,7 @@ def main() -> None:
     ap.add_argument("--replay", type=Path, help="predict again what --out kept, without running anything")
     args = ap.parse_args()
     slo = SLO(args.ttft_slo, args.tbt_slo, args.attainment)
-    runs = list(replayed(args.replay, slo) if args.replay else measured(args, slo))
+    runs = list(replayed(args.replay) if args.replay else measured(args, slo))
     report = summary(runs, slo)
     for preset, method, calibration, comparisons in runs:
         service = calibration.get("service", {})
@@ -93,59 +87,6 @@ def main() -> None:
         f"within one step: {pick['within_one_step']}"
     )
     print(json.dumps(report))
-
-
-def summary(runs: list[Run], slo: SLO) -> dict:
-    """Every comparison, each system's goodput, the pick, the largest errors and the goals."""
-    report: dict = {"calibration": [], "runs": [], "goodput": {}}
-    errors: dict[str, list[float]] = {"ttft_p90": [], "tbt_p90": [], "goodput": []}
-    measured_by_repeat: dict[str, list[float]] = {}
-    step = 0.0
-    for preset, method, calibration, comparisons in runs:
-        name = f"{preset} {method}"
-        brief = {k: v for k, v in calibration.items() if k != "profiles"}
-        report["calibration"].append({"preset": preset, "method": method, **brief})
-        rates = [c.rate for c in comparisons]
-        step = max(step, min((b - a for a, b in itertools.pairwise(rates)), default=0.0))
-        for c in comparisons:
-            report["runs"].append({"preset": preset, "method": method, **c.to_dict()})
-            errors["ttft_p90"].append(c.errors.get("ttft_p90", 0.0))
-            errors["tbt_p90"].append(c.errors.get("tbt_p90", 0.0))
-        repeats = len(comparisons[0].repeats)
-        per_repeat = [
-            goodput(rates, [c.repeats[k]["attainment"] for c in comparisons], slo.attainment)
-            for k in range(repeats)
-        ]
-        measured_by_repeat[name] = per_repeat
-        median = sorted(per_repeat)[len(per_repeat) // 2]
-        predicted = goodput(rates, [c.predicted["attainment"] for c in comparisons], slo.attainment)
-        error = (predicted - median) / median if median else (0.0 if predicted == 0 else float("inf"))
-        errors["goodput"].append(error)
-        report["goodput"][name] = {
-            "measured": per_repeat, "measured_median": median,
-            "predicted": predicted, "error": round(error, 4),
-        }  # fmt: skip
-    chosen = max(report["goodput"], key=lambda n: report["goodput"][n]["predicted"])
-    picked = report["goodput"][chosen]
-    repeats = len(measured_by_repeat[chosen])
-    best = [max(measured_by_repeat, key=lambda n: measured_by_repeat[n][k]) for k in range(repeats)]
-    within = [
-        measured_by_repeat[chosen][k] >= measured_by_repeat[best[k]][k] - step - 1e-9 for k in range(repeats)
-    ]
-    report["pick"] = {
-        "system": chosen, "predicted": picked["predicted"], "measured_median": picked["measured_median"],
-        "error": picked["error"], "best_by_repeat": best, "within_one_step": within, "step": step,
-    }  # fmt: skip
-    worst = {k: round(max((abs(e) for e in v), default=0.0), 4) for k, v in errors.items()}
-    report["max_abs_error"] = worst
-    report["goals_met"] = {
-        "ttft_p90_within_20pct": worst["ttft_p90"] <= GOAL,
-        "tbt_p90_within_20pct": worst["tbt_p90"] <= GOAL,
-        "goodput_within_20pct": worst["goodput"] <= GOAL,
-        "pick_goodput_within_20pct": abs(picked["error"]) <= GOAL,
-        "pick_within_one_step_every_repeat": all(within),
-    }
-    return report
 
 
 def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
@@ -173,40 +114,13 @@ def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
                 yield preset, method, calibration, comparisons
 
 
-def save(folder: Path, preset: str, method: str, calibration: dict, comparisons: list[Comparison]) -> None:
-    """calibration.json, and per rate and repeat the requests with their measurements. Each trace's
-    header carries the calibrated profiles and the service calibration, so `trident plan --trace`
-    plans it with them."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "calibration.json").write_text(json.dumps({"preset": preset, "method": method, **calibration}))
-    for c in comparisons:
-        for k, run in enumerate(c.runs):
-            meta = {"rate": c.rate, "repeat": k, "profiles": calibration["profiles"]}
-            write_trace(folder / f"rate-{c.rate:g}-repeat-{k}.jsonl", run, meta=meta)
-
-
-def replayed(root: Path, slo: SLO) -> Iterator[Run]:
+def replayed(root: Path) -> Iterator[Run]:
     """What `save` kept, predicted again by today's simulator with the calibration then found."""
     folders = sorted(p.parent for p in root.glob("*/calibration.json"))
     if not folders:
         sys.exit(f"nothing to replay under {root}: run without --replay first")
     for folder in folders:
-        yield replay_folder(folder, slo)
-
-
-def replay_folder(folder: Path, slo: SLO) -> Run:
-    calibration = json.loads((folder / "calibration.json").read_text())
-    preset, method = calibration.pop("preset"), calibration.pop("method")
-    profiles = ProfileSet.from_dict(calibration["profiles"])
-    by_rate: dict[float, list] = {}
-    for path in sorted(folder.glob("rate-*-repeat-*.jsonl")):
-        trace = read_trace(path)
-        by_rate.setdefault(float(trace.meta["rate"]), []).append((int(trace.meta["repeat"]), trace.entries))
-    comparisons = [
-        replay(rate, [entries for _, entries in sorted(runs)], DEPLOYMENTS[method], profiles, slo)
-        for rate, runs in sorted(by_rate.items())
-    ]
-    return preset, method, calibration, comparisons
+        yield replay_folder(folder)  # at the SLOs it was measured with
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def plan(
         typer.Option(
             exists=True,
             dir_okay=False,
-            help="Trace file (JSONL, docs/workloads.md), e.g. from `trident trace`.",
+            help="Trace file (JSONL, docs/workloads.md), e.g. GET /plan/trace from a deployment's planner.",
         ),
     ],
     ttft_slo: Annotated[float, typer.Option(help="Time-to-first-token SLO, seconds.")],
@@ -37,11 +37,20 @@ def plan(
         int, typer.Option(min=3, help="With --rate: the most instances to consider.")
     ] = 64,
     profile: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="Stage profiles: a ProfileSet JSON file, or paper:<model> (the papers' GPU figures)."
+            help="Stage profiles: a ProfileSet JSON file, or paper:<model> (the papers' GPU figures). "
+            f"Default: the profiles the trace's header carries, else {DEFAULT_PROFILE}.",
+            show_default=False,
         ),
-    ] = DEFAULT_PROFILE,
+    ] = None,
+    calibration: Annotated[
+        bool,
+        typer.Option(
+            "--calibration/--no-calibration",
+            help="Fit the header's profiles to the steps its deployment ran in service, as its planner did.",
+        ),
+    ] = True,
     attainment: Annotated[
         float, typer.Option(help="Share of requests that must meet both SLOs, in (0, 1].")
     ] = 0.9,
@@ -63,15 +72,15 @@ def plan(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from common.planner.algorithm import plan as make_plan
-    from common.planner.paper_profiles import profiles_from
     from common.planner.profiles import ProfileError
     from common.planner.sizing import OutOfReach, size
     from common.planner.trace import TraceError, read_trace
     from common.stats import SLO
 
     try:
-        entries = read_trace(trace).entries
-        profiles = profiles_from(profile)
+        recorded = read_trace(trace)
+        entries = recorded.entries
+        profiles, source = trace_profiles(recorded.meta, profile, calibration)
         slo = SLO(ttft_slo, tbt_slo, attainment)
     except (TraceError, ProfileError, ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)  # one line, not wrapped to the terminal
@@ -101,14 +110,41 @@ def plan(
                 typer.echo(f"error: {exc}", err=True)
                 raise typer.Exit(1) from None
             result = sizing.result
+    result.inputs["profiles"] = source
     if as_json:
         typer.echo(json.dumps((sizing or result).to_dict(), default=_plain))
         return
-    _print_table(result, len(entries), profiles.source or profile)
+    _print_table(result, len(entries), source)
     if sizing is not None:
         tried = ", ".join(f"{n}: {g:.3f}" for n, g in sorted(sizing.tried.items()))
         typer.echo(f"instances: {sizing.instances}, the fewest whose best split serves {rate:g} req/s")
         typer.echo(f"best goodput (req/s) by instance count: {tried}")
+
+
+def trace_profiles(header: dict, profile: str | None, calibrate: bool):
+    """The profiles to plan with and a line saying which: `profile` when given; else the ones a
+    trace's header carries (GET /plan/trace, bench/planner_validation.py), fitted to the header's
+    service calibration unless `calibrate` is off; else DEFAULT_PROFILE."""
+    from common.planner.calibrate import ServiceCalibration
+    from common.planner.paper_profiles import profiles_from
+    from common.planner.profiles import ProfileError, ProfileSet
+
+    if profile is not None or not header.get("profiles"):
+        profiles = profiles_from(profile or DEFAULT_PROFILE)
+        return profiles, profiles.source or profile or DEFAULT_PROFILE
+    try:
+        profiles = ProfileSet.from_dict(header["profiles"])
+        fitted = (
+            ServiceCalibration(**header["calibration"]) if calibrate and header.get("calibration") else None
+        )
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ProfileError(f"the trace header's profiles or calibration are malformed: {exc}") from None
+    if fitted is None:
+        return profiles, "the trace's header"
+    factors = ", ".join(f"{stage} ×{f:g}" for stage, f in sorted(fitted.factors.items())) or "none fitted"
+    if fitted.step_gap:
+        factors += f"; {fitted.step_gap * 1000:.1f} ms between steps"
+    return fitted.apply(profiles), f"the trace's header, calibrated from service ({factors})"
 
 
 def _plain(obj: object) -> object:

@@ -1,4 +1,4 @@
-"""A LLaVA-1.5 checkpoint in HF format as the two GGUF files llama.cpp's server loads, in F32.
+"""A LLaVA-1.5 or Qwen2-VL checkpoint in HF format as the two GGUF files llama.cpp's server loads, in F32.
 
     python bench/third_party/llamacpp_convert.py MODEL_DIR OUT_DIR --converter LLAMA_CPP_SOURCE
 
@@ -13,11 +13,15 @@ GPT-2's pre-tokenizer (tokenizer.json: a bare `ByteLevel`, `use_regex` true, no 
 which llama.cpp implements as "gpt-2"; this script reads tokenizer.json, says "gpt-2" for exactly
 that pre-tokenizer, and refuses any other.
 
-The vision side is written here: llama.cpp's current converter only converts Pixtral-style LLaVA
-towers, and its legacy CLIP script stores the projector and patch embedding in F16. This writes
-every tensor in F32 under the names and keys llama.cpp's CLIP loader reads (`clip.*` metadata, the
-`v.*` tower, the `mm.0`/`mm.2` projector), with the feature layer HF's `vision_feature_layer`
-selects.
+A LLaVA-1.5 vision side is written here: llama.cpp's current converter only converts
+Pixtral-style LLaVA towers, and its legacy CLIP script stores the projector and patch embedding in
+F16. This writes every tensor in F32 under the names and keys llama.cpp's CLIP loader reads
+(`clip.*` metadata, the `v.*` tower, the `mm.0`/`mm.2` projector), with the feature layer HF's
+`vision_feature_layer` selects. A Qwen2-VL vision side goes through the converter's `--mmproj`,
+which expects the released checkpoints' key names (`visual.*`); transformers 5 writes
+`model.visual.*`, so the prefix is taken off as the converter reads the keys. (The tiny Qwen
+preset's 2-layer tower does not convert: the converter maps the merger's `mlp.2` as a block
+index, and a tower has to have more than 2 blocks for that name to exist; small-qwen2-vl has 6.)
 """
 
 from __future__ import annotations
@@ -41,16 +45,25 @@ def pre_tokenizer_name(model_dir: Path) -> str:
     return "gpt-2"
 
 
-def convert_text(model_dir: Path, out: Path, converter: Path) -> None:
-    """The language model, by llama.cpp's converter, told the pre-tokenizer's name."""
+def run_converter(model_dir: Path, out: Path, converter: Path, *extra: str) -> None:
+    """llama.cpp's `convert_hf_to_gguf.py` on the checkpoint, F32, told the pre-tokenizer's name,
+    and reading the vision tower of transformers 5's Qwen2-VL layout (`model.visual.*`), where
+    it only knows the released checkpoints' (`visual.*`)."""
     sys.path.insert(0, str(converter))
-    from conversion import base  # llama.cpp's converter package
+    from conversion import base, qwenvl  # llama.cpp's converter package
 
     name = pre_tokenizer_name(model_dir)
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: name
+    released = qwenvl.Qwen2VLVisionModel.filter_tensors.__func__
+
+    def filter_tensors(cls, item):
+        key, load = item
+        return released(cls, (key.removeprefix("model.") if key.startswith("model.visual.") else key, load))
+
+    qwenvl.Qwen2VLVisionModel.filter_tensors = classmethod(filter_tensors)
     script = converter / "convert_hf_to_gguf.py"
     argv = sys.argv
-    sys.argv = [str(script), str(model_dir), "--outtype", "f32", "--outfile", str(out)]
+    sys.argv = [str(script), str(model_dir), "--outtype", "f32", "--outfile", str(out), *extra]
     try:
         runpy.run_path(str(script), run_name="__main__")
     finally:
@@ -168,8 +181,15 @@ def main() -> None:
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(args.converter / "gguf-py"))  # the gguf package of the same llama.cpp
-    convert_vision(args.model_dir, args.out_dir / "mmproj-f32.gguf")
-    convert_text(args.model_dir, args.out_dir / "model-f32.gguf", args.converter)
+    model_type = json.loads((args.model_dir / "config.json").read_text()).get("model_type")
+    mmproj = args.out_dir / "mmproj-f32.gguf"
+    if model_type == "llava":
+        convert_vision(args.model_dir, mmproj)
+    elif model_type == "qwen2_vl":
+        run_converter(args.model_dir, mmproj, args.converter, "--mmproj")
+    else:
+        sys.exit(f"model_type {model_type!r}: only LLaVA-1.5 and Qwen2-VL checkpoints convert")
+    run_converter(args.model_dir, args.out_dir / "model-f32.gguf", args.converter)
 
 
 if __name__ == "__main__":

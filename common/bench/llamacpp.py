@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import httpx
 from common.bench import deployments
 
 LLAMACPP = "llama.cpp"
+MARKER = re.compile(r"<__media_[^>]*__>")  # where llama-server's rendered prompt has an image
 THIRD_PARTY = deployments.REPO / "bench" / "third_party"
 SETUP = "bash bench/third_party/llamacpp.sh"
 
@@ -146,8 +148,9 @@ def greedy_parity(
     url: str, model_dir: Path, prompts: Sequence[tuple[str, int]], tokens: int = 32
 ) -> list[Agreement]:
     """Each (text, number of images) prompt answered greedily by the server at `url` and by HF
-    `generate` on the prompt llama.cpp renders (module docstring). The images are random, at the
-    vision tower's own size, so neither side resizes them."""
+    `generate` on the prompt the server renders (its /apply-template, each image's marker put back
+    as the family's placeholder; module docstring). The images are random, of a size neither side
+    resizes: LLaVA-1.5's tower size, 224 pixels (8 × 28) for Qwen2-VL."""
     import base64
     import io
 
@@ -158,7 +161,11 @@ def greedy_parity(
 
     processor = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    side = model.config.vision_config.image_size
+    qwen = model.config.model_type == "qwen2_vl"
+    side = 224 if qwen else model.config.vision_config.image_size
+    # What each image's marker stands for in HF's prompt: mtmd wraps a Qwen2-VL image in its
+    # vision start and end tokens, and a LLaVA one in nothing.
+    placeholder = f"<|vision_start|>{processor.image_token}<|vision_end|>" if qwen else processor.image_token
     out = []
     for k, (text, count) in enumerate(prompts):
         rng = np.random.default_rng(1000 + k)
@@ -170,7 +177,14 @@ def greedy_parity(
             buf = io.BytesIO()
             image.save(buf, format="PNG")
             urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
-        prompt = "USER: " + processor.image_token * count + text + " ASSISTANT:"
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        parts.append({"type": "text", "text": text})
+        messages = [{"role": "user", "content": parts}]
+        rendered = httpx.post(
+            f"{url}/apply-template", json={"messages": messages}, timeout=60, trust_env=False
+        )
+        rendered.raise_for_status()
+        prompt = MARKER.sub(lambda _: placeholder, rendered.json()["prompt"])
         inputs = processor(text=prompt, images=images or None, return_tensors="pt")
         with torch.no_grad():
             gen = model.generate(
@@ -179,11 +193,8 @@ def greedy_parity(
             )  # fmt: skip
         ids = gen.sequences[0, inputs["input_ids"].shape[1] :].tolist()
         gaps = [float(s[0].topk(2).values.diff().abs()) for s in gen.scores]
-        parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [
-            {"type": "text", "text": text}
-        ]
         body = {
-            "messages": [{"role": "user", "content": parts}], "max_tokens": tokens, "temperature": 0,
+            "messages": messages, "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True, "cache_prompt": False,
         }  # fmt: skip
         answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300, trust_env=False)

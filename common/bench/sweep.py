@@ -1,5 +1,6 @@
-"""One system under a sweep of request rates: the same requests (same seed) at each rate, measured,
-summarised and saved, then goodput over the sweep.
+"""One system under a sweep of request rates: the same request shapes (same seed) at each rate,
+with images and prompts of each rate's own, measured, summarised and saved, then goodput over the
+sweep.
 
 Files written to the output directory: `results.json` (the whole result, the same object as the
 command's last line), `requests-<rate>.jsonl` (every request's measurements), `attainment.png` and
@@ -9,6 +10,7 @@ command's last line), `requests-<rate>.jsonl` (every request's measurements), `a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -125,11 +127,15 @@ def run_sweep(
     out.mkdir(parents=True, exist_ok=True)
     opts = options or client.RequestOptions(model=model, seed=load.seed)
     result = SweepResult(name, url, model, slo, load.describe())
-    for rate in sorted(load.rates):
+    for k, rate in enumerate(sorted(load.rates)):
         entries = load.entries(rate)
         if on_start is not None:
             on_start(rate, len(entries))
-        measured = asyncio.run(client.run(url, entries, opts, api_key=api_key, on_done=on_done))
+        # The same request shapes at every rate, but images and prompts of their own: a server that
+        # caches features or prompts (Trident's feature cache, llama.cpp's prompt cache) must not
+        # find the last rate's requests again.
+        content = dataclasses.replace(opts, seed=opts.seed * 1009 + k)
+        measured = asyncio.run(client.run(url, entries, content, api_key=api_key, on_done=on_done))
         result.requests[rate] = measured
         summary = summarise(rate, measured, slo)
         result.summaries.append(summary)

@@ -95,7 +95,9 @@ def _first_queued(record) -> float | None:
     return min(marks) if marks else None
 
 
-FACTOR_RANGE = (0.5, 10.0)
+# A start-up profile taken while the other workers profile beside it on the same cores can be a
+# few times slower than the same steps in service (small-llava's decode on 2 cores: 0.3-0.5x).
+FACTOR_RANGE = (0.2, 10.0)
 
 
 def stage_factors(records: Sequence, curves: StageCurves) -> dict[Role, float]:
@@ -166,40 +168,55 @@ def fit_dispatch(entries: Sequence, deployment, profiles: ProfileSet, slo) -> Tr
     return dataclasses.replace(profiles.transfer, dispatch=dispatch, dispatch_per_image=per_image)
 
 
-def fit_decode(entries: Sequence, deployment, profiles: ProfileSet, slo) -> tuple[ProfileSet, float]:
-    """Decode steps scaled so that a replay of requests sent one at a time gives the TBT p90 the
-    gateway measured for them (TraceEntry with a measured `tbt_p90`): the median ratio over those
-    requests. A token's gap as the client sees it holds more than the step the decoder's marks
-    time: publishing the token, the gateway's handling of it, and the other processes' share of
-    the cores. Returns the profiles and the factor applied."""
+def fit_step_gap(entries: Sequence, deployment, profiles: ProfileSet, slo, rounds: int = 3) -> ProfileSet:
+    """The time between an instance's steps that holds no core (`TransferModel.step_gap`), such
+    that a replay of measured requests, as they were sent, gives the TBT p90 the gateway measured
+    for them (TraceEntry with a measured `tbt_p90`): the median over requests of measured minus
+    replayed, added until it settles. A token's gap as the client sees it holds more than the
+    step: the worker publishing it, its loop, the broker, the gateway; unlike a slower step, that
+    time leaves the cores to the other instances."""
     measured = [e for e in entries if e.tbt_p90 and e.output_tokens > 2]
     if len(measured) < MIN_SAMPLES:
-        return profiles, 1.0
-    replay = simulate(measured, deployment, profiles, slo)
-    ratios = [e.tbt_p90 / float(p) for e, p in zip(measured, replay.tbt_p90, strict=True) if p > 0]
-    if len(ratios) < MIN_SAMPLES:
-        return profiles, 1.0
-    low, high = FACTOR_RANGE
-    factor = round(min(high, max(low, float(np.median(ratios)))), 4)
-    return scale_profiles(profiles, {"decode": factor}), factor
+        return profiles
+    gap = profiles.transfer.step_gap
+    for _ in range(rounds):
+        fitted = dataclasses.replace(profiles, transfer=dataclasses.replace(profiles.transfer, step_gap=gap))
+        replay = simulate(measured, deployment, fitted, slo)
+        residual = float(
+            np.median([e.tbt_p90 - float(p) for e, p in zip(measured, replay.tbt_p90, strict=True)])
+        )
+        gap = max(0.0, gap + residual)
+    return dataclasses.replace(
+        profiles, transfer=dataclasses.replace(profiles.transfer, step_gap=round(gap, 6))
+    )
 
 
 SERVICE_MIN_STEPS = 20  # steps of a stage before its factor is trusted
+SHAPE_MIN_STEPS = 3  # steps of one shape before their spread counts
+
+
+def _shape(kind: str, images: float, prefill_tokens: int, decodes: int) -> tuple:
+    return kind, round(images, 2), int(prefill_tokens).bit_length(), int(decodes).bit_length()
 
 
 @dataclass(frozen=True)
 class ServiceCalibration:
     """Each stage's curve scaled to what its steps took in service (`factors`), the spread of
-    single steps around the scaled curves (`jitter`, σ of a log-normal factor), and what it was
-    fitted on: step counts by kind, and each instance's budgets as its governor set them."""
+    single steps of one shape (`jitter`, σ of a log-normal factor), the time between steps that
+    holds no core (`step_gap`, from the gaps between tokens the gateway measured), and what it
+    was fitted on: step counts by kind, and each instance's budgets as its governor set them."""
 
     factors: dict[str, float]
     jitter: float
     steps: dict[str, int]
     budgets: dict[str, dict[str, float]]
+    step_gap: float = 0.0  # fitted to the measured TBT (`fit_step_gap`), where there is one
 
     def apply(self, profiles: ProfileSet) -> ProfileSet:
-        return scale_profiles(profiles, self.factors, jitter=max(profiles.jitter, self.jitter))
+        transfer = profiles.transfer
+        if self.step_gap:
+            transfer = dataclasses.replace(transfer, step_gap=self.step_gap)
+        return scale_profiles(profiles, self.factors, transfer, jitter=max(profiles.jitter, self.jitter))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -218,6 +235,7 @@ def service_factors(stats: Sequence, profiles: ProfileSet) -> ServiceCalibration
     sums: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in ("encode", "prefill", "decode", "mixed")}
     counts = dict.fromkeys(sums, 0)
     logs: dict[str, list[float]] = {kind: [] for kind in sums}
+    shapes: dict[tuple, list[float]] = {}  # log(observed / predicted) by step shape
     budgets = {}
     for record in stats:
         kind = kind_of(record.roles)
@@ -236,6 +254,9 @@ def service_factors(stats: Sequence, profiles: ProfileSet) -> ServiceCalibration
             sums[step_kind][1] += predicted
             counts[step_kind] += 1
             logs[step_kind].append(float(np.log(seconds / predicted)))
+            shapes.setdefault(_shape(step_kind, images, prefill_tokens, decodes), []).append(
+                logs[step_kind][-1]
+            )
     low, high = FACTOR_RANGE
     mixed = sums["mixed"][0] / sums["mixed"][1] if counts["mixed"] >= SERVICE_MIN_STEPS else None
     factors = {}
@@ -244,9 +265,11 @@ def service_factors(stats: Sequence, profiles: ProfileSet) -> ServiceCalibration
         factor = observed / predicted if counts[stage] >= SERVICE_MIN_STEPS else mixed
         if factor is not None:
             factors[stage] = round(min(high, max(low, factor)), 4)
-    # Spread of a step around its stage's scaled curve, pooled over the stages fitted.
-    residuals = [
-        v - float(np.log(factors[kind])) for kind, values in logs.items() if kind in factors for v in values
-    ]
+    # How much a step varies: its spread around the steps of the same shape (kind, images and
+    # powers of two of prefill tokens and decodes), not around the stage's one factor, which would
+    # count where the curve's shape is off (consistently, for every step of that shape) as noise.
+    # Noise it is not: the simulator draws it afresh for each step, and a TBT p90 over 15 gaps or a
+    # TTFT over two steps takes its tail from it.
+    residuals = [v - float(np.median(g)) for g in shapes.values() if len(g) >= SHAPE_MIN_STEPS for v in g]
     spread = round(float(np.std(residuals)), 4) if len(residuals) >= SERVICE_MIN_STEPS else 0.0
     return ServiceCalibration(factors, spread, counts, budgets)

@@ -59,7 +59,10 @@ class TransferModel:
     - `dispatch` (+ `dispatch_per_image` per image): arrival to the first task queued plus first
       token to the client (the gateway's processing and the output's way back), on every TTFT;
     - `hop`: a task published until an idle instance has pulled it (the broker hop);
-    - `latency` + bytes / `bandwidth`: pulling features (E→P) or KV (P→D) once pulled.
+    - `latency` + bytes / `bandwidth`: pulling features (E→P) or KV (P→D) once pulled;
+    - `step_gap`: between two of an instance's steps, time its engine does not step and that
+      holds no core (the worker publishing tokens, waiting on its event loop, the broker, the
+      GIL): every token's gap holds it, the cores are free meanwhile.
     """
 
     latency: float = 2e-3  # s
@@ -67,6 +70,7 @@ class TransferModel:
     hop: float = 1e-3  # s
     dispatch: float = 0.0  # s
     dispatch_per_image: float = 0.0  # s: fetching, decoding, preprocessing and hashing an image
+    step_gap: float = 0.0  # s
 
     def time(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth

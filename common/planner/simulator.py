@@ -206,6 +206,12 @@ class Simulation:
                 self._end_iteration(inst)
                 if self.host_cores:
                     self._share_cores()  # the others speed up
+                if self.transfer.step_gap > 0:  # the worker between steps: no step, no core
+                    inst.busy_until = self.now + self.transfer.step_gap
+                    self._push(inst.busy_until, "gap", inst)
+            elif kind == "gap":
+                if payload.batch is None:
+                    payload.busy_until = None
             elif kind == "deadline":
                 self._deadline(payload)
             # "wake": data an instance pulled has arrived; the idle instances look below

@@ -93,13 +93,18 @@ _REQUIRED = ("arrival", "prompt_tokens", "output_tokens")
 
 def write_trace(path: str | Path, entries: Iterable[TraceEntry], meta: dict | None = None) -> None:
     """Write a header line (format, version and `meta`) and one line per entry, in the given order."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(trace_lines(entries, meta))
+
+
+def trace_lines(entries: Iterable[TraceEntry], meta: dict | None = None) -> Iterator[str]:
+    """The lines of a trace file: the header (format, version and `meta`), then one per entry."""
     meta = dict(meta or {})
     if clash := {"format", "version"} & meta.keys():
         raise ValueError(f"meta may not set {sorted(clash)}: the header owns them")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"format": FORMAT, "version": VERSION, **meta}) + "\n")
-        for entry in entries:
-            f.write(json.dumps(_to_json(entry)) + "\n")
+    yield json.dumps({"format": FORMAT, "version": VERSION, **meta}) + "\n"
+    for entry in entries:
+        yield json.dumps(entry_json(entry)) + "\n"
 
 
 def read_trace(path: str | Path) -> Trace:
@@ -137,7 +142,7 @@ def _header(obj: dict) -> dict:
     return {k: v for k, v in obj.items() if k not in ("format", "version")}
 
 
-def _to_json(e: TraceEntry) -> dict:
+def entry_json(e: TraceEntry) -> dict:
     obj: dict[str, Any] = {
         "arrival": e.arrival,
         "prompt_tokens": e.prompt_tokens,

@@ -18,6 +18,7 @@ from prometheus_client import generate_latest
 from common.errors import APIError, install_error_handlers
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
+from common.planner.trace import trace_lines
 from services.planner.chart import goodput_chart
 from services.planner.job_models import JobRequest
 from services.planner.jobs import RESULT_TTL, TASK, celery_app
@@ -80,6 +81,19 @@ def create_app(settings: PlannerSettings | None = None) -> FastAPI:
         d = planner.decision
         png = await asyncio.to_thread(goodput_chart, d.result, f"plan {d.plan.decision_id} ({d.trigger})")
         return Response(png, media_type="image/png")
+
+    @app.get("/plan/trace")
+    async def planned_trace() -> Response:
+        """The requests the planner plans for, as a trace file (docs/workloads.md) whose header
+        carries the profiles, their calibration and the SLOs: `trident plan --trace` plans it as
+        this service does."""
+        try:
+            entries, meta = await planner.export()
+        except NotPlanned as exc:
+            raise APIError(409, f"no trace to export yet: {exc}", code="not_plannable") from None
+        if not entries:
+            raise APIError(404, f"no finished requests yet: {planner.status}", code="no_requests")
+        return Response("".join(trace_lines(entries, meta)), media_type="application/x-ndjson")
 
     keys = settings.api_key_set
 

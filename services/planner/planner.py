@@ -26,7 +26,7 @@ from typing import Any
 from common.aio import raise_if_cancelled
 from common.bus import Bus
 from common.planner.algorithm import plan as make_plan
-from common.planner.calibrate import service_factors, transfer_model
+from common.planner.calibrate import ServiceCalibration, fit_step_gap, service_factors, transfer_model
 from common.planner.drift import current_deployment, measure_correction, workload_distance
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
@@ -187,17 +187,9 @@ class Planner:
         if len(self.window) < s.planner_min_requests:
             raise NotPlanned(f"need {s.planner_min_requests} finished requests, have {len(self.window)}")
         trace = from_records(self.window)
-        try:
-            profiles = load_profiles(s.planner_profiles, await self.store.planning.profiles(), self.window)
-        except ProfileError as exc:
-            raise NotPlanned(f"stage profiles ({s.planner_profiles}): {exc}") from exc
         registered = await self.store.registry.instances()
-        calibration = None
-        if s.planner_calibrate and s.planner_profiles == "cluster":  # the same machines' steps
-            live_ids = {hb.instance_id for hb in registered}
-            served = [st for st in await self.store.planning.steps() if st.instance_id in live_ids]
-            calibration = service_factors(served, profiles)
-            profiles = calibration.apply(profiles)
+        base, calibration = await self.profiles(registered)
+        profiles = calibration.apply(base) if calibration else base
         live = [hb for hb in registered if not hb.draining]
         current = current_deployment([hb.roles for hb in live])
         instances = s.planner_instances or self._instances(current, len(live))
@@ -256,6 +248,43 @@ class Planner:
         except Exception:  # the plan stands; applying it is the actuator's business
             log.exception("the %s actuator failed on plan %d", self.actuator.name, decision_plan.decision_id)
         return self.decision
+
+    async def profiles(self, registered: list | None = None) -> tuple[ProfileSet, ServiceCalibration | None]:
+        """The stage profiles plans use (TRIDENT_PLANNER_PROFILES) and, for the cluster's own, their
+        calibration from the steps its live instances ran in service and from the gaps between
+        tokens the gateway measured (TRIDENT_PLANNER_CALIBRATE); NotPlanned if there are none yet."""
+        s = self.settings
+        try:
+            profiles = load_profiles(s.planner_profiles, await self.store.planning.profiles(), self.window)
+        except ProfileError as exc:
+            raise NotPlanned(f"stage profiles ({s.planner_profiles}): {exc}") from exc
+        if not (s.planner_calibrate and s.planner_profiles == "cluster"):  # only the same machines' steps
+            return profiles, None
+        registered = await self.store.registry.instances() if registered is None else registered
+        live_ids = {hb.instance_id for hb in registered}
+        served = [st for st in await self.store.planning.steps() if st.instance_id in live_ids]
+        calibration = service_factors(served, profiles)
+        current = current_deployment([hb.roles for hb in registered if not hb.draining])
+        if current is not None and self.window:
+            # What the gateway measured between tokens beyond the steps: the workers' time between
+            # steps, which holds no core.
+            fitted = await asyncio.to_thread(
+                fit_step_gap, from_records(self.window), current, calibration.apply(profiles), self.slo
+            )
+            calibration = dataclasses.replace(calibration, step_gap=fitted.transfer.step_gap)
+        return profiles, calibration
+
+    async def export(self) -> tuple[list[TraceEntry], dict]:
+        """The requests in the planning window as a trace, and a header that lets `trident plan
+        --trace` plan them offline as this service would: the profiles, their calibration, the SLOs."""
+        profiles, calibration = await self.profiles()
+        meta = {
+            "source": f"planner {self.instance_id}",
+            "profiles": profiles.to_dict(),
+            "calibration": calibration.to_dict() if calibration else None,
+            "slo": dataclasses.asdict(self.slo),
+        }
+        return from_records(self.window), meta
 
     def _instances(self, current: Deployment | None, live: int) -> int:
         """N when TRIDENT_PLANNER_INSTANCES leaves it to the cluster: the live deployment's size; while

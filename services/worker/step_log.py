@@ -3,7 +3,8 @@ with (common/planner/calibrate.py `service_factors`): the profile times the mode
 start-up; in service the same step shares the cores and pays for the worker around it.
 
 The engine thread appends one sample per step; the worker publishes the window with the budgets
-in force every PUBLISH_EVERY seconds (Redis `<p>:steps`, docs/substrate.md).
+in force every PUBLISH_EVERY seconds when it has stepped since, and every REPUBLISH_EVERY when
+idle (Redis `<p>:steps`, docs/substrate.md).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from common.protocol import StepStats
 
 KEPT = 512  # steps in the window
 PUBLISH_EVERY = 5.0  # seconds
+# An idle instance says the same again this often: the planner takes records older than
+# STEPS_MAX_AGE (60 s) for an instance that is gone, and would plan an idle deployment uncalibrated.
+REPUBLISH_EVERY = 15.0  # seconds
 
 
 class StepLog:

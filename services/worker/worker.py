@@ -36,7 +36,7 @@ from services.worker.ledger import AlreadyHeld, Cancelled, Ledger
 from services.worker.outputs import OutputPublisher
 from services.worker.stage import StageHandler
 from services.worker.stage_metrics import StageMetrics
-from services.worker.step_log import PUBLISH_EVERY, StepLog
+from services.worker.step_log import PUBLISH_EVERY, REPUBLISH_EVERY, StepLog
 
 log = logging.getLogger(__name__)
 CLOSE_STEP_TIMEOUT = 5.0  # seconds each part of shutdown may take
@@ -328,11 +328,12 @@ class StageWorker:
     async def _publish_steps(self) -> None:
         """The engine's last steps and the budgets in force, for the planner's calibration; a
         Redis outage skips a round (the planner uses what it has)."""
-        published = -1
+        published, published_at = -1, 0.0
         while True:
             raise_if_cancelled()
             await asyncio.sleep(PUBLISH_EVERY)
-            if not len(self.steps) or self.loop.steps == published:
+            fresh = time.monotonic() - published_at < REPUBLISH_EVERY
+            if not len(self.steps) or (self.loop.steps == published and fresh):
                 continue
             s = self.loop.stats
             stats = self.steps.stats(
@@ -344,7 +345,7 @@ class StageWorker:
             )
             try:
                 await self.ctx.store.planning.put_steps(stats)
-                published = self.loop.steps
+                published, published_at = self.loop.steps, time.monotonic()
             except Exception as exc:
                 log.warning("%s: step stats not published (%r)", self.instance_id, exc)
 

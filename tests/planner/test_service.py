@@ -5,16 +5,20 @@ Redis plan key (the gateway's /v1/cluster shows it) and the Prometheus gauges â€
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from common.bus import Bus, BusConfig
+from common.cli import app as cli_app
 from common.infra import free_port
-from common.planner.trace import from_records
+from common.planner.trace import from_records, read_trace
 from common.planner.types import KIND_ROLES, METHOD_KINDS, Deployment, PlanResult
 from common.protocol import Plan, TraceRecord
 from common.store import Store, StoreConfig
@@ -122,7 +126,7 @@ def _gauges(text: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r"^(trident_planner_\S+) (\S+)$", text, re.M)}
 
 
-async def test_a_plan_reaches_every_channel(cluster: Cluster) -> None:
+async def test_a_plan_reaches_every_channel(cluster: Cluster, tmp_path: Path) -> None:
     bus = await Bus.connect(BusConfig(url=cluster.nats.url, name="test-planner"))
     store = await Store.connect(StoreConfig(url=cluster.redis.url))
     plans = await bus.events.plans()
@@ -189,6 +193,35 @@ async def test_a_plan_reaches_every_channel(cluster: Cluster) -> None:
             assert (await store.planning.current_plan()).decision_id == second.decision_id
             chart = await http.get(cluster.planner_url + "/plan/chart.png")
             assert chart.status_code == 200 and chart.content.startswith(b"\x89PNG")
+
+            # What it planned for, exported: `trident plan --trace` plans it offline with the same
+            # profiles and calibration.
+            exported = await http.get(cluster.planner_url + "/plan/trace")
+            assert exported.status_code == 200, exported.text
+            path = tmp_path / "served.jsonl"
+            path.write_text(exported.text)
+            served = read_trace(path)
+            assert len(served.entries) >= MIN_REQUESTS + 2 and all(e.ttft for e in served.entries)
+            assert served.meta["slo"] == {"ttft": 1.0, "tbt": 0.2, "attainment": 0.9}
+            assert set(served.meta["calibration"]["budgets"]) == {instance}
+            offline = CliRunner().invoke(
+                cli_app,
+                [
+                    "plan",
+                    "--trace",
+                    str(path),
+                    "--ttft-slo",
+                    "1",
+                    "--tbt-slo",
+                    "0.2",
+                    "--instances",
+                    "3",
+                    "--json",
+                ],
+            )
+            assert offline.exit_code == 0, offline.output
+            planned = json.loads(offline.stdout.strip().splitlines()[-1])
+            assert planned["inputs"]["profiles"].startswith("the trace's header, calibrated from service")
     finally:
         await plans.close()
         await bus.close()

@@ -105,3 +105,40 @@ def test_rate_out_of_reach_and_both_or_neither_are_errors(app: typer.Typer, trac
     for args in ([], ["--rate", "5", "--instances", "4"]):
         both = _plan(app, "--trace", str(trace_file), *args)
         assert both.exit_code == 2 and "--instances" in both.output
+
+
+def test_a_trace_header_s_profiles_and_service_calibration_are_what_it_is_planned_with(
+    app: typer.Typer, tmp_path: Path
+) -> None:
+    """A trace from a deployment's planner (GET /plan/trace) carries its profiles and calibration:
+    offline, `trident plan` plans with them unless told otherwise; slower steps in service plan a
+    lower goodput."""
+    from common.planner.paper_profiles import profiles_from
+
+    profiles = profiles_from("paper:llava-1.5-7b").to_dict()
+    calibration = {
+        "factors": {"prefill": 3.0, "decode": 3.0, "encode": 3.0},
+        "jitter": 0.0,
+        "steps": {},
+        "budgets": {},
+    }
+    entries = generate("pope", rate=4.0, num_requests=60, seed=5)
+    path = tmp_path / "served.jsonl"
+    write_trace(path, entries, meta={"profiles": profiles, "calibration": calibration})
+
+    def planned(*args: str) -> dict:
+        result = _plan(app, "--trace", str(path), "--instances", "3", "--json", *args)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    calibrated, raw = planned(), planned("--no-calibration")
+    assert calibrated["inputs"]["profiles"].startswith("the trace's header, calibrated from service")
+    assert "decode ×3" in calibrated["inputs"]["profiles"]
+    assert raw["inputs"]["profiles"] == "the trace's header"
+    assert calibrated["goodput"] < 0.6 * raw["goodput"]
+    assert planned("--profile", "paper:llava-1.5-7b")["inputs"]["profiles"] == "paper:llava-1.5-7b"
+
+    bad = tmp_path / "bad.jsonl"
+    write_trace(bad, entries, meta={"profiles": profiles, "calibration": {"factors": {}}})
+    result = _plan(app, "--trace", str(bad), "--instances", "3")
+    assert result.exit_code == 2 and "calibration are malformed" in result.output

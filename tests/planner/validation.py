@@ -19,6 +19,8 @@ import asyncio
 import base64
 import dataclasses
 import io
+import itertools
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -30,10 +32,10 @@ import openai
 from PIL import Image
 
 from common.engine.loader import load_config
-from common.planner.calibrate import fit_decode, fit_dispatch, service_factors, transfer_model
+from common.planner.calibrate import fit_dispatch, fit_step_gap, service_factors, transfer_model
 from common.planner.profiles import ProfileSet
 from common.planner.simulator import simulate
-from common.planner.trace import TraceEntry
+from common.planner.trace import TraceEntry, entry_json, read_trace, write_trace
 from common.planner.types import Deployment
 from common.planner.workloads import generate
 from common.stats import SLO, slo_met
@@ -272,6 +274,7 @@ def calibrated_profiles(
     step_records: list,
     trace_records: list,
     quiet: Sequence[Measured],
+    loaded: Sequence[Measured],
     deployment: Deployment,
     slo: SLO,
 ) -> tuple[ProfileSet, dict]:
@@ -279,25 +282,37 @@ def calibrated_profiles(
     instances' published profiles, their curves fitted to the steps the instances ran in service
     and the spread of those steps (`service_factors`, as the planner's TRIDENT_PLANNER_CALIBRATE);
     hops and pulls from the unloaded requests' stage marks (medians), the gateway's dispatch from
-    what their TTFT has beyond a replay, and the decode gap as the client sees it (`fit_decode`:
-    token delivery on top of the step); the instances share this machine's cores. Returns the
-    profiles and what the calibration found."""
+    what their TTFT has beyond a replay; the gap between tokens as the client saw it under the
+    calibration load (`fit_step_gap` on `loaded`: the worker's loop and a token's way out between
+    two steps, which hold no core); the instances share this machine's cores.
+    Returns the profiles and what the calibration found."""
     base = ProfileSet.from_records(profile_records)
     service = service_factors(step_records, base)
     transfer = transfer_model(trace_records, base.transfer, quantile=50)
     profiles = dataclasses.replace(service.apply(base), transfer=transfer, host_cores=os.cpu_count() or 1)
-    entries = [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in quiet]
-    profiles = dataclasses.replace(profiles, transfer=fit_dispatch(entries, deployment, profiles, slo))
-    profiles, decode_fit = fit_decode(entries, deployment, profiles, slo)
+
+    def entries(measured: Sequence[Measured]) -> list[TraceEntry]:
+        return [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in measured]
+
+    profiles = dataclasses.replace(profiles, transfer=fit_dispatch(entries(quiet), deployment, profiles, slo))
+    profiles = fit_step_gap(entries(loaded), deployment, profiles, slo)
     found = {
         "service": service.to_dict(),
-        "decode_fit": decode_fit,
         "transfer": dataclasses.asdict(profiles.transfer),
         "host_cores": profiles.host_cores,
+        "slo": dataclasses.asdict(slo),
         "profiles": profiles.to_dict(),  # to replay offline
+        # What it was calibrated from, to calibrate it again offline after a change to the method.
+        "base_profiles": base.to_dict(),
+        "step_stats": [st.model_dump(mode="json") for st in step_records],
+        "quiet": [entry_json(e) for e in entries(quiet)],
+        "loaded": [entry_json(e) for e in entries(loaded)],
     }
     return profiles, found
 
+
+GOAL = 0.20  # the issue's bound on every prediction error
+Run = tuple[str, str, dict, list[Comparison]]  # preset, method, calibration, one comparison per rate
 
 DEPLOYMENTS = {
     "e+p+d": Deployment.of("e+p+d", e=1, p=1, d=1),
@@ -321,9 +336,9 @@ def _traced(redis_url: str, measured: list[Measured], timeout: float = 10.0) -> 
             time.sleep(0.2)
 
 
-def _published_since(redis_url: str, since: float, instances: int, timeout: float = 20.0) -> list:
+def _published_since(redis_url: str, since: float, instances: int, timeout: float = 30.0) -> list:
     """Each instance's StepStats, once all `instances` have published one after wall time `since`
-    (they publish every few seconds)."""
+    (every 5 s after they step, every 15 s when idle)."""
     deadline = time.monotonic() + timeout
     while True:
         _, _, steps = asyncio.run(cluster_inputs(redis_url))
@@ -387,15 +402,112 @@ def validate(
         _traced(cluster.redis.url, loaded)
         steps = _published_since(cluster.redis.url, time.time(), len(method_workers(method)))
         profile_records, records, _ = asyncio.run(cluster_inputs(cluster.redis.url))
-        profiles, found = calibrated_profiles(profile_records, steps, records, unloaded, deployment, slo)
+        profiles, found = calibrated_profiles(
+            profile_records, steps, records, unloaded, loaded, deployment, slo
+        )
         measured: dict[float, list[list[TraceEntry]]] = {rate: [] for rate in rates}
         for _ in range(repeats):
-            for i, rate in enumerate(rates):
+            for rate in rates:
+                # The same requests at every rate and in every repeat, their arrival times scaled
+                # (`generate`), so the points of a sweep differ in rate alone.
                 sent = asyncio.run(
-                    send(cluster.url, model, workload(rate, requests, seed + i), tokens_per_image, seed=i + 1)
+                    send(cluster.url, model, workload(rate, requests, seed), tokens_per_image, seed=1)
                 )
                 _traced(cluster.redis.url, sent)
                 measured[rate].append(
                     [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in sent]
                 )
     return found, [compare(rate, runs, deployment, profiles, slo) for rate, runs in measured.items()]
+
+
+def summary(runs: list[Run], slo: SLO) -> dict:
+    """Every comparison, each system's goodput, the pick, the largest errors and the goals.
+
+    The latency goals are judged at the rates a deployment is run at: those whose measured median
+    attainment meets the SLOs (`in_range`). Past its goodput a deployment's queue grows for as long
+    as requests keep coming, so its TTFT there says how long the run lasted more than how good the
+    model is; those errors are reported too (`max_abs_error_all_rates`)."""
+    report: dict = {"calibration": [], "runs": [], "goodput": {}}
+    errors: dict[str, list[float]] = {"ttft_p90": [], "tbt_p90": [], "goodput": []}
+    everywhere: dict[str, list[float]] = {"ttft_p90": [], "tbt_p90": []}
+    measured_by_repeat: dict[str, list[float]] = {}
+    step = 0.0
+    for preset, method, calibration, comparisons in runs:
+        name = f"{preset} {method}"
+        kept = ("profiles", "base_profiles", "step_stats", "quiet", "loaded")  # the data, not the findings
+        brief = {k: v for k, v in calibration.items() if k not in kept}
+        report["calibration"].append({"preset": preset, "method": method, **brief})
+        rates = [c.rate for c in comparisons]
+        step = max(step, min((b - a for a, b in itertools.pairwise(rates)), default=0.0))
+        for c in comparisons:
+            in_range = c.measured["attainment"] >= slo.attainment
+            report["runs"].append({"preset": preset, "method": method, **c.to_dict(), "in_range": in_range})
+            for metric in everywhere:
+                everywhere[metric].append(c.errors.get(metric, 0.0))
+                if in_range:
+                    errors[metric].append(c.errors.get(metric, 0.0))
+        repeats = len(comparisons[0].repeats)
+        per_repeat = [
+            goodput(rates, [c.repeats[k]["attainment"] for c in comparisons], slo.attainment)
+            for k in range(repeats)
+        ]
+        measured_by_repeat[name] = per_repeat
+        median = sorted(per_repeat)[len(per_repeat) // 2]
+        predicted = goodput(rates, [c.predicted["attainment"] for c in comparisons], slo.attainment)
+        error = (predicted - median) / median if median else (0.0 if predicted == 0 else float("inf"))
+        errors["goodput"].append(error)
+        report["goodput"][name] = {
+            "measured": per_repeat, "measured_median": median,
+            "predicted": predicted, "error": round(error, 4),
+        }  # fmt: skip
+    chosen = max(report["goodput"], key=lambda n: report["goodput"][n]["predicted"])
+    picked = report["goodput"][chosen]
+    repeats = len(measured_by_repeat[chosen])
+    best = [max(measured_by_repeat, key=lambda n: measured_by_repeat[n][k]) for k in range(repeats)]
+    within = [
+        measured_by_repeat[chosen][k] >= measured_by_repeat[best[k]][k] - step - 1e-9 for k in range(repeats)
+    ]
+    report["pick"] = {
+        "system": chosen, "predicted": picked["predicted"], "measured_median": picked["measured_median"],
+        "error": picked["error"], "best_by_repeat": best, "within_one_step": within, "step": step,
+    }  # fmt: skip
+    worst = {k: round(max((abs(e) for e in v), default=0.0), 4) for k, v in errors.items()}
+    report["max_abs_error"] = worst
+    report["max_abs_error_all_rates"] = {k: round(max(abs(e) for e in v), 4) for k, v in everywhere.items()}
+    report["goals_met"] = {
+        "ttft_p90_within_20pct": worst["ttft_p90"] <= GOAL,
+        "tbt_p90_within_20pct": worst["tbt_p90"] <= GOAL,
+        "goodput_within_20pct": worst["goodput"] <= GOAL,
+        "pick_goodput_within_20pct": abs(picked["error"]) <= GOAL,
+        "pick_within_one_step_every_repeat": all(within),
+    }
+    return report
+
+
+def save(folder: Path, preset: str, method: str, calibration: dict, comparisons: list[Comparison]) -> None:
+    """calibration.json, and per rate and repeat the requests with their measurements. Each trace's
+    header carries the calibrated profiles, so `trident plan --trace` plans it with them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "calibration.json").write_text(json.dumps({"preset": preset, "method": method, **calibration}))
+    for c in comparisons:
+        for k, run in enumerate(c.runs):
+            meta = {"rate": c.rate, "repeat": k, "profiles": calibration["profiles"]}
+            write_trace(folder / f"rate-{c.rate:g}-repeat-{k}.jsonl", run, meta=meta)
+
+
+def replay_folder(folder: Path, slo: SLO | None = None) -> Run:
+    """What `save` kept, predicted again by today's simulator with the calibration then found, at
+    the SLOs it was measured with (or `slo`)."""
+    calibration = json.loads((folder / "calibration.json").read_text())
+    preset, method = calibration.pop("preset"), calibration.pop("method")
+    slo = slo or SLO(**calibration["slo"])
+    profiles = ProfileSet.from_dict(calibration["profiles"])
+    by_rate: dict[float, list] = {}
+    for path in sorted(folder.glob("rate-*-repeat-*.jsonl")):
+        trace = read_trace(path)
+        by_rate.setdefault(float(trace.meta["rate"]), []).append((int(trace.meta["repeat"]), trace.entries))
+    comparisons = [
+        replay(rate, [entries for _, entries in sorted(runs)], DEPLOYMENTS[method], profiles, slo)
+        for rate, runs in sorted(by_rate.items())
+    ]
+    return preset, method, calibration, comparisons
