@@ -3,7 +3,7 @@
     python bench/planner_validation.py [--presets small-llava] [--methods e+p+d,ep+d,ed+p]
                                        [--rates 1,2,3,4,5] [--requests 30] [--repeats 3]
                                        [--out .trident/validation]
-    python bench/planner_validation.py --replay .trident/validation
+    python bench/planner_validation.py --replay .trident/validation [--recalibrate]
 
 For each preset and method a real deployment (one instance per kind, nats-server, redis-server) is
 started and calibrated as the planner service calibrates itself (tests/planner/validation.py: the
@@ -24,7 +24,8 @@ the pick's predicted goodput within 20 % of its measured goodput; the pick withi
 of the measured best in every repeat. A table goes to stdout; the last line is one JSON object with
 every comparison, the largest errors and which goals were met. The requests with their measured
 latencies and the calibration are kept under --out; `--replay` predicts them again with the
-simulator as it is now, without measuring again (the CI test holds a recorded run this way).
+simulator as it is now, without measuring again, and with `--recalibrate` calibrated again from
+the data the calibration was found from (the CI test holds a recorded run this way).
 """
 
 from __future__ import annotations
@@ -65,9 +66,14 @@ def main() -> None:
     ap.add_argument("--attainment", type=float, default=0.9)
     ap.add_argument("--out", type=Path, default=Path(".trident/validation"), help="measurements kept here")
     ap.add_argument("--replay", type=Path, help="predict again what --out kept, without running anything")
+    ap.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="with --replay: calibrate again from the data kept, as the code now does",
+    )
     args = ap.parse_args()
     slo = SLO(args.ttft_slo, args.tbt_slo, args.attainment)
-    runs = list(replayed(args.replay) if args.replay else measured(args, slo))
+    runs = list(replayed(args.replay, args.recalibrate) if args.replay else measured(args, slo))
     report = summary(runs, slo)
     for preset, method, calibration, comparisons in runs:
         service = calibration.get("service", {})
@@ -114,13 +120,13 @@ def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
                 yield preset, method, calibration, comparisons
 
 
-def replayed(root: Path) -> Iterator[Run]:
+def replayed(root: Path, recalibrated: bool = False) -> Iterator[Run]:
     """What `save` kept, predicted again by today's simulator with the calibration then found."""
     folders = sorted(p.parent for p in root.glob("*/calibration.json"))
     if not folders:
         sys.exit(f"nothing to replay under {root}: run without --replay first")
     for folder in folders:
-        yield replay_folder(folder)  # at the SLOs it was measured with
+        yield replay_folder(folder, recalibrated=recalibrated)  # at the SLOs it was measured with
 
 
 if __name__ == "__main__":

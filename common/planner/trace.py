@@ -122,7 +122,7 @@ def read_trace(path: str | Path) -> Trace:
                 if not isinstance(obj, dict):
                     raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
                 if "format" not in obj:
-                    entries.append(_from_json(obj))
+                    entries.append(entry_from_json(obj))
                 elif first:
                     meta = _header(obj)
                 else:
@@ -161,7 +161,7 @@ def entry_json(e: TraceEntry) -> dict:
     return obj
 
 
-def _from_json(obj: dict) -> TraceEntry:
+def entry_from_json(obj: dict) -> TraceEntry:
     if missing := [k for k in _REQUIRED if k not in obj]:
         raise ValueError(f"missing field(s): {', '.join(missing)}")
     sizes = obj.get("image_sizes") or []

@@ -33,13 +33,15 @@ from PIL import Image
 
 from common.engine.loader import load_config
 from common.planner.calibrate import fit_dispatch, fit_step_gap, service_factors, transfer_model
-from common.planner.profiles import ProfileSet
+from common.planner.profiles import ProfileSet, TransferModel
 from common.planner.simulator import simulate
-from common.planner.trace import TraceEntry, entry_json, read_trace, write_trace
+from common.planner.trace import TraceEntry, entry_from_json, entry_json, read_trace, write_trace
 from common.planner.types import Deployment
 from common.planner.workloads import generate
+from common.protocol import StepStats
 from common.stats import SLO, slo_met
 from common.store import Store, StoreConfig
+from services.settings import WorkerSettings
 
 _WORDS = [
     "the",
@@ -278,37 +280,71 @@ def calibrated_profiles(
     deployment: Deployment,
     slo: SLO,
 ) -> tuple[ProfileSet, dict]:
-    """What the planner service does, plus the fixed costs its stage curves cannot see: the
-    instances' published profiles, their curves fitted to the steps the instances ran in service
-    and the spread of those steps (`service_factors`, as the planner's TRIDENT_PLANNER_CALIBRATE);
-    hops and pulls from the unloaded requests' stage marks (medians), the gateway's dispatch from
-    what their TTFT has beyond a replay; the gap between tokens as the client saw it under the
-    calibration load (`fit_step_gap` on `loaded`: the worker's loop and a token's way out between
-    two steps, which hold no core); the instances share this machine's cores.
-    Returns the profiles and what the calibration found."""
+    """`calibrate` on what a live deployment published: the instances' profiles, their steps in
+    service, and the stage marks of the unloaded requests (hops and pulls, medians). Returns the
+    profiles and what the calibration found and was found from (to calibrate it again offline)."""
     base = ProfileSet.from_records(profile_records)
-    service = service_factors(step_records, base)
     transfer = transfer_model(trace_records, base.transfer, quantile=50)
-    profiles = dataclasses.replace(service.apply(base), transfer=transfer, host_cores=os.cpu_count() or 1)
 
     def entries(measured: Sequence[Measured]) -> list[TraceEntry]:
         return [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in measured]
 
-    profiles = dataclasses.replace(profiles, transfer=fit_dispatch(entries(quiet), deployment, profiles, slo))
-    profiles = fit_step_gap(entries(loaded), deployment, profiles, slo)
+    kept = {
+        "base_profiles": base.to_dict(),
+        "marks_transfer": dataclasses.asdict(transfer),
+        "step_stats": [st.model_dump(mode="json") for st in step_records],
+        "quiet": [entry_json(e) for e in entries(quiet)],
+        "loaded": [entry_json(e) for e in entries(loaded)],
+    }
+    profiles, found = calibrate(
+        base, step_records, transfer, entries(quiet), entries(loaded), deployment, slo
+    )
+    return profiles, {**found, **kept}
+
+
+def calibrate(
+    base: ProfileSet,
+    step_records: Sequence[StepStats],
+    transfer: TransferModel,
+    quiet: Sequence[TraceEntry],
+    loaded: Sequence[TraceEntry],
+    deployment: Deployment,
+    slo: SLO,
+) -> tuple[ProfileSet, dict]:
+    """What the planner service does, plus the fixed costs its stage curves cannot see: the curves
+    fitted to the steps the instances ran in service and the spread of steps of one shape
+    (`service_factors`, as the planner's TRIDENT_PLANNER_CALIBRATE); the time between two steps
+    that holds no core, from the gaps between tokens the client saw under the calibration load
+    (`fit_step_gap` on `loaded`, as the planner fits it on its window); then the gateway's
+    dispatch, from what the unloaded requests' TTFT has beyond a replay with all of that
+    (`fit_dispatch` on `quiet`); the instances share this machine's cores."""
+    service = service_factors(step_records, base)
+    profiles = dataclasses.replace(service.apply(base), transfer=transfer, host_cores=os.cpu_count() or 1)
+    profiles = fit_step_gap(loaded, deployment, profiles, slo)
+    profiles = dataclasses.replace(profiles, transfer=fit_dispatch(quiet, deployment, profiles, slo))
     found = {
         "service": service.to_dict(),
         "transfer": dataclasses.asdict(profiles.transfer),
         "host_cores": profiles.host_cores,
         "slo": dataclasses.asdict(slo),
         "profiles": profiles.to_dict(),  # to replay offline
-        # What it was calibrated from, to calibrate it again offline after a change to the method.
-        "base_profiles": base.to_dict(),
-        "step_stats": [st.model_dump(mode="json") for st in step_records],
-        "quiet": [entry_json(e) for e in entries(quiet)],
-        "loaded": [entry_json(e) for e in entries(loaded)],
     }
     return profiles, found
+
+
+def recalibrate(calibration: dict, method: str) -> tuple[ProfileSet, dict]:
+    """`calibrate` again on what a recorded run kept (`calibrated_profiles`): the calibration as
+    the code now does it, on the same data."""
+    slo = SLO(**calibration["slo"])
+    return calibrate(
+        ProfileSet.from_dict(calibration["base_profiles"]),
+        [StepStats(**s) for s in calibration["step_stats"]],
+        TransferModel(**calibration["marks_transfer"]),
+        [entry_from_json(e) for e in calibration["quiet"]],
+        [entry_from_json(e) for e in calibration["loaded"]],
+        DEPLOYMENTS[method],
+        slo,
+    )
 
 
 GOAL = 0.20  # the issue's bound on every prediction error
@@ -373,7 +409,13 @@ def validate(
     from tests.services.cluster import method_workers, running_cluster
 
     tokens_per_image = load_config(model_dir).image_seq_length
-    env = {"TRIDENT_TTFT_SLO": str(slo.ttft), "TRIDENT_TBT_SLO": str(slo.tbt)}
+    env = {
+        "TRIDENT_TTFT_SLO": str(slo.ttft),
+        "TRIDENT_TBT_SLO": str(slo.tbt),
+        # Profiled as deployed (the test clusters profile each point once, to start fast; a curve
+        # timed once on cores the other workers are profiling on is too noisy to fit to).
+        "TRIDENT_PROFILE_REPEATS": str(WorkerSettings.model_fields["profile_repeats"].default),
+    }
     deployment = DEPLOYMENTS[method]
 
     def workload(rate: float, count: int, seed: int) -> list[TraceEntry]:
@@ -434,7 +476,7 @@ def summary(runs: list[Run], slo: SLO) -> dict:
     step = 0.0
     for preset, method, calibration, comparisons in runs:
         name = f"{preset} {method}"
-        kept = ("profiles", "base_profiles", "step_stats", "quiet", "loaded")  # the data, not the findings
+        kept = ("profiles", "base_profiles", "marks_transfer", "step_stats", "quiet", "loaded")  # data
         brief = {k: v for k, v in calibration.items() if k not in kept}
         report["calibration"].append({"preset": preset, "method": method, **brief})
         rates = [c.rate for c in comparisons]
@@ -495,13 +537,17 @@ def save(folder: Path, preset: str, method: str, calibration: dict, comparisons:
             write_trace(folder / f"rate-{c.rate:g}-repeat-{k}.jsonl", run, meta=meta)
 
 
-def replay_folder(folder: Path, slo: SLO | None = None) -> Run:
-    """What `save` kept, predicted again by today's simulator with the calibration then found, at
-    the SLOs it was measured with (or `slo`)."""
+def replay_folder(folder: Path, slo: SLO | None = None, *, recalibrated: bool = False) -> Run:
+    """What `save` kept, predicted again by today's simulator at the SLOs it was measured with (or
+    `slo`): with the calibration then found, or `recalibrated` from the data it was found from."""
     calibration = json.loads((folder / "calibration.json").read_text())
     preset, method = calibration.pop("preset"), calibration.pop("method")
     slo = slo or SLO(**calibration["slo"])
-    profiles = ProfileSet.from_dict(calibration["profiles"])
+    if recalibrated:
+        profiles, found = recalibrate(calibration, method)
+        calibration = {**calibration, **found}
+    else:
+        profiles = ProfileSet.from_dict(calibration["profiles"])
     by_rate: dict[float, list] = {}
     for path in sorted(folder.glob("rate-*-repeat-*.jsonl")):
         trace = read_trace(path)
