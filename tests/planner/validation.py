@@ -310,6 +310,7 @@ def calibrate(
     loaded: Sequence[TraceEntry],
     deployment: Deployment,
     slo: SLO,
+    host_cores: int | None = None,
 ) -> tuple[ProfileSet, dict]:
     """What the planner service does, plus the fixed costs its stage curves cannot see: the curves
     fitted to the steps the instances ran in service and the spread of steps of one shape
@@ -317,9 +318,10 @@ def calibrate(
     that holds no core, from the gaps between tokens the client saw under the calibration load
     (`fit_step_gap` on `loaded`, as the planner fits it on its window); then the gateway's
     dispatch, from what the unloaded requests' TTFT has beyond a replay with all of that
-    (`fit_dispatch` on `quiet`); the instances share this machine's cores."""
+    (`fit_dispatch` on `quiet`); the instances share `host_cores` (default: this machine's)."""
     service = service_factors(step_records, base)
-    profiles = dataclasses.replace(service.apply(base), transfer=transfer, host_cores=os.cpu_count() or 1)
+    cores = host_cores or os.cpu_count() or 1
+    profiles = dataclasses.replace(service.apply(base), transfer=transfer, host_cores=cores)
     profiles = fit_step_gap(loaded, deployment, profiles, slo)
     profiles = dataclasses.replace(profiles, transfer=fit_dispatch(quiet, deployment, profiles, slo))
     found = {
@@ -344,6 +346,7 @@ def recalibrate(calibration: dict, method: str) -> tuple[ProfileSet, dict]:
         [entry_from_json(e) for e in calibration["loaded"]],
         DEPLOYMENTS[method],
         slo,
+        calibration["host_cores"],  # the recorded machine's
     )
 
 
