@@ -178,17 +178,32 @@ def fit_step_gap(entries: Sequence, deployment, profiles: ProfileSet, slo, round
     measured = [e for e in entries if e.tbt_p90 and e.output_tokens > 2]
     if len(measured) < MIN_SAMPLES:
         return profiles
+
+    def with_gap(gap: float) -> ProfileSet:
+        return dataclasses.replace(profiles, transfer=dataclasses.replace(profiles.transfer, step_gap=gap))
+
     gap = profiles.transfer.step_gap
     for _ in range(rounds):
-        fitted = dataclasses.replace(profiles, transfer=dataclasses.replace(profiles.transfer, step_gap=gap))
-        replay = simulate(measured, deployment, fitted, slo)
+        replay = simulate(measured, deployment, with_gap(gap), slo)
         residual = float(
             np.median([e.tbt_p90 - float(p) for e, p in zip(measured, replay.tbt_p90, strict=True)])
         )
         gap = max(0.0, gap + residual)
-    return dataclasses.replace(
-        profiles, transfer=dataclasses.replace(profiles.transfer, step_gap=round(gap, 6))
-    )
+    return with_gap(round(gap, 6))
+
+
+def calibrate_from_service(
+    stats: Sequence, profiles: ProfileSet, served: Sequence = (), deployment=None, slo=None
+) -> ServiceCalibration:
+    """How a deployment's planner calibrates `profiles`: the stage curves and jitter fitted to the
+    steps its instances ran in service (`service_factors`); and, given the requests it served
+    (TraceEntry with the measured `tbt_p90`) and the deployment that served them, the time between
+    steps that holds no core (`fit_step_gap`, on the profiles so fitted)."""
+    calibration = service_factors(stats, profiles)
+    if deployment is None or not served:
+        return calibration
+    fitted = fit_step_gap(served, deployment, calibration.apply(profiles), slo)
+    return dataclasses.replace(calibration, step_gap=fitted.transfer.step_gap)
 
 
 SERVICE_MIN_STEPS = 20  # steps of a stage before its factor is trusted

@@ -26,7 +26,7 @@ from typing import Any
 from common.aio import raise_if_cancelled
 from common.bus import Bus
 from common.planner.algorithm import plan as make_plan
-from common.planner.calibrate import ServiceCalibration, fit_step_gap, service_factors, transfer_model
+from common.planner.calibrate import ServiceCalibration, calibrate_from_service, transfer_model
 from common.planner.drift import current_deployment, measure_correction, workload_distance
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
@@ -262,16 +262,13 @@ class Planner:
             return profiles, None
         registered = await self.store.registry.instances() if registered is None else registered
         live_ids = {hb.instance_id for hb in registered}
-        served = [st for st in await self.store.planning.steps() if st.instance_id in live_ids]
-        calibration = service_factors(served, profiles)
+        steps = [st for st in await self.store.planning.steps() if st.instance_id in live_ids]
+        # The gaps between tokens the gateway measured fit the workers' time between steps too,
+        # replayed on the deployment that served them (when the live instances form one).
         current = current_deployment([hb.roles for hb in registered if not hb.draining])
-        if current is not None and self.window:
-            # What the gateway measured between tokens beyond the steps: the workers' time between
-            # steps, which holds no core.
-            fitted = await asyncio.to_thread(
-                fit_step_gap, from_records(self.window), current, calibration.apply(profiles), self.slo
-            )
-            calibration = dataclasses.replace(calibration, step_gap=fitted.transfer.step_gap)
+        calibration = await asyncio.to_thread(
+            calibrate_from_service, steps, profiles, from_records(self.window), current, self.slo
+        )
         return profiles, calibration
 
     async def export(self) -> tuple[list[TraceEntry], dict]:

@@ -32,7 +32,7 @@ import openai
 from PIL import Image
 
 from common.engine.loader import load_config
-from common.planner.calibrate import fit_dispatch, fit_step_gap, service_factors, transfer_model
+from common.planner.calibrate import calibrate_from_service, fit_dispatch, transfer_model
 from common.planner.profiles import ProfileSet, TransferModel
 from common.planner.simulator import simulate
 from common.planner.trace import TraceEntry, entry_from_json, entry_json, read_trace, write_trace
@@ -175,6 +175,11 @@ async def _one(
     return Measured(rid, sized)
 
 
+def measured_entries(measured: Sequence[Measured]) -> list[TraceEntry]:
+    """Each request as sent, with the TTFT and TBT p90 the gateway measured for it."""
+    return [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in measured]
+
+
 def attach(measured: Sequence[Measured], records: Sequence) -> None:
     """Fill each request's gateway-measured TTFT and TBT p90 from its trace record."""
     by_id = {r.request_id: r for r in records}
@@ -286,18 +291,15 @@ def calibrated_profiles(
     base = ProfileSet.from_records(profile_records)
     transfer = transfer_model(trace_records, base.transfer, quantile=50)
 
-    def entries(measured: Sequence[Measured]) -> list[TraceEntry]:
-        return [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in measured]
-
     kept = {
         "base_profiles": base.to_dict(),
         "marks_transfer": dataclasses.asdict(transfer),
         "step_stats": [st.model_dump(mode="json") for st in step_records],
-        "quiet": [entry_json(e) for e in entries(quiet)],
-        "loaded": [entry_json(e) for e in entries(loaded)],
+        "quiet": [entry_json(e) for e in measured_entries(quiet)],
+        "loaded": [entry_json(e) for e in measured_entries(loaded)],
     }
     profiles, found = calibrate(
-        base, step_records, transfer, entries(quiet), entries(loaded), deployment, slo
+        base, step_records, transfer, measured_entries(quiet), measured_entries(loaded), deployment, slo
     )
     return profiles, {**found, **kept}
 
@@ -319,10 +321,9 @@ def calibrate(
     (`fit_step_gap` on `loaded`, as the planner fits it on its window); then the gateway's
     dispatch, from what the unloaded requests' TTFT has beyond a replay with all of that
     (`fit_dispatch` on `quiet`); the instances share `host_cores` (default: this machine's)."""
-    service = service_factors(step_records, base)
-    cores = host_cores or os.cpu_count() or 1
-    profiles = dataclasses.replace(service.apply(base), transfer=transfer, host_cores=cores)
-    profiles = fit_step_gap(loaded, deployment, profiles, slo)
+    base = dataclasses.replace(base, transfer=transfer, host_cores=host_cores or os.cpu_count() or 1)
+    service = calibrate_from_service(step_records, base, loaded, deployment, slo)
+    profiles = service.apply(base)
     profiles = dataclasses.replace(profiles, transfer=fit_dispatch(quiet, deployment, profiles, slo))
     found = {
         "service": service.to_dict(),
@@ -459,9 +460,7 @@ def validate(
                     send(cluster.url, model, workload(rate, requests, seed), tokens_per_image, seed=1)
                 )
                 _traced(cluster.redis.url, sent)
-                measured[rate].append(
-                    [dataclasses.replace(m.entry, ttft=m.ttft, tbt_p90=m.tbt_p90 or None) for m in sent]
-                )
+                measured[rate].append(measured_entries(sent))
     return found, [compare(rate, runs, deployment, profiles, slo) for rate, runs in measured.items()]
 
 
