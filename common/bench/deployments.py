@@ -156,18 +156,38 @@ def transformers_serve(
     name = PEER + ("-cb" if continuous_batching else "")
     log = log_dir / f"{name}.log"
     # A local checkpoint: never wait on the Hub (there may be no network).
-    env = _env({"HF_HUB_OFFLINE": "1"})
-    proc = _start(argv, env, log_dir, log)
-    try:
-        _wait_until_ok(f"{url}/health", proc, log, ready_timeout)  # the model loads before it listens
-        if warm_up:
-            _warm_up(url, model, log, ready_timeout)
+    env = {"HF_HUB_OFFLINE": "1"}
+    with peer_server(
+        argv, env=env, log=log, url=url, model=model if warm_up else None,
+        ready_timeout=ready_timeout, stop_timeout=stop_timeout,
+    ) as proc:  # fmt: skip
         yield Served(name, PEER, url, model, proc.pid, log)
-    finally:
-        _stop(proc, stop_timeout)
 
 
 # -- processes --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def peer_server(
+    argv: list[str],
+    *,
+    env: Mapping[str, str] | None,
+    log: Path,
+    url: str,
+    model: str | None,
+    ready_timeout: float,
+    stop_timeout: float,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A peer's server process (`argv`, in the log's folder, output to `log`), once GET `url`/health
+    answers 200 and, with `model`, one short request has warmed it up; stopped when the block ends."""
+    proc = _start(argv, _env(env), log.parent, log)
+    try:
+        _wait_until_ok(f"{url}/health", proc, log, ready_timeout)  # the model loads before it listens
+        if model is not None:
+            _warm_up(url, model, log, ready_timeout)
+        yield proc
+    finally:
+        _stop(proc, stop_timeout)
 
 
 def _env(extra: Mapping[str, str] | None) -> dict[str, str]:

@@ -119,14 +119,11 @@ def llama_server(
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     log = log_dir / "llama-server.log"
-    proc = deployments._start(argv, deployments._env(None), log_dir, log)
-    try:
-        deployments._wait_until_ok(f"{url}/health", proc, log, ready_timeout)
-        model = Path(model_dir).resolve().name
-        deployments._warm_up(url, model, log, ready_timeout)
+    model = Path(model_dir).resolve().name
+    with deployments.peer_server(
+        argv, env=None, log=log, url=url, model=model, ready_timeout=ready_timeout, stop_timeout=30.0
+    ) as proc:
         yield deployments.Served(LLAMACPP, LLAMACPP, url, model, proc.pid, log)
-    finally:
-        deployments._stop(proc, 30.0)
 
 
 # -- does it serve the same model? -----------------------------------------------------------------
