@@ -197,16 +197,33 @@ def calibrate_from_service(
 ) -> ServiceCalibration:
     """How a deployment's planner calibrates `profiles`: the stage curves and jitter fitted to the
     steps its instances ran in service (`service_factors`); and, given the requests it served
-    (TraceEntry with the measured `tbt_p90`) and the deployment that served them, the time between
-    steps that holds no core (`fit_step_gap`, on the profiles so fitted)."""
+    (TraceEntry with the measured `tbt_p90`) and the deployment that served them, two things more:
+
+    - what sharing the host's cores added to those steps. A step's time in service holds the other
+      instances' steps beside it, and the simulator shares the cores out on its own (processor
+      sharing, `ProfileSet.host_cores`): counted in the curves too, the contention is counted
+      twice. So the steps are fitted again, each less the stretch a replay of the same requests
+      gives steps of its kind (`SimResult.sharing`);
+    - the time between steps that holds no core (`fit_step_gap`, on the profiles so fitted)."""
     calibration = service_factors(stats, profiles)
     if deployment is None or not served:
         return calibration
+    sharing: dict[str, float] = {}
+    for _ in range(SHARING_ROUNDS if profiles.host_cores else 0):
+        found = simulate(served, deployment, calibration.apply(profiles), slo).sharing
+        # Slower steps overlap more, so the stretch is fitted again until it settles; halfway (in
+        # log) each round, as near the cores' capacity the whole way overshoots and oscillates.
+        step = {k: float(np.sqrt(sharing.get(k, 1.0) * found.get(k, 1.0))) for k in {*found, *sharing}}
+        if all(abs(v - sharing.get(k, 1.0)) < 0.005 for k, v in step.items()):
+            break
+        sharing = step
+        calibration = service_factors(stats, profiles, sharing)
     fitted = fit_step_gap(served, deployment, calibration.apply(profiles), slo)
     return dataclasses.replace(calibration, step_gap=fitted.transfer.step_gap)
 
 
 SERVICE_MIN_STEPS = 20  # steps of a stage before its factor is trusted
+SHARING_ROUNDS = 12  # replays to take the cores' sharing out of the steps' times
 SHAPE_MIN_STEPS = 3  # steps of one shape before their spread counts
 
 
@@ -226,6 +243,8 @@ class ServiceCalibration:
     steps: dict[str, int]
     budgets: dict[str, dict[str, float]]
     step_gap: float = 0.0  # fitted to the measured TBT (`fit_step_gap`), where there is one
+    # By step kind: the stretch from sharing cores taken out of the steps' times (1.0: none).
+    sharing: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def apply(self, profiles: ProfileSet) -> ProfileSet:
         transfer = profiles.transfer
@@ -237,7 +256,9 @@ class ServiceCalibration:
         return dataclasses.asdict(self)
 
 
-def service_factors(stats: Sequence, profiles: ProfileSet) -> ServiceCalibration:
+def service_factors(
+    stats: Sequence, profiles: ProfileSet, sharing: dict[str, float] | None = None
+) -> ServiceCalibration:
     """Fit the profile's stage curves to the steps instances ran in service (StepStats records):
     each stage's factor is the time its steps took over the time the curve predicts for the same
     batches, summed (so the big steps, which set throughput, weigh most). Steps of one stage only
@@ -246,7 +267,10 @@ def service_factors(stats: Sequence, profiles: ProfileSet) -> ServiceCalibration
 
     Times in service hold what the profile cannot see: the other processes on the same cores, the
     worker's Python around a step, a GPU shared with another tenant. They are the times under the
-    load that was served, so a plan for a much heavier or lighter load extrapolates from them."""
+    load that was served, so a plan for a much heavier or lighter load extrapolates from them.
+    `sharing` (by step kind) divides each step's time: what sharing the cores added to it, where
+    the simulator adds that itself (`calibrate_from_service`)."""
+    sharing = {k: round(v, 4) for k, v in (sharing or {}).items()}
     sums: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in ("encode", "prefill", "decode", "mixed")}
     counts = dict.fromkeys(sums, 0)
     logs: dict[str, list[float]] = {kind: [] for kind in sums}
@@ -263,6 +287,7 @@ def service_factors(stats: Sequence, profiles: ProfileSet) -> ServiceCalibration
             if step_kind not in sums or (images and not curves.encode):
                 continue
             predicted = curves.iteration_time(images, prefill_tokens, decodes, context)
+            seconds /= sharing.get(step_kind, 1.0)
             if predicted <= 0 or seconds <= 0:
                 continue
             sums[step_kind][0] += seconds
@@ -287,4 +312,4 @@ def service_factors(stats: Sequence, profiles: ProfileSet) -> ServiceCalibration
     # TTFT over two steps takes its tail from it.
     residuals = [v - float(np.median(g)) for g in shapes.values() if len(g) >= SHAPE_MIN_STEPS for v in g]
     spread = round(float(np.std(residuals)), 4) if len(residuals) >= SERVICE_MIN_STEPS else 0.0
-    return ServiceCalibration(factors, spread, counts, budgets)
+    return ServiceCalibration(factors, spread, counts, budgets, sharing=sharing)

@@ -70,6 +70,9 @@ class SimResult:
     utilisation: dict[str, float]
     duration: float
     complete: bool  # False when stopped early because attainment was already out of reach
+    # By iteration kind (Batch.kind): how much longer iterations took than their own time at full
+    # speed, for sharing the host's cores (elapsed over nominal, summed; 1.0 unshared).
+    sharing: dict[str, float] = field(default_factory=dict)
 
     @property
     def attainment(self) -> float:
@@ -121,6 +124,7 @@ class _Instance:
         # has left (seconds at full speed), the speed it runs at, since when, and a version that
         # retires its superseded end events.
         self.work = 0.0
+        self.nominal = 0.0  # the running iteration's seconds at full speed
         self.speed = 1.0
         self.since = 0.0
         self.started = 0.0
@@ -182,6 +186,7 @@ class Simulation:
         self._allowed_failures = math.floor((1 - slo.attainment) * len(self.trace)) if stop_early else None
         self._failures = 0
         self._turn = 0
+        self._stretch: dict[str, list[float]] = {}  # by iteration kind: [elapsed, nominal] seconds
 
     # -- the event loop --------------------------------------------------------------------------
 
@@ -332,7 +337,7 @@ class Simulation:
         if self.jitter:
             seconds *= float(np.exp(self.jitter * self._rng.standard_normal() - self.jitter**2 / 2))
         inst.batch, inst.started = batch, self.now
-        inst.work, inst.speed, inst.since = seconds, 1.0, self.now
+        inst.work, inst.nominal, inst.speed, inst.since = seconds, seconds, 1.0, self.now
         if self.host_cores:
             self._share_cores()
         else:
@@ -359,6 +364,9 @@ class Simulation:
     def _end_iteration(self, inst: _Instance) -> None:
         batch, inst.batch, inst.busy_until = inst.batch, None, None
         inst.busy_time += self.now - inst.started
+        stretch = self._stretch.setdefault(batch.kind, [0.0, 0.0])
+        stretch[0] += self.now - inst.started
+        stretch[1] += inst.nominal
         if inst.governor is not None:
             s = inst.scheduler
             share = budget_share(batch, s.image_budget, s.token_budget, s.image_unit)
@@ -417,7 +425,8 @@ class Simulation:
         ttft, tbt = np.array([np.nan if f is None else f for f in ttft]), np.array([g or 0.0 for g in tbt])
         span = max(self.now, 1e-9)
         utilisation = {inst.name: min(1.0, inst.busy_time / span) for inst in self.instances}
-        return SimResult(ttft, tbt, gaps, np.array(met, dtype=bool), utilisation, self.now, complete)
+        sharing = {kind: took / nominal for kind, (took, nominal) in self._stretch.items() if nominal > 0}
+        return SimResult(ttft, tbt, gaps, np.array(met, dtype=bool), utilisation, self.now, complete, sharing)
 
 
 def simulate(

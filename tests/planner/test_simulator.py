@@ -70,6 +70,10 @@ def test_instances_on_shared_cores_slow_each_other_only_while_they_overlap() -> 
     reqs = [entry(0.0, images=0, prompt=100, output=1), entry(0.05, images=0, prompt=100, output=1)]
     result = simulate(reqs, Deployment.of("epd", epd=2), shared, SLO(ttft=1.0, tbt=0.5))
     assert list(result.ttft) == pytest.approx([0.15, 0.15])
+    # Each prefill took 0.15 s of 0.1 s of work: what sharing added, by iteration kind.
+    assert result.sharing == pytest.approx({"prefill": 1.5})
+    alone = simulate(reqs, Deployment.of("epd", epd=2), PROFILES, SLO(ttft=1.0, tbt=0.5))
+    assert alone.sharing == pytest.approx({"prefill": 1.0})
 
 
 def test_correction_scales_predicted_latency_and_the_verdict() -> None:
