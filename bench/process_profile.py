@@ -42,6 +42,7 @@ from common.bench.machine import single_thread_gflops
 from common.bench.sweep import LoadSpec
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.infra import free_port
+from common.secrets import DeploymentSecrets, with_credentials
 from common.store import Stage, Store, StoreConfig
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -178,7 +179,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
         for spy in spies.values():
             spy.wait(60)
         state = json.loads((workdir / ".trident" / "up.json").read_text())
-        records = asyncio.run(trace_records(state["servers"]["redis"]["url"], len(entries) + 2))
+        password = DeploymentSecrets.read(Path(state["secrets"])).redis_password
+        redis_url = with_credentials(state["servers"]["redis"]["url"], "", password)
+        records = asyncio.run(trace_records(redis_url, len(entries) + 2))
     cores = len(os.sched_getaffinity(0))
     done = [r for r in results if r.ok]
     table = {}
