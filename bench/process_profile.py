@@ -59,8 +59,9 @@ def _stat(pid: int) -> tuple[int, float, int] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS, int(fields[17])
 
 
-def cpu_by_process(roots: dict[str, int]) -> dict[str, dict]:
-    """Each named process with its descendants: CPU seconds so far and threads now."""
+def cpu_by_process(roots: dict[str, int], skip: set[int] = frozenset()) -> dict[str, dict]:
+    """Each named process with its descendants: CPU seconds so far and threads now. A descendant
+    that is named itself counts under its own name, and one in `skip` (the profiler) nowhere."""
     table = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
@@ -73,6 +74,8 @@ def cpu_by_process(roots: dict[str, int]) -> dict[str, dict]:
         tree, cpu, threads = [root], 0.0, 0
         while tree:
             pid = tree.pop()
+            if pid in skip or (pid != root and pid in roots.values()):
+                continue
             if pid in table:
                 cpu += table[pid][1]
                 threads += table[pid][2]
@@ -95,8 +98,8 @@ def start_py_spy(pids: dict[str, int], seconds: float, out: Path) -> dict[str, s
         raise SystemExit("--py-spy needs py-spy: pip install -e '.[bench]'")
     spies = {}
     for name, pid in pids.items():
-        if name in ("nats", "redis"):
-            continue  # not Python
+        if name in ("nats", "redis", "trident up"):
+            continue  # not Python, or idle
         argv = [exe, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "50",
                 "--format", "raw", "--nonblocking", "--output", str(out / f"{name}.txt")]  # fmt: skip
         spies[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -170,12 +173,13 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
     with deployments.trident(args.model, args.method, port=free_port(), log_dir=workdir) as served:
         opts = client.RequestOptions(model=served.model, image_size=(336, 336), seed=args.seed)
         asyncio.run(client.run(served.url, load.entries(args.rate)[:2], opts))  # warm: not measured
-        names = processes(workdir)
+        names = {**processes(workdir), "trident up": served.pid}
         spies = start_py_spy(names, args.duration, workdir) if args.py_spy else {}
-        before, started = cpu_by_process(names), time.monotonic()
+        skip = {spy.pid for spy in spies.values()}
+        before, started = cpu_by_process(names, skip), time.monotonic()
         opts = client.RequestOptions(model=served.model, image_size=(336, 336), seed=args.seed + 1)
         results = asyncio.run(client.run(served.url, entries, opts))
-        wall, after = time.monotonic() - started, cpu_by_process(names)
+        wall, after = time.monotonic() - started, cpu_by_process(names, skip)
         for spy in spies.values():
             spy.wait(60)
         state = json.loads((workdir / ".trident" / "up.json").read_text())
