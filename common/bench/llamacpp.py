@@ -154,9 +154,13 @@ def greedy_parity(
     import numpy as np
     import torch
     from PIL import Image
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(model_dir)
+    from common.engine.processor import RequestProcessor
+
+    # The checkpoint's own processor as Trident loads it: for Qwen-VL, transformers' processor
+    # wants a video processor that needs torchvision, which a CPU install does not have.
+    processor = RequestProcessor(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     qwen = model.config.model_type == "qwen2_vl"
     side = 224 if qwen else model.config.vision_config.image_size
@@ -182,7 +186,7 @@ def greedy_parity(
         )
         rendered.raise_for_status()
         prompt = MARKER.sub(lambda _: placeholder, rendered.json()["prompt"])
-        inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+        inputs = _hf_inputs(processor, prompt, images)
         with torch.no_grad():
             gen = model.generate(
                 **inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
@@ -205,6 +209,20 @@ def greedy_parity(
         split = gaps[agreed] if agreed < tokens else None
         out.append(Agreement(count, agreed, tokens, split, float(np.median(gaps))))
     return out
+
+
+def _hf_inputs(processor, prompt: str, images: list) -> dict:
+    """What HF `generate` takes for `prompt` (one image marker per image) and `images`."""
+    import torch
+
+    if processor.hf is not None:  # LLaVA: its HF processor as it is
+        return dict(processor.hf(text=prompt, images=images or None, return_tensors="pt"))
+    ids = torch.tensor([processor.process(prompt, images).token_ids])  # each pad expanded to its grid
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if images:
+        pixels = processor.images(images=images, return_tensors="pt")
+        inputs |= {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+    return inputs
 
 
 PARITY_PROMPTS = (
