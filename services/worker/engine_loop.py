@@ -68,7 +68,6 @@ class EngineLoop:
     ) -> None:
         self.engine = engine
         self.cores = cores  # with a core board, each step's torch threads follow the host's idle cores
-        self.threads = torch.get_num_threads()
         self._on_outputs = on_outputs
         self._calls: queue.Queue[tuple[Callable[[], Any], asyncio.Future | None, Any] | None]
         self._calls = queue.Queue()
@@ -77,6 +76,8 @@ class EngineLoop:
         self.failure: BaseException | None = None
         self.steps = 0
         self.stats = EngineStats.of(engine)
+        if cores is not None:
+            cores.follow_by_layer(engine.model)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -120,9 +121,8 @@ class EngineLoop:
             return self.engine.step()
         threads = self.cores.begin_step()
         try:
-            if threads is not None and threads != self.threads:
+            if threads is not None and threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-                self.threads = threads
             return self.engine.step()
         finally:
             self.cores.end_step()

@@ -83,3 +83,42 @@ def test_a_worker_that_is_not_greedy_marks_its_steps_but_keeps_its_threads(tmp_p
     decoder.end_step()
     decoder.close()
     prefill.close()
+
+
+def test_a_greedy_step_gives_cores_back_at_the_next_layer(tmp_path):
+    """A step that began with every core (the decoder idle) drops to its share at the first layer
+    after the decoder starts stepping, not at its own next step: with the threads fixed for the
+    step, three threads ran on two cores for the whole of it."""
+    import torch
+
+    board = CoreBoard(tmp_path / "cores", cores=2)
+    decoder = CoreBoard(tmp_path / "cores", cores=2, greedy=False)
+    seen = []
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            seen.append(torch.get_num_threads())
+            if len(seen) == 1:
+                decoder.begin_step()  # the decoder starts while this step runs
+            return x
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Layer(), Layer(), Layer()])
+    board.follow_by_layer(model)
+    before = torch.get_num_threads()
+    try:
+        assert board.begin_step() == 2
+        torch.set_num_threads(2)
+        x = torch.zeros(1)
+        for layer in model.layers:
+            x = layer(x)
+        assert seen == [2, 1, 1]
+        board.end_step()
+        decoder.end_step()
+        hooks = len(model.layers[0]._forward_pre_hooks)
+        decoder.follow_by_layer(model)
+        assert len(model.layers[0]._forward_pre_hooks) == hooks  # a decoder keeps its threads
+    finally:
+        torch.set_num_threads(before)
+        board.close()
+        decoder.close()
