@@ -84,9 +84,8 @@ def cpu_by_process(roots: dict[str, int], skip: set[int] = frozenset()) -> dict[
     return found
 
 
-def processes(workdir: Path) -> dict[str, int]:
+def processes(state: dict) -> dict[str, int]:
     """The pid of every server and service `trident up` started (its state file), and this client."""
-    state = json.loads((workdir / ".trident" / "up.json").read_text())
     found = {name: int(s["pid"]) for name, s in state.get("servers", {}).items()}
     found.update({p["name"]: int(p["pid"]) for p in state.get("processes", [])})
     return {**found, "client (this process)": os.getpid()}
@@ -172,8 +171,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
     entries = load.entries(args.rate)
     with deployments.trident(args.model, args.method, port=free_port(), log_dir=workdir) as served:
         opts = client.RequestOptions(model=served.model, image_size=(336, 336), seed=args.seed)
-        asyncio.run(client.run(served.url, load.entries(args.rate)[:2], opts))  # warm: not measured
-        names = {**processes(workdir), "trident up": served.pid}
+        asyncio.run(client.run(served.url, entries[:2], opts))  # warm: not measured
+        state = json.loads((workdir / ".trident" / "up.json").read_text())
+        names = {**processes(state), "trident up": served.pid}
         spies = start_py_spy(names, args.duration, workdir) if args.py_spy else {}
         skip = {spy.pid for spy in spies.values()}
         before, started = cpu_by_process(names, skip), time.monotonic()
@@ -182,7 +182,6 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
         wall, after = time.monotonic() - started, cpu_by_process(names, skip)
         for spy in spies.values():
             spy.wait(60)
-        state = json.loads((workdir / ".trident" / "up.json").read_text())
         password = DeploymentSecrets.read(Path(state["secrets"])).redis_password
         redis_url = with_credentials(state["servers"]["redis"]["url"], "", password)
         records = asyncio.run(trace_records(redis_url, len(entries) + 2))

@@ -5,7 +5,6 @@ built."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -17,15 +16,13 @@ from safetensors.numpy import load_file
 from common.bench import llamacpp
 from common.bench.compare import Comparison, System
 from common.stats import SLO
+from tests.bench import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "third_party" / "llamacpp_convert.py"
 
 
 def _convert_module():
-    spec = importlib.util.spec_from_file_location("llamacpp_convert", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "llamacpp_convert")
 
 
 def _weights(model_dir: Path) -> dict[str, np.ndarray]:

@@ -3,7 +3,6 @@ and a TTFT split into the intervals between a request's stage marks."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,15 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.bench import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "process_profile.py"
 
 
 @pytest.fixture(scope="module")
 def profile():
-    spec = importlib.util.spec_from_file_location("process_profile", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "process_profile")
 
 
 def test_a_process_counts_the_cpu_of_its_children(profile):

@@ -3,20 +3,18 @@ and the message when the venvs are missing (running the tools is bench/third_par
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.bench import load_script
 
 RUN = Path(__file__).resolve().parents[2] / "bench" / "third_party" / "run.py"
 
 
 @pytest.fixture(scope="module")
 def run():
-    spec = importlib.util.spec_from_file_location("third_party_run", RUN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(RUN, "third_party_run")
 
 
 def args(run, *extra: str):
