@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from common.bench import deployments
+from common.bench.oracle import hf_model_inputs
 
 LLAMACPP = "llama.cpp"
 MARKER = re.compile(r"<__media_[^>]*__>")  # where llama-server's rendered prompt has an image
@@ -217,12 +218,12 @@ def _hf_inputs(processor, prompt: str, images: list) -> dict:
 
     if processor.hf is not None:  # LLaVA: its HF processor as it is
         return dict(processor.hf(text=prompt, images=images or None, return_tensors="pt"))
-    ids = torch.tensor([processor.process(prompt, images).token_ids])  # each pad expanded to its grid
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if images:
-        pixels = processor.images(images=images, return_tensors="pt")
-        inputs |= {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
-    return inputs
+    # Qwen-VL: Trident's processor, and HF's inputs as the oracle builds them — the token types
+    # included, without which transformers' generate gives image tokens plain text positions in
+    # place of M-RoPE's and answers differently (it does not say so).
+    processed = processor.process(prompt, images)  # each pad expanded to its grid
+    ids = torch.tensor([processed.token_ids])
+    return hf_model_inputs(processed.images, ids, torch.ones_like(ids), processor.image_token_id)
 
 
 PARITY_PROMPTS = (

@@ -145,3 +145,28 @@ def test_llama_server_serves_the_same_model_as_hf(tiny_model_dir: Path, tmp_path
     assert sum(a.agreed == a.tokens for a in agreements) >= len(agreements) // 2, llamacpp.parity_note(
         agreements
     )
+
+
+def test_hf_reference_inputs_for_qwen_carry_the_token_types_m_rope_needs(tmp_path: Path) -> None:
+    """Without `mm_token_type_ids`, transformers' generate quietly gives a Qwen2-VL prompt's image
+    tokens text positions (its forward refuses outright): the parity check then compared llama.cpp,
+    which uses M-RoPE, against a different model and found every image prompt parting at token 0."""
+    import torch
+    from PIL import Image
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from common.checkpoints import write_checkpoint
+    from common.engine.processor import RequestProcessor
+
+    model_dir = write_checkpoint(tmp_path / "tiny-qwen2-vl", "tiny-qwen2-vl", seed=0)
+    processor = RequestProcessor(model_dir)
+    prompt = f"<|vision_start|>{processor.image_token}<|vision_end|>what is in the image"
+    image = Image.new("RGB", (56, 56), (200, 40, 40))
+    inputs = llamacpp._hf_inputs(processor, prompt, [image])
+    image_tokens = inputs["input_ids"] == processor.image_token_id
+    assert image_tokens.sum() > 1
+    assert torch.equal(inputs["mm_token_type_ids"].bool(), image_tokens)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = model(**inputs).logits  # raises where the token types are missing
+    assert logits.shape[1] == inputs["input_ids"].shape[1]
