@@ -38,10 +38,10 @@ from common.launcher.compose_file import (
     parse_scale,
     plan,
     resolve_scale,
-    thread_split,
 )
 from common.launcher.processes import FIRST_BACKOFF, MAX_BACKOFF, restart_delay
 from common.launcher.state import identity, is_alive, start_time
+from common.threads import thread_split
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"

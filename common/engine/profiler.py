@@ -105,6 +105,7 @@ class StageProfile:
     max_num_seqs: int = 0
     max_model_len: int = 0
     tokens_per_image: int = 0  # the encode curve's image, where cost follows size (Scheduler.image_unit)
+    threads: int = 0  # the torch threads the curves were measured with (0: not recorded)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -185,6 +186,7 @@ class BudgetProfiler:
             "max_num_seqs": e.config.max_num_seqs,
             "max_model_len": e.max_model_len,
             "tokens_per_image": e.scheduler.image_unit or 0,
+            "threads": torch.get_num_threads(),
         }
 
     def decode_grid(self, limit: float, max_batch: int) -> None:

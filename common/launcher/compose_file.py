@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from common.roles import letters, parse_roles
+from common.threads import thread_split
 
 
 class ComposeError(ValueError):
@@ -112,11 +113,6 @@ def map_hosts(value: str, hosts: Mapping[str, str]) -> str:
         return match["prefix"] + local if local else match.group(0)
 
     return _URL_HOST.sub(replace, value)
-
-
-def thread_split(cpus: int, workers: int) -> int:
-    """torch threads per worker so that co-located workers share the cores instead of fighting over them."""
-    return max(1, cpus // max(1, workers))
 
 
 def _environment(raw: Any, env: Mapping[str, str]) -> dict[str, str]:

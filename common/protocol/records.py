@@ -72,12 +72,21 @@ class StageProfile(Message):
     # Tokens of the image the encode curve was measured on, where an image's cost follows its size
     # (LLaVA-NeXT, Qwen-VL): an image of k times as many costs k. 0: every image costs one.
     tokens_per_image: int = Field(0, ge=0)
+    # The torch threads the curves were measured with (0: not recorded).
+    threads: int = Field(0, ge=0)
+
+
+# kind, images, prefill tokens, decodes, mean decode context, seconds, threads, overlap
+Step = tuple[str, float, int, int, float, float, float, float]
+OldStep = tuple[str, float, int, int, float, float]  # before threads and overlap were kept
 
 
 class StepStats(Message):
     """What an instance's engine steps took in service, lately (the planner calibrates its curves
-    with them): one (kind, images, prefill tokens, decodes, mean decode context, seconds) per step,
-    images in the profile's image units; and the budgets the governor has set."""
+    with them): one (kind, images, prefill tokens, decodes, mean decode context, seconds, threads,
+    overlap) per step — images in the profile's image units, threads the torch threads it ran with,
+    overlap how many other workers' steps on its host ran beside it on average (−1: not known); a
+    record from before the last two were kept has six fields — and the budgets the governor has set."""
 
     KIND: ClassVar[str] = "rec.steps"
     instance_id: str
@@ -87,7 +96,7 @@ class StepStats(Message):
     image_budget: int = Field(0, ge=0)
     token_budget: int = Field(0, ge=0)
     budget_scale: float = Field(1.0, gt=0)
-    steps: tuple[tuple[str, float, int, int, float, float], ...] = ()
+    steps: tuple[Step | OldStep, ...] = ()
 
 
 class DeadLetter(Message):

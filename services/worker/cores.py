@@ -35,11 +35,12 @@ import struct
 import time
 from pathlib import Path
 
+from common.threads import RECENT, greedy_threads
+
 log = logging.getLogger(__name__)
 
 SLOTS = 64
 SLOT = struct.Struct("<qqd")  # pid, busy (0/1), monotonic time its last step ended
-RECENT = 0.25  # seconds: a worker that stepped this recently is in use
 SIZE = SLOTS * SLOT.size
 
 
@@ -64,6 +65,8 @@ class CoreBoard:
         finally:
             os.close(fd)
         self._ended = 0.0
+        self._layer_threads: list[int] = []  # this step's threads, layer by layer (greedy only)
+        self._overlap: list[int] = []  # other workers seen stepping during this step
 
     def _claim(self) -> int:
         for i in range(SLOTS):
@@ -73,27 +76,38 @@ class CoreBoard:
                 return i
         raise RuntimeError(f"the core board has no free slot ({SLOTS} workers on one host)")
 
-    def busy_others(self) -> int:
-        """Workers on this host stepping now or within RECENT seconds, this one not counted."""
-        now, count = time.monotonic(), 0
+    def _others(self) -> tuple[int, int]:
+        """Other workers on this host in use (stepping now or within RECENT seconds), and of
+        those, stepping now."""
+        now, in_use, stepping = time.monotonic(), 0, 0
         for i in range(SLOTS):
             if i == self.slot:
                 continue
             pid, busy, ended = SLOT.unpack_from(self._map, i * SLOT.size)
             if pid and (busy or now - ended < RECENT) and _alive(pid):
-                count += 1
-        return count
+                in_use += 1
+                stepping += bool(busy)
+        return in_use, stepping
+
+    def busy_others(self) -> int:
+        """Workers on this host stepping now or within RECENT seconds, this one not counted."""
+        return self._others()[0]
 
     def begin_step(self) -> int | None:
         """Mark this worker busy; the torch threads its step may use now (None: keep its own)."""
         SLOT.pack_into(self._map, self.slot * SLOT.size, self.pid, 1, self._ended)
-        return self.threads_now()
+        self._layer_threads.clear()
+        in_use, stepping = self._others()
+        self._overlap[:] = [stepping]
+        return greedy_threads(self.cores, in_use) if self.greedy else None
 
     def threads_now(self) -> int | None:
         """The torch threads this worker may use now, mid-step too (None: keep its own)."""
         if not self.greedy:
             return None
-        return max(1, self.cores // (1 + self.busy_others()))
+        in_use, stepping = self._others()
+        self._overlap.append(stepping)
+        return greedy_threads(self.cores, in_use)
 
     def follow_by_layer(self, model) -> None:
         """Before each layer of `model` (every module in a ModuleList: the LLM's decoder layers,
@@ -107,11 +121,30 @@ class CoreBoard:
             threads = self.threads_now()
             if threads is not None and threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
+            self._layer_threads.append(torch.get_num_threads())
 
         for module in model.modules():
             if isinstance(module, torch.nn.ModuleList):
                 for layer in module:
                     layer.register_forward_pre_hook(retake)
+
+    def step_threads(self) -> float:
+        """The torch threads the step running (or just run) has had: their mean over its layers,
+        which a greedy worker may change mid-step; otherwise the threads it has now. For the step
+        log, so that the planner can tell a step that had every core from one that had its share."""
+        import torch
+
+        if self._layer_threads:
+            return sum(self._layer_threads) / len(self._layer_threads)
+        return float(torch.get_num_threads())
+
+    def step_overlap(self) -> float:
+        """How many other workers' steps ran beside the step running (or just run): the mean of
+        what this worker saw at its start, before each of its layers (a greedy worker) and now.
+        For the step log: steps beside others' run slower than alone even on cores of their own
+        (shared caches and memory bandwidth, the host's other processes)."""
+        seen = [*self._overlap, self._others()[1]]
+        return sum(seen) / len(seen)
 
     def end_step(self) -> None:
         self._ended = time.monotonic()

@@ -59,6 +59,7 @@ def profile_id(s: WorkerSettings, engine: Engine, hw: str) -> str:
         "model": s.model.name,
         "config": hashlib.sha256(config).hexdigest(),
         "hardware": hw,
+        "threads": torch.get_num_threads(),  # the engine's, set as it started
         "roles": sorted(r.value for r in roles),
         "slo": [s.ttft_slo, s.tbt_slo],
         "policy": s.policy,

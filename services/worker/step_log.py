@@ -14,6 +14,7 @@ from collections import deque
 
 from common.engine.scheduler import Batch
 from common.protocol import StepStats
+from common.protocol.records import Step
 
 KEPT = 512  # steps in the window
 PUBLISH_EVERY = 5.0  # seconds
@@ -24,13 +25,20 @@ REPUBLISH_EVERY = 15.0  # seconds
 
 class StepLog:
     def __init__(self, kept: int = KEPT) -> None:
-        self._steps: deque[tuple[str, float, int, int, float, float]] = deque(maxlen=kept)
+        self._steps: deque[Step] = deque(maxlen=kept)
 
-    def record(self, batch: Batch, seconds: float, image_unit: int | None) -> None:
-        """On the engine thread, after each step (a deque's append is thread-safe)."""
+    def record(
+        self, batch: Batch, seconds: float, image_unit: int | None, threads: float, overlap: float | None
+    ) -> None:
+        """On the engine thread, after each step (a deque's append is thread-safe). `threads`: the
+        torch threads the step ran with, averaged over its layers where they changed mid-step;
+        `overlap`: how many other workers' steps ran beside it on average (None: not known)."""
         images = batch.image_cost(image_unit) / (image_unit or 1)
-        self._steps.append((batch.kind, round(images, 4), batch.prefill_tokens, len(batch.decodes),
-                            round(batch.decode_context, 1), round(seconds, 6)))  # fmt: skip
+        self._steps.append((
+            batch.kind, round(images, 4), batch.prefill_tokens, len(batch.decodes),
+            round(batch.decode_context, 1), round(seconds, 6), round(threads, 3),
+            -1.0 if overlap is None else round(overlap, 3),
+        ))  # fmt: skip
 
     def __len__(self) -> int:
         return len(self._steps)

@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Mapping
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from common.aio import raise_if_cancelled
@@ -117,7 +118,11 @@ class StageWorker:
 
         def on_step(batch, seconds: float) -> None:  # on the engine thread
             self.metrics.step(batch.kind, seconds)
-            self.steps.record(batch, seconds, engine.scheduler.image_unit)
+            if cores is not None:
+                threads, overlap = cores.step_threads(), cores.step_overlap()
+            else:  # which other steps ran beside it is not known
+                threads, overlap = torch.get_num_threads(), None
+            self.steps.record(batch, seconds, engine.scheduler.image_unit, threads, overlap)
 
         engine.on_step = on_step
         self.ctx = StageContext(

@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from services.worker.cores import RECENT, CoreBoard
+from common.threads import RECENT
+from services.worker.cores import CoreBoard
 
 BUSY_CHILD = """
 import sys, time
@@ -76,9 +77,12 @@ def test_a_dead_workers_slot_is_idle_and_taken_over(tmp_path):
 
 
 def test_a_worker_that_is_not_greedy_marks_its_steps_but_keeps_its_threads(tmp_path):
+    import torch
+
     decoder = CoreBoard(tmp_path / "cores", cores=2, greedy=False)
     prefill = CoreBoard(tmp_path / "cores", cores=2)
     assert decoder.begin_step() is None  # alone, still its own threads
+    assert decoder.step_threads() == torch.get_num_threads()
     assert prefill.busy_others() == 1  # but the others see it stepping
     decoder.end_step()
     decoder.close()
@@ -113,6 +117,9 @@ def test_a_greedy_step_gives_cores_back_at_the_next_layer(tmp_path):
         for layer in model.layers:
             x = layer(x)
         assert seen == [2, 1, 1]
+        # What the step log records: the step's threads over its layers (the planner fits how
+        # steps speed up with threads from them).
+        assert board.step_threads() == 4 / 3
         board.end_step()
         decoder.end_step()
         hooks = len(model.layers[0]._forward_pre_hooks)

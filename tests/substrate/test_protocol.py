@@ -122,7 +122,10 @@ EXAMPLES: list[Message] = [
         image_budget=0,
         token_budget=512,
         budget_scale=0.75,
-        steps=(("prefill", 0.0, 300, 0, 0.0, 0.04), ("mixed", 1.0, 120, 3, 410.5, 0.09)),
+        steps=(
+            ("prefill", 0.0, 300, 0, 0.0, 0.04),
+            ("mixed", 1.0, 120, 3, 410.5, 0.09, 1.5, 0.5),
+        ),  # old, new
     ),
     DeadLetter(
         stream="S",
