@@ -209,7 +209,10 @@ def calibrate_from_service(
     if deployment is None or not served:
         return calibration
     sharing: dict[str, float] = {}
-    for _ in range(SHARING_ROUNDS if profiles.host_cores else 0):
+    # Steps that say their threads and neighbours are each taken to their own share of the cores
+    # (`service_factors`); a replay's stretch is for older records.
+    known = all(len(step) > 6 and step[7] >= 0 for record in stats for step in record.steps)
+    for _ in range(SHARING_ROUNDS if profiles.host_cores and not (known and profiles.threads) else 0):
         found = simulate(served, deployment, calibration.apply(profiles), slo).sharing
         # Slower steps overlap more, so the stretch is fitted again until it settles; halfway (in
         # log) each round, as near the cores' capacity the whole way overshoots and oscillates.
@@ -225,6 +228,7 @@ def calibrate_from_service(
 SERVICE_MIN_STEPS = 20  # steps of a stage before its factor is trusted
 SHARING_ROUNDS = 12  # replays to take the cores' sharing out of the steps' times
 SHAPE_MIN_STEPS = 3  # steps of one shape before their spread counts
+THREAD_MIN_STEPS = 10  # steps at other threads than the rest of their shape before an exponent is fitted
 
 
 def _shape(kind: str, images: float, prefill_tokens: int, decodes: int) -> tuple:
@@ -245,12 +249,19 @@ class ServiceCalibration:
     step_gap: float = 0.0  # fitted to the measured TBT (`fit_step_gap`), where there is one
     # By step kind: the stretch from sharing cores taken out of the steps' times (1.0: none).
     sharing: dict[str, float] = dataclasses.field(default_factory=dict)
+    # By step kind: how a step's time falls with its threads, and rises with other steps beside
+    # it (`fit_host_effects`; none where not fitted).
+    thread_exponent: dict[str, float] = dataclasses.field(default_factory=dict)
+    interference: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def apply(self, profiles: ProfileSet) -> ProfileSet:
         transfer = profiles.transfer
         if self.step_gap:
             transfer = dataclasses.replace(transfer, step_gap=self.step_gap)
-        return scale_profiles(profiles, self.factors, transfer, jitter=max(profiles.jitter, self.jitter))
+        return scale_profiles(
+            profiles, self.factors, transfer, jitter=max(profiles.jitter, self.jitter),
+            thread_exponent=self.thread_exponent or None, interference=self.interference or None,
+        )  # fmt: skip
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -269,13 +280,18 @@ def service_factors(
     worker's Python around a step, a GPU shared with another tenant. They are the times under the
     load that was served, so a plan for a much heavier or lighter load extrapolates from them.
     `sharing` (by step kind) divides each step's time: what sharing the cores added to it, where
-    the simulator adds that itself (`calibrate_from_service`)."""
+    the simulator adds that itself (`calibrate_from_service`). Where steps say the threads they
+    ran with and how many other steps ran beside them, and the profile the threads it was measured
+    with, each step's time is first brought to the profile's threads with no step beside it, by
+    the effects fitted on them (`fit_host_effects`), which the simulator then applies to the
+    threads and neighbours its instances have (`ProfileSet.thread_exponent`, `interference`)."""
     sharing = {k: round(v, 4) for k, v in (sharing or {}).items()}
     sums: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in ("encode", "prefill", "decode", "mixed")}
     counts = dict.fromkeys(sums, 0)
     logs: dict[str, list[float]] = {kind: [] for kind in sums}
     shapes: dict[tuple, list[float]] = {}  # log(observed / predicted) by step shape
     budgets = {}
+    steps = []  # (kind, shape, seconds, predicted, threads / profiled threads, overlap or None)
     for record in stats:
         kind = kind_of(record.roles)
         curves = profiles.for_kind(kind) if kind else profiles.curves
@@ -283,20 +299,36 @@ def service_factors(
             "image_budget": record.image_budget, "token_budget": record.token_budget,
             "scale": record.budget_scale,
         }  # fmt: skip
-        for step_kind, images, prefill_tokens, decodes, context, seconds in record.steps:
+        for step_kind, images, prefill_tokens, decodes, context, seconds, *host in record.steps:
             if step_kind not in sums or (images and not curves.encode):
                 continue
             predicted = curves.iteration_time(images, prefill_tokens, decodes, context)
-            seconds /= sharing.get(step_kind, 1.0)
             if predicted <= 0 or seconds <= 0:
                 continue
-            sums[step_kind][0] += seconds
-            sums[step_kind][1] += predicted
-            counts[step_kind] += 1
-            logs[step_kind].append(float(np.log(seconds / predicted)))
-            shapes.setdefault(_shape(step_kind, images, prefill_tokens, decodes), []).append(
-                logs[step_kind][-1]
-            )
+            threads, overlap = host if host else (0.0, -1.0)
+            relative = threads / profiles.threads if threads > 0 and profiles.threads else None
+            shape = _shape(step_kind, images, prefill_tokens, decodes)
+            if overlap >= 0 and relative and profiles.host_cores:
+                # Its own share of the cores, as the simulator shares them out: the threads running
+                # (the others' at a share each) over the cores.
+                seconds /= max(1.0, (threads + overlap * profiles.threads) / profiles.host_cores)
+            else:
+                seconds /= sharing.get(step_kind, 1.0)
+                overlap = -1.0
+            steps.append((step_kind, shape, seconds, predicted, relative, overlap if overlap >= 0 else None))
+    exponents, interference = fit_host_effects(
+        [(k, shape, float(np.log(s / p)), r, o) for k, shape, s, p, r, o in steps if r and o is not None]
+    )
+    for step_kind, shape, seconds, predicted, relative, overlap in steps:
+        # As at the profiled threads with no other step beside it.
+        seconds *= (relative or 1.0) ** exponents.get(step_kind, 0.0) * np.exp(
+            -interference.get(step_kind, 0.0) * (overlap or 0.0)
+        )
+        sums[step_kind][0] += seconds
+        sums[step_kind][1] += predicted
+        counts[step_kind] += 1
+        logs[step_kind].append(float(np.log(seconds / predicted)))
+        shapes.setdefault(shape, []).append(logs[step_kind][-1])
     low, high = FACTOR_RANGE
     mixed = sums["mixed"][0] / sums["mixed"][1] if counts["mixed"] >= SERVICE_MIN_STEPS else None
     factors = {}
@@ -312,4 +344,54 @@ def service_factors(
     # TTFT over two steps takes its tail from it.
     residuals = [v - float(np.median(g)) for g in shapes.values() if len(g) >= SHAPE_MIN_STEPS for v in g]
     spread = round(float(np.std(residuals)), 4) if len(residuals) >= SERVICE_MIN_STEPS else 0.0
-    return ServiceCalibration(factors, spread, counts, budgets, sharing=sharing)
+    return ServiceCalibration(
+        factors,
+        spread,
+        counts,
+        budgets,
+        sharing=sharing,
+        thread_exponent=exponents,
+        interference=interference,
+    )
+
+
+def fit_host_effects(
+    steps: Sequence[tuple[str, tuple, float, float, float]],
+) -> tuple[dict[str, float], dict[str, float]]:
+    """How steps in service ran faster or slower for their host, from steps with (kind, shape,
+    log(observed / predicted), threads / profiled threads, overlap), each step's time already less
+    its share of the cores: per step kind, time ∝ threads^−exponent (the cores a greedy worker
+    took, services/worker/cores.py) × e^(λ·overlap) (the other workers' steps beside it, on cores
+    of their own: caches, memory bandwidth, the host's other processes). Least squares on the
+    steps' deviations from the means of their shape (kind, images, powers of two of prefill tokens
+    and decodes), so that where a curve is off for a shape does not count. An effect is fitted
+    where at least THREAD_MIN_STEPS of the kind's steps vary in it from their shape's mean, and
+    kept within bounds: more threads never slow a step nor speed it more than in proportion
+    (0–1), others' steps never speed it (λ ≥ 0). Returns (exponent by kind, λ by kind)."""
+    by_shape: dict[tuple, list[tuple[float, float, float]]] = {}
+    for _, shape, log_ratio, relative, overlap in steps:
+        by_shape.setdefault(shape, []).append((log_ratio, float(np.log(relative)), overlap))
+    rows: dict[str, list[tuple[float, float, float]]] = {}  # by kind: (dy, d log threads, d overlap)
+    for shape, group in by_shape.items():
+        if len(group) < SHAPE_MIN_STEPS:
+            continue
+        mean = np.mean(np.array(group), axis=0)
+        rows.setdefault(shape[0], []).extend((y - mean[0], x - mean[1], o - mean[2]) for y, x, o in group)
+    exponents: dict[str, float] = {}
+    interference: dict[str, float] = {}
+    for kind, kind_rows in sorted(rows.items()):
+        dy, dx, do = (np.array(column) for column in zip(*kind_rows, strict=True))
+        columns = {name: c for name, c in (("threads", dx), ("overlap", do)) if _varied(c)}
+        if not columns:
+            continue
+        coef = np.linalg.lstsq(np.column_stack(list(columns.values())), dy, rcond=None)[0]
+        fitted = dict(zip(columns, coef.tolist(), strict=True))
+        if "threads" in fitted:
+            exponents[kind] = round(min(1.0, max(0.0, -fitted["threads"])), 4)
+        if "overlap" in fitted:
+            interference[kind] = round(max(0.0, fitted["overlap"]), 4)
+    return exponents, interference
+
+
+def _varied(deviations: Sequence[float]) -> bool:
+    return int(np.sum(np.abs(np.asarray(deviations)) > 1e-3)) >= THREAD_MIN_STEPS

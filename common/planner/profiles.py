@@ -234,6 +234,15 @@ class ProfileSet:
     # iterations run than there are cores, each runs that much slower, for as long as that lasts
     # (processor sharing). 0: every instance has its own device (GPUs).
     host_cores: int = 0
+    # On shared cores, the torch threads the curves were measured with (0: not recorded), and by
+    # step kind (Batch.kind) how a step's time falls with more of them: time ∝ threads^-exponent
+    # (absent or 0: not at all; 1: in proportion). A worker that encodes or prefills takes the
+    # cores the others leave idle (the core board, services/worker/cores.py).
+    threads: int = 0
+    thread_exponent: dict[str, float] = field(default_factory=dict)
+    # On shared cores, by step kind (Batch.kind): how much each other instance's step running
+    # beside one slows it, as e^λ, where it has cores of its own too (caches, memory bandwidth).
+    interference: dict[str, float] = field(default_factory=dict)
 
     def for_kind(self, kind: str) -> StageCurves:
         if kind not in KIND_ROLES:
@@ -265,7 +274,8 @@ class ProfileSet:
             own_vision = record if record.encode else enc
             by_kind[kind] = _record_curves(own_llm, own_vision, image_cap=record.image_budget)
         source = ", ".join(sorted({r.profile_id for r in records}))
-        return cls(base, transfer or TransferModel(), by_kind, f"cluster: {source}")
+        threads = int(getattr(lm, "threads", 0) or 0)
+        return cls(base, transfer or TransferModel(), by_kind, f"cluster: {source}", threads=threads)
 
     # -- files -----------------------------------------------------------------------------------
 
@@ -277,6 +287,9 @@ class ProfileSet:
             "transfer": asdict(self.transfer),
             "jitter": self.jitter,
             "host_cores": self.host_cores,
+            "threads": self.threads,
+            "thread_exponent": self.thread_exponent,
+            "interference": self.interference,
             "curves": self.curves.to_dict(),
             "by_kind": {k: v.to_dict() for k, v in self.by_kind.items()},
         }
@@ -298,6 +311,9 @@ class ProfileSet:
             raw.get("source", ""),
             float(raw.get("jitter", 0.0)),
             int(raw.get("host_cores", 0)),
+            int(raw.get("threads", 0)),
+            _by_kind(raw.get("thread_exponent")),
+            {str(k): float(v) for k, v in raw.get("interference", {}).items()},
         )
 
     def save(self, path: str | Path) -> None:
@@ -313,6 +329,13 @@ class ProfileSet:
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{path} is not JSON: {exc}") from exc
         return cls.from_dict(raw)
+
+
+def _by_kind(raw) -> dict[str, float]:
+    """A value by step kind; a bare number is the same for every kind."""
+    if isinstance(raw, int | float):
+        return dict.fromkeys(("encode", "prefill", "decode", "mixed"), float(raw)) if raw else {}
+    return {str(k): float(v) for k, v in (raw or {}).items()}
 
 
 def _most_roles(record) -> tuple[int, str]:
@@ -350,8 +373,11 @@ def scale_profiles(
     factors: dict[str, float],
     transfer: TransferModel | None = None,
     jitter: float | None = None,
+    thread_exponent: dict[str, float] | None = None,
+    interference: dict[str, float] | None = None,
 ) -> ProfileSet:
-    """Every kind's curves scaled by per-stage factors; optionally a new transfer model and jitter."""
+    """Every kind's curves scaled by per-stage factors; optionally a new transfer model, jitter,
+    thread exponent and interference."""
     return ProfileSet(
         profiles.curves.scaled(**factors),
         transfer or profiles.transfer,
@@ -359,4 +385,7 @@ def scale_profiles(
         profiles.source,
         profiles.jitter if jitter is None else jitter,
         profiles.host_cores,
+        profiles.threads,
+        profiles.thread_exponent if thread_exponent is None else thread_exponent,
+        profiles.interference if interference is None else interference,
     )

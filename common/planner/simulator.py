@@ -34,6 +34,7 @@ from common.planner.profiles import ProfileSet, StageCurves
 from common.planner.types import KIND_ROLES, Deployment
 from common.roles import PULL_ORDER, Role
 from common.stats import SLO, quantile, request_tbt, slo_met
+from common.threads import RECENT, greedy_threads, thread_split
 
 _ENCODED = np.empty(0)  # stands in for an image's features once it has been encoded
 
@@ -70,8 +71,8 @@ class SimResult:
     utilisation: dict[str, float]
     duration: float
     complete: bool  # False when stopped early because attainment was already out of reach
-    # By iteration kind (Batch.kind): how much longer iterations took than their own time at full
-    # speed, for sharing the host's cores (elapsed over nominal, summed; 1.0 unshared).
+    # By iteration kind (Batch.kind): how much longer iterations took for sharing the host's cores
+    # than at their threads alone (elapsed over unshared, summed; 1.0 unshared).
     sharing: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -129,6 +130,14 @@ class _Instance:
         self.since = 0.0
         self.started = 0.0
         self.version = 0
+        # The core board (common/threads.py): an instance that encodes or prefills takes the cores
+        # the others leave; the running iteration's threads, what sharing the cores left of its
+        # speed at those threads, and the seconds it would have taken at them unshared.
+        self.greedy = bool(self.roles & {Role.ENCODE, Role.PREFILL})
+        self.threads = 0
+        self.contention = 1.0
+        self.unshared = 0.0
+        self.ended = -math.inf  # when its last iteration ended
         self.arriving: list[tuple[float, int, Request, bool]] = []  # (ready, seq, request, prefilled)
         self.decode_pulled = 0  # decode tasks taken whose KV is still on its way
 
@@ -166,6 +175,10 @@ class Simulation:
         self.transfer = profiles.transfer
         self.jitter = profiles.jitter
         self.host_cores = profiles.host_cores
+        # Threads are modelled where the profile says what it was measured with.
+        self.profile_threads = profiles.threads if profiles.host_cores else 0
+        self.thread_exponent = profiles.thread_exponent
+        self.interference = profiles.interference if profiles.host_cores else {}
         self._rng = np.random.default_rng(seed)
         self.correction = correction or Correction()
         # The decode context budgets are sized for: the trace's mean over a request's decode.
@@ -186,7 +199,8 @@ class Simulation:
         self._allowed_failures = math.floor((1 - slo.attainment) * len(self.trace)) if stop_early else None
         self._failures = 0
         self._turn = 0
-        self._stretch: dict[str, list[float]] = {}  # by iteration kind: [elapsed, nominal] seconds
+        self._stretch: dict[str, list[float]] = {}  # by iteration kind: [elapsed, unshared] seconds
+        self.split = thread_split(self.host_cores, len(self.instances))  # each worker's own threads
 
     # -- the event loop --------------------------------------------------------------------------
 
@@ -219,6 +233,8 @@ class Simulation:
                     payload.busy_until = None
             elif kind == "deadline":
                 self._deadline(payload)
+            elif kind == "reshare":  # an instance's last step is no longer recent: the cores move
+                self._share_cores()
             # "wake": data an instance pulled has arrived; the idle instances look below
             self._start_idle()
             if self._allowed_failures is not None and self._failures > self._allowed_failures:
@@ -338,21 +354,56 @@ class Simulation:
             seconds *= float(np.exp(self.jitter * self._rng.standard_normal() - self.jitter**2 / 2))
         inst.batch, inst.started = batch, self.now
         inst.work, inst.nominal, inst.speed, inst.since = seconds, seconds, 1.0, self.now
+        inst.unshared, inst.contention = 0.0, 1.0
         if self.host_cores:
             self._share_cores()
         else:
             self._schedule_end(inst)
 
     def _share_cores(self) -> None:
-        """Instances on one host share its cores: while n iterations run on c cores, each
-        progresses at min(1, c/n) of its full speed (processor sharing). Called whenever an
-        iteration starts or ends, it moves every running iteration's end accordingly."""
+        """Instances on one host share its cores. Where the profile does not say how many threads
+        it was measured with, each iteration is one core's worth: while n run on c cores, each
+        progresses at min(1, c/n) of its full speed (processor sharing). Where it does, each runs
+        the threads the core board gives it (`_threads`), at (threads / profiled)^exponent of its
+        profiled speed (its kind's exponent), and while the running iterations' threads outnumber
+        the cores, each gets that share of them. Each other iteration running beside one slows it
+        by e^λ more, λ its kind's `ProfileSet.interference` (caches and memory bandwidth are
+        shared where cores are not). Called whenever an iteration starts or ends, or a step stops
+        being recent, it moves every running iteration's end accordingly."""
         running = [i for i in self.instances if i.batch is not None]
-        speed = min(1.0, self.host_cores / len(running)) if running else 1.0
+        if self.profile_threads:
+            for inst in running:
+                inst.threads = self._threads(inst)
+            total = sum(i.threads for i in running)
+        else:
+            total = len(running)
+        contention = min(1.0, self.host_cores / total) if total else 1.0
         for inst in running:
-            inst.work = max(0.0, inst.work - (self.now - inst.since) * inst.speed)
-            inst.speed, inst.since = speed, self.now
+            elapsed = self.now - inst.since
+            inst.work = max(0.0, inst.work - elapsed * inst.speed)
+            inst.unshared += elapsed * inst.contention
+            inst.contention, inst.since = contention, self.now
+            beside = math.exp(-self.interference.get(inst.batch.kind, 0.0) * (len(running) - 1))
+            inst.speed = contention * self._thread_speed(inst.batch.kind, inst.threads) * beside
             self._schedule_end(inst)
+
+    def _threads(self, inst: _Instance) -> int:
+        """The torch threads `inst`'s worker runs its step with now (common/threads.py)."""
+        if not inst.greedy:
+            return self.split
+        recent = RECENT - 1e-9  # one that ended exactly RECENT ago (its "reshare" event) is not
+        busy = sum(
+            1
+            for o in self.instances
+            if o is not inst and (o.batch is not None or self.now - o.ended < recent)
+        )
+        return greedy_threads(self.host_cores, busy)
+
+    def _thread_speed(self, kind: str, threads: int) -> float:
+        exponent = self.thread_exponent.get(kind, 0.0)
+        if not self.profile_threads or not exponent:
+            return 1.0
+        return (threads / self.profile_threads) ** exponent
 
     def _schedule_end(self, inst: _Instance) -> None:
         inst.version += 1
@@ -364,9 +415,13 @@ class Simulation:
     def _end_iteration(self, inst: _Instance) -> None:
         batch, inst.batch, inst.busy_until = inst.batch, None, None
         inst.busy_time += self.now - inst.started
+        inst.unshared += (self.now - inst.since) * inst.contention
+        inst.ended = self.now
         stretch = self._stretch.setdefault(batch.kind, [0.0, 0.0])
         stretch[0] += self.now - inst.started
-        stretch[1] += inst.nominal
+        stretch[1] += inst.unshared
+        if self.profile_threads and any(self.thread_exponent.values()):
+            self._push(self.now + RECENT, "reshare", None)
         if inst.governor is not None:
             s = inst.scheduler
             share = budget_share(batch, s.image_budget, s.token_budget, s.image_unit)

@@ -102,3 +102,55 @@ def test_what_sharing_the_cores_added_to_the_steps_is_not_counted_twice():
     assert calibration.factors["decode"] == pytest.approx(TRUE["decode"], rel=0.2)
     assert calibration.sharing["prefill"] == pytest.approx(stretch["prefill"], rel=0.1)
     assert calibrate_from_service(records, PROFILES, trace, deployment).sharing == {}  # own devices
+
+
+def host_steps(rng, kind: str, exponent: float, interference: float, n: int = 80) -> list[tuple]:
+    """Steps of a greedy worker on one thread (its share, as profiled) or two (the cores the others
+    left), beside 0–2 other workers' steps (one thread each) on two cores: time ∝ threads^-exponent
+    × e^(interference·overlap), and stretched while the threads outnumber the cores."""
+    steps = []
+    for _ in range(n):
+        tokens, decodes = int(rng.integers(10, 900)), int(rng.integers(1, 30))
+        threads, overlap = int(rng.integers(1, 3)), float(rng.choice([0.0, 0.5, 1.0, 2.0]))
+        if kind == "prefill":
+            shape, predicted = (0.0, tokens, 0, 0.0), CURVES.prefill_time(tokens)
+        else:
+            shape, predicted = (0.0, 0, decodes, 200.0), CURVES.iteration_time(0.0, 0, decodes, 200.0)
+        shared = max(1.0, (threads + overlap) / 2)
+        seconds = predicted * TRUE[kind] * threads**-exponent * np.exp(interference * overlap) * shared
+        steps.append((kind, *shape, seconds * float(np.exp(0.05 * rng.standard_normal())), threads, overlap))
+    return steps
+
+
+def test_steps_say_how_threads_and_neighbours_changed_them_and_are_fitted_without_either():
+    """Steps that say their threads and how many other steps ran beside them: the exponent (0.6)
+    and each kind's interference (prefill 0.2, decode 0.4) come back, and the stage factors are
+    those of a step on the profiled thread alone, where the steps averaged would say otherwise."""
+    rng = np.random.default_rng(5)
+    records = [
+        stats("p-1", ("prefill",), host_steps(rng, "prefill", 0.6, 0.2)),
+        stats("d-1", ("decode",), host_steps(rng, "decode", 0.6, 0.4)),
+    ]
+    profiled_on_one = dataclasses.replace(PROFILES, threads=1, host_cores=2)
+    calibration = service_factors(records, profiled_on_one)
+    assert calibration.thread_exponent == pytest.approx({"prefill": 0.6, "decode": 0.6}, abs=0.05)
+    assert calibration.interference == pytest.approx({"prefill": 0.2, "decode": 0.4}, abs=0.05)
+    for stage in ("prefill", "decode"):
+        assert calibration.factors[stage] == pytest.approx(TRUE[stage], rel=0.05), stage
+    assert calibration.jitter == pytest.approx(0.05, abs=0.02)  # threads and neighbours are not noise
+    applied = calibration.apply(profiled_on_one)
+    assert applied.thread_exponent == calibration.thread_exponent
+    assert applied.interference == calibration.interference
+    # Without the profile's threads, or the steps' own, there is nothing to relate them to.
+    for unknown in (
+        service_factors(records, PROFILES),
+        service_factors([_old(r) for r in records], profiled_on_one),
+    ):
+        assert unknown.thread_exponent == unknown.interference == {}
+        assert unknown.factors["decode"] > 1.15 * TRUE["decode"]
+        assert unknown.apply(profiled_on_one).thread_exponent == {}
+
+
+def _old(record: StepStats) -> StepStats:
+    """As a worker published it before steps said their threads and neighbours."""
+    return record.model_copy(update={"steps": tuple(step[:6] for step in record.steps)})

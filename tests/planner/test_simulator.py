@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -74,6 +75,48 @@ def test_instances_on_shared_cores_slow_each_other_only_while_they_overlap() -> 
     assert result.sharing == pytest.approx({"prefill": 1.5})
     alone = simulate(reqs, Deployment.of("epd", epd=2), PROFILES, SLO(ttft=1.0, tbt=0.5))
     assert alone.sharing == pytest.approx({"prefill": 1.0})
+
+
+def test_an_instance_that_prefills_takes_the_cores_the_others_leave() -> None:
+    """The core board (common/threads.py) where the profile says it was measured on one thread: a
+    prefill alone on two cores runs on both, at 2^exponent the profiled speed."""
+    text = [entry(0.0, images=0, prompt=100, output=1)]  # 0.1 s of work at the profiled thread
+    deployment = Deployment.of("ep+d", ep=1, d=1)
+    for exponent, ttft in ((1.0, 0.05), (0.5, 0.1 / 2**0.5), (0.0, 0.1)):
+        board = dataclasses.replace(PROFILES, host_cores=2, threads=1, thread_exponent={"prefill": exponent})
+        result = simulate(text, deployment, board, SLO(ttft=1.0, tbt=0.5))
+        assert result.ttft[0] == pytest.approx(ttft), exponent
+        assert result.sharing == pytest.approx({"prefill": 1.0})  # faster, but not shared
+    unknown = dataclasses.replace(PROFILES, host_cores=2, thread_exponent={"prefill": 1.0})  # threads unknown
+    assert simulate(text, deployment, unknown, SLO(ttft=1.0, tbt=0.5)).ttft[0] == pytest.approx(0.1)
+
+
+def test_a_greedy_instance_shares_while_another_steps_and_takes_back_once_it_is_not_recent() -> None:
+    """Two EPD instances on two cores, profiled on one thread, steps twice as fast on two. A
+    (0.1 s of work) runs alone on both cores 0→0.025 (0.05 done). B (0.5 s, in chunks of 450 and
+    50 tokens) starts, and each drops to one thread, so A ends at 0.075. B stays on one thread while
+    A's step is recent (RECENT = 0.25 s, to 0.325: 0.3 s done), then takes both cores for its last
+    0.2 s: its first token at 0.425, 0.4 s after it came."""
+    board = dataclasses.replace(PROFILES, host_cores=2, threads=1, thread_exponent={"prefill": 1.0})
+    reqs = [entry(0.0, images=0, prompt=100, output=1), entry(0.025, images=0, prompt=500, output=1)]
+    result = simulate(reqs, Deployment.of("epd", epd=2), board, SLO(ttft=1.0, tbt=0.5))
+    assert list(result.ttft) == pytest.approx([0.075, 0.4])
+    assert result.sharing == pytest.approx({"prefill": 1.0})
+
+
+def test_a_step_beside_another_runs_slower_by_its_kinds_interference() -> None:
+    """Two EPD instances with a core each; a prefill beside another runs at e^-λ = half speed. A
+    (0.1 s) runs alone 0→0.05, then beside B at half speed, so its last 0.05 s ends at 0.15; B has
+    done 0.05 s by then and ends alone at 0.2. The cores were not shared: no stretch for that."""
+    board = dataclasses.replace(PROFILES, host_cores=2, threads=1, interference={"prefill": math.log(2)})
+    reqs = [entry(0.0, images=0, prompt=100, output=1), entry(0.05, images=0, prompt=100, output=1)]
+    result = simulate(reqs, Deployment.of("epd", epd=2), board, SLO(ttft=1.0, tbt=0.5))
+    assert list(result.ttft) == pytest.approx([0.15, 0.15])
+    assert result.sharing == pytest.approx({"prefill": 1.0})
+    gpus = dataclasses.replace(board, host_cores=0)  # own devices: nothing shared
+    assert list(
+        simulate(reqs, Deployment.of("epd", epd=2), gpus, SLO(ttft=1.0, tbt=0.5)).ttft
+    ) == pytest.approx([0.1, 0.1])
 
 
 def test_correction_scales_predicted_latency_and_the_verdict() -> None:
