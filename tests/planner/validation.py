@@ -41,6 +41,7 @@ from common.planner.workloads import generate
 from common.protocol import StepStats
 from common.stats import SLO, slo_met
 from common.store import Store, StoreConfig
+from common.threads import thread_split
 from services.settings import WorkerSettings
 
 _WORDS = [
@@ -422,12 +423,18 @@ def validate(
     from tests.services.cluster import method_workers, running_cluster
 
     tokens_per_image = load_config(model_dir).image_seq_length
+    cpus = len(os.sched_getaffinity(0))
     env = {
         "TRIDENT_TTFT_SLO": str(slo.ttft),
         "TRIDENT_TBT_SLO": str(slo.tbt),
         # Profiled as deployed (the test clusters profile each point once, to start fast; a curve
         # timed once on cores the other workers are profiling on is too noisy to fit to).
         "TRIDENT_PROFILE_REPEATS": str(WorkerSettings.model_fields["profile_repeats"].default),
+        # Threads as `trident up` gives them: a share of the cores each, and a core board from which
+        # the workers that encode or prefill take the cores the others leave idle.
+        "TRIDENT_NUM_THREADS": str(thread_split(cpus, len(method_workers(method)))),
+        "TRIDENT_CORE_BOARD": str(workdir / "cores"),
+        "TRIDENT_HOST_CORES": str(cpus),
     }
     deployment = DEPLOYMENTS[method]
 
