@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.bench import client, deployments
+from common.bench.local_up import state_processes
 from common.bench.machine import single_thread_gflops
 from common.bench.sweep import LoadSpec
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
@@ -86,9 +87,7 @@ def cpu_by_process(roots: dict[str, int], skip: set[int] = frozenset()) -> dict[
 
 def processes(state: dict) -> dict[str, int]:
     """The pid of every server and service `trident up` started (its state file), and this client."""
-    found = {name: int(s["pid"]) for name, s in state.get("servers", {}).items()}
-    found.update({p["name"]: int(p["pid"]) for p in state.get("processes", [])})
-    return {**found, "client (this process)": os.getpid()}
+    return {**state_processes(state), "client (this process)": os.getpid()}
 
 
 def start_py_spy(pids: dict[str, int], seconds: float, out: Path) -> dict[str, subprocess.Popen]:

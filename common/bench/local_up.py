@@ -92,10 +92,7 @@ class LocalUp:
 
     def processes(self) -> dict[str, int]:
         """Every server's and service's pid, by name (nats, redis, gateway-1, decode-1, ...)."""
-        state = self.state()
-        found = {name: int(s["pid"]) for name, s in state.get("servers", {}).items()}
-        found.update({p["name"]: int(p["pid"]) for p in state.get("processes", [])})
-        return found
+        return state_processes(self.state())
 
     def busy_worker(self, role: str) -> int:
         """The pid of an instance of `role`, one that holds requests if there is one."""
@@ -113,6 +110,13 @@ class LocalUp:
             self.proc.send_signal(signal.SIGINT)  # a second one kills what is left
             self.proc.wait(30)
         self.log.close()
+
+
+def state_processes(state: dict) -> dict[str, int]:
+    """The pid of every server and service in `trident up`'s state file, by name."""
+    found = {name: int(s["pid"]) for name, s in state.get("servers", {}).items()}
+    found.update({p["name"]: int(p["pid"]) for p in state.get("processes", [])})
+    return found
 
 
 def _pid(instance: dict) -> int:
