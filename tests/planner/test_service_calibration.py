@@ -138,6 +138,13 @@ def test_steps_say_how_threads_and_neighbours_changed_them_and_are_fitted_withou
     for stage in ("prefill", "decode"):
         assert calibration.factors[stage] == pytest.approx(TRUE[stage], rel=0.05), stage
     assert calibration.jitter == pytest.approx(0.05, abs=0.02)  # threads and neighbours are not noise
+    # Each step said its own share of the cores: a replay's stretch is neither needed nor taken.
+    trace = [TraceEntry(float(t), 100, 0, 0, 8, tbt_p90=0.05) for t in range(12)]
+    served_on_board = calibrate_from_service(
+        records, profiled_on_one, trace, Deployment.of("ep+d", ep=1, d=1), SLO(ttft=30, tbt=5)
+    )
+    assert served_on_board.sharing == {}
+    assert served_on_board.factors == calibration.factors
     applied = calibration.apply(profiled_on_one)
     assert applied.thread_exponent == calibration.thread_exponent
     assert applied.interference == calibration.interference
