@@ -336,7 +336,7 @@ def service_factors(
         observed, predicted = sums[stage]
         factor = observed / predicted if counts[stage] >= SERVICE_MIN_STEPS else mixed
         if factor is not None:
-            factors[stage] = round(min(high, max(low, factor)), 4)
+            factors[stage] = round(min(high, max(low, float(factor))), 4)
     # How much a step varies: its spread around the steps of the same shape (kind, images and
     # powers of two of prefill tokens and decodes), not around the stage's one factor, which would
     # count where the curve's shape is off (consistently, for every step of that shape) as noise.
