@@ -308,14 +308,14 @@ def service_factors(
             threads, overlap = host if host else (0.0, -1.0)
             relative = threads / profiles.threads if threads > 0 and profiles.threads else None
             shape = _shape(step_kind, images, prefill_tokens, decodes)
-            if overlap >= 0 and relative and profiles.host_cores:
+            known = overlap >= 0 and relative and profiles.host_cores
+            if known:
                 # Its own share of the cores, as the simulator shares them out: the threads running
                 # (the others' at a share each) over the cores.
                 seconds /= max(1.0, (threads + overlap * profiles.threads) / profiles.host_cores)
             else:
                 seconds /= sharing.get(step_kind, 1.0)
-                overlap = -1.0
-            steps.append((step_kind, shape, seconds, predicted, relative, overlap if overlap >= 0 else None))
+            steps.append((step_kind, shape, seconds, predicted, relative, overlap if known else None))
     exponents, interference = fit_host_effects(
         [(k, shape, float(np.log(s / p)), r, o) for k, shape, s, p, r, o in steps if r and o is not None]
     )

@@ -313,7 +313,7 @@ class ProfileSet:
             int(raw.get("host_cores", 0)),
             int(raw.get("threads", 0)),
             _by_kind(raw.get("thread_exponent")),
-            {str(k): float(v) for k, v in raw.get("interference", {}).items()},
+            _by_kind(raw.get("interference")),
         )
 
     def save(self, path: str | Path) -> None:

@@ -125,7 +125,6 @@ class _Instance:
         # has left (seconds at full speed), the speed it runs at, since when, and a version that
         # retires its superseded end events.
         self.work = 0.0
-        self.nominal = 0.0  # the running iteration's seconds at full speed
         self.speed = 1.0
         self.since = 0.0
         self.started = 0.0
@@ -353,7 +352,7 @@ class Simulation:
         if self.jitter:
             seconds *= float(np.exp(self.jitter * self._rng.standard_normal() - self.jitter**2 / 2))
         inst.batch, inst.started = batch, self.now
-        inst.work, inst.nominal, inst.speed, inst.since = seconds, seconds, 1.0, self.now
+        inst.work, inst.speed, inst.since = seconds, 1.0, self.now
         inst.unshared, inst.contention = 0.0, 1.0
         if self.host_cores:
             self._share_cores()
