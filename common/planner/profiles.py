@@ -106,6 +106,11 @@ class StageCurves:
     #   encode(n)     = a + b·n                 (weights once, then per image)
     #   prefill(t)    = a + b·t + c·t²          (weights once, per token, attention over the prompt)
     #   decode(n, c)  = a + b·n + d·n·c         (weights once, per sequence, KV read per context token)
+    # except that a decode step's cost at the batch sizes measured is taken as measured (less its
+    # context part): on a CPU the matrix kernels change path with the batch (small-llava, one
+    # thread: batch 1 31 ms, 2 52 ms, 3 66 ms, 4 47 ms), so a line through them is off by up to
+    # 1.5× exactly where an unloaded decoder runs. Between measured sizes it is interpolated,
+    # past the largest extended by the fitted b.
 
     @cached_property
     def _encode_fit(self) -> tuple[float, ...]:
@@ -128,6 +133,17 @@ class StageCurves:
         columns = [[1.0] * len(rows), [b for b, _, _ in rows], [b * c for b, c, _ in rows]]
         return fit_nonnegative(columns, [s for _, _, s in rows])
 
+    @cached_property
+    def _decode_base(self) -> tuple[np.ndarray, np.ndarray]:
+        """(batch sizes measured, a step's cost at each less its context part): the median over
+        the contexts measured, which the fitted context term brings to one another."""
+        d = self._decode_fit[2]
+        by_batch: dict[int, list[float]] = {}
+        for n, c, s in self.decode:
+            by_batch.setdefault(n, []).append(s - d * n * c)
+        sizes = sorted(by_batch)
+        return np.array(sizes, float), np.array([max(0.0, float(np.median(by_batch[n]))) for n in sizes])
+
     def encode_time(self, images: float) -> float:
         if images <= 0:
             return 0.0
@@ -145,8 +161,13 @@ class StageCurves:
     def decode_time(self, batch: int, context: float) -> float:
         if batch <= 0:
             return 0.0
-        a, b, d = self._decode_fit
-        return a + b * batch + d * batch * context
+        _, b, d = self._decode_fit
+        sizes, base = self._decode_base
+        if batch > sizes[-1]:
+            step = base[-1] + b * (batch - sizes[-1])
+        else:
+            step = float(np.interp(batch, sizes, base))
+        return step + d * batch * context
 
     def image_units(self, image_tokens: float, images: float) -> float:
         """What `images` images of `image_tokens` tokens in all cost the vision tower, in profiled images."""

@@ -131,7 +131,8 @@ def goodput(rates: Sequence[float], attainments: Sequence[float], target: float)
 
 
 def image_url(seed: int, size: int = 64) -> str:
-    """A distinct random PNG (no two requests share features, so no cache hits to model)."""
+    """A random PNG, distinct for each seed: requests of distinct seeds share no features, so no
+    cache hits to model."""
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, format="PNG")
@@ -468,13 +469,19 @@ def validate(
             profile_records, steps, records, unloaded, loaded, deployment, slo
         )
         measured: dict[float, list[list[TraceEntry]]] = {rate: [] for rate in rates}
+        # Each run's content from a seed of its own (past the calibration's 998 and 999): an image
+        # sent before would be found in the encoder's feature cache and not encoded at all.
+        contents = itertools.count(1000)
         for _ in range(repeats):
             for rate in rates:
-                # The same requests at every rate and in every repeat, their arrival times scaled
-                # (`generate`), so the points of a sweep differ in rate alone.
+                # Requests of the same sizes at every rate and in every repeat, their arrival times
+                # scaled (`generate`), so the points of a sweep differ in rate alone.
                 sent = asyncio.run(
-                    send(cluster.url, model, workload(rate, requests, seed), tokens_per_image, seed=1)
-                )
+                    send(
+                        cluster.url, model, workload(rate, requests, seed), tokens_per_image,
+                        seed=next(contents),
+                    )
+                )  # fmt: skip
                 _traced(cluster.redis.url, sent)
                 measured[rate].append(measured_entries(sent))
     return found, [compare(rate, runs, deployment, profiles, slo) for rate, runs in measured.items()]
