@@ -39,10 +39,12 @@ ALPHA = 0.5
 BUDGET_SHARE = 0.9
 PREFILL_GRID_START = 16  # below this a prefill costs about as much as a decode step
 DECODE_CONTEXTS = (64, 256, 1024, 4096, 16384)
-# Decode is measured at every batch size up to this, powers of two past it: a CPU's matrix kernels
-# change path with the number of rows (small-llava, one thread: 2 sequences cost more than 4), and
-# an instance's decode batches are small whenever it is not saturated.
+# Decode is measured at every batch size up to this, powers of two past it, at the first
+# DENSE_CONTEXTS contexts (powers of two only at longer ones): a CPU's matrix kernels change path
+# with the number of rows (small-llava, one thread: 2 sequences cost more than 4), whatever the
+# context, and an instance's decode batches are small whenever it is not saturated.
 DECODE_EVERY_BATCH_TO = 8
+DENSE_CONTEXTS = 2
 # A curve stops growing past this multiple of the latency limit: larger iterations are never run,
 # and on slow hardware they would make start-up slow.
 CURVE_HEADROOM = 4.0
@@ -195,16 +197,18 @@ class BudgetProfiler:
         }
 
     def decode_grid(self, limit: float, max_batch: int) -> None:
-        """Decode steps at batch 1, 2, 3, ..., DECODE_EVERY_BATCH_TO, then powers of two × contexts
-        64, 256, 1024, ..., as far as KV, max_num_seqs and the token budget (one token a decode)
-        allow, and not far past the limit."""
+        """Decode steps at batch 1, 2, 4, ... × contexts 64, 256, 1024, ..., and every batch up to
+        DECODE_EVERY_BATCH_TO at the shortest contexts, as far as KV, max_num_seqs and the token
+        budget (one token a decode) allow, and not far past the limit."""
         e = self.engine
-        for context in (c for c in DECODE_CONTEXTS if c < e.max_model_len):
+        contexts = [c for c in DECODE_CONTEXTS if c < e.max_model_len]
+        for k, context in enumerate(contexts):
             per_seq = blocks_needed(context + 1, e.config.block_size)
             most = min(e.config.max_num_seqs, max_batch, e.blocks.num_blocks // per_seq)
             if most == 0:
                 break
-            batches = {*range(1, min(most, DECODE_EVERY_BATCH_TO) + 1), *powers_of_two(1, most)}
+            dense = range(1, min(most, DECODE_EVERY_BATCH_TO) + 1) if k < DENSE_CONTEXTS else ()
+            batches = {*dense, *powers_of_two(1, most)}
             for batch in sorted(batches):
                 if self.decode_latency(batch, context) > CURVE_HEADROOM * limit:
                     break
@@ -212,11 +216,16 @@ class BudgetProfiler:
     def decode_again(self) -> None:
         """Time every decode point once more and keep the lesser: the grid's points are timed one
         after another, so a burst of other work (instances profiling beside this one) lengthens
-        neighbouring points alike and bends the curve's shape, which a later pass straightens."""
-        for (batch, context), seconds in list(self.curves["decode"].items()):
-            del self.curves["decode"][batch, context]
-            again = self.decode_latency(batch, context)
-            self.curves["decode"][batch, context] = min(seconds, again)
+        neighbouring points alike and bends the curve's shape, which a later pass straightens.
+        One run a point: the first pass took the least of its repeats already."""
+        repeats, self.repeats = self.repeats, 1
+        try:
+            for (batch, context), seconds in list(self.curves["decode"].items()):
+                del self.curves["decode"][batch, context]
+                again = self.decode_latency(batch, context)
+                self.curves["decode"][batch, context] = min(seconds, again)
+        finally:
+            self.repeats = repeats
 
     def _budget(self, measure: Callable[[int], float], limit: float, grid: list[int]) -> int:
         """Measure the grid (stopping well past the limit), then binary-search the bracket."""

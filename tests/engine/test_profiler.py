@@ -10,6 +10,7 @@ import torch
 
 from common.engine.profiler import (
     DECODE_EVERY_BATCH_TO,
+    DENSE_CONTEXTS,
     BudgetProfiler,
     StageProfile,
     budget_target,
@@ -101,12 +102,12 @@ def test_profile_curves_cover_the_grid_and_grow_with_size(make_engine):
     decode = {(b, c): s for b, c, s in profile.decode}
     blocks = engine.blocks.num_blocks  # 4 MiB of tiny KV: 256 blocks of 16 tokens
     assert {c for _, c in decode} == {64, 256, 1024}  # each context below max_model_len (2048)
-    for context in (64, 256, 1024):
+    for k, context in enumerate((64, 256, 1024)):
         batches = sorted(b for b, c in decode if c == context)
         most = min(64, blocks // -(-(context + 1) // 16))
-        assert batches == sorted(
-            {*range(1, min(most, DECODE_EVERY_BATCH_TO) + 1), *powers_of_two(1, most)}
-        ), (context, batches)
+        # Every batch size up to 8 at the shortest contexts, powers of two beyond and elsewhere.
+        dense = range(1, min(most, DECODE_EVERY_BATCH_TO) + 1) if k < DENSE_CONTEXTS else ()
+        assert batches == sorted({*dense, *powers_of_two(1, most)}), (context, batches)
     # Far-apart points, so timing noise on a shared CPU cannot reorder them.
     assert encode[16] > encode[1] and prefill[512] > prefill[16]
     assert decode[max(b for b, c in decode if c == 64), 64] > decode[1, 64]

@@ -29,6 +29,9 @@ def test_simulated_latencies_are_within_a_factor_of_a_real_deployment(
     calibration, comparisons = validate(tiny_model_dir, method, RATES, 20, tmp_path, SLO(ttft=5.0, tbt=0.5))
     assert [c.rate for c in comparisons] == list(RATES)
     for c in comparisons:
+        # Each request's stage marks kept beside it, from its arrival on.
+        assert [len(m) for m in c.marks] == [len(r) for r in c.runs]
+        assert all(m["arrival"] == 0 and m["first_token"] > 0 for run in c.marks for m in run)
         for metric in METRICS:
             measured = c.measured[metric]
             ratio = c.predicted[metric] / measured

@@ -74,6 +74,7 @@ class Measured:
     entry: TraceEntry
     ttft: float = float("nan")
     tbt_p90: float = 0.0
+    stages: dict[str, float] = dataclasses.field(default_factory=dict)  # s after its arrival mark
 
 
 METRICS = ("ttft_p50", "ttft_p90", "tbt_p90")  # latencies compared, each a median over repeats
@@ -93,6 +94,9 @@ class Comparison:
     # Each repeat's requests as sent, with the TTFT and TBT p90 the gateway measured: enough to replay
     # them in a changed simulator without running the deployment again.
     runs: list[list[TraceEntry]] = dataclasses.field(default_factory=list)
+    # Each repeat's requests' stage marks (common/store/requests.py `Stage`), in the order of `runs`:
+    # where a request's time went, to tell which stage a prediction misses.
+    marks: list[list[dict[str, float]]] = dataclasses.field(default_factory=list)
 
     @property
     def errors(self) -> dict[str, float]:
@@ -190,6 +194,8 @@ def attach(measured: Sequence[Measured], records: Sequence) -> None:
         if record is None or getattr(record, "ttft", None) is None:
             raise RuntimeError(f"no measured trace record for {m.request_id}")
         m.ttft, m.tbt_p90 = record.ttft, record.tbt_p90 or 0.0
+        start = record.stages.get("arrival", record.arrival)
+        m.stages = {k: round(v - start, 6) for k, v in record.stages.items()}
 
 
 async def send(
@@ -468,7 +474,7 @@ def validate(
         profiles, found = calibrated_profiles(
             profile_records, steps, records, unloaded, loaded, deployment, slo
         )
-        measured: dict[float, list[list[TraceEntry]]] = {rate: [] for rate in rates}
+        measured: dict[float, list[list[Measured]]] = {rate: [] for rate in rates}
         # Each run's content from a seed of its own (past the calibration's 998 and 999): an image
         # sent before would be found in the encoder's feature cache and not encoded at all.
         contents = itertools.count(1000)
@@ -483,8 +489,13 @@ def validate(
                     )
                 )  # fmt: skip
                 _traced(cluster.redis.url, sent)
-                measured[rate].append(measured_entries(sent))
-    return found, [compare(rate, runs, deployment, profiles, slo) for rate, runs in measured.items()]
+                measured[rate].append(sent)
+    comparisons = []
+    for rate, runs in measured.items():
+        comparison = compare(rate, [measured_entries(run) for run in runs], deployment, profiles, slo)
+        comparison.marks = [[m.stages for m in run] for run in runs]
+        comparisons.append(comparison)
+    return found, comparisons
 
 
 def summary(runs: list[Run], slo: SLO) -> dict:
@@ -552,14 +563,18 @@ def summary(runs: list[Run], slo: SLO) -> dict:
 
 
 def save(folder: Path, preset: str, method: str, calibration: dict, comparisons: list[Comparison]) -> None:
-    """calibration.json, and per rate and repeat the requests with their measurements. Each trace's
-    header carries the calibrated profiles, so `trident plan --trace` plans it with them."""
+    """calibration.json, and per rate and repeat the requests with their measurements (a trace
+    whose header carries the calibrated profiles, so `trident plan --trace` plans it with them) and
+    their stage marks, line by line in the trace's order."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "calibration.json").write_text(json.dumps({"preset": preset, "method": method, **calibration}))
     for c in comparisons:
         for k, run in enumerate(c.runs):
             meta = {"rate": c.rate, "repeat": k, "profiles": calibration["profiles"]}
             write_trace(folder / f"rate-{c.rate:g}-repeat-{k}.jsonl", run, meta=meta)
+        for k, marks in enumerate(c.marks):
+            lines = "".join(json.dumps(m, sort_keys=True) + "\n" for m in marks)
+            (folder / f"marks-rate-{c.rate:g}-repeat-{k}.jsonl").write_text(lines)
 
 
 def replay_folder(folder: Path, slo: SLO | None = None, *, recalibrated: bool = False) -> Run:
