@@ -2,14 +2,14 @@
 
     python bench/planner_validation.py [--presets small-llava] [--methods e+p+d,ep+d,ed+p]
                                        [--rates 1,2,3,4,5] [--requests 30] [--repeats 3]
-                                       [--out .trident/validation]
+                                       [--calibration-load N] [--out .trident/validation]
     python bench/planner_validation.py --replay .trident/validation [--recalibrate]
 
 For each preset and method a real deployment (one instance per kind, nats-server, redis-server) is
 started and calibrated as the planner service calibrates itself (tests/planner/validation.py: the
 instances' steps in service under a calibration load, and the fixed costs from unloaded
 requests). Then a 50 % text / 50 % one-image workload is sent at each rate, the whole sweep
-`--repeats` times over with the same requests. Each figure is the median over the repeats, with
+`--repeats` times over with requests of the same sizes (each run's images its own). Each figure is the median over the repeats, with
 their spread beside it:
 
 * TTFT p50/p90 and TBT p90 (the median over requests of each one's p90), measured by the gateway
@@ -60,6 +60,12 @@ def main() -> None:
     ap.add_argument("--rates", default="1,2,3,4,5", help="requests/s, ascending, evenly spaced")
     ap.add_argument("--requests", type=int, default=30, help="per rate and repeat")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--calibration-load",
+        type=int,
+        help="requests at the middle rate whose steps the calibration fits, before measuring "
+        "(default: --requests)",
+    )
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--ttft-slo", type=float, default=2.0)
     ap.add_argument("--tbt-slo", type=float, default=0.2)
@@ -108,7 +114,7 @@ def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
                 workdir.mkdir()
                 calibration, comparisons = validate(
                     model, method, rates, args.requests, workdir, slo, repeats=args.repeats,
-                    max_output=args.max_output,
+                    max_output=args.max_output, calibration_load=args.calibration_load,
                 )  # fmt: skip
                 save(
                     args.out / f"{preset}-{method.replace('+', '-')}",

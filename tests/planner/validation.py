@@ -421,12 +421,14 @@ def validate(
     max_output: int = 16,
     calibration: int = 16,
     calibration_rate: float | None = None,
+    calibration_load: int | None = None,
     seed: int = 0,
 ) -> tuple[dict, list[Comparison]]:
     """Measure `method` at each rate (requests/s), `repeats` times over, and compare with the
     simulator's prediction (module docstring). Before measuring, `calibration` requests one at a
-    time and then `requests` more at `calibration_rate` (default: the middle rate), with seeds of
-    their own, warm the deployment up and give the calibration its steps in service."""
+    time and then `calibration_load` more (default: `requests`) at `calibration_rate` (default:
+    the middle rate), with seeds of their own, warm the deployment up and give the calibration its
+    steps in service."""
     from tests.services.cluster import method_workers, running_cluster
 
     tokens_per_image = load_config(model_dir).image_seq_length
@@ -466,7 +468,13 @@ def validate(
         # Then a load, so that the steps the instances publish are steps in service.
         middle = calibration_rate or sorted(rates)[len(rates) // 2]
         loaded = asyncio.run(
-            send(cluster.url, model, workload(middle, requests, seed + 2000), tokens_per_image, seed=998)
+            send(
+                cluster.url,
+                model,
+                workload(middle, calibration_load or requests, seed + 2000),
+                tokens_per_image,
+                seed=998,
+            )
         )
         _traced(cluster.redis.url, loaded)
         steps = _published_since(cluster.redis.url, time.time(), len(method_workers(method)))
