@@ -9,8 +9,8 @@ For each preset and method a real deployment (one instance per kind, nats-server
 started and calibrated as the planner service calibrates itself (tests/planner/validation.py: the
 instances' steps in service under a calibration load, and the fixed costs from unloaded
 requests). Then a 50 % text / 50 % one-image workload is sent at each rate, the whole sweep
-`--repeats` times over with requests of the same sizes (each run's images its own). Each figure is the median over the repeats, with
-their spread beside it:
+`--repeats` times over with requests of the same sizes (each run's images its own). Each figure
+is the median over the repeats, with their spread beside it:
 
 * TTFT p50/p90 and TBT p90 (the median over requests of each one's p90), measured by the gateway
   and predicted by the simulator for the same requests;

@@ -7,7 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from common.planner.calibrate import SERVICE_MIN_STEPS, calibrate_from_service, service_factors
+from common.planner.calibrate import (
+    SERVICE_MIN_STEPS,
+    calibrate_from_service,
+    fit_host_effects,
+    service_factors,
+)
 from common.planner.profiles import ProfileSet, TransferModel
 from common.planner.simulator import simulate
 from common.planner.trace import TraceEntry
@@ -122,19 +127,19 @@ def host_steps(rng, kind: str, exponent: float, interference: float, n: int = 80
     return steps
 
 
-def test_steps_say_how_threads_and_neighbours_changed_them_and_are_fitted_without_either():
+def test_steps_say_how_threads_changed_them_and_are_fitted_without_them():
     """Steps that say their threads and how many other steps ran beside them: the exponent (0.6)
-    and each kind's interference (prefill 0.2, decode 0.4) come back, and the stage factors are
-    those of a step on the profiled thread alone, where the steps averaged would say otherwise."""
+    comes back, and the stage factors are those of a step on the profiled thread with its own
+    share of the cores, where the steps averaged would say otherwise."""
     rng = np.random.default_rng(5)
     records = [
-        stats("p-1", ("prefill",), host_steps(rng, "prefill", 0.6, 0.2)),
-        stats("d-1", ("decode",), host_steps(rng, "decode", 0.6, 0.4)),
+        stats("p-1", ("prefill",), host_steps(rng, "prefill", 0.6, 0.0)),
+        stats("d-1", ("decode",), host_steps(rng, "decode", 0.6, 0.0)),
     ]
     profiled_on_one = dataclasses.replace(PROFILES, threads=1, host_cores=2)
     calibration = service_factors(records, profiled_on_one)
     assert calibration.thread_exponent == pytest.approx({"prefill": 0.6, "decode": 0.6}, abs=0.05)
-    assert calibration.interference == pytest.approx({"prefill": 0.2, "decode": 0.4}, abs=0.05)
+    assert calibration.interference == {}  # not applied in service (`service_factors`)
     for stage in ("prefill", "decode"):
         assert calibration.factors[stage] == pytest.approx(TRUE[stage], rel=0.05), stage
     assert calibration.jitter == pytest.approx(0.05, abs=0.02)  # threads and neighbours are not noise
@@ -154,10 +159,28 @@ def test_steps_say_how_threads_and_neighbours_changed_them_and_are_fitted_withou
         service_factors([_old(r) for r in records], profiled_on_one),
     ):
         assert unknown.thread_exponent == unknown.interference == {}
-        assert unknown.factors["decode"] > 1.15 * TRUE["decode"]
+        assert unknown.jitter > 2 * calibration.jitter  # the threads taken for noise
         assert unknown.apply(profiled_on_one).thread_exponent == {}
 
 
 def _old(record: StepStats) -> StepStats:
     """As a worker published it before steps said their threads and neighbours."""
     return record.model_copy(update={"steps": tuple(step[:6] for step in record.steps)})
+
+
+def test_the_thread_exponent_is_fitted_with_the_neighbours_held_fixed():
+    """`fit_host_effects` on steps slowed by their neighbours too (λ: prefill 0.2, decode 0.4),
+    varying in threads and neighbours apart: the exponent comes back, beside each kind's λ, which
+    the service calibration then leaves out (`service_factors`)."""
+    rng = np.random.default_rng(5)
+    steps = []
+    for kind, lam in (("prefill", 0.2), ("decode", 0.4)):
+        for step in host_steps(rng, kind, 0.6, lam):
+            _, images, tokens, decodes, context, seconds, threads, overlap = step
+            own = seconds / max(1.0, (threads + overlap) / 2)
+            predicted = CURVES.iteration_time(images, tokens, decodes, context) * TRUE[kind]
+            shape = (kind, images, int(tokens).bit_length(), int(decodes).bit_length())
+            steps.append((kind, shape, float(np.log(own / predicted)), float(threads), overlap))
+    exponents, lambdas = fit_host_effects(steps)
+    assert exponents == pytest.approx({"prefill": 0.6, "decode": 0.6}, abs=0.05)
+    assert lambdas == pytest.approx({"prefill": 0.2, "decode": 0.4}, abs=0.05)

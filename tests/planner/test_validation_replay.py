@@ -24,7 +24,7 @@ from tests.planner.validation import goodput, replay_folder, summary
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 BOUND = 0.35
-RUNS = ("planner_validation/run8", "planner_validation/run9")
+RUNS = ("planner_validation/run8", "planner_validation/run9", "planner_validation/run10")
 
 
 @pytest.fixture(scope="module", params=RUNS)
