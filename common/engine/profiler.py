@@ -218,14 +218,9 @@ class BudgetProfiler:
         after another, so a burst of other work (instances profiling beside this one) lengthens
         neighbouring points alike and bends the curve's shape, which a later pass straightens.
         One run a point: the first pass took the least of its repeats already."""
-        repeats, self.repeats = self.repeats, 1
-        try:
-            for (batch, context), seconds in list(self.curves["decode"].items()):
-                del self.curves["decode"][batch, context]
-                again = self.decode_latency(batch, context)
-                self.curves["decode"][batch, context] = min(seconds, again)
-        finally:
-            self.repeats = repeats
+        points = self.curves["decode"]
+        for (batch, context), seconds in points.items():
+            points[batch, context] = min(seconds, self._time_decode(batch, context, repeats=1))
 
     def _budget(self, measure: Callable[[int], float], limit: float, grid: list[int]) -> int:
         """Measure the grid (stopping well past the limit), then binary-search the bracket."""
@@ -283,12 +278,15 @@ class BudgetProfiler:
         """One decode step of `batch` sequences, each `context` tokens long; inf if KV is short."""
         if (batch, context) in self.curves["decode"]:
             return self.curves["decode"][batch, context]
-        reqs = [self._fake_request(f"profile-decode-{i}", context, 1) for i in range(batch)]
-        held = [(r, context + 1) for r in reqs]
-        seconds = self._with_blocks("decode", held, lambda: self.engine.runner.forward([], reqs))
+        seconds = self._time_decode(batch, context, self.repeats)
         if math.isfinite(seconds):
             self.curves["decode"][batch, context] = seconds
         return seconds
+
+    def _time_decode(self, batch: int, context: int, repeats: int) -> float:
+        reqs = [self._fake_request(f"profile-decode-{i}", context, 1) for i in range(batch)]
+        held = [(r, context + 1) for r in reqs]
+        return self._with_blocks("decode", held, lambda: self.engine.runner.forward([], reqs), repeats)
 
     def _fake_request(self, rid: str, prompt_len: int, outputs: int) -> Request:
         vocab = self.engine.model.config.text_config.vocab_size
@@ -298,27 +296,34 @@ class BudgetProfiler:
         req.num_computed_tokens = prompt_len + outputs - 1 if outputs else 0
         return req
 
-    def _with_blocks(self, curve: str, reqs: list[tuple[Request, int]], fn: Callable[[], object]) -> float:
+    def _with_blocks(
+        self,
+        curve: str,
+        reqs: list[tuple[Request, int]],
+        fn: Callable[[], object],
+        repeats: int | None = None,
+    ) -> float:
         """Time `fn` with KV blocks for each (request, tokens) held; inf when they do not fit."""
         blocks = self.engine.blocks
         try:
             for r, tokens in reqs:
                 if blocks.allocate(r.request_id, tokens) is None:
                     return float("inf")
-            return self._time(curve, fn)
+            return self._time(curve, fn, repeats)
         finally:
             for r, _ in reqs:
                 blocks.free(r.request_id)
 
-    def _time(self, curve: str, fn: Callable[[], object]) -> float:
-        """The least seconds of `repeats` runs of `fn`, after a warm-up run where that matters: other
-        processes (instances starting beside this one) can only add time to a run, never take it."""
+    def _time(self, curve: str, fn: Callable[[], object], repeats: int | None = None) -> float:
+        """The least seconds of `repeats` (default: the profiler's) runs of `fn`, after a warm-up
+        run where that matters: other processes (instances starting beside this one) can only add
+        time to a run, never take it."""
         if curve not in self._warmed:  # the first run of a model part pays for lazy initialisation
             self._warmed.add(curve)
             self._once(fn)
         first = self._once(fn)
         samples = [first] if first > WARMUP_MATTERS else []
-        while len(samples) < max(1, self.repeats):
+        while len(samples) < max(1, self.repeats if repeats is None else repeats):
             samples.append(self._once(fn))
         return min(samples)
 

@@ -9,6 +9,7 @@ import pytest
 
 from common.planner.calibrate import (
     SERVICE_MIN_STEPS,
+    _shape,
     calibrate_from_service,
     fit_host_effects,
     service_factors,
@@ -179,7 +180,7 @@ def test_the_thread_exponent_is_fitted_with_the_neighbours_held_fixed():
             _, images, tokens, decodes, context, seconds, threads, overlap = step
             own = seconds / max(1.0, (threads + overlap) / 2)
             predicted = CURVES.iteration_time(images, tokens, decodes, context) * TRUE[kind]
-            shape = (kind, images, int(tokens).bit_length(), int(decodes).bit_length())
+            shape = _shape(kind, images, tokens, decodes)
             steps.append((kind, shape, float(np.log(own / predicted)), float(threads), overlap))
     exponents, lambdas = fit_host_effects(steps)
     assert exponents == pytest.approx({"prefill": 0.6, "decode": 0.6}, abs=0.05)
