@@ -193,7 +193,8 @@ def test_trident_top_shows_the_deployment_live_in_a_terminal(deployment):
     main, child = pty.openpty()
     proc = subprocess.Popen(
         [str(TRIDENT), "top", "--url", url, "--interval", "0.5"],
-        stdin=child, stdout=child, stderr=child, env={**os.environ, "COLUMNS": "160", "TERM": "xterm"},
+        stdin=child, stdout=child, stderr=child,
+        env={**os.environ, "COLUMNS": "160", "TERM": "xterm", "PYTHONFAULTHANDLER": "1"},
     )  # fmt: skip
     os.close(child)
     seen = ""
@@ -219,8 +220,15 @@ def test_trident_top_shows_the_deployment_live_in_a_terminal(deployment):
                     os.read(main, 65536)
                 except OSError:  # the child closed the terminal
                     break
-        if proc.poll() is None:  # seen twice in full-suite runs only, never alone: still open (stop 20)
-            pytest.xfail("trident top did not exit within 10 s of Ctrl-C")
+        if proc.poll() is None:  # seen in full-suite runs only, never alone: still open (stop 20)
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints where each thread is
+            stuck = ""
+            while select.select([main], [], [], 2)[0]:
+                try:
+                    stuck += os.read(main, 65536).decode(errors="replace")
+                except OSError:
+                    break
+            pytest.xfail(f"trident top did not exit within 10 s of Ctrl-C:\n{ANSI.sub('', stuck)[-4000:]}")
         assert proc.returncode == 0
     finally:
         if proc.poll() is None:
