@@ -3,7 +3,7 @@
     python bench/planner_validation.py [--presets small-llava] [--methods e+p+d,ep+d,ed+p]
                                        [--rates 1,2,3,4,5] [--requests 30] [--repeats 3]
                                        [--calibration-load N] [--out .trident/validation]
-    python bench/planner_validation.py --replay .trident/validation [--recalibrate]
+    python bench/planner_validation.py --replay .trident/validation [--recalibrate] [--sensitivity 1.05]
 
 For each preset and method a real deployment (one instance per kind, nats-server, redis-server) is
 started and calibrated as the planner service calibrates itself (tests/planner/validation.py: the
@@ -26,6 +26,8 @@ every comparison, the largest errors and which goals were met. The requests with
 latencies and the calibration are kept under --out; `--replay` predicts them again with the
 simulator as it is now, without measuring again, and with `--recalibrate` calibrated again from
 the data the calibration was found from (the CI test holds a recorded run this way).
+`--sensitivity K` replays once more with every stage's steps K times as long and reports how far
+each predicted TTFT p90 and TBT p90 moves: how exact the calibration must be for a figure to hold.
 """
 
 from __future__ import annotations
@@ -77,7 +79,16 @@ def main() -> None:
         action="store_true",
         help="with --replay: calibrate again from the data kept, as the code now does",
     )
+    ap.add_argument(
+        "--sensitivity",
+        type=float,
+        metavar="K",
+        help="with --replay: also predict with every stage's steps K times as long, and report how "
+        "far each latency prediction moves",
+    )
     args = ap.parse_args()
+    if args.sensitivity is not None and not (args.replay and args.sensitivity > 0):
+        ap.error("--sensitivity takes a positive K, and --replay")
     slo = SLO(args.ttft_slo, args.tbt_slo, args.attainment)
     runs = list(replayed(args.replay, args.recalibrate) if args.replay else measured(args, slo))
     report = summary(runs, slo)
@@ -98,7 +109,26 @@ def main() -> None:
         f"({pick['error']:+.0%}); measured best by repeat {pick['best_by_repeat']}, "
         f"within one step: {pick['within_one_step']}"
     )
+    if args.sensitivity is not None:
+        report["sensitivity"] = sensitivity(args.replay, args.recalibrate, args.sensitivity, runs)
     print(json.dumps(report))
+
+
+def sensitivity(root: Path, recalibrated: bool, slower: float, runs: list[Run]) -> dict:
+    """Each rate's predicted TTFT p90 and TBT p90 with every stage's steps `slower` times as long,
+    relative to the predictions as calibrated."""
+    rows = []
+    for (preset, method, _, base), (_, _, _, moved) in zip(
+        runs, replayed(root, recalibrated, slower), strict=True
+    ):
+        for b, m in zip(base, moved, strict=True):
+            change = {k: round(m.predicted[k] / b.predicted[k] - 1, 4) for k in ("ttft_p90", "tbt_p90")}
+            rows.append({"system": f"{preset} {method}", "rate": b.rate, **change})
+            print(
+                f"steps {slower:g}x: {preset} {method} {b.rate:5.2f} req/s  TTFT p90 "
+                f"{change['ttft_p90']:+.0%}  TBT p90 {change['tbt_p90']:+.0%}"
+            )
+    return {"slower": slower, "changes": rows}
 
 
 def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
@@ -126,13 +156,13 @@ def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
                 yield preset, method, calibration, comparisons
 
 
-def replayed(root: Path, recalibrated: bool = False) -> Iterator[Run]:
+def replayed(root: Path, recalibrated: bool = False, slower: float = 1.0) -> Iterator[Run]:
     """What `save` kept, predicted again by today's simulator with the calibration then found."""
     folders = sorted(p.parent for p in root.glob("*/calibration.json"))
     if not folders:
         sys.exit(f"nothing to replay under {root}: run without --replay first")
     for folder in folders:
-        yield replay_folder(folder, recalibrated=recalibrated)  # at the SLOs it was measured with
+        yield replay_folder(folder, recalibrated=recalibrated, slower=slower)  # at its SLOs
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from PIL import Image
 
 from common.engine.loader import load_config
 from common.planner.calibrate import calibrate_from_service, fit_dispatch, transfer_model
-from common.planner.profiles import ProfileSet, TransferModel
+from common.planner.profiles import ProfileSet, TransferModel, scale_profiles
 from common.planner.simulator import simulate
 from common.planner.trace import TraceEntry, entry_from_json, entry_json, read_trace, write_trace
 from common.planner.types import Deployment
@@ -585,9 +585,12 @@ def save(folder: Path, preset: str, method: str, calibration: dict, comparisons:
             (folder / f"marks-rate-{c.rate:g}-repeat-{k}.jsonl").write_text(lines)
 
 
-def replay_folder(folder: Path, slo: SLO | None = None, *, recalibrated: bool = False) -> Run:
+def replay_folder(
+    folder: Path, slo: SLO | None = None, *, recalibrated: bool = False, slower: float = 1.0
+) -> Run:
     """What `save` kept, predicted again by today's simulator at the SLOs it was measured with (or
-    `slo`): with the calibration then found, or `recalibrated` from the data it was found from."""
+    `slo`): with the calibration then found, or `recalibrated` from the data it was found from;
+    every stage's steps `slower` times as long (how much a calibration's error moves a figure)."""
     calibration = json.loads((folder / "calibration.json").read_text())
     preset, method = calibration.pop("preset"), calibration.pop("method")
     slo = slo or SLO(**calibration["slo"])
@@ -596,6 +599,8 @@ def replay_folder(folder: Path, slo: SLO | None = None, *, recalibrated: bool = 
         calibration = {**calibration, **found}
     else:
         profiles = ProfileSet.from_dict(calibration["profiles"])
+    if slower != 1.0:
+        profiles = scale_profiles(profiles, dict.fromkeys(("encode", "prefill", "decode"), slower))
     by_rate: dict[float, list] = {}
     for path in sorted(folder.glob("rate-*-repeat-*.jsonl")):
         trace = read_trace(path)
