@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Annotated
@@ -49,6 +50,9 @@ def top(
             raise typer.Exit(1) from None
         return
     earlier: Frame | None = None
+    # Ctrl-C quits, even where SIGINT came ignored: a shell starts a background command, or one
+    # under nohup, with it ignored, and Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with Live(Text(f"reading {url} ..."), console=console, auto_refresh=False, screen=False) as live:
         try:
             while True:
