@@ -122,7 +122,10 @@ def sensitivity(root: Path, recalibrated: bool, slower: float, runs: list[Run]) 
         runs, replayed(root, recalibrated, slower), strict=True
     ):
         for b, m in zip(base, moved, strict=True):
-            change = {k: round(m.predicted[k] / b.predicted[k] - 1, 4) for k in ("ttft_p90", "tbt_p90")}
+            change = {
+                k: round(m.predicted[k] / b.predicted[k] - 1, 4) if b.predicted[k] > 0 else 0.0
+                for k in ("ttft_p90", "tbt_p90")
+            }
             rows.append({"system": f"{preset} {method}", "rate": b.rate, **change})
             print(
                 f"steps {slower:g}x: {preset} {method} {b.rate:5.2f} req/s  TTFT p90 "
