@@ -205,12 +205,9 @@ def test_trident_top_shows_the_deployment_live_in_a_terminal(deployment):
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not all(w in seen for w in want):
-            ready, _, _ = select.select([main], [], [], 0.5)
-            if ready:
-                try:
-                    seen += ANSI.sub("", os.read(main, 65536).decode(errors="replace"))
-                except OSError:  # the child closed the terminal
-                    break
+            if (chunk := _read_terminal(main, 0.5)) is None:
+                break
+            seen += ANSI.sub("", chunk)
         assert all(w in seen for w in want), seen[-3000:]
         assert "requests/s" in seen and "cannot read" not in seen
         proc.send_signal(signal.SIGINT)
@@ -218,25 +215,30 @@ def test_trident_top_shows_the_deployment_live_in_a_terminal(deployment):
         # the last frame's write blocks the exit (it did, once the frames above went unread).
         deadline = time.monotonic() + 10
         while proc.poll() is None and time.monotonic() < deadline:
-            if select.select([main], [], [], 0.2)[0]:
-                try:
-                    os.read(main, 65536)
-                except OSError:  # the child closed the terminal
-                    break
+            if _read_terminal(main, 0.2) is None:
+                break
         if proc.poll() is None:
             proc.send_signal(signal.SIGABRT)  # faulthandler prints where each thread is
             stuck = ""
-            while select.select([main], [], [], 2)[0]:
-                try:
-                    stuck += os.read(main, 65536).decode(errors="replace")
-                except OSError:
-                    break
+            while chunk := _read_terminal(main, 2):
+                stuck += chunk
             pytest.fail(f"trident top did not exit within 10 s of Ctrl-C:\n{ANSI.sub('', stuck)[-4000:]}")
         assert proc.returncode == 0
     finally:
         if proc.poll() is None:
             proc.kill()
         os.close(main)
+
+
+def _read_terminal(fd: int, wait: float) -> str | None:
+    """What the terminal has written within `wait` seconds ("" if nothing), None once the child
+    closed it."""
+    if not select.select([fd], [], [], wait)[0]:
+        return ""
+    try:
+        return os.read(fd, 65536).decode(errors="replace")
+    except OSError:
+        return None
 
 
 def test_trident_top_once_prints_a_frame_and_says_when_it_cannot(deployment):
