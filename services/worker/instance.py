@@ -173,6 +173,7 @@ class WorkerInstance:
             self.intake.hurry_drain()
         else:
             log.info("%s: draining", self.instance_id)
+            self.ctx.draining.set()  # now: a second signal before the drain runs still hurries it
             self.runtime.supervise("drain", self._drain, may_end=True)
 
     async def _drain(self) -> None:
