@@ -70,9 +70,9 @@ def service_of(module: str) -> str | None:
 
 
 def test_no_service_imports_another() -> None:
-    """Stage handlers build on the worker runtime, and the worker's entry point composes them; any
-    other use of one service by another belongs in common/."""
-    allowed = {(stage, "worker") for stage in STAGES} | {("worker", stage) for stage in STAGES}
+    """Stage handlers build on the worker runtime; any other use of one service by another belongs
+    in common/. The worker imports no stage: they are composed outside it (services/stages.py)."""
+    allowed = {(stage, "worker") for stage in STAGES}
     crossing = []
     for module, targets in graph().items():
         mine = service_of(module)
@@ -80,9 +80,32 @@ def test_no_service_imports_another() -> None:
             theirs = service_of(target)
             if mine and theirs and mine != theirs and (mine, theirs) not in allowed:
                 crossing.append(f"{module} -> {target}")
-            if mine == "worker" and theirs in STAGES and module != "services.worker.main":
-                crossing.append(f"{module} -> {target} (only the entry point composes the stages)")
     assert not crossing, "\n".join(crossing)
+
+
+def test_the_worker_runtime_reaches_no_stage() -> None:
+    """Not even through another module: services/worker runs the handlers it is given. Its
+    `__main__` alone, the `python -m services.worker` process entry, hands it the composition of
+    services/stages.py."""
+    edges = graph()
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    leaks = [
+        f"{module} -> {target}"
+        for module in edges
+        if module.startswith("services.worker") and module != "services.worker.__main__"
+        for target in reach(module)
+        if service_of(target) in STAGES
+    ]
+    assert not leaks, "\n".join(leaks)
 
 
 def test_common_imports_no_service() -> None:

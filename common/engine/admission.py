@@ -3,8 +3,9 @@ task queues for (the pull-based rule the workers run and the planner's simulator
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from common.engine.processor import InputError
-from common.roles import Role
 
 
 class AdmissionError(InputError):
@@ -36,17 +37,35 @@ DECODE_WAITING_LIMIT = 4
 PREFILL_WAITING = 8
 
 
-def pull_room(
-    role: Role, *, waiting: int, free_blocks: int, image_budget: int, running: int = 0, token_budget: int = 0
-) -> int:
-    """How many tasks of `role` to fetch now: what the batcher can take soon, no more.
+@dataclass(frozen=True)
+class Load:
+    """What a pull decision reads of an engine: a worker's engine stats, or the simulator's model
+    of one."""
 
-    Decode also stops at `token_budget` requests in flight: every running decode is in every
-    iteration, so more of them than τt would stretch each step past the TBT the budget was set for.
-    """
-    if role == Role.DECODE:
-        full = token_budget > 0 and running + waiting >= token_budget
-        return 1 if free_blocks > 0 and waiting < DECODE_WAITING_LIMIT and not full else 0
-    if role == Role.ENCODE:
-        return max(0, 2 * image_budget - waiting)
-    return max(0, PREFILL_WAITING - waiting)
+    waiting: int  # admitted, not yet scheduled (and, in the simulator, on their way)
+    free_blocks: int
+    image_budget: int  # τe
+    running: int = 0
+    token_budget: int = 0  # τt
+
+
+# How many tasks a stage fetches now: what the batcher can take soon, no more. Each stage's
+# handler names its rule (services/<stage>/handler.py `pull_rule`), and the planner's simulator
+# replays the same functions.
+
+
+def encode_room(load: Load) -> int:
+    """Encode keeps two iterations' worth of images waiting."""
+    return max(0, 2 * load.image_budget - load.waiting)
+
+
+def prefill_room(load: Load) -> int:
+    return max(0, PREFILL_WAITING - load.waiting)
+
+
+def decode_room(load: Load) -> int:
+    """One request at a time, while blocks are free and few wait. Decode also stops at
+    `token_budget` requests in flight: every running decode is in every iteration, so more of them
+    than τt would stretch each step past the TBT the budget was set for."""
+    full = load.token_budget > 0 and load.running + load.waiting >= load.token_budget
+    return 1 if load.free_blocks > 0 and load.waiting < DECODE_WAITING_LIMIT and not full else 0

@@ -4,7 +4,8 @@ Every simulated instance runs the engine's own batching code — `common.engine.
 over a real `BlockManager` — on real `Request` objects; only the model is replaced, by the iteration
 latency the profile predicts for the batch the scheduler built. Around the instances the simulation
 plays what the services do: the gateway routes text-only requests straight to prefill, instances pull
-tasks from per-stage queues with the workers' admission rule (`common.engine.admission.pull_room`),
+tasks from per-stage queues with the workers' pull rules (`common.engine.admission`; each stage's
+handler names its own, and tests/stages/test_plugins.py holds the two tables equal),
 features and KV move with a transfer cost, a prefill instance keeps a request's KV blocks until the
 decoder has pulled them, and decode pulls only when its blocks can hold the request.
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.engine.admission import pull_room
+from common.engine.admission import Load, decode_room, encode_room, prefill_room
 from common.engine.block_manager import BlockManager, blocks_needed
 from common.engine.config import EngineConfig, Policy
 from common.engine.governor import BudgetGovernor, budget_share
@@ -37,6 +38,10 @@ from common.stats import SLO, quantile, request_tbt, slo_met
 from common.threads import RECENT, greedy_threads, thread_split
 
 _ENCODED = np.empty(0)  # stands in for an image's features once it has been encoded
+# What each stage's handler does (services/<stage>/handler.py `pull_rule`, `takes_idle_cores`),
+# replayed here: how much an instance pulls, and which instances take the host's idle cores.
+PULL_RULES = {Role.ENCODE: encode_room, Role.PREFILL: prefill_room, Role.DECODE: decode_room}
+IDLE_CORE_ROLES = frozenset({Role.ENCODE, Role.PREFILL})
 
 
 @dataclass
@@ -132,7 +137,7 @@ class _Instance:
         # The core board (common/threads.py): an instance that encodes or prefills takes the cores
         # the others leave; the running iteration's threads, what sharing the cores left of its
         # speed at those threads, and the seconds it would have taken at them unshared.
-        self.greedy = bool(self.roles & {Role.ENCODE, Role.PREFILL})
+        self.greedy = bool(self.roles & IDLE_CORE_ROLES)
         self.threads = 0
         self.contention = 1.0
         self.unshared = 0.0
@@ -143,14 +148,14 @@ class _Instance:
     def room(self, stage: Role) -> int:
         if stage == Role.DECODE and self.decode_pulled:
             return 0  # a worker pulls one request's KV at a time
-        return pull_room(
-            stage,
+        load = Load(
             waiting=len(self.scheduler.waiting) + len(self.arriving) - self.decode_pulled,
             free_blocks=self.blocks.num_free,
             image_budget=self.scheduler.image_budget,
             running=len(self.scheduler.running),
             token_budget=self.scheduler.token_budget,
         )
+        return PULL_RULES[stage](load)
 
 
 class Simulation:

@@ -1,5 +1,7 @@
 """`python -m services.decode`: a stage worker with the decode role only."""
 
+from common.roles import Role
+from services.decode.handler import DecodeHandler
 from services.worker.main import main
 
-main(roles="decode")
+main({Role.DECODE: DecodeHandler}, roles="decode")

@@ -14,7 +14,7 @@ import logging
 
 from common.bus import Task
 from common.engine import AdmissionError
-from common.engine.admission import check_fits
+from common.engine.admission import check_fits, decode_room
 from common.protocol import DecodeTask, PrefillTask, Release, TokenDelta
 from common.roles import Role
 from common.store import Stage
@@ -28,6 +28,13 @@ BLOCKS_POLL = 0.02  # seconds between looks at the engine while a task waits for
 
 class DecodeHandler(StageHandler):
     role = Role.DECODE
+    pull_rule = staticmethod(decode_room)
+
+    def finished(self, held: Held) -> None:
+        """Decode's time, from its start here (or from the first token, for a request this
+        instance also prefilled)."""
+        began = Stage.DECODE_STARTED if Stage.DECODE_STARTED in held.marks else Stage.FIRST_TOKEN
+        self.ctx.metrics.ran(self.role, held.marks, began)
 
     async def take(self, task: Task) -> None:
         ctx = self.ctx

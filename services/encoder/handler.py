@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from common.bus import Task
+from common.engine.admission import encode_room
 from common.protocol import FeatureEntry, PrefillTask, TensorRef, dtype_name
 from common.roles import Role
 from common.store import Stage
@@ -20,6 +21,8 @@ FEATURE_TTL = 600.0  # seconds an encoder serves published features (and keeps t
 class EncodeHandler(StageHandler):
     role = Role.ENCODE
     hands_on_to = Role.PREFILL
+    pull_rule = staticmethod(encode_room)
+    takes_idle_cores = True  # its steps are what a request's TTFT waits on
 
     async def take(self, task: Task) -> None:
         ctx = self.ctx

@@ -1,5 +1,7 @@
 """`python -m services.prefill`: a stage worker with the prefill role only."""
 
+from common.roles import Role
+from services.prefill.handler import PrefillHandler
 from services.worker.main import main
 
-main(roles="prefill")
+main({Role.PREFILL: PrefillHandler}, roles="prefill")

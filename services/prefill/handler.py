@@ -17,7 +17,7 @@ import torch
 
 from common.bus import Task
 from common.engine import Engine
-from common.engine.admission import PREFILL_WAITING
+from common.engine.admission import PREFILL_WAITING, prefill_room
 from common.engine.kv_cache import layer_groups
 from common.engine.request import Request
 from common.protocol import DecodeTask, EncodeTask, InlineTensor, KvGroup, KvLocation, TensorRef, dtype_name
@@ -37,6 +37,14 @@ TURN_POLL = 0.02  # seconds between looks at the engine while a task waits its t
 class PrefillHandler(StageHandler):
     role = Role.PREFILL
     hands_on_to = Role.DECODE
+    pull_rule = staticmethod(prefill_room)
+    takes_idle_cores = True  # its steps are what a request's TTFT waits on
+
+    def first_token(self, held: Held) -> None:
+        """Prefill ends with the first token: it is what TTFT measures."""
+        self.ctx.ledger.mark(held, Stage.PREFILL_ENDED)
+        self.ctx.ledger.mark(held, Stage.FIRST_TOKEN)
+        self.ctx.metrics.ran(self.role, held.marks, Stage.PREFILL_STARTED)
 
     def __init__(self, ctx: StageContext, *, prefetch: bool = True, kv_layer_group: int = 4) -> None:
         super().__init__(ctx)

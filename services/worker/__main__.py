@@ -1,5 +1,6 @@
-"""`python -m services.worker`: a stage worker whose roles come from TRIDENT_ROLES."""
+"""`python -m services.worker`: a stage worker whose roles come from TRIDENT_ROLES, with every stage's
+handler (composed in services/stages.py, outside this package)."""
 
-from services.worker.main import main
+from services.stages import main
 
 main()

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from common.engine import Engine, RequestOutput
+from common.engine.admission import Load
 from common.engine.request import Status
 from services.worker.cores import CoreBoard
 
@@ -41,6 +42,13 @@ class EngineStats:
     budget_scale: float  # the governor's scale of the profiled budgets (1.0: as profiled)
     feature_cache_bytes: int
     feature_cache_capacity: int
+
+    def load(self) -> Load:
+        """What a stage's pull rule reads (common/engine/admission.py)."""
+        return Load(
+            waiting=self.waiting, free_blocks=self.free_blocks, image_budget=self.image_budget,
+            running=self.running, token_budget=self.token_budget,
+        )  # fmt: skip
 
     @classmethod
     def of(cls, e: Engine) -> EngineStats:

@@ -99,7 +99,7 @@ class WorkerInstance:
         self.metrics = StageMetrics(self.registry, self.instance_id, ",".join(sorted(self.roles)))
         self.steps = StepLog()
         self._outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
-        self.loop = EngineLoop(engine, self._outputs.put_nowait, self._core_board())
+        self.loop = EngineLoop(engine, self._outputs.put_nowait, self._core_board(stages))
         engine.on_step = self._on_step
         # A task taken is a task the failover must know of: the heartbeat says so at once.
         self.ledger = Ledger(self.loop, runtime.transfer, runtime.record, on_begin=runtime.heartbeats.poke)
@@ -213,12 +213,11 @@ class WorkerInstance:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _core_board(self) -> CoreBoard | None:
+    def _core_board(self, stages: Stages) -> CoreBoard | None:
         s = self.settings
         if not s.core_board:
             return None
-        # Instances that encode or prefill run the large steps a request's TTFT waits for.
-        greedy = bool(self.roles & {Role.ENCODE, Role.PREFILL})
+        greedy = any(stages[role].takes_idle_cores for role in self.roles)
         return CoreBoard(s.core_board, s.host_cores or len(os.sched_getaffinity(0)), greedy)
 
     def _on_step(self, batch: Batch, seconds: float) -> None:  # on the engine thread

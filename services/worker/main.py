@@ -13,18 +13,13 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from common.roles import Role
+from common.roles import parse_roles
 from common.runtime import EXIT_LOOP_FAILED
-from services.decode.handler import DecodeHandler
-from services.encoder.handler import EncodeHandler
-from services.prefill.handler import PrefillHandler
 from services.settings import WorkerSettings
 from services.worker.http import make_app
-from services.worker.instance import WorkerInstance, advertise_host
+from services.worker.instance import Stages, WorkerInstance, advertise_host
 
 log = logging.getLogger(__name__)
-# Each role's handler; a hybrid instance holds the handlers of all its roles.
-STAGES = {Role.ENCODE: EncodeHandler, Role.PREFILL: PrefillHandler, Role.DECODE: DecodeHandler}
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -50,12 +45,12 @@ class HttpServer(uvicorn.Server):
 FENCED_EXIT = 3  # taken for dead while it lived (frozen, cut off): restart it as a new instance
 
 
-async def serve(settings: WorkerSettings) -> int:
+async def serve(settings: WorkerSettings, stages: Stages) -> int:
     """Run a worker until it stops; returns the process's exit status: 0 after a drain,
     FENCED_EXIT when taken for dead, EXIT_LOOP_FAILED when one of its loops failed."""
     sock = bind(settings.bind_host, settings.http_port)
     http_address = f"http://{advertise_host(settings.advertise_host)}:{sock.getsockname()[1]}"
-    worker = await WorkerInstance.build(settings, STAGES, http_address)
+    worker = await WorkerInstance.build(settings, stages, http_address)
     server = HttpServer(uvicorn.Config(make_app(worker), log_level="warning", lifespan="off"))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -75,17 +70,22 @@ async def serve(settings: WorkerSettings) -> int:
     return FENCED_EXIT if worker.ctx.fenced.is_set() else 0
 
 
-def main(roles: str | None = None) -> None:
-    """`roles` fixes the role set (the single-role entry points); otherwise `--roles` or TRIDENT_ROLES."""
+def main(stages: Stages, roles: str | None = None) -> None:
+    """Run a worker with the handlers in `stages` (composed outside this package: services/stages.py,
+    or a stage's own entry point). `roles` fixes the role set (the single-role entry points);
+    otherwise `--roles` or TRIDENT_ROLES."""
     parser = argparse.ArgumentParser(description="A Trident stage worker; settings from TRIDENT_* env vars.")
     if roles is None:
         parser.add_argument("--roles", help="subset of encode,prefill,decode (default: TRIDENT_ROLES)")
     args = parser.parse_args()
     chosen = roles or getattr(args, "roles", None)
     settings = WorkerSettings(**({"roles": chosen} if chosen else {}))
+    missing = parse_roles(settings.roles) - stages.keys()
+    if missing:
+        parser.error(f"no stage handler for {', '.join(sorted(missing))} in this entry point")
     logging.basicConfig(
         level=settings.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    sys.exit(asyncio.run(serve(settings)))
+    sys.exit(asyncio.run(serve(settings, stages)))

@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from common.engine import RequestOutput
 from common.protocol import FinalOutput, TokenDelta, Usage
 from common.roles import Role
-from common.store import Stage
 from services.worker.context import StageContext
 from services.worker.ledger import Cancelled, Held
 from services.worker.stage import StageHandler
@@ -28,9 +27,12 @@ HandOn = Callable[[Held], Awaitable[None]]
 
 
 class OutputPublisher:
-    def __init__(self, ctx: StageContext, hand_on: Mapping[Role, HandOn]) -> None:
+    def __init__(
+        self, ctx: StageContext, hand_on: Mapping[Role, HandOn], handlers: Iterable[StageHandler] = ()
+    ) -> None:
         self.ctx = ctx
         self.hand_on = hand_on  # the next stage -> whoever queues it (the handler of the stage before)
+        self.handlers = tuple(handlers)  # told of a first token and of an end: their marks and metrics
         self.me = ctx.instance_id
         self._sent: dict[str, list[int]] = {}  # held request -> every output token it has so far
         self._recent: OrderedDict[str, tuple[float, list[int], FinalOutput]] = OrderedDict()
@@ -38,7 +40,8 @@ class OutputPublisher:
     @classmethod
     def for_handlers(cls, ctx: StageContext, handlers: Iterable[StageHandler]) -> OutputPublisher:
         """Each hand-off goes to the handler whose stage queues the next one."""
-        return cls(ctx, {h.hands_on_to: h.hand_on for h in handlers if h.hands_on_to is not None})
+        handlers = tuple(handlers)
+        return cls(ctx, {h.hands_on_to: h.hand_on for h in handlers if h.hands_on_to is not None}, handlers)
 
     async def publish(self, outputs: list[RequestOutput]) -> None:
         if self.ctx.fenced.is_set():
@@ -89,9 +92,8 @@ class OutputPublisher:
                 TokenDelta(request_id=rid, index=index, token_ids=out.new_token_ids, source=self.me)
             )
             if index == 0:
-                ctx.ledger.mark(held, Stage.PREFILL_ENDED)
-                ctx.ledger.mark(held, Stage.FIRST_TOKEN)
-                ctx.metrics.ran(Role.PREFILL, held.marks, Stage.PREFILL_STARTED)
+                for handler in self.handlers:
+                    handler.first_token(held)
             ctx.counters.tokens_generated += len(out.new_token_ids)
         if out.finished:
             usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens)
@@ -107,8 +109,8 @@ class OutputPublisher:
             if ctx.ledger.record is not None:
                 ctx.ledger.record.finish(rid, out.num_output_tokens, out.finish_reason)
             ctx.counters.finished += 1
-            began = Stage.DECODE_STARTED if Stage.DECODE_STARTED in held.marks else Stage.FIRST_TOKEN
-            ctx.metrics.ran(Role.DECODE, held.marks, began)
+            for handler in self.handlers:
+                handler.finished(held)
             await ctx.ledger.settle(rid)
         elif out.next_stage is not None:
             await self.hand_on[out.next_stage](held)

@@ -3,9 +3,11 @@ handler per role and routes each task, and each hand-off, to the handler it belo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from common.bus import Task
+from common.engine.admission import Load
 from common.roles import Role
 from services.settings import WorkerSettings
 from services.worker.context import StageContext
@@ -14,12 +16,19 @@ from services.worker.ledger import Held
 
 class StageHandler:
     """What a stage pulls and admits (`take`), what it hands on when its part is done (`hand_on`),
-    and any background work of its own (`watch`)."""
+    and any background work of its own (`watch`); how much it asks its queue for (`pull_rule`)
+    and whether its steps take the host's idle cores (`takes_idle_cores`)."""
 
     role: ClassVar[Role]
     # The stage this one queues next, when the engine says a request needs it and this instance
     # does not run it (None: the request ends here).
     hands_on_to: ClassVar[Role | None] = None
+    # How many tasks to fetch given the engine's load: a pure function of common/engine/admission,
+    # so that the planner's simulator replays the same rule.
+    pull_rule: ClassVar[Callable[[Load], int]]
+    # Whether an instance running this stage lends its steps the host's idle cores (a core board):
+    # the stages a request's TTFT waits on run large steps.
+    takes_idle_cores: ClassVar[bool] = False
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -36,6 +45,18 @@ class StageHandler:
     async def hand_on(self, held: Held) -> None:
         """Queue the request's next stage (the engine handed it off) and settle its task."""
         raise NotImplementedError(f"the {self.role} stage hands nothing on")
+
+    def first_token(self, held: Held) -> None:
+        """A request's first token came out of this instance's engine: the stage's marks and
+        metrics of it (prefill's; nothing by default)."""
+
+    def finished(self, held: Held) -> None:
+        """A request ended in this instance's engine: the stage's marks and metrics of it
+        (decode's; nothing by default)."""
+
+    def room(self, load: Load) -> int:
+        """How many of this stage's tasks to fetch now."""
+        return type(self).pull_rule(load)
 
     async def watch(self) -> None:
         """Background work of the stage's own, run for the worker's life (none by default)."""

@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 
 from common.aio import raise_if_cancelled
 from common.bus import Task
-from common.engine.admission import pull_room
 from common.roles import Role
 from services.worker.context import StageContext
 from services.worker.ledger import AlreadyHeld, Cancelled
@@ -49,15 +48,12 @@ class StageWorker:
         held = self.ctx.ledger.tasks()
         return held + [t for t in self._fetched if not t.settled and t not in held]
 
-    def room(self, role: Role) -> int:
-        """How many tasks of `role` to ask for now: what the batcher can take soon, no more."""
+    def room(self, handler: StageHandler) -> int:
+        """How many of `handler`'s tasks to ask for now: none while draining or fenced, else what
+        its stage's rule says the batcher can take soon."""
         if self.ctx.draining.is_set() or self.ctx.fenced.is_set():
             return 0
-        stats = self.ctx.engine.stats
-        return pull_room(
-            role, waiting=stats.waiting, free_blocks=stats.free_blocks, image_budget=stats.image_budget,
-            running=stats.running, token_budget=stats.token_budget,
-        )  # fmt: skip
+        return handler.room(self.ctx.engine.stats.load())
 
     # -- intake ------------------------------------------------------------------------------------
 
@@ -66,7 +62,7 @@ class StageWorker:
         consumer = await self.ctx.bus.consumer(handler.role)
         while True:
             raise_if_cancelled()
-            room = self.room(handler.role)
+            room = self.room(handler)
             if room <= 0:
                 await asyncio.sleep(NO_ROOM_WAIT)
                 continue

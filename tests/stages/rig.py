@@ -20,11 +20,11 @@ from common.roles import Role, in_path_order, letters
 from common.store import Store, StoreConfig
 from common.store.recorder import StageRecorder
 from common.transfer import TcpBackend, TransferBackend, TransferConfig
+from services.stages import STAGES
 from services.worker.context import StageContext
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
 from services.worker.ledger import Ledger
-from services.worker.main import STAGES
 from services.worker.outputs import OutputPublisher
 from services.worker.stage import StageHandler
 
