@@ -136,7 +136,31 @@ class GatewaySettings(ServiceSettings):
     max_images: int = 8
     max_image_bytes: int = 20 << 20
     max_image_pixels: int = Field(50_000_000, description="Pixels an image may declare in its header")
+    max_request_pixels: int = Field(
+        100_000_000,
+        gt=0,
+        description="Pixels all of a request's images may declare together; beyond it, 413 (a decoded "
+        "image takes 3 bytes a pixel, and the processor copies it)",
+    )
+    image_workers: int = Field(
+        0,
+        ge=0,
+        description="Threads that decode and preprocess images, and requests with images processed at "
+        "once; 0: min(4, CPUs). Text-only requests have their own thread and never wait for images",
+    )
     max_body_bytes: int = Field(64 << 20, description="Largest request body; beyond it, 413")
+    body_timeout_floor: float = Field(
+        5.0, gt=0, description="Seconds any request body may take to arrive, however small; past it, 408"
+    )
+    body_timeout_per_mb: float = Field(
+        2.0, ge=0, description="Seconds more a body may take per MB of its size (declared, or so far)"
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a connection may take to send a request's headers; then closed"
+    )
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="Seconds an idle keep-alive connection stays open between requests"
+    )
     image_fetch_timeout: float = Field(10.0, description="Seconds for one image URL's whole fetch")
     allow_private_image_urls: bool = False
     default_max_tokens: int = 256
