@@ -25,6 +25,7 @@ from common.store.recorder import StageRecorder
 from common.transfer import TransferConfig, create_backend
 from services.gateway.images import ImagePolicy
 from services.gateway.journal import OutputJournal
+from services.gateway.preprocess import ImagePreprocessor
 from services.gateway.queues import QueueDepths
 from services.gateway.routing import LiveRoles
 from services.settings import GatewaySettings
@@ -99,6 +100,9 @@ class Gateway:
         # event loop they would hold back every other request's tokens. One thread: the tokenizer
         # is not safe to share between threads, and the work stays in arrival order.
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-processor")
+        self.preprocess = ImagePreprocessor(
+            settings.model, settings.image_workers, settings.max_image_pixels, settings.max_request_pixels
+        )  # requests with images: their own bounded pool (preprocess.py)
 
     def queue_full(self) -> Role | None:
         """A stage whose queue is at its limit (none before the gateway has started)."""
@@ -180,3 +184,4 @@ class Gateway:
         await self.transfer.close()
         await self.store.close()
         self.cpu.shutdown(wait=False, cancel_futures=True)
+        self.preprocess.close()
