@@ -22,7 +22,9 @@ class ServiceSettings(BaseSettings):
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379/0"
     secrets_dir: Path | None = Field(
-        None, description="Folder of the deployment's secrets (nats-token, redis-password, transfer-secret)"
+        None,
+        description="Folder of the deployment's secrets (nats-token, redis-password, transfer-secret, "
+        "planner-key)",
     )
     transfer_secret: str = Field("", description="Asked of every bulk-transfer pull; empty: none")
     transfer_inline_max_bytes: int = Field(
@@ -210,7 +212,28 @@ class PlannerSettings(ServiceSettings):
     planner_compose_file: Path = Field(
         Path("compose.yaml"), description="The file the compose actuator scales"
     )
+    planner_key: str = Field(
+        "",
+        description="Bearer key the planner's writes take besides TRIDENT_API_KEYS; default: the "
+        "secrets folder's planner-key",
+    )
+    planner_open_writes: bool = Field(
+        False,
+        description="Let POST /plan/replan and /plan/jobs through without a key when no key is configured "
+        "(only on a network nobody else reaches); off: with no key configured they are refused",
+    )
     planner_jobs_url: str = Field("", description="Celery broker and result backend; default: redis_url")
     planner_job_time_limit: float = Field(
         600.0, gt=0, description="Seconds a what-if job may run before its worker kills it"
     )
+
+    @model_validator(mode="after")
+    def _planner_key(self) -> PlannerSettings:
+        if self.secrets_dir is not None and not self.planner_key:
+            self.planner_key = DeploymentSecrets.read(self.secrets_dir).planner_key
+        return self
+
+    @property
+    def write_keys(self) -> set[str]:
+        """The keys the planner's write endpoints take: TRIDENT_API_KEYS and the planner key."""
+        return self.api_key_set | ({self.planner_key} if self.planner_key else set())
