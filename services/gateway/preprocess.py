@@ -1,9 +1,10 @@
 """Images, from fetched bytes to the engine's input, off the event loop and off the text path.
 
-A request with images is decoded and processed on a pool of `workers` threads, each with its
-own `RequestProcessor` (a tokenizer must not be shared between threads); at most `workers` such
-requests are in the pool at once, and the images of one request decode side by side. Text-only
-requests keep the gateway's own processor thread, so they never queue behind images.
+A request with images is decoded and processed on a pool of `workers` threads; each processing
+step borrows one of `workers` `RequestProcessor`s made at start (a tokenizer must not be used by
+two threads at once). At most `workers` such requests are in the pool at once, and the images of
+one request decode side by side. Text-only requests keep the gateway's own processor thread, so
+they never queue behind images.
 
 Memory is bounded by checking, from the images' headers and before any pixel is decoded, that
 each image and the request's images together stay within their pixel caps: at most `workers`
@@ -15,10 +16,12 @@ per-thread arenas, where it would stay held by the process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import io
 import os
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,13 +42,16 @@ TRIM_AFTER_PIXELS = 4_000_000  # a decode this large leaves enough freed memory 
 
 class ImagePreprocessor:
     def __init__(self, model_dir: Path, workers: int, max_pixels: int, max_request_pixels: int) -> None:
-        self.model_dir = model_dir
         self.workers = workers or min(4, os.cpu_count() or 1)
         self.max_pixels = max_pixels
         self.max_request_pixels = max_request_pixels
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gateway-images")
+        self.pool = ThreadPoolExecutor(
+            self.workers, thread_name_prefix="gateway-images", initializer=_yield_cpu
+        )
         self._slots = asyncio.Semaphore(self.workers)
-        self._local = threading.local()
+        self._processors: queue.SimpleQueue[RequestProcessor] = queue.SimpleQueue()
+        for _ in range(self.workers):  # made now, so the memory they hold counts as idle memory
+            self._processors.put(RequestProcessor(model_dir))
 
     async def process(self, prompt: str, blobs: list[bytes]) -> ProcessedPrompt:
         """`prompt` (one image token per image) with `blobs` decoded and preprocessed; a 4xx
@@ -97,16 +103,26 @@ class ImagePreprocessor:
             raise APIError(400, str(exc), param="image_url") from exc
 
     def _process(self, prompt: str, images: list[Image.Image]) -> ProcessedPrompt:
-        processor = getattr(self._local, "processor", None)
-        if processor is None:
-            processor = self._local.processor = RequestProcessor(self.model_dir)
+        processor = self._processors.get()  # one is free: no more jobs than processors run at once
         try:
             return processor.process(prompt, images)
         except InputError as exc:
             raise APIError(400, str(exc)) from exc
+        finally:
+            self._processors.put(processor)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+IMAGE_THREAD_NICE = 5  # bulk work: on busy cores the event loop and the text path come first
+
+
+def _yield_cpu() -> None:
+    """Lower this image thread's CPU priority (Linux schedules threads by their own niceness), so
+    that a busy pool slows the images down, not every other request."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IMAGE_THREAD_NICE)
 
 
 def _declared_size(blob: bytes, index: int) -> tuple[int, int]:
