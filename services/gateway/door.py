@@ -1,6 +1,7 @@
 """What a request meets before any work is done for it, as ASGI middleware around the app:
 
-1. `ApiKeys` — the Bearer key, when keys are configured (401);
+1. `ApiKeys` — the Bearer key, when keys are configured (401, closing the connection: the body
+   is not read);
 2. `BodyReader` — the whole body, read before anything counts the request: at most `max_bytes`
    (413) and within a deadline that grows with its size (408); either refusal closes the
    connection, so a client cannot go on sending into it or hold it open;
@@ -54,9 +55,9 @@ class ApiKeys:
         if self.keys and _guarded(scope):
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if auth.removeprefix("Bearer ").strip() not in self.keys:
-                await refuse(
-                    scope, receive, send, APIError(401, "missing or invalid API key", code="invalid_api_key")
-                )
+                # Its body is not read: closing the connection keeps the client from trickling it in.
+                wrong = APIError(401, "missing or invalid API key", code="invalid_api_key")
+                await refuse(scope, receive, send, wrong, close=True)
                 return
         await self.app(scope, receive, send)
 

@@ -5,6 +5,7 @@ from starving well-behaved clients.
   its previous response): uvicorn alone waits for a first request forever, and its keep-alive
   timer is reset by every byte, so a client trickling header bytes could hold a socket for good.
 - An idle keep-alive connection is closed after `keep_alive_timeout`.
+- Headers may take at most h11's 16 KB (uvicorn's `h11_max_incomplete_event_size`); past it, 400.
 - The body has its own deadline (door.py's `BodyReader`).
 - The process's open-file limit is raised to its hard limit: every connection is a descriptor,
   and at the default soft limit (often 1024) a flood would stop `accept()` for everyone.
