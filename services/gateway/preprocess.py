@@ -115,7 +115,7 @@ class ImagePreprocessor:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-IMAGE_THREAD_NICE = 5  # bulk work: on busy cores the event loop and the text path come first
+IMAGE_THREAD_NICE = 10  # bulk work: on busy cores the event loop and the text path come first
 
 
 def _yield_cpu() -> None:

@@ -221,9 +221,11 @@ def test_large_images_stall_no_text_request_and_their_memory_is_given_back(epd):
         t.join()
     assert sorted(outcomes) == [200] * 6 + [413] * 4, outcomes
     assert all(e["param"] == "messages" and "TRIDENT_MAX_REQUEST_PIXELS" in e["message"] for e in refused)
-    print(f"text latency alone {max(alone):.2f} s; under the image load {len(latencies)} requests, "
-          f"median {sorted(latencies)[len(latencies) // 2]:.2f} s, max {max(latencies):.2f} s")  # fmt: skip
-    assert len(latencies) >= 3 and max(latencies) < 2.0, sorted(latencies)[-10:]
+    ranked = sorted(latencies)
+    median, p90 = ranked[len(ranked) // 2], ranked[len(ranked) * 9 // 10]
+    print(f"text latency alone {max(alone):.2f} s; under the image load {len(ranked)} requests, "
+          f"median {median:.2f} s, p90 {p90:.2f} s, max {ranked[-1]:.2f} s")  # fmt: skip
+    assert len(ranked) >= 3 and ranked[-1] < 2.0, ranked[-10:]
     deadline = time.monotonic() + 30
     while rss_kb(pid) > 1.1 * idle and time.monotonic() < deadline:
         time.sleep(0.5)
