@@ -55,16 +55,10 @@ class Finals:
             self._ended.popitem(last=False)
         self._arm()
 
-    def close(self) -> None:
-        """Forget everything and stop the timer."""
-        self._ended.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _arm(self) -> None:
-        """One timer at a time, due when the oldest entry leaves the window. Entries only join at
-        the back, so the oldest changes only when the timer's sweep removes it."""
+        """One timer at a time, due when the oldest entry leaves the window. Entries join at the
+        back, so the oldest can only leave earlier than that (a `keep` of the same request): the
+        timer then fires early, sweeps nothing and arms again."""
         if self._timer is not None or not self._ended:
             return
         try:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 
 from common.bus import EventStream
-from common.protocol import ErrorOutput, FinalOutput, Message, PrefillTask, Resend, TokenDelta
+from common.protocol import ErrorOutput, FinalOutput, Message, PrefillTask, Resend, TokenDelta, Usage
 from common.roles import Role
+from services.worker.finals import Finals
 from tests.stages.rig import StageRig, stage_rig
 from tests.stages.test_handlers import answer, prefilled, request
 
@@ -44,6 +45,7 @@ async def test_the_decoder_says_a_request_again_until_its_window_has_passed(
         _, decode = await prefilled(p, d, owner, rid)
         first = decode.message.request.output_token_ids
         (kept,) = list(p.ledger)  # handed on: it keeps the KV for decode, and no outputs
+        await p.until(lambda: not kept.holds_task, what="the prefill task settled")
         assert kept.kv_handles and kept.sent == []
         await p.outputs.say_again(Resend(request_id=rid))
         assert p.outputs.said_again == 0
@@ -109,3 +111,21 @@ async def test_a_failed_request_says_its_error_again(tiny_model_dir, nats_server
         assert isinstance(again, ErrorOutput) and again == first
         await d.until(lambda: len(d.ledger.finals) == 0, timeout=WINDOW + 5, what="the finals window")
         await stream.close()
+
+
+def test_finals_leave_oldest_first_once_their_window_has_passed() -> None:
+    now = [0.0]
+    finals = Finals(window=10.0, clock=lambda: now[0])
+    usage = Usage(prompt_tokens=1, completion_tokens=1)
+    final = FinalOutput(request_id="a", finish_reason="length", usage=usage, num_outputs=1)
+    for rid in "abc":
+        finals.keep(rid, [7], final)
+        now[0] += 4.0
+    finals.keep("a", [7, 8], final)  # ended again (a retry): it goes to the back, with its new tokens
+    assert len(finals) == 3
+    now[0] = 14.5  # b (ended at 4.0) is past the window; c (8.0) and a (12.0) are not
+    assert finals.get("b") is None and len(finals) == 2
+    now[0] = 18.0
+    assert finals.get("c") is None and finals.get("a").tokens == (7, 8)
+    now[0] = 22.0
+    assert finals.get("a") is None and len(finals) == 0
