@@ -81,6 +81,7 @@ class OutputPublisher:
             await events.publish_output(again)
         if last is not None:
             await events.publish_output(last)
+        log.info("%s: said %s again from output %d, as a gateway asked", self.me, rid, ask.index)
 
     async def _publish_one(self, held: Held, out: RequestOutput) -> None:
         ctx, rid = self.ctx, out.request_id
