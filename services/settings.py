@@ -123,6 +123,12 @@ class WorkerSettings(ServiceSettings):
     )
     heartbeat_ttl: float = 5.0
     drain_timeout: float = 30.0
+    finals_window: float = Field(
+        120.0,
+        gt=0,
+        description="Seconds a request that ended here keeps its tokens and final, to be said again to a "
+        "gateway that asks (it missed them while NATS restarted)",
+    )
     check_integrity: bool = Field(
         False,
         description="Check that the request ledger and the engine agree whenever requests come and go "

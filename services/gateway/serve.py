@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt
 from common.errors import APIError
+from common.protocol import Resend
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from services.gateway.collector import OutputCollector
 from services.gateway.images import fetch_image
@@ -73,7 +74,8 @@ async def serve(
         arrival=getattr(request.state, "arrived", time.perf_counter()),
         keepalive=gw.settings.sse_keepalive if body.stream else None,
         on_tokens=lambda ids: gw.journal.add(rid, ids),
-        refill=lambda: gw.bus.events.stored_outputs(rid), reconnects=lambda: gw.bus.reconnects,
+        ask=lambda index: gw.bus.events.resend(Resend(request_id=rid, index=index)),
+        reconnects=lambda: gw.bus.reconnects,
         fenced=gw.reaper.fenced, owner=spec.gateway,
     )  # fmt: skip
     reply = Reply(gw, spec, kind, body, collector)

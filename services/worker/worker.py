@@ -67,7 +67,7 @@ class StageWorker:
         self._stop = asyncio.Event()
         self._drain_deadline = float("inf")
         self._checked = -1  # the ledger's change count at the last integrity check
-        self._reconnects = 0  # NATS reconnects already caught up on
+        self._reconnects = 0  # NATS reconnects after which it asked whether it was fenced
         self._fetched: set[Task] = set()  # pulled, waiting their turn to be handled (not yet held)
         self._fetching = 0  # pulls under way: what they bring must be handed back, not dropped
 
@@ -112,7 +112,7 @@ class StageWorker:
             greedy = bool(self.roles & {Role.ENCODE, Role.PREFILL})
             cores = CoreBoard(s.core_board, s.host_cores or len(os.sched_getaffinity(0)), greedy)
         self.loop = EngineLoop(engine, self._outputs.put_nowait, cores)
-        self.ledger = Ledger(self.loop, transfer, self.record)
+        self.ledger = Ledger(self.loop, transfer, self.record, finals_window=s.finals_window)
         self.metrics = StageMetrics(self.registry, self.instance_id, ",".join(sorted(self.roles)))
         self.steps = StepLog()
 
@@ -158,6 +158,7 @@ class StageWorker:
             tg.create_task(self._publish_steps())
             tg.create_task(self.reaper.run())
             tg.create_task(self.ctx.watch_cancels())
+            tg.create_task(self.outputs.watch())  # gateways' Resends: the one output recovery rule
             for handler in self.handlers.values():
                 tg.create_task(handler.watch())
             for role in PULL_ORDER:
@@ -355,8 +356,8 @@ class StageWorker:
                 log.warning("%s: step stats not published (%r)", self.instance_id, exc)
 
     async def _housekeeping(self) -> None:
-        """Free KV nobody came for, drop the requests of dead gateways, say outputs again after a
-        reconnect, stop on a failed engine, and (tests) check the ledger's integrity."""
+        """Free KV nobody came for and finals past their window, drop the requests of dead
+        gateways, stop on a failed engine, and (tests) check the ledger's integrity."""
         while True:
             raise_if_cancelled()
             slept = time.monotonic()
@@ -368,9 +369,7 @@ class StageWorker:
             frozen = time.monotonic() - slept > self.settings.failover_after  # e.g. SIGSTOP
             if (frozen or self.ctx.bus.reconnects != self._reconnects) and await self._found_dead():
                 return
-            if self.ctx.bus.reconnects != self._reconnects:  # outputs in flight may have been lost
-                self._reconnects = self.ctx.bus.reconnects
-                await self.outputs.catch_up()
+            self._reconnects = self.ctx.bus.reconnects
             if self.loop.failure is not None:
                 raise RuntimeError("engine thread failed") from self.loop.failure
             if self.ledger.changes != self._checked:
