@@ -127,7 +127,7 @@ class Heartbeater:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="heartbeater")
+            self._task = asyncio.create_task(self.run(), name="heartbeater")
 
     def poke(self) -> None:
         """Beat now rather than at the next interval."""
@@ -169,7 +169,9 @@ class Heartbeater:
             self.refused = True
         self.beats += 1
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """Beat until cancelled (`start()` runs it as a task of its own; a service runtime
+        supervises it with its other loops)."""
         down = False
         while True:
             raise_if_cancelled()

@@ -41,11 +41,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(ApiKeys, keys=gw.api_keys)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        problem = gw.unhealthy()  # a loop failed: the process is going down (common/runtime)
+        return JSONResponse({"status": problem or "ok"}, status_code=500 if problem else 200)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
+        if problem := gw.unhealthy():
+            return JSONResponse({"ready": False, "error": problem}, status_code=503)
         try:
             missing = sorted(set(Role) - await live_roles(gw.store))
         except Exception as exc:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -19,10 +18,11 @@ from common.engine.processor import RequestProcessor
 from common.failover import Reaper, instance_name
 from common.protocol import Cancel, Heartbeat
 from common.roles import Role
+from common.runtime import Runtime
 from common.stats import SLO
-from common.store import Heartbeater, Store, StoreConfig
+from common.store import Store
 from common.store.recorder import StageRecorder
-from common.transfer import TransferConfig, create_backend
+from common.transfer import TransferBackend, TransferConfig
 from services.gateway.images import ImagePolicy
 from services.gateway.journal import OutputJournal
 from services.gateway.preprocess import ImagePreprocessor
@@ -76,6 +76,30 @@ class Metrics:
         )
 
 
+class Links:
+    """What the gateway reaches the deployment through, built once by `connect` on the service
+    runtime (common/runtime): the substrate's clients and the gateway's own loops' state."""
+
+    def __init__(self, runtime: Runtime, queue_limit: int, queued: Gauge) -> None:
+        self.runtime = runtime
+        self.live_roles = LiveRoles(runtime.store)
+        self.journal = OutputJournal(runtime.store)  # streamed tokens, for resuming after a death
+        self.queues = QueueDepths(runtime.bus, queue_limit, queued)
+
+    @classmethod
+    async def connect(cls, s: GatewaySettings, instance_id: str, queued: Gauge) -> Links:
+        host = socket.gethostname() if s.advertise_host == "auto" else s.advertise_host
+        transfer = TransferConfig(
+            backend="tcp",
+            host=s.bind_host,
+            advertise_host=host,
+            secret=s.transfer_secret,
+            inline_max_bytes=s.transfer_inline_max_bytes,
+        )
+        runtime = await Runtime.connect(s, instance_id, transfer=transfer)
+        return cls(runtime, s.max_queued_tasks, queued)
+
+
 class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
@@ -95,7 +119,6 @@ class Gateway:
         self.slo = SLO(settings.ttft_slo, settings.tbt_slo)  # each request's outcome is judged by it
         self.api_keys = settings.api_key_set
         self.metrics = Metrics.create()
-        self.queues: QueueDepths | None = None  # set once connected
         # Decoding images and running the HF processor take milliseconds of CPU per request; on the
         # event loop they would hold back every other request's tokens. One thread: the tokenizer
         # is not safe to share between threads, and the work stays in arrival order.
@@ -103,10 +126,62 @@ class Gateway:
         self.preprocess = ImagePreprocessor(
             settings.model, settings.image_workers, settings.max_image_pixels, settings.max_request_pixels
         )  # requests with images: their own bounded pool (preprocess.py)
+        # The deployment is reached from inside uvicorn's event loop (its lifespan), after the app
+        # and its middleware exist: until start() no request is served, and `links` is None.
+        self.links: Links | None = None
+
+    # -- the deployment, once started -----------------------------------------------------------
+
+    def _linked(self) -> Links:
+        if self.links is None:
+            raise RuntimeError("the gateway has not started")
+        return self.links
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._linked().runtime
+
+    @property
+    def store(self) -> Store:
+        return self.runtime.store
+
+    @property
+    def bus(self) -> Bus:
+        return self.runtime.bus
+
+    @property
+    def record(self) -> StageRecorder:
+        return self.runtime.record
+
+    @property
+    def dispatch(self) -> Dispatcher:
+        return self.runtime.dispatch
+
+    @property
+    def reaper(self) -> Reaper:
+        return self.runtime.reaper
+
+    @property
+    def transfer(self) -> TransferBackend:
+        transfer = self.runtime.transfer
+        assert transfer is not None, "the gateway's runtime has a transfer endpoint"
+        return transfer
+
+    @property
+    def journal(self) -> OutputJournal:
+        return self._linked().journal
+
+    @property
+    def live_roles(self) -> LiveRoles:
+        return self._linked().live_roles
 
     def queue_full(self) -> Role | None:
         """A stage whose queue is at its limit (none before the gateway has started)."""
-        return self.queues.full() if self.queues is not None else None
+        return self.links.queues.full() if self.links is not None else None
+
+    def unhealthy(self) -> str | None:
+        """Why the gateway cannot serve (one of its loops failed), or None."""
+        return self.links.runtime.health() if self.links is not None else None
 
     async def cancel(self, request_id: str, reason: str) -> None:
         """Stop a request everywhere: the instances holding it drop it and free what it holds, and
@@ -121,41 +196,22 @@ class Gateway:
         """Run CPU-bound request processing on the processor thread."""
         return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
 
+    # -- life --------------------------------------------------------------------------------------
+
     async def start(self) -> None:
-        s = self.settings
-        self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
-        self.record = StageRecorder(self.store)  # outcomes for the trace, written off the response path
-        self.live_roles = LiveRoles(self.store)
-        self._recording = asyncio.create_task(self.record.run())
-        self.journal = OutputJournal(self.store)  # streamed tokens, for resuming after a death
-        self._journaling = asyncio.create_task(self.journal.run())
-        self.bus = await Bus.connect(s.bus_config(self.instance_id), self.store)
-        self.dispatch = Dispatcher(self.bus.tasks, self.record)
-        self.queues = QueueDepths(self.bus, s.max_queued_tasks, self.metrics.queued)
-        self._watching = asyncio.create_task(self.queues.run())
-        # The gateway watches for dead instances too (it outlives most), and is watched itself: a
-        # dead gateway's requests are dropped everywhere.
-        self.reaper = Reaper(
-            self.bus, self.store, self.instance_id, s.failover_after, self._on_fence, s.unresponsive_after
-        )
-        self._reaping = asyncio.create_task(self.reaper.run())
-        self.metrics.failovers.set_function(lambda: self.reaper.reaped)
-        self.metrics.handed_on.set_function(lambda: self.reaper.handed_on)
-        self.heartbeats = Heartbeater(
-            None, self.heartbeat, s.heartbeat_interval, publish=self.bus.events.heartbeat
-        )
-        self.heartbeats.start()
-        host = socket.gethostname() if s.advertise_host == "auto" else s.advertise_host
-        self.transfer = create_backend(
-            TransferConfig(
-                backend="tcp",
-                host=s.bind_host,
-                advertise_host=host,
-                secret=s.transfer_secret,
-                inline_max_bytes=s.transfer_inline_max_bytes,
-            )
-        )
-        await self.transfer.start()
+        """Connect through the service runtime and put every loop under its supervision: a loop
+        that fails ends the process (EXIT_LOOP_FAILED), the gateway never serves on without it.
+        The gateway watches for dead instances too (it outlives most), and is watched itself: a
+        dead gateway's requests are dropped everywhere."""
+        self.links = links = await Links.connect(self.settings, self.instance_id, self.metrics.queued)
+        rt = links.runtime
+        rt.on_fence(self._on_fence)
+        self.metrics.failovers.set_function(lambda: rt.reaper.reaped)
+        self.metrics.handed_on.set_function(lambda: rt.reaper.handed_on)
+        rt.start(self.heartbeat)
+        rt.supervise("journal", links.journal.run)
+        rt.supervise("queues", links.queues.run)
+        rt.supervise("exit-on-failure", lambda: rt.exit_on_failure(self._closers()), may_end=True)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(instance_id=self.instance_id, kind="gateway", time=time.time())
@@ -170,18 +226,17 @@ class Gateway:
         self.instance_id = instance_name("gateway")
         self.reaper.me = self.instance_id
         log.error("this gateway was taken for dead; its requests end with an error; now %s", self.instance_id)
-        self.heartbeats.poke()
+        self.runtime.heartbeats.poke()
+
+    def _closers(self) -> list:
+        """What the gateway closes of its own, once its loops have stopped."""
+
+        async def shut_cpu() -> None:
+            self.cpu.shutdown(wait=False, cancel_futures=True)
+            self.preprocess.close()
+
+        return [self.journal.write, shut_cpu]
 
     async def close(self) -> None:
-        await self.record.flush()
-        await self.heartbeats.stop()
-        for task in (self._recording, self._journaling, self._watching, self._reaping):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self.journal.write()
-        await self.bus.close()
-        await self.transfer.close()
-        await self.store.close()
-        self.cpu.shutdown(wait=False, cancel_futures=True)
-        self.preprocess.close()
+        if self.links is not None:
+            await self.links.runtime.close(closers=self._closers())

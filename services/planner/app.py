@@ -32,19 +32,13 @@ def create_app(settings: PlannerSettings | None = None) -> FastAPI:
     settings = settings or PlannerSettings()
     planner = Planner(settings)
     jobs = celery_app(settings)
-    loop_task: asyncio.Task[None] | None = None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        nonlocal loop_task
-        await planner.start()
-        loop_task = asyncio.create_task(planner.run(), name="planner-loop")
+        await planner.start()  # its loop runs under the service runtime's supervision
         try:
             yield
         finally:
-            loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop_task
             await planner.close()
 
     app = FastAPI(title="Trident planner", lifespan=lifespan)
@@ -53,9 +47,9 @@ def create_app(settings: PlannerSettings | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        dead = loop_task is not None and loop_task.done()
-        body = {"status": "planning loop ended" if dead else "ok", "planner": planner.status}
-        return JSONResponse(body, status_code=500 if dead else 200)
+        problem = planner.unhealthy()  # a loop failed: the process is going down (common/runtime)
+        body = {"status": problem or "ok", "planner": planner.status}
+        return JSONResponse(body, status_code=500 if problem else 200)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

@@ -34,8 +34,9 @@ from common.planner.simulator import Correction
 from common.planner.trace import TraceEntry, from_records, summary
 from common.planner.types import Deployment, PlanResult
 from common.protocol import Plan, TraceRecord
+from common.runtime import Runtime
 from common.stats import SLO
-from common.store import Store, StoreConfig
+from common.store import Store
 from services.planner.actuators import Actuator, make_actuator
 from services.planner.metrics import Metrics
 from services.settings import PlannerSettings
@@ -95,16 +96,45 @@ class Planner:
         self.planned_at = 0.0  # monotonic
         self._wake = asyncio.Event()
         self._requested: list[asyncio.Future[Decision]] = []  # POST /plan/replan callers
+        # Connected in start(), inside uvicorn's event loop (its lifespan): None until then.
+        self.runtime: Runtime | None = None
+        self._actuator: Actuator | None = None
 
     async def start(self) -> None:
-        s = self.settings
-        self.store = await Store.connect(StoreConfig(url=s.redis_url, prefix=s.namespace))
-        self.bus = await Bus.connect(s.bus_config(self.instance_id))
-        self.actuator: Actuator = make_actuator(s, self.store)
+        """Connect through the service runtime and run the planning loop under its supervision: a
+        failed loop ends the process (EXIT_LOOP_FAILED) rather than leave an API that plans no more."""
+        self.runtime = rt = await Runtime.connect(self.settings, self.instance_id, dead_letters=False)
+        self._actuator = make_actuator(self.settings, rt.store)
+        rt.start(None)  # no heartbeats: nothing fails over to or from a planner
+        rt.supervise("planning", self.run)
+        rt.supervise("exit-on-failure", rt.exit_on_failure, may_end=True)
 
     async def close(self) -> None:
-        await self.bus.close()
-        await self.store.close()
+        if self.runtime is not None:
+            await self.runtime.close()
+
+    def unhealthy(self) -> str | None:
+        """Why the planner cannot plan (its loop failed), or None."""
+        return self.runtime.health() if self.runtime is not None else None
+
+    def _connected(self) -> Runtime:
+        if self.runtime is None:
+            raise RuntimeError("the planner has not started")
+        return self.runtime
+
+    @property
+    def store(self) -> Store:
+        return self._connected().store
+
+    @property
+    def bus(self) -> Bus:
+        return self._connected().bus
+
+    @property
+    def actuator(self) -> Actuator:
+        if self._actuator is None:
+            raise RuntimeError("the planner has not started")
+        return self._actuator
 
     # -- the loop --------------------------------------------------------------------------------
     async def run(self) -> None:

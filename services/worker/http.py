@@ -11,13 +11,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from common.failover import INSTANCE_HEADER
 
 if TYPE_CHECKING:
-    from services.worker.worker import StageWorker
+    from services.worker.instance import WorkerInstance
 
 
 class WorkerCollector:
     """Reads the worker's figures at scrape time, so nothing is counted twice."""
 
-    def __init__(self, worker: StageWorker) -> None:
+    def __init__(self, worker: WorkerInstance) -> None:
         self.w = worker
 
     def collect(self):
@@ -37,9 +37,9 @@ class WorkerCollector:
             ("resumed_tokens", c.resumed_tokens, "Streamed tokens requests resumed from after a loss"),
             ("cancelled_unrun", c.cancelled_unrun, "Tasks of cancelled requests dropped when pulled"),
             ("feature_cache_hits", stats.feature_hits, "Images found in the feature cache"),
-            ("integrity_failures", w.integrity_failures, "Ledger/engine integrity checks that failed"),
-            ("failovers", w.reaper.reaped, "Dead instances whose work this one handed on"),
-            ("tasks_handed_on", w.reaper.handed_on, "Tasks of dead instances this one queued again"),
+            ("integrity_failures", w.upkeep.integrity_failures, "Ledger/engine integrity checks that failed"),
+            ("failovers", w.runtime.reaper.reaped, "Dead instances whose work this one handed on"),
+            ("tasks_handed_on", w.runtime.reaper.handed_on, "Tasks of dead instances this one queued again"),
         ]:
             metric = CounterMetricFamily(f"trident_{name}", doc, labels=labels)
             metric.add_metric(values, value)
@@ -74,23 +74,30 @@ class WorkerCollector:
         yield info
 
 
-def make_app(worker: StageWorker) -> FastAPI:
+def unhealthy(worker: WorkerInstance) -> str | None:
+    """Why the worker cannot serve: its engine thread or one of its loops failed (None: healthy)."""
+    if worker.loop.failure is not None:
+        return f"engine failed: {worker.loop.failure!r}"
+    return worker.runtime.health()
+
+
+def make_app(worker: WorkerInstance) -> FastAPI:
     app = FastAPI(title=f"trident worker {worker.instance_id}", docs_url=None, redoc_url=None)
     registry = worker.registry  # the stage histograms are in it already
     registry.register(WorkerCollector(worker))
 
     @app.get("/health")
     def health() -> Response:
-        ok = worker.loop.failure is None
+        problem = unhealthy(worker)
         return Response(
-            "ok" if ok else "engine failed",
-            status_code=200 if ok else 500,
+            problem or "ok",
+            status_code=500 if problem else 200,
             headers={INSTANCE_HEADER: worker.instance_id},  # failover's probe: is it still this one
         )
 
     @app.get("/ready")
     def ready() -> Response:
-        ok = worker.loop.failure is None and worker.ctx.bus.connected and not worker.draining.is_set()
+        ok = unhealthy(worker) is None and worker.ctx.bus.connected and not worker.ctx.draining.is_set()
         return Response("ready" if ok else "not ready", status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import uvicorn
 
 from common.roles import Role
+from common.runtime import EXIT_LOOP_FAILED
 from services.decode.handler import DecodeHandler
 from services.encoder.handler import EncodeHandler
 from services.prefill.handler import PrefillHandler
 from services.settings import WorkerSettings
 from services.worker.http import make_app
-from services.worker.worker import StageWorker, _Stopped
+from services.worker.instance import WorkerInstance, advertise_host
 
 log = logging.getLogger(__name__)
 # Each role's handler; a hybrid instance holds the handlers of all its roles.
@@ -50,40 +51,27 @@ FENCED_EXIT = 3  # taken for dead while it lived (frozen, cut off): restart it a
 
 
 async def serve(settings: WorkerSettings) -> int:
-    """Run a worker until it stops; returns the process's exit status."""
-    worker = StageWorker(settings, STAGES)
-    await worker.start()
+    """Run a worker until it stops; returns the process's exit status: 0 after a drain,
+    FENCED_EXIT when taken for dead, EXIT_LOOP_FAILED when one of its loops failed."""
     sock = bind(settings.bind_host, settings.http_port)
-    worker.http_address = f"http://{worker.host}:{sock.getsockname()[1]}"
+    http_address = f"http://{advertise_host(settings.advertise_host)}:{sock.getsockname()[1]}"
+    worker = await WorkerInstance.build(settings, STAGES, http_address)
     server = HttpServer(uvicorn.Config(make_app(worker), log_level="warning", lifespan="off"))
     loop = asyncio.get_running_loop()
-    drains: list[asyncio.Task] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        if not drains:
-            log.info("%s: %s, draining", worker.instance_id, sig.name)
-            drains.append(asyncio.ensure_future(worker.drain()))
-        else:  # a second signal: no more waiting, held tasks go back to the queue
-            log.warning("%s: %s again, giving held tasks back now", worker.instance_id, sig.name)
-            worker.hurry_drain()
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-    log.info("%s http %s", worker.instance_id, worker.http_address)
-    print(f"worker {worker.instance_id} http {worker.http_address}", flush=True)
-    http = asyncio.ensure_future(server.serve(sockets=[sock]))
-    try:
-        await worker.run()
-    except* _Stopped:  # the task group's way of ending after a stop request
-        pass
-    finally:
-        for task in drains:
-            with contextlib.suppress(Exception):
-                await task
-        server.should_exit = True
-        await http
-        await worker.close()
-        log.info("%s stopped", worker.instance_id)
+        loop.add_signal_handler(sig, worker.drain)
+    worker.start()
+    worker.runtime.supervise(
+        "http", lambda: server.serve(sockets=[sock]), stop=lambda: setattr(server, "should_exit", True)
+    )
+    log.info("%s http %s", worker.instance_id, http_address)
+    print(f"worker {worker.instance_id} http {http_address}", flush=True)
+    failure = await worker.runtime.wait()
+    await worker.close()
+    if failure is not None:
+        log.critical("%s exits: %s", worker.instance_id, failure)
+        return EXIT_LOOP_FAILED
+    log.info("%s stopped", worker.instance_id)
     return FENCED_EXIT if worker.ctx.fenced.is_set() else 0
 
 

@@ -1,0 +1,247 @@
+"""A worker process's parts, built once and wired in one place: the engine on its thread, the
+ledger, the stage handlers, the output publisher, the intake (worker.py) and the upkeep
+(upkeep.py), on the service runtime's clients (common/runtime). `build` is the only place that
+creates them; `start` puts every loop under the runtime's supervision; `close` stops them in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from common.aio import raise_if_cancelled
+from common.bus import keep_alive
+from common.engine import Engine, EngineConfig, Policy, RequestOutput
+from common.engine.scheduler import Batch
+from common.failover import instance_name
+from common.protocol import Budgets, Heartbeat
+from common.roles import PULL_ORDER, Role, in_path_order, letters, parse_roles
+from common.runtime import Runtime
+from common.transfer import TransferConfig
+from services.settings import WorkerSettings
+from services.worker import profiling
+from services.worker.context import StageContext
+from services.worker.cores import CoreBoard
+from services.worker.counters import Counters
+from services.worker.engine_loop import EngineLoop
+from services.worker.ledger import Ledger
+from services.worker.outputs import OutputPublisher
+from services.worker.stage import StageHandler
+from services.worker.stage_metrics import StageMetrics
+from services.worker.step_log import StepLog
+from services.worker.upkeep import Housekeeping, StepPublisher
+from services.worker.worker import StageWorker
+
+log = logging.getLogger(__name__)
+Stages = Mapping[Role, type[StageHandler]]
+
+
+def advertise_host(value: str) -> str:
+    """`auto` means this container's hostname (compose cannot expand it for us)."""
+    return socket.gethostname() if value == "auto" else value
+
+
+def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
+    return EngineConfig(
+        roles=roles,
+        policy=Policy(s.policy),
+        block_size=s.block_size,
+        kv_cache_bytes=s.kv_cache_bytes,
+        token_budget=s.token_budget,
+        image_budget=s.image_budget,
+        max_num_seqs=s.max_num_seqs,
+        feature_cache_bytes=s.feature_cache_bytes,
+        detokenize=False,  # the gateway makes the text
+        device=s.device,
+        num_threads=s.num_threads or None,
+        adapt_budgets=s.adapt_budgets,
+    )
+
+
+def transfer_config(s: WorkerSettings) -> TransferConfig:
+    host = advertise_host(s.advertise_host)
+    return TransferConfig(
+        backend=s.transfer,
+        host="0.0.0.0" if s.bind_host == "0.0.0.0" else host,
+        advertise_host=host,
+        secret=s.transfer_secret,
+        inline_max_bytes=s.transfer_inline_max_bytes,
+    )
+
+
+class WorkerInstance:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        stages: Stages,
+        engine: Engine,
+        runtime: Runtime,
+        profile_id: str,
+        http_address: str,
+    ) -> None:
+        assert runtime.transfer is not None, "a worker serves tensors: its runtime has a transfer endpoint"
+        self.settings = settings
+        self.roles = parse_roles(settings.roles)
+        self.instance_id = runtime.instance_id
+        self.runtime = runtime
+        self.profile_id = profile_id
+        self.http_address = http_address
+        self.counters = Counters()
+        self.registry = CollectorRegistry()  # what /metrics serves (services/worker/http.py)
+        self.metrics = StageMetrics(self.registry, self.instance_id, ",".join(sorted(self.roles)))
+        self.steps = StepLog()
+        self._outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
+        self.loop = EngineLoop(engine, self._outputs.put_nowait, self._core_board())
+        engine.on_step = self._on_step
+        # A task taken is a task the failover must know of: the heartbeat says so at once.
+        self.ledger = Ledger(
+            self.loop, runtime.transfer, runtime.record, on_begin=runtime.heartbeats.poke,
+            finals_window=settings.finals_window,
+        )  # fmt: skip
+        self.ctx = StageContext(
+            self.instance_id, self.roles, self.loop, self.ledger, runtime.bus, runtime.store,
+            runtime.transfer, runtime.dispatch, self.counters, metrics=self.metrics,
+        )  # fmt: skip
+        self.handlers = {
+            role: stages[role].from_settings(self.ctx, settings) for role in in_path_order(self.roles)
+        }
+        self.outputs = OutputPublisher.for_handlers(self.ctx, self.handlers.values())
+        fenced_gateways = runtime.reaper.fenced
+        self.intake = StageWorker(
+            self.ctx, self.handlers, fenced_gateways, runtime.heartbeats.poke, settings.drain_timeout
+        )
+        self.upkeep = Housekeeping(
+            self.instance_id, self.ledger, self.loop, runtime.bus, runtime.store,
+            fenced_gateways, self._fenced, self.ctx.fenced.is_set, settings.failover_after,
+            settings.check_integrity,
+        )  # fmt: skip
+        self.step_publisher = StepPublisher(
+            self.instance_id, self.roles, profile_id, self.steps, self.loop, runtime.store
+        )
+        runtime.on_fence(self._fenced)
+
+    @classmethod
+    async def build(cls, settings: WorkerSettings, stages: Stages, http_address: str) -> WorkerInstance:
+        """The engine (loaded on a thread), the runtime's clients, and the stage profile the
+        budgets come from, before any task is pulled."""
+        roles = parse_roles(settings.roles)
+        instance_id = settings.instance_id or instance_name(letters(roles))
+        engine = await asyncio.to_thread(Engine, settings.model, engine_config(settings, roles))
+        runtime = await Runtime.connect(
+            settings, instance_id, transfer=transfer_config(settings),
+            heartbeat_ttl=settings.heartbeat_ttl, registered=True,
+        )  # fmt: skip
+        try:
+            profile_id = await profiling.establish(engine, runtime.store, settings, instance_id)
+        except BaseException:
+            await runtime.close()
+            raise
+        return cls(settings, stages, engine, runtime, profile_id, http_address)
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """The engine thread, then every loop under the runtime's supervision."""
+        self.loop.start()
+        rt = self.runtime
+        rt.start(self.heartbeat)
+        rt.supervise("outputs", self._pump_outputs)
+        rt.supervise("resends", self.outputs.watch)  # gateways' Resends: the one output recovery rule
+        rt.supervise(
+            "keep-alive", functools.partial(keep_alive, self.intake.tasks, rt.bus.config.keep_alive_period)
+        )
+        rt.supervise("housekeeping", self.upkeep.run)
+        rt.supervise("steps", self.step_publisher.run)
+        rt.supervise("cancels", self.ctx.watch_cancels)
+        for role, handler in self.handlers.items():
+            rt.supervise(f"{role}-watch", handler.watch, may_end=True)  # most stages have none
+        for role in PULL_ORDER:
+            if role in self.handlers:
+                rt.supervise(f"{role}-intake", functools.partial(self.intake.pull, self.handlers[role]))
+        log.info(
+            "%s ready: roles %s, transfer %s", self.instance_id, sorted(self.roles), self.ctx.transfer.address
+        )
+
+    def drain(self) -> None:
+        """SIGTERM: drain under supervision, then stop. A second one hurries the drain."""
+        if self.ctx.draining.is_set():
+            log.warning("%s: asked again, giving held tasks back now", self.instance_id)
+            self.intake.hurry_drain()
+        else:
+            log.info("%s: draining", self.instance_id)
+            self.runtime.supervise("drain", self._drain, may_end=True)
+
+    async def _drain(self) -> None:
+        await self.intake.drain()
+        await self.upkeep.check_integrity()
+        self.runtime.request_stop()
+
+    async def close(self) -> None:
+        """Stop in order (Runtime.close). Held tasks go back to their queues first, unless this
+        instance was taken for dead: then they were handed on already, and it says nothing more."""
+        fenced = self.ctx.fenced.is_set()
+        closers = [self.loop.stop] if fenced else [self.intake.give_back, self.loop.stop]
+        await self.runtime.close(leave=not fenced, closers=closers)
+        if self.loop.cores is not None:
+            self.loop.cores.close()  # the slot is free for the next worker on this host
+
+    # -- what others read --------------------------------------------------------------------------
+
+    def heartbeat(self) -> Heartbeat:
+        stats = self.loop.stats
+        return Heartbeat(
+            instance_id=self.instance_id,
+            roles=in_path_order(self.roles),
+            held=tuple(task.stream_seq for task in self.intake.tasks()),
+            http_address=self.http_address,
+            transfer_address=self.ctx.transfer.address,
+            queue_depth=stats.waiting,
+            running=stats.running,
+            free_kv_blocks=stats.free_blocks,
+            total_kv_blocks=stats.total_blocks,
+            budgets=Budgets(image_budget=stats.image_budget, token_budget=stats.token_budget),
+            profile_id=self.profile_id,
+            draining=self.ctx.draining.is_set(),
+            started_at=self.counters.started_at,
+            time=time.time(),
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _core_board(self) -> CoreBoard | None:
+        s = self.settings
+        if not s.core_board:
+            return None
+        # Instances that encode or prefill run the large steps a request's TTFT waits for.
+        greedy = bool(self.roles & {Role.ENCODE, Role.PREFILL})
+        return CoreBoard(s.core_board, s.host_cores or len(os.sched_getaffinity(0)), greedy)
+
+    def _on_step(self, batch: Batch, seconds: float) -> None:  # on the engine thread
+        self.metrics.step(batch.kind, seconds)
+        cores = self.loop.cores
+        if cores is not None:
+            threads, overlap = cores.step_threads(), cores.step_overlap()
+        else:  # which other steps ran beside it is not known
+            threads, overlap = torch.get_num_threads(), None
+        self.steps.record(batch, seconds, self.loop.engine.scheduler.image_unit, threads, overlap)
+
+    async def _pump_outputs(self) -> None:
+        while True:
+            raise_if_cancelled()
+            await self.outputs.publish(await self._outputs.get())
+
+    def _fenced(self, instance_id: str) -> None:
+        """Another instance was found dead; if it is this one (it was frozen, and came back), it
+        does nothing more and leaves: its tasks went to others."""
+        if instance_id == self.instance_id and not self.ctx.fenced.is_set():
+            log.error("%s was taken for dead and its work handed on; leaving", self.instance_id)
+            self.ctx.fenced.set()
+            self.runtime.request_stop()
