@@ -243,7 +243,7 @@ def main() -> None:
     finally:
         d.stop()
     # Trident's own processes must stay flat; NATS and Redis keep a bounded history that grows
-    # towards its caps (the output stream, request records, the trace), reported beside them.
+    # towards its caps (request records, the trace), reported beside them.
     growth = {n: m["growth"] for n, m in result["memory"].items() if n not in SERVERS}
     result["goals_met"] = (
         result["hung"] == 0

@@ -6,6 +6,8 @@ this shape, never a bare `{"detail": ...}` or a plain-text 500."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,16 +62,63 @@ async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
 
 
 async def validation_error_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """pydantic's errors, reduced to the first one in words a person can act on."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    """pydantic's errors, reduced to one in words a person can act on (`explain`)."""
+    return error_response(explain(exc.errors(), exc.body))
+
+
+def explain(errors: Sequence[Any], body: Any = None) -> APIError:
+    """The 400 for a request that did not validate: the error on the deepest field (a union's
+    members each report one; the deepest is where the input went wrong), its path as `param`, and
+    its real reason — a null where a value belongs says so, a body that is not JSON says where."""
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
     if first.get("type") == "json_invalid":
-        message = f"request body is not valid JSON: {first.get('msg')}"
-    else:
-        message = f"{param + ': ' if param else ''}{first.get('msg')}"
-    return error_response(APIError(400, message, param=param, code=first.get("type")))
+        return APIError(400, _json_message(first, body), code="json_invalid")
+    located = [(_field_path(e), e) for e in errors]
+    depth = max(len(path) for path, _ in located)
+    deepest = [(path, e) for path, e in located if len(path) == depth]
+    path, chosen = deepest[0]
+    param = ".".join(path) or (chosen.get("ctx") or {}).get("param")
+    reasons = list(dict.fromkeys(_reason(e) for p, e in deepest if p == path))
+    return APIError(400, f"{param + ': ' if param else ''}{'; or '.join(reasons)}", param=param,
+                    code=chosen.get("type"))  # fmt: skip
+
+
+def _field_path(error: Any) -> list[str]:
+    """The error's location as the client's field names: without "body", and without the labels
+    pydantic puts in for a union's members (`str`, `list[...]`, a tagged union, and the tag it
+    adds after the list index)."""
+    path: list[str] = []
+    tags = 0
+    for part in error.get("loc", ()):
+        if isinstance(part, str) and (part in _MEMBER_LABELS or "[" in part):
+            tags += part.count("tagged-union[")
+        elif isinstance(part, str) and tags:
+            tags -= 1
+        else:
+            path.append(str(part))
+    return path[1:] if path[:1] == ["body"] else path
+
+
+_MEMBER_LABELS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _reason(error: Any) -> str:
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    if error.get("input", ...) is None and error.get("type") != "missing":
+        return f"is null; {message[0].lower()}{message[1:]}"
+    return message
+
+
+def _json_message(error: Any, body: Any) -> str:
+    reason = (error.get("ctx") or {}).get("error") or error.get("msg")
+    pos = error["loc"][-1] if error.get("loc") else None
+    if isinstance(body, str) and isinstance(pos, int):
+        line = body.count("\n", 0, pos) + 1
+        column = pos - (body.rfind("\n", 0, pos) + 1) + 1
+        return f"request body is not valid JSON: {reason} at line {line}, column {column} (char {pos})"
+    return f"request body is not valid JSON: {reason}"
 
 
 async def http_error_handler(_: Request, exc: HTTPException) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""Per-deployment secrets: the NATS token, the Redis password and the transfer secret.
+"""Per-deployment secrets: the NATS token, the Redis password, the transfer secret and the key the
+planner's write endpoints ask for.
 
 One directory holds one file per secret (mode 0600). Whoever starts a deployment creates them
 once (`ensure`: compose's `secrets-init` service, `trident up`); every service is pointed at the
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-NAMES = ("nats-token", "redis-password", "transfer-secret")
+NAMES = ("nats-token", "redis-password", "transfer-secret", "planner-key")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class DeploymentSecrets:
     nats_token: str
     redis_password: str
     transfer_secret: str
+    planner_key: str  # POST /plan/replan and /plan/jobs ask for it (or one of TRIDENT_API_KEYS)
 
     @classmethod
     def ensure(cls, folder: Path) -> DeploymentSecrets:

@@ -22,7 +22,9 @@ class ServiceSettings(BaseSettings):
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379/0"
     secrets_dir: Path | None = Field(
-        None, description="Folder of the deployment's secrets (nats-token, redis-password, transfer-secret)"
+        None,
+        description="Folder of the deployment's secrets (nats-token, redis-password, transfer-secret, "
+        "planner-key)",
     )
     transfer_secret: str = Field("", description="Asked of every bulk-transfer pull; empty: none")
     transfer_inline_max_bytes: int = Field(
@@ -121,6 +123,12 @@ class WorkerSettings(ServiceSettings):
     )
     heartbeat_ttl: float = 5.0
     drain_timeout: float = 30.0
+    finals_window: float = Field(
+        120.0,
+        gt=0,
+        description="Seconds a request that ended here keeps its tokens and final, to be said again to a "
+        "gateway that asks (it missed them while NATS restarted)",
+    )
     check_integrity: bool = Field(
         False,
         description="Check that the request ledger and the engine agree whenever requests come and go "
@@ -136,7 +144,31 @@ class GatewaySettings(ServiceSettings):
     max_images: int = 8
     max_image_bytes: int = 20 << 20
     max_image_pixels: int = Field(50_000_000, description="Pixels an image may declare in its header")
+    max_request_pixels: int = Field(
+        100_000_000,
+        gt=0,
+        description="Pixels all of a request's images may declare together; beyond it, 413 (a decoded "
+        "image takes 3 bytes a pixel, and the processor copies it)",
+    )
+    image_workers: int = Field(
+        0,
+        ge=0,
+        description="Threads that decode and preprocess images, and requests with images processed at "
+        "once; 0: min(4, CPUs). Text-only requests have their own thread and never wait for images",
+    )
     max_body_bytes: int = Field(64 << 20, description="Largest request body; beyond it, 413")
+    body_timeout_floor: float = Field(
+        5.0, gt=0, description="Seconds any request body may take to arrive, however small; past it, 408"
+    )
+    body_timeout_per_mb: float = Field(
+        2.0, ge=0, description="Seconds more a body may take per MB of its size (declared, or so far)"
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a connection may take to send a request's headers; then closed"
+    )
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="Seconds an idle keep-alive connection stays open between requests"
+    )
     image_fetch_timeout: float = Field(10.0, description="Seconds for one image URL's whole fetch")
     allow_private_image_urls: bool = False
     default_max_tokens: int = 256
@@ -186,7 +218,28 @@ class PlannerSettings(ServiceSettings):
     planner_compose_file: Path = Field(
         Path("compose.yaml"), description="The file the compose actuator scales"
     )
+    planner_key: str = Field(
+        "",
+        description="Bearer key the planner's writes take besides TRIDENT_API_KEYS; default: the "
+        "secrets folder's planner-key",
+    )
+    planner_open_writes: bool = Field(
+        False,
+        description="Let POST /plan/replan and /plan/jobs through without a key when no key is configured "
+        "(only on a network nobody else reaches); off: with no key configured they are refused",
+    )
     planner_jobs_url: str = Field("", description="Celery broker and result backend; default: redis_url")
     planner_job_time_limit: float = Field(
         600.0, gt=0, description="Seconds a what-if job may run before its worker kills it"
     )
+
+    @model_validator(mode="after")
+    def _planner_key(self) -> PlannerSettings:
+        if self.secrets_dir is not None and not self.planner_key:
+            self.planner_key = DeploymentSecrets.read(self.secrets_dir).planner_key
+        return self
+
+    @property
+    def write_keys(self) -> set[str]:
+        """The keys the planner's write endpoints take: TRIDENT_API_KEYS and the planner key."""
+        return self.api_key_set | ({self.planner_key} if self.planner_key else set())

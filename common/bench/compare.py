@@ -97,9 +97,12 @@ class Comparison:
         }
 
 
-def planner_pick(planner_url: str, timeout: float = 300.0) -> dict:
-    """The planner service's recommendation now (POST /plan/replan?wait=true)."""
-    response = httpx.post(planner_url.rstrip("/") + "/plan/replan", params={"wait": "true"}, timeout=timeout)
+def planner_pick(planner_url: str, key: str, timeout: float = 300.0) -> dict:
+    """The planner service's recommendation now (POST /plan/replan?wait=true, a write: `key`)."""
+    response = httpx.post(
+        planner_url.rstrip("/") + "/plan/replan", params={"wait": "true"}, timeout=timeout,
+        headers={"Authorization": f"Bearer {key}"},
+    )  # fmt: skip
     if response.status_code != 200:
         raise RuntimeError(f"the planner gave no plan ({response.status_code}): {response.text[:300]}")
     return response.json()
@@ -181,7 +184,7 @@ def compare(
                 result.results.append(sweep)
                 if wants_plan and plan is None and not system.peer and served.planner_url:
                     try:
-                        plan = planner_pick(served.planner_url)
+                        plan = planner_pick(served.planner_url, served.planner_key)
                         result.notes[PLANNER] = (
                             f"{plan['label']} (predicted goodput {plan['goodput']:.3g} req/s)"
                         )

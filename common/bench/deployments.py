@@ -32,6 +32,7 @@ from common.launcher.commands import STATE, recorded
 from common.launcher.compose_file import Method
 from common.launcher.processes import read_tail
 from common.launcher.state import StateFile, terminate
+from common.secrets import DeploymentSecrets
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
@@ -52,6 +53,7 @@ class Served:
     pid: int  # the process started (`trident up` or `transformers serve`)
     logs: Path  # where its logs are
     planner_url: str | None = None  # Trident's planner service (POST /plan/replan)
+    planner_key: str = ""  # what its writes take: the deployment's planner-key secret
 
     def ignoring_eos(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """A chat/completions request body made to generate exactly its `max_tokens` tokens here.
@@ -110,6 +112,7 @@ def trident(
         yield Served(
             f"{TRIDENT} {method}", TRIDENT, url, _served_model(url, model_dir), proc.pid,
             log_dir / ".trident" / "logs", planner_url=f"http://127.0.0.1:{planner_port}",
+            planner_key=DeploymentSecrets.read(log_dir / ".trident" / "secrets").planner_key,
         )  # fmt: skip
     finally:
         _stop(proc, stop_timeout)

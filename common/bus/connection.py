@@ -44,10 +44,6 @@ class BusConfig:
     # A backstop on each stage's queue (the gateway turns requests away long before, by queue
     # depth): past it, a publish fails with QueueFull instead of the stream growing without bound.
     max_queued_tasks: int = 10_000
-    # Every output message is also kept in a stream this long, so a gateway that missed some (NATS
-    # restarted under it) reads them back. Bounded in bytes too: oldest go first.
-    output_retention: float = 900.0
-    output_bytes: int = 256 * 1024 * 1024
     extra_servers: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -121,16 +117,6 @@ async def ensure_task_stream(js: JetStreamContext, config: BusConfig) -> None:
     await _declare(js, stream)
     for role in Role:
         await js.add_consumer(subjects.task_stream, consumer_config(config, role))
-    outputs = StreamConfig(
-        name=subjects.output_stream,
-        subjects=[subjects.output("*")],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
-        max_age=config.output_retention,
-        max_bytes=config.output_bytes,
-    )
-    await _declare(js, outputs)
 
 
 async def _declare(js: JetStreamContext, stream: StreamConfig) -> None:

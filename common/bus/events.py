@@ -1,24 +1,22 @@
 """Core-NATS events: per-request outputs, cancel/release broadcasts, plan events, heartbeats.
 
 Core NATS is at-most-once and fast; it fits messages whose loss the system tolerates or repairs
-(a lost delta shows as a gap the gateway can fill from the final's count, a lost release is
-covered by the KV owner's TTL, heartbeats repeat). Tasks, which must not be lost, use JetStream.
+(a lost output shows as a hole or a silence, and the gateway asks its holder to say it again with
+a Resend; a lost release is covered by the KV owner's TTL, heartbeats repeat). Tasks, which must
+not be lost, use JetStream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import OutboundBufferLimitError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from common.aio import raise_if_cancelled
 from common.bus.subjects import Subjects
@@ -33,6 +31,7 @@ from common.protocol import (
     Plan,
     ProtocolError,
     Release,
+    Resend,
     decode,
 )
 
@@ -150,39 +149,12 @@ class EventBus:
         """Subscribe before publishing the request's first task, so no output can be missed."""
         return await self.subscribe(self.subjects.output(request_id), OUTPUT_KINDS)
 
-    async def stored_outputs(self, request_id: str) -> list[Message]:
-        """Every output of a request the output stream still keeps, in order: what a subscriber
-        missed while NATS was away, or lost with a message dropped on the way."""
-        js = self._nc.jetstream()
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.NONE,
-            inactive_threshold=30.0,
-            mem_storage=True,
-        )
-        sub = await js.pull_subscribe(
-            self.subjects.output(request_id), stream=self.subjects.output_stream, config=config
-        )
-        found: list[Message] = []
-        try:
-            # Ask for exactly what is stored: a fetch of more than there is waits out its timeout,
-            # and this runs while the request's client waits (the collector reads back on silence).
-            remaining = (await sub.consumer_info()).num_pending
-            while remaining > 0:
-                try:
-                    batch = await sub.fetch(batch=min(256, remaining), timeout=0.5)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    break
-                for msg in batch:
-                    with contextlib.suppress(ProtocolError):
-                        found.append(decode(msg.data, expect=OUTPUT_KINDS))
-                remaining = batch[-1].metadata.num_pending if batch else 0
-        finally:
-            with contextlib.suppress(Exception):
-                await js.delete_consumer(self.subjects.output_stream, (await sub.consumer_info()).name)
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        return found
+    async def resend(self, message: Resend) -> None:
+        """Ask whoever holds a request (or ended it lately) to say its outputs again."""
+        await self.publish(self.subjects.resend, message)
+
+    async def resends(self) -> EventStream:
+        return await self.subscribe(self.subjects.resend, (Resend,))
 
     async def cancel(self, message: Cancel) -> None:
         await self.publish(self.subjects.cancel, message)

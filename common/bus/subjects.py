@@ -1,9 +1,9 @@
 """Every NATS subject, stream and consumer name in one place, derived from one prefix.
 
     <p>.task.{encode,prefill,decode}   JetStream work-queue stream <P>_TASKS, durable consumer per role
-    <p>.out.<request_id>               core: TokenDelta / FinalOutput / ErrorOutput for one request,
-                                       also kept a while in stream <P>_OUTPUTS (gap fill)
+    <p>.out.<request_id>               core: TokenDelta / FinalOutput / ErrorOutput for one request
     <p>.ctl.cancel                     core: Cancel, broadcast to every instance
+    <p>.ctl.resend                     core: Resend, broadcast: a gateway asks for outputs again
     <p>.ctl.fence                      core: Fence, broadcast: an instance was found dead
     <p>.ctl.release.<owner>            core: Release, to the instance that holds the KV
     <p>.plan                           core: Plan events from the planner
@@ -46,11 +46,6 @@ class Subjects:
     def task_stream(self) -> str:
         return f"{self.prefix.upper().replace('-', '_')}_TASKS"
 
-    @property
-    def output_stream(self) -> str:
-        """Where every output message is kept a while (the gateway's gap fill reads it)."""
-        return f"{self.prefix.upper().replace('-', '_')}_OUTPUTS"
-
     def task(self, role: Role) -> str:
         return f"{self.prefix}.task.{_role(role)}"
 
@@ -65,6 +60,10 @@ class Subjects:
     @property
     def cancel(self) -> str:
         return f"{self.prefix}.ctl.cancel"
+
+    @property
+    def resend(self) -> str:
+        return f"{self.prefix}.ctl.resend"
 
     @property
     def fence(self) -> str:

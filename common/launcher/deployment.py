@@ -207,6 +207,7 @@ class Deployment:
         if self.planner_url:
             following = " (trident up follows its plans)" if self.follow_plan else ""
             self.echo(f"planner: {self.planner_url}/plan{following}")
+            self.echo(f"  its writes take the key in {self.secrets_dir / 'planner-key'}")
         self.echo(f"try: {example_curl(self.url, model_name)}")
         self.echo(f"logs in {self.logs}/, state in {self.state.path}; stop with Ctrl-C or `trident down`")
 

@@ -17,6 +17,7 @@ from common.protocol.events import (
     Method,
     Plan,
     Release,
+    Resend,
     TokenDelta,
     Usage,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "Record",
     "Release",
     "RequestSpec",
+    "Resend",
     "SamplingParams",
     "StageProfile",
     "StageTask",

@@ -87,6 +87,16 @@ class Release(Message):
     handles: tuple[str, ...] = ()
 
 
+class Resend(Message):
+    """A gateway may have missed some of a request's outputs (a hole stayed open, the request fell
+    silent, or its NATS connection came back): whoever holds the request, or ended it within its
+    finals window, says its outputs again from `index`, and its final or error if it has one."""
+
+    KIND: ClassVar[str] = "ctl.resend"
+    request_id: str
+    index: int = Field(0, ge=0)
+
+
 # -- registry and planning -----------------------------------------------------------------------------
 class Budgets(Record):
     """The stage-level batcher's per-iteration budgets (τe images, τt tokens)."""

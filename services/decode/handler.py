@@ -15,7 +15,7 @@ import logging
 from common.bus import Task
 from common.engine import AdmissionError
 from common.engine.admission import check_fits, decode_room
-from common.protocol import DecodeTask, PrefillTask, Release, TokenDelta
+from common.protocol import DecodeTask, PrefillTask, Release
 from common.roles import Role
 from common.store import Stage
 from common.transfer import TransferError
@@ -95,11 +95,6 @@ class DecodeHandler(StageHandler):
             await ctx.fail(rid, "invalid_request_error", str(exc))
             return
         await self._release_at_owner(msg)
-        # Say again what came before (the first token, or all a resumed request has): had it been
-        # lost on the way, the gateway would wait for it behind every token this instance makes.
-        await ctx.bus.events.publish_output(
-            TokenDelta(request_id=rid, index=0, token_ids=spec.output_token_ids, source=ctx.instance_id)
-        )
         ctx.ledger.mark(held, Stage.DECODE_STARTED)
         ctx.counters.decodes_admitted += 1
 

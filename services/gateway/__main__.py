@@ -3,9 +3,8 @@
 import logging
 import sys
 
-import uvicorn
-
 from services.gateway.app import create_app
+from services.gateway.server import serve
 from services.settings import GatewaySettings
 
 settings = GatewaySettings()
@@ -15,4 +14,4 @@ logging.basicConfig(
     format="%(asctime)s %(levelname)s %(name)s: %(message)s",
 )
 print(f"gateway on http://{settings.bind_host}:{settings.port}", flush=True)
-uvicorn.run(create_app(settings), host=settings.bind_host, port=settings.port, log_level="warning")
+serve(create_app(settings), settings)

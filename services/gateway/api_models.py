@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from common.protocol import SamplingParams
-from common.protocol.sampling import INT32, INT64
+from common.protocol.sampling import INT32, INT64, TokenId
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]  # NaN and ±inf name their own error
 
 
 class _Lenient(BaseModel):
@@ -44,36 +47,90 @@ class StreamOptions(_Lenient):
 
 
 class SamplingFields(_Lenient):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions. A field the engine's sampler does not honour
+    is refused when set (400 naming it), never accepted and ignored; null or absent is fine."""
 
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT32)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: Finite = Field(1.0, ge=0.0, le=2.0)
+    top_p: Finite = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=INT32)
     seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
     stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None  # vLLM's extension; the engine stops on them
     n: int = 1
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's extension; `vllm bench serve` sends 1.0
+    presence_penalty: Finite = 0.0
+    frequency_penalty: Finite = 0.0
+    repetition_penalty: Finite = 1.0  # vLLM's extension; `vllm bench serve` sends 1.0
     logprobs: bool | int | None = None
+    # OpenAI's and vLLM's sampling fields the engine does not implement: refused unless neutral.
+    logit_bias: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    min_p: Finite = 0.0
+    min_tokens: int = 0
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: Finite = 1.0
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """Every string (and key) in the body must be valid Unicode: a lone UTF-16 surrogate such as
+        "\\ud800" parses as JSON but cannot be encoded, tokenised or logged."""
+        if (path := _invalid_unicode(data)) is not None:
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is "
+                "not valid Unicode; send the text as valid UTF-8",
+                {"param": path},
+            )
+        return data
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported; send separate requests for more choices")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value:
+            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("stop takes at most 4 strings")
+        return stop
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.n != 1:
-            raise ValueError("only n=1 is supported; send separate requests for more choices")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
-        if self.repetition_penalty != 1.0:
-            raise ValueError("repetition_penalty is not supported; leave it at 1.0")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise ValueError("stop takes at most 4 strings")
+        """Each field the sampler would ignore, named as the error's field (`_unsupported`)."""
+        neutral = {
+            "repetition_penalty": self.repetition_penalty == 1.0,
+            "logprobs": not self.logprobs,
+            "logit_bias": not self.logit_bias,
+            "top_logprobs": not self.top_logprobs,
+            "min_p": self.min_p == 0.0,
+            "min_tokens": self.min_tokens == 0,
+            "best_of": self.best_of in (None, 1),
+            "use_beam_search": not self.use_beam_search,
+            "length_penalty": self.length_penalty == 1.0,
+            "response_format": not self.response_format or self.response_format.get("type") == "text",
+            "tools": not self.tools,
+        }
+        for name, ok in neutral.items():
+            if not ok:
+                raise _unsupported(name, UNSUPPORTED[name])
         return self
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -85,6 +142,7 @@ class SamplingFields(_Lenient):
             top_k=self.top_k,
             seed=self.seed,
             stop=tuple(s for s in stop if s),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
         )
 
@@ -141,3 +199,57 @@ class CompletionRequest(SamplingFields):
         if not self.prompt:
             raise ValueError("prompt must not be empty")
         return self
+
+
+UNSUPPORTED = {
+    "repetition_penalty": "repetition_penalty is not supported; leave it at 1.0",
+    "logprobs": "logprobs are not supported; leave logprobs out or false",
+    "logit_bias": "logit_bias is not supported by this server's sampler; leave it out or null",
+    "top_logprobs": "top_logprobs is not supported (no logprobs are returned); leave it out or 0",
+    "min_p": "min_p is not supported; leave it at 0",
+    "min_tokens": "min_tokens is not supported; leave it at 0 (ignore_eos makes a reply run to max_tokens)",
+    "best_of": "best_of is not supported; leave it at 1",
+    "use_beam_search": "beam search is not supported; leave use_beam_search false",
+    "length_penalty": "length_penalty is not supported (it applies to beam search); leave it at 1.0",
+    "response_format": 'only response_format {"type": "text"} is supported; structured output is not',
+    "tools": "tools (function calling) are not supported; leave tools out",
+}
+
+
+def _unsupported(field: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported_field", message, {"param": field})
+
+
+def _invalid_unicode(data: Any) -> str | None:
+    """The path (`messages.0.content.1.text`) of the first string or key in `data` that does not
+    encode as UTF-8 (a lone surrogate), or None. Iterative: JSON nests as deep as it likes."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _encodes(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            items = list(value.items())
+            for key, item in reversed(items):
+                name = key if isinstance(key, str) and _encodes(key) else _escaped(str(key))
+                child = f"{path}.{name}" if path else name
+                if name is not key:
+                    return f"{child} (the key)"
+                stack.append((child, item))
+        elif isinstance(value, list):
+            indexed = [(f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value)]
+            stack.extend(reversed(indexed))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _escaped(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")

@@ -12,7 +12,7 @@ from common.errors import Unavailable, install_error_handlers
 from common.roles import Role
 from services.gateway import serve
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
-from services.gateway.door import Admission, ApiKeys, BodyLimit
+from services.gateway.door import Admission, ApiKeys, BodyReader, BodyRules
 from services.gateway.routing import live_roles
 from services.gateway.state import Gateway
 from services.settings import GatewaySettings
@@ -30,12 +30,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = FastAPI(title="Trident", lifespan=lifespan)
     app.state.gateway = gw
     install_error_handlers(app)
-    # Outermost last: keys, then admission, then the body's size (door.py).
-    app.add_middleware(BodyLimit, max_bytes=gw.settings.max_body_bytes)
+    # Outermost last: keys, then the whole body, then admission (door.py).
     app.add_middleware(
         Admission, limit=lambda: gw.settings.max_in_flight, full=gw.queue_full,
         on_change=gw.metrics.in_flight.set,
     )  # fmt: skip
+    s = gw.settings
+    rules = BodyRules(s.max_body_bytes, s.body_timeout_floor, s.body_timeout_per_mb)
+    app.add_middleware(BodyReader, rules=rules)
     app.add_middleware(ApiKeys, keys=gw.api_keys)
 
     @app.get("/health")

@@ -19,13 +19,13 @@ from common.protocol import ErrorOutput, FinalOutput, Message, TokenDelta
 from common.stats import SLO, request_tbt, slo_met
 
 log = logging.getLogger(__name__)
-PROBE = 0.25  # seconds between looks at whether outputs should be read back
+PROBE = 0.25  # seconds between looks at whether outputs should be asked for again
 DROPPED = (
     "this gateway did not answer its peers for too long and was taken for dead, so the request was "
     "dropped; it serves again under a new name: retry the request"
 )
-GAP_WAIT = 0.5  # seconds a hole may stay open before the missing outputs are read back
-SILENCE_FIRST, SILENCE_MAX = 2.0, 30.0  # read back after this much silence, doubling up to the max
+GAP_WAIT = 0.5  # seconds a hole may stay open before the missing outputs are asked for again
+SILENCE_FIRST, SILENCE_MAX = 2.0, 30.0  # ask again after this much silence, doubling up to the max
 ERROR_STATUS = {"invalid_request_error": 400, "service_unavailable": 503, "timeout_error": 504}
 
 
@@ -83,16 +83,18 @@ class OutputCollector:
 
     `deadline` (perf_counter seconds) bounds the whole request; with `keepalive`, a silence that
     long yields a keep-alive piece (no text). Outputs come over core NATS, which drops what is in
-    flight when the broker restarts; every output is also kept in the output stream, and `refill`
-    reads the request's back. The collector asks for them when it holds tokens after a hole (or a
-    final count it has not reached) for GAP_WAIT, when the connection came back (`reconnects`
-    moved), and after a silence, at growing intervals, since a lost final leaves nothing to notice.
+    flight when the broker restarts or this gateway's connection is away. The one recovery rule
+    (docs/architecture.md, "Lost outputs"): `ask(index)` broadcasts a Resend, and the instance that
+    has the request (or ended it lately) says its outputs again from `index`, on the same
+    subscription. The collector asks when it holds tokens after a hole (or a final count it has not
+    reached) for GAP_WAIT, when its connection came back (`reconnects` moved), and after a silence,
+    at growing intervals, since a lost final leaves nothing to notice.
     """
 
     def __init__(
         self, stream: EventStream, tokenizer, stop: tuple[str, ...], *, deadline: float, arrival: float,
         keepalive: float | None = None, on_tokens: Callable[[list[int]], None] | None = None,
-        refill: Callable[[], Awaitable[list[Message]]] | None = None,
+        ask: Callable[[int], Awaitable[None]] | None = None,
         reconnects: Callable[[], int] | None = None, fenced: Container[str] = (),
         owner: str | None = None,
     ) -> None:  # fmt: skip
@@ -101,7 +103,7 @@ class OutputCollector:
         self.detok = IncrementalDetokenizer(tokenizer, stop)
         self.deadline = deadline
         self.keepalive = keepalive
-        self.refill = refill
+        self.ask = ask
         self.reconnects = reconnects
         self.fenced = fenced  # instances taken for dead: what they still send is ignored
         self.owner = owner  # the gateway that routed the request: fenced, it was dropped everywhere
@@ -109,7 +111,7 @@ class OutputCollector:
         self.clock = TokenClock(arrival)
         self.received = 0  # output tokens released so far, for usage reported while streaming
         self.complete = False  # every output arrived, up to the final one
-        self.refills = 0
+        self.asks = 0  # Resends sent
         self._tokens: dict[int, int] = {}  # index -> token, arrived but not yet released
         self._expected: int | None = None  # how many outputs there are, once the final said
         now = time.perf_counter()
@@ -129,10 +131,8 @@ class OutputCollector:
                 raise APIError(504, late, code="timeout")
             if self.owner is not None and self.owner in self.fenced:
                 raise APIError(503, DROPPED, code="gateway_fenced", retry_after=1)
-            if self._refill_due(now):
-                for piece in await self._refilled():
-                    quiet_since = time.perf_counter()
-                    yield piece
+            if self._ask_due(now):
+                await self._ask_again()
                 continue
             wait = min(self.deadline - now, PROBE)
             if self.keepalive is not None:
@@ -157,8 +157,8 @@ class OutputCollector:
     def _done(self) -> bool:
         return self._expected is not None and self.received >= self._expected
 
-    def _refill_due(self, now: float) -> bool:
-        if self.refill is None:
+    def _ask_due(self, now: float) -> bool:
+        if self.ask is None:
             return False
         if self.reconnects is not None and self.reconnects() != self._seen_reconnects:
             return True
@@ -166,10 +166,11 @@ class OutputCollector:
             return now - self._stuck_since >= GAP_WAIT
         return now - self._progress >= self._silence
 
-    async def _refilled(self) -> list[Piece]:
-        """Read back what the output stream keeps for the request and fold it in."""
-        self.refills += 1
-        before, began = self.received, time.perf_counter()
+    async def _ask_again(self) -> None:
+        """Ask whoever has the request to say its outputs again from the first one not released;
+        they arrive on the subscription like any other. Re-arms every trigger, so an ask that met
+        no listener (the holder's connection was not back yet) is made again."""
+        self.asks += 1
         if self.reconnects is not None:
             self._seen_reconnects = self.reconnects()
         self._silence = min(2 * self._silence, SILENCE_MAX)
@@ -177,17 +178,9 @@ class OutputCollector:
         if self._stuck_since is not None:
             self._stuck_since = self._progress
         try:
-            stored = await self.refill()
-        except Exception as exc:  # NATS still away: try again at the next due time
-            log.warning("outputs could not be read back (%r); trying again", exc)
-            return []
-        pieces = [piece for msg in stored if (piece := self.take(msg)) is not None]
-        if self.received > before:  # outputs the live subscription never delivered
-            log.info(
-                "read back %d outputs the subscription missed (%d kept, %.0f ms)",
-                self.received - before, len(stored), 1000 * (time.perf_counter() - began),
-            )  # fmt: skip
-        return pieces
+            await self.ask(self.received)
+        except Exception as exc:  # NATS still away: ask again at the next due time
+            log.warning("outputs could not be asked for again (%r)", exc)
 
     def take(self, msg: Message) -> Piece | None:
         """Fold one output in: tokens are kept by index (a repeat or an overlap is harmless) and

@@ -1,5 +1,5 @@
-"""A completion request from validation to its reply: images fetched and decoded, the prompt
-processed, routed, and its outputs collected — all within the request's deadline."""
+"""A completion request from validation to its reply: images fetched and decoded (preprocess.py),
+the prompt processed, routed, and its outputs collected — all within the request's deadline."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from common.engine.admission import AdmissionError, check_fits
-from common.engine.processor import ImageTooLarge, InputError, ProcessedPrompt, load_image
+from common.engine.processor import InputError, ProcessedPrompt
 from common.errors import APIError
+from common.protocol import Resend
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from services.gateway.collector import OutputCollector
 from services.gateway.images import fetch_image
@@ -29,26 +30,33 @@ def deadline_of(gw: Gateway, request: Request) -> float:
 
 async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
     deadline = deadline_of(gw, request)
+    _check_model(gw, body.model)
     messages, urls = body.template_messages()
     if len(urls) > gw.images.max_images:
         raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
-    async with _within(deadline):
-        blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))
-        images = await gw.off_loop(_decode_images, blobs, gw.images.max_pixels)
     prompt = gw.processor.chat_prompt(messages)
-    return await serve(gw, request, body, prompt, images, "chat", deadline)
+    async with _within(deadline):
+        if urls:  # on the image threads (preprocess.py), never ahead of text-only requests
+            blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))
+            processed = await gw.preprocess.process(prompt, blobs)
+            del blobs
+        else:
+            processed = await gw.off_loop(_process, gw, prompt)
+    return await serve(gw, request, body, processed, "chat", deadline)
 
 
 async def completion(gw: Gateway, body: CompletionRequest, request: Request):
-    return await serve(gw, request, body, body.prompt, [], "text", deadline_of(gw, request))
+    deadline = deadline_of(gw, request)
+    _check_model(gw, body.model)
+    async with _within(deadline):
+        processed = await gw.off_loop(_process, gw, body.prompt)
+    return await serve(gw, request, body, processed, "text", deadline)
 
 
 async def serve(
-    gw: Gateway, request: Request, body: SamplingFields, prompt, images, kind: str, deadline: float
-):
-    _check_model(gw, body.model)
-    async with _within(deadline):
-        processed = await gw.off_loop(_process, gw, prompt, images)
+    gw: Gateway, request: Request, body: SamplingFields, processed: ProcessedPrompt, kind: str,
+    deadline: float,
+):  # fmt: skip
     params = body.sampling_params(gw.settings.default_max_tokens)
     try:
         check_fits(len(processed.token_ids), params.max_tokens, max_model_len=gw.max_model_len)
@@ -66,7 +74,8 @@ async def serve(
         arrival=getattr(request.state, "arrived", time.perf_counter()),
         keepalive=gw.settings.sse_keepalive if body.stream else None,
         on_tokens=lambda ids: gw.journal.add(rid, ids),
-        refill=lambda: gw.bus.events.stored_outputs(rid), reconnects=lambda: gw.bus.reconnects,
+        ask=lambda index: gw.bus.events.resend(Resend(request_id=rid, index=index)),
+        reconnects=lambda: gw.bus.reconnects,
         fenced=gw.reaper.fenced, owner=spec.gateway,
     )  # fmt: skip
     reply = Reply(gw, spec, kind, body, collector)
@@ -96,15 +105,6 @@ class _within:
             ) from None
 
 
-def _decode_images(blobs: list[bytes], max_pixels: int) -> list:
-    try:
-        return [load_image(b, max_pixels=max_pixels) for b in blobs]
-    except ImageTooLarge as exc:
-        raise APIError(413, str(exc), param="image_url", code="image_too_large") from exc
-    except InputError as exc:
-        raise APIError(400, str(exc), param="image_url") from exc
-
-
 def _check_model(gw: Gateway, model: str) -> None:
     if model != gw.model_name:
         raise APIError(
@@ -112,11 +112,12 @@ def _check_model(gw: Gateway, model: str) -> None:
         )
 
 
-def _process(gw: Gateway, prompt, images):
+def _process(gw: Gateway, prompt: str | list[int]) -> ProcessedPrompt:
+    """A text-only prompt, on the gateway's processor thread."""
     if isinstance(prompt, list):
         return _token_prompt(gw, prompt)
     try:
-        return gw.processor.process(prompt, images)
+        return gw.processor.process(prompt, [])
     except InputError as exc:
         raise APIError(400, str(exc)) from exc
 

@@ -25,6 +25,7 @@ from common.store.recorder import StageRecorder
 from common.transfer import TransferBackend, TransferConfig
 from services.gateway.images import ImagePolicy
 from services.gateway.journal import OutputJournal
+from services.gateway.preprocess import ImagePreprocessor
 from services.gateway.queues import QueueDepths
 from services.gateway.routing import LiveRoles
 from services.settings import GatewaySettings
@@ -122,6 +123,9 @@ class Gateway:
         # event loop they would hold back every other request's tokens. One thread: the tokenizer
         # is not safe to share between threads, and the work stays in arrival order.
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-processor")
+        self.preprocess = ImagePreprocessor(
+            settings.model, settings.image_workers, settings.max_image_pixels, settings.max_request_pixels
+        )  # requests with images: their own bounded pool (preprocess.py)
         # The deployment is reached from inside uvicorn's event loop (its lifespan), after the app
         # and its middleware exist: until start() no request is served, and `links` is None.
         self.links: Links | None = None
@@ -229,6 +233,7 @@ class Gateway:
 
         async def shut_cpu() -> None:
             self.cpu.shutdown(wait=False, cancel_futures=True)
+            self.preprocess.close()
 
         return [self.journal.write, shut_cpu]
 

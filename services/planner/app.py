@@ -89,11 +89,23 @@ def create_app(settings: PlannerSettings | None = None) -> FastAPI:
             raise APIError(404, f"no finished requests yet: {planner.status}", code="no_requests")
         return Response("".join(trace_lines(entries, meta)), media_type="application/x-ndjson")
 
-    keys = settings.api_key_set
+    keys = settings.write_keys
 
     def authorized(authorization: str = Header("")) -> None:
-        """Writes (a re-plan, a job) ask for an API key when TRIDENT_API_KEYS sets any; reads do not."""
-        if keys and authorization.removeprefix("Bearer ").strip() not in keys:
+        """Writes (a re-plan, a job) ask for a key — one of TRIDENT_API_KEYS or the deployment's
+        planner key — and with none configured are refused, unless TRIDENT_PLANNER_OPEN_WRITES opts
+        out; reads ask for none."""
+        if not keys:
+            if settings.planner_open_writes:
+                return
+            raise APIError(
+                401,
+                "the planner's write endpoints need a key and none is configured: point "
+                "TRIDENT_SECRETS_DIR at the deployment's secrets (its planner-key) or set "
+                "TRIDENT_API_KEYS; TRIDENT_PLANNER_OPEN_WRITES=1 leaves them open",
+                code="invalid_api_key",
+            )
+        if authorization.removeprefix("Bearer ").strip() not in keys:
             raise APIError(401, "missing or invalid API key", code="invalid_api_key")
 
     @app.post("/plan/replan", dependencies=[Depends(authorized)])

@@ -103,12 +103,14 @@ class StageContext:
                 await self.ledger.abort(cancel.request_id)
 
     async def fail(self, request_id: str, code: str, message: str) -> None:
-        """Tell the gateway the request failed, and end it here (its task is settled: no retry)."""
+        """Tell the gateway the request failed, and end it here (its task is settled: no retry). The
+        error stays among the finals for the window, to be said again should it be lost."""
         self.counters.errors += 1
+        error = ErrorOutput(request_id=request_id, code=code, message=message, source=self.instance_id)
+        held = self.ledger.get(request_id)
+        self.ledger.finals.keep(request_id, held.sent if held is not None else [], error)
         try:
-            await self.bus.events.publish_output(
-                ErrorOutput(request_id=request_id, code=code, message=message, source=self.instance_id)
-            )
+            await self.bus.events.publish_output(error)
         finally:
             await self.ledger.abort(request_id)
 

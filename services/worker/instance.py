@@ -102,7 +102,10 @@ class WorkerInstance:
         self.loop = EngineLoop(engine, self._outputs.put_nowait, self._core_board(stages))
         engine.on_step = self._on_step
         # A task taken is a task the failover must know of: the heartbeat says so at once.
-        self.ledger = Ledger(self.loop, runtime.transfer, runtime.record, on_begin=runtime.heartbeats.poke)
+        self.ledger = Ledger(
+            self.loop, runtime.transfer, runtime.record, on_begin=runtime.heartbeats.poke,
+            finals_window=settings.finals_window,
+        )  # fmt: skip
         self.ctx = StageContext(
             self.instance_id, self.roles, self.loop, self.ledger, runtime.bus, runtime.store,
             runtime.transfer, runtime.dispatch, self.counters, metrics=self.metrics,
@@ -116,7 +119,7 @@ class WorkerInstance:
             self.ctx, self.handlers, fenced_gateways, runtime.heartbeats.poke, settings.drain_timeout
         )
         self.upkeep = Housekeeping(
-            self.instance_id, self.ledger, self.loop, self.outputs, runtime.bus, runtime.store,
+            self.instance_id, self.ledger, self.loop, runtime.bus, runtime.store,
             fenced_gateways, self._fenced, self.ctx.fenced.is_set, settings.failover_after,
             settings.check_integrity,
         )  # fmt: skip
@@ -151,6 +154,7 @@ class WorkerInstance:
         rt = self.runtime
         rt.start(self.heartbeat)
         rt.supervise("outputs", self._pump_outputs)
+        rt.supervise("resends", self.outputs.watch)  # gateways' Resends: the one output recovery rule
         rt.supervise(
             "keep-alive", functools.partial(keep_alive, self.intake.tasks, rt.bus.config.keep_alive_period)
         )

@@ -1,15 +1,18 @@
 """What a worker holds for each request, in one record, and the operations that release all of it.
 
-A request inside an instance holds up to four things: its JetStream task (acked only when the
+A request inside an instance holds up to five things: its JetStream task (acked only when the
 request leaves, so a crash redelivers it), an entry in the engine (scheduled, or handed off with
-its blocks kept), KV buffers served for the next stage to pull, and the request's spec (to hand it
-on or send it back). Each lives on one of two threads: the task and the transfer handles on the
-event loop, the engine's entry on the engine thread. The ledger keeps them in one `Held` record and
-releases them together:
+its blocks kept), KV buffers served for the next stage to pull, the request's spec (to hand it
+on or send it back), and the output tokens it has here (to say them again when a gateway asks).
+Each lives on one of two threads: the engine's entry on the engine thread, the rest on the event
+loop. The ledger keeps them in one `Held` record and releases them together:
 
     begin ─▶ enter (engine) ─▶ settle ───────────────────────────▶ gone
                   │              └─ (KV kept for decode) ─ release_kv ─▶ gone
                   └─ abort (cancel) / give_back (drain) / forget (handler failed) ─▶ gone
+
+A request that ends here leaves its tokens and final in `finals` for a bounded window (finals.py);
+one handed on keeps no outputs here, only its KV until the next stage has pulled it.
 
 Engine releases are queued to the engine thread in order (`EngineLoop.post`): a release queued
 after an admission runs after it, so a request cancelled while it was being admitted cannot stay
@@ -30,6 +33,7 @@ from common.engine.request import Status
 from common.protocol import RequestSpec
 from common.roles import Role
 from common.store import Stage
+from services.worker.finals import FINALS_WINDOW, Finals
 
 if TYPE_CHECKING:
     from common.bus import Task
@@ -66,6 +70,9 @@ class Held:
     kv_expires: float = math.inf  # monotonic time after which nobody is coming for the KV
     cancelled: bool = False
     marks: dict[Stage, float] = field(default_factory=dict)  # the stage marks made here (wall clock)
+    # Every output token the request has while it runs here: those it came with, then those made
+    # here. What a gateway that missed some is sent again; emptied when the request is handed on.
+    sent: list[int] = field(default_factory=list)
 
     @property
     def holds_task(self) -> bool:
@@ -85,6 +92,7 @@ class Ledger:
         record: StageRecorder | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_begin: Callable[[], None] | None = None,
+        finals_window: float = FINALS_WINDOW,
     ) -> None:
         self.engine = engine
         self.transfer = transfer
@@ -92,6 +100,7 @@ class Ledger:
         self.clock = clock
         self.on_begin = on_begin  # told when a request is taken on (a heartbeat says so at once)
         self._held: dict[str, Held] = {}
+        self.finals = Finals(finals_window, clock)  # the last outputs of requests that ended here
         self.changes = 0  # counts records begun and dropped: "has anything happened since I looked"
         # Requests cancelled while not held here (queued, or still on their way): their tasks are
         # dropped unrun when they come. Bounded in time and in number.
@@ -137,7 +146,7 @@ class Ledger:
             if old.holds_task:
                 raise AlreadyHeld(rid)
             self._drop(old)
-        held = self._held[rid] = Held(rid, role, spec, task)
+        held = self._held[rid] = Held(rid, role, spec, task, sent=list(spec.output_token_ids))
         self.changes += 1
         if self.on_begin is not None:
             self.on_begin()
@@ -165,11 +174,13 @@ class Ledger:
 
     async def settle(self, request_id: str) -> None:
         """The request left this instance (finished, failed, or handed on with its next task stored):
-        ack its task and release what it holds, except KV kept for the next stage to pull."""
+        ack its task and release what it holds, except KV kept for the next stage to pull. Its
+        outputs go too: whoever has it now answers for them (a finished one's are in `finals`)."""
         held = self._held.get(request_id)
         if held is None:
             return
         task, held.task = held.task, None
+        held.sent = []
         if not held.kv_handles:
             self._drop(held)
         if task is not None and not task.settled:
@@ -228,7 +239,8 @@ class Ledger:
         return held
 
     async def expire(self) -> None:
-        """Free KV that no decoder came for within its time."""
+        """Free KV that no decoder came for within its time, and finals past their window."""
+        self.finals.sweep()
         now = self.clock()
         for held in self:
             if held.kv_handles and held.kv_expires < now:
@@ -248,6 +260,7 @@ class Ledger:
         kept = {h.request_id for h in self._held.values() if h.kv_handles}
         for held in self._held.values():
             assert not held.cancelled, f"{held.request_id}: cancelled but still recorded"
+            assert held.holds_task or not held.sent, f"{held.request_id}: handed on but keeps its outputs"
             missing = [h for h in held.kv_handles if h not in self.transfer.handles]
             assert not missing, f"{held.request_id}: kept KV handles {missing} are no longer served"
         in_engine, handed_off = await self.engine.call(lambda: engine_view(self.engine.engine))

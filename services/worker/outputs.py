@@ -1,28 +1,26 @@
 """Turning each engine step's outputs into messages: token deltas and finals to the gateway, and
 hand-offs to the handler of the stage that queues the request's next one.
 
-Outputs go over core NATS, which loses what is in flight when the broker dies: the messages a
-worker wrote before it noticed are gone. So the publisher remembers each held request's outputs,
-and a worker whose connection comes back says them again (`catch_up`), with the finals of requests
-that ended in the last RECENT seconds; the gateway drops what it already has by index.
+Outputs go over core NATS, which loses what is in flight when the broker dies or a subscriber is
+away. The one way they are recovered (docs/architecture.md, "Lost outputs"): the gateway asks, with
+a Resend, and whoever has the request says its outputs again from the index asked. What a worker
+can say again is what its ledger holds: each running request's tokens (`Held.sent`), and the
+tokens and final of requests that ended here within the finals window (`Ledger.finals`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from common.engine import RequestOutput
-from common.protocol import FinalOutput, TokenDelta, Usage
+from common.protocol import FinalOutput, Message, Resend, TokenDelta, Usage
 from common.roles import Role
 from services.worker.context import StageContext
 from services.worker.ledger import Cancelled, Held
 from services.worker.stage import StageHandler
 
 log = logging.getLogger(__name__)
-RECENT = 120.0  # seconds a finished request's outputs are kept, to be said again after an outage
 HandOn = Callable[[Held], Awaitable[None]]
 
 
@@ -34,8 +32,7 @@ class OutputPublisher:
         self.hand_on = hand_on  # the next stage -> whoever queues it (the handler of the stage before)
         self.handlers = tuple(handlers)  # told of a first token and of an end: their marks and metrics
         self.me = ctx.instance_id
-        self._sent: dict[str, list[int]] = {}  # held request -> every output token it has so far
-        self._recent: OrderedDict[str, tuple[float, list[int], FinalOutput]] = OrderedDict()
+        self.said_again = 0  # Resends answered with something
 
     @classmethod
     def for_handlers(cls, ctx: StageContext, handlers: Iterable[StageHandler]) -> OutputPublisher:
@@ -58,36 +55,42 @@ class OutputPublisher:
                 log.exception("output of %s failed", out.request_id)
                 await self.ctx.fail(out.request_id, "server_error", f"internal error: {exc}")
 
-    async def catch_up(self) -> None:
-        """Say again every output of the requests held here, and the finals of those that ended in
-        the last RECENT seconds: what was in flight when NATS went away may be lost."""
-        now = time.monotonic()
-        while self._recent and next(iter(self._recent.values()))[0] < now - RECENT:
-            self._recent.popitem(last=False)
-        for rid in [r for r in self._sent if r not in self.ctx.ledger]:
-            del self._sent[rid]
+    async def watch(self) -> None:
+        """Answer every gateway's Resend for the requests this instance has or ended lately."""
+        async with await self.ctx.bus.events.resends() as stream:
+            async for ask in stream:
+                await self.say_again(ask)
+
+    async def say_again(self, ask: Resend) -> None:
+        """Publish the request's outputs from `ask.index` on, and its final or error once it ended;
+        nothing when it is neither held here nor among the finals (another instance answers)."""
+        if self.ctx.fenced.is_set():
+            return
+        rid = ask.request_id
+        held = self.ctx.ledger.get(rid)
+        last: Message | None = None
+        if held is not None and not held.cancelled:
+            tokens = held.sent
+        elif (ended := self.ctx.ledger.finals.get(rid)) is not None:
+            tokens, last = ended.tokens, ended.last
+        else:
+            return
+        if len(tokens) <= ask.index and last is None:
+            return
+        self.said_again += 1
         events = self.ctx.bus.events
-        for held in self.ctx.ledger:
-            tokens = self._sent.get(held.request_id) or list(held.spec.output_token_ids)
-            if tokens:
-                again = TokenDelta(request_id=held.request_id, index=0, token_ids=tokens, source=self.me)
-                await events.publish_output(again)
-        for rid, (_, tokens, final) in list(self._recent.items()):
-            if tokens:
-                await events.publish_output(
-                    TokenDelta(request_id=rid, index=0, token_ids=tokens, source=self.me)
-                )
-            await events.publish_output(final)
-        log.info(
-            "said again the outputs of %d held and %d ended requests", len(self.ctx.ledger), len(self._recent)
-        )
+        if len(tokens) > ask.index:
+            again = TokenDelta(request_id=rid, index=ask.index, token_ids=tokens[ask.index :], source=self.me)
+            await events.publish_output(again)
+        if last is not None:
+            await events.publish_output(last)
+        log.info("%s: said %s again from output %d, as a gateway asked", self.me, rid, ask.index)
 
     async def _publish_one(self, held: Held, out: RequestOutput) -> None:
         ctx, rid = self.ctx, out.request_id
         if out.new_token_ids:
             index = out.num_output_tokens - len(out.new_token_ids)
-            sent = self._sent.setdefault(rid, list(held.spec.output_token_ids))
-            sent[index:] = out.new_token_ids
+            held.sent[index:] = out.new_token_ids
             await ctx.bus.events.publish_output(
                 TokenDelta(request_id=rid, index=index, token_ids=out.new_token_ids, source=self.me)
             )
@@ -105,7 +108,7 @@ class OutputPublisher:
                 source=self.me,
             )
             await ctx.bus.events.publish_output(final)
-            self._recent[rid] = (time.monotonic(), self._sent.pop(rid, []), final)
+            ctx.ledger.finals.keep(rid, held.sent, final)
             if ctx.ledger.record is not None:
                 ctx.ledger.record.finish(rid, out.num_output_tokens, out.finish_reason)
             ctx.counters.finished += 1

@@ -15,7 +15,6 @@ from common.roles import Role
 from common.store import Store
 from services.worker.engine_loop import EngineLoop
 from services.worker.ledger import Ledger
-from services.worker.outputs import OutputPublisher
 from services.worker.step_log import PUBLISH_EVERY, REPUBLISH_EVERY, StepLog
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,6 @@ class Housekeeping:
         instance_id: str,
         ledger: Ledger,
         engine: EngineLoop,
-        outputs: OutputPublisher,
         bus: Bus,
         store: Store,
         fenced_gateways: set[str],
@@ -40,7 +38,6 @@ class Housekeeping:
         self.instance_id = instance_id
         self.ledger = ledger
         self.engine = engine
-        self.outputs = outputs
         self.bus = bus
         self.store = store
         self.fenced_gateways = fenced_gateways
@@ -50,11 +47,11 @@ class Housekeeping:
         self.check = check_integrity
         self.integrity_failures = 0
         self._checked = -1  # the ledger's change count at the last integrity check
-        self._reconnects = 0  # NATS reconnects already caught up on
+        self._reconnects = 0  # NATS reconnects after which it asked whether it was fenced
 
     async def run(self) -> None:
-        """Free KV nobody came for, drop the requests of dead gateways, say outputs again after a
-        reconnect, fail on a failed engine, and (tests) check the ledger's integrity. Returns once
+        """Free KV nobody came for and finals past their window, drop the requests of dead gateways,
+        fail on a failed engine, and (tests) check the ledger's integrity. Returns once
         this instance turns out to have been taken for dead (it is stopping then)."""
         while True:
             raise_if_cancelled()
@@ -67,9 +64,7 @@ class Housekeeping:
             frozen = time.monotonic() - slept > self.failover_after  # e.g. SIGSTOP
             if (frozen or self.bus.reconnects != self._reconnects) and await self._found_dead():
                 return
-            if self.bus.reconnects != self._reconnects:  # outputs in flight may have been lost
-                self._reconnects = self.bus.reconnects
-                await self.outputs.catch_up()
+            self._reconnects = self.bus.reconnects
             if self.engine.failure is not None:
                 raise RuntimeError("engine thread failed") from self.engine.failure
             if self.ledger.changes != self._checked:

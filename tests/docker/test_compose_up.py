@@ -219,9 +219,10 @@ def test_nats_and_redis_refuse_a_client_without_the_secrets(stack):
 
 
 # -- the planner's plans, applied -----------------------------------------------------------------
-REPLAN = (
-    "import urllib.request as u; "
-    "u.urlopen(u.Request('http://127.0.0.1:8100/plan/replan?wait=true', method='POST'), timeout=280)"
+REPLAN = (  # a write: it takes the deployment's planner key (secrets-init made it)
+    "import urllib.request as u; k = open('/secrets/planner-key').read().strip(); "
+    "u.urlopen(u.Request('http://127.0.0.1:8100/plan/replan?wait=true', method='POST', "
+    "headers={'Authorization': 'Bearer ' + k}), timeout=280)"
 )
 
 

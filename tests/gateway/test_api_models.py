@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from common.errors import explain
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
 
 
@@ -76,3 +77,59 @@ def test_what_vllm_bench_serve_sends_validates():
     chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9,
                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
     assert chat(**chat_body).sampling_params(100).max_tokens == 9
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"logit_bias": {"15": 100}}, "logit_bias"),
+        ({"min_p": 0.05}, "min_p"),
+        ({"min_tokens": 2}, "min_tokens"),
+        ({"best_of": 3}, "best_of"),
+        ({"top_logprobs": 1}, "top_logprobs"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"length_penalty": 0.5}, "length_penalty"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"user": "\ud800"}, "user"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x\udfff"}]}]},
+            "messages.0.content.0.text",
+        ),
+    ],
+)
+def test_what_the_engine_cannot_honour_is_refused_naming_the_field(change, param):
+    with pytest.raises(ValidationError) as caught:
+        chat(**change)
+    assert explain(caught.value.errors()).param == param
+
+
+def test_neutral_values_of_unhonoured_fields_are_accepted_and_stop_token_ids_reach_the_engine():
+    neutral = {"logit_bias": None, "min_p": 0, "min_tokens": 0, "best_of": 1, "top_logprobs": None,
+               "use_beam_search": False, "length_penalty": 1.0, "response_format": {"type": "text"},
+               "tools": [], "logprobs": False}  # fmt: skip
+    assert chat(**neutral).sampling_params(10).max_tokens == 10
+    assert chat(logit_bias={}).sampling_params(10).max_tokens == 10
+    assert chat(stop_token_ids=[7, 9]).sampling_params(10).stop_token_ids == (7, 9)
+
+
+def test_a_validation_error_says_where_and_why():
+    null_url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": None}}]}]
+    with pytest.raises(ValidationError) as caught:
+        chat(messages=null_url)
+    error = explain(caught.value.errors())
+    assert error.param == "messages.0.content.0.image_url.url"
+    assert error.message == "messages.0.content.0.image_url.url: is null; input should be a valid string"
+    bad_json = [
+        {
+            "type": "json_invalid",
+            "loc": ("body", 13),
+            "msg": "JSON decode error",
+            "ctx": {"error": "Expecting value"},
+        }
+    ]
+    error = explain(bad_json, '{\n  "a": 1,\n x')
+    assert error.param is None
+    assert error.message == "request body is not valid JSON: Expecting value at line 3, column 2 (char 13)"

@@ -25,6 +25,7 @@ from common.planner.workloads import generate
 from services.planner.jobs import JobTimeLimit, reporter
 
 NAMESPACE = "jobs-test"
+AUTH = {"Authorization": "Bearer jobs-key"}  # the planner's writes ask for a key (TRIDENT_PLANNER_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,7 @@ def planner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Red
             "TRIDENT_NATS_URL": nats.url,
             "TRIDENT_REDIS_URL": redis_server.url,
             "TRIDENT_NAMESPACE": NAMESPACE,
+            "TRIDENT_PLANNER_KEY": "jobs-key",
             "TRIDENT_HTTP_PORT": str(port),
             "TRIDENT_TTFT_SLO": "1.0",
             "TRIDENT_TBT_SLO": "0.2",
@@ -110,6 +112,7 @@ def test_workload_job_runs_to_a_chart(planner: tuple[str, RedisServer]) -> None:
     reply = httpx.post(
         f"{url}/plan/jobs",
         json={"workload": workload, "slo": SLO, "instances": 4, "profiles": "paper:llava-1.5-7b"},
+        headers=AUTH,
         timeout=30,
     )
     assert reply.status_code == 202, reply.text
@@ -140,7 +143,8 @@ def test_workload_job_runs_to_a_chart(planner: tuple[str, RedisServer]) -> None:
 def test_a_rate_job_finds_how_many_instances_serve_it(planner: tuple[str, RedisServer]) -> None:
     url, _ = planner
     job = {**GOOD, "workload": {"shape": "pope", "rate": 4.0, "num_requests": 60, "seed": 5}}
-    reply = httpx.post(f"{url}/plan/jobs", json={**job, "instances": 32, "rate": 60.0}, timeout=30)
+    job = {**job, "instances": 32, "rate": 60.0}
+    reply = httpx.post(f"{url}/plan/jobs", json=job, headers=AUTH, timeout=30)
     assert reply.status_code == 202, reply.text
     body, _ = _finish(url, reply.json()["id"])
     assert body["state"] == "SUCCESS", body["error"]
@@ -157,6 +161,7 @@ def test_inline_trace_and_profiles(planner: tuple[str, RedisServer]) -> None:
     reply = httpx.post(
         f"{url}/plan/jobs",
         json={"trace": trace, "slo": SLO, "instances": 3, "profiles": profiles},
+        headers=AUTH,
         timeout=30,
     )
     assert reply.status_code == 202, reply.text
@@ -208,7 +213,7 @@ def test_bad_bodies_are_400_naming_the_field(
 ) -> None:
     url, _ = planner
     body = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
-    reply = httpx.post(f"{url}/plan/jobs", json=body, timeout=10)
+    reply = httpx.post(f"{url}/plan/jobs", json=body, headers=AUTH, timeout=10)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
@@ -219,7 +224,7 @@ def test_unknown_jobs_are_404(planner: tuple[str, RedisServer]) -> None:
     for path in ("/plan/jobs/nope", "/plan/jobs/nope/chart.png"):
         reply = httpx.get(url + path, timeout=5)
         assert reply.status_code == 404 and "no job 'nope'" in reply.json()["error"]["message"]
-    assert httpx.post(url + "/plan/jobs", content=b"{", timeout=5).status_code == 400
+    assert httpx.post(url + "/plan/jobs", content=b"{", headers=AUTH, timeout=5).status_code == 400
 
 
 def test_a_job_past_its_time_limit_fails_saying_so() -> None:

@@ -21,6 +21,7 @@ from common.infra import free_port
 from common.planner.trace import from_records, read_trace
 from common.planner.types import KIND_ROLES, METHOD_KINDS, Deployment, PlanResult
 from common.protocol import Plan, TraceRecord
+from common.secrets import DeploymentSecrets
 from common.store import Store, StoreConfig
 from services.planner.planner import Decision, Planner
 from services.settings import PlannerSettings
@@ -67,6 +68,11 @@ def test_triggers() -> None:
     assert planner.due() == "workload shift 1.00 > 0.2"
     planner.planned_at -= 61
     assert planner.due() == "interval"
+
+
+def planner_auth(cluster: Cluster) -> dict[str, str]:
+    """The planner's writes take the deployment's planner key (its secrets folder)."""
+    return {"Authorization": f"Bearer {DeploymentSecrets.read(cluster.workdir / 'secrets').planner_key}"}
 
 
 def test_instances_follow_the_live_deployment() -> None:
@@ -180,7 +186,10 @@ async def test_a_plan_reaches_every_channel(cluster: Cluster, tmp_path: Path) ->
 
             # Asked for, a new decision comes at once under the next id, on every channel again.
             again = await http.post(
-                cluster.planner_url + "/plan/replan", params={"wait": "true"}, timeout=120
+                cluster.planner_url + "/plan/replan",
+                params={"wait": "true"},
+                timeout=120,
+                headers=planner_auth(cluster),
             )
             assert again.status_code == 200, again.text
             assert again.json()["decision_id"] == event.decision_id + 1

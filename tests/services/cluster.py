@@ -121,6 +121,7 @@ def running_cluster(
     method: str,
     scale: dict[str, int] | None = None,
     env: dict[str, str] | None = None,
+    ready_timeout: float = 90.0,
 ):
     secrets = DeploymentSecrets.ensure(workdir / "secrets")
     with (
@@ -131,7 +132,7 @@ def running_cluster(
         Cluster.running.append(cluster)
         try:
             cluster.start_method(method, scale, env)
-            cluster.wait_ready()
+            cluster.wait_ready(ready_timeout)
             try:
                 yield cluster
             except BaseException as exc:  # a test that runs its own deployment failed: say why

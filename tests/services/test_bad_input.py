@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import httpx
 import numpy as np
@@ -91,3 +92,93 @@ def test_a_50_mb_image_is_413(epd):
 def test_the_cluster_still_answers_after_bad_input(epd):
     resp = httpx.post(epd.url + "/v1/chat/completions", json=body(), timeout=30)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+
+
+BAD = "a\ud800b"  # a lone UTF-16 surrogate: JSON can write it ("\ud800"), UTF-8 cannot encode it
+
+
+def parts(*content: dict) -> dict:
+    return body(messages=[{"role": "user", "content": list(content)}])
+
+
+def image(url: str | None = "data:x", **more) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **more}}
+
+
+SURROGATES = [  # (endpoint, body, the param the 400 names)
+    ("chat", body(messages=[{"role": "user", "content": BAD}]), "messages.0.content"),
+    ("chat", parts({"type": "text", "text": BAD}), "messages.0.content.0.text"),
+    ("chat", parts(image(BAD)), "messages.0.content.0.image_url.url"),
+    ("chat", parts(image(detail=BAD)), "messages.0.content.0.image_url.detail"),
+    ("chat", parts({"type": BAD, "text": "hi"}), "messages.0.content.0.type"),
+    ("chat", body(messages=[{"role": BAD, "content": "hi"}]), "messages.0.role"),
+    ("chat", body(messages=[{"role": "user", "content": "hi", "name": BAD}]), "messages.0.name"),
+    ("chat", body(model=BAD), "model"),
+    ("chat", body(user=BAD), "user"),
+    ("chat", body(stop=BAD), "stop"),
+    ("chat", body(stop=["ok", BAD]), "stop.1"),
+    ("chat", body(metadata={"note": BAD}), "metadata.note"),
+    ("chat", body(response_format={"type": BAD}), "response_format.type"),
+    ("chat", body(**{BAD: 1}), "a\\ud800b (the key)"),
+    ("text", {"model": "tiny-llava", "prompt": BAD}, "prompt"),
+    ("text", {"model": "tiny-llava", "prompt": ["hi", BAD]}, "prompt.1"),
+    ("text", {"model": "tiny-llava", "prompt": "hi", "suffix": BAD}, "suffix"),
+]
+
+
+def post_raw(epd, raw: bytes, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(epd.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+
+
+@pytest.mark.parametrize(("endpoint", "payload", "param"), SURROGATES, ids=[c[2] for c in SURROGATES])
+def test_a_lone_surrogate_in_any_string_is_a_400_naming_the_field(epd, endpoint, payload, param):
+    """Regression: a lone surrogate in a chat message was a 500 `internal error (TypeError)`."""
+    raw = json.dumps(payload).encode()  # ensure_ascii: the surrogate travels as the escape \ud800
+    assert b"\\ud800" in raw
+    resp = post_raw(epd, raw, "/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert (error["param"], error["code"]) == (param, "invalid_unicode")
+    assert "surrogate" in error["message"] and error["message"].startswith(param)
+
+
+def test_errors_name_the_field_and_the_real_reason(epd):
+    """Regression: `image_url.url: null` was "content.str should be a valid string", a NaN
+    temperature "should be ≤ 2", and invalid JSON came with `param: "70"`."""
+    error = post_raw(epd, json.dumps(parts(image(None))).encode()).json()["error"]
+    assert error["param"] == "messages.0.content.0.image_url.url" and "is null" in error["message"], error
+    nan = json.dumps(body(temperature=float("nan"))).encode()
+    assert b"NaN" in nan
+    error = post_raw(epd, nan).json()["error"]
+    assert error["param"] == "temperature" and "finite number" in error["message"], error
+    error = post_raw(epd, b'{"model": "tiny-llava",\n "messages": [}').json()["error"]
+    assert error["param"] is None and error["code"] == "json_invalid", error
+    assert error["message"].startswith("request body is not valid JSON")
+    assert "line 2, column 15" in error["message"], error
+    error = post_raw(epd, json.dumps(parts({"type": "text"})).encode()).json()["error"]
+    assert error["param"] == "messages.0.content.0.text"
+    assert error["message"] == "messages.0.content.0.text: Field required"
+
+
+UNHONOURED = [
+    ("min_p", 0.1),
+    ("min_tokens", 3),
+    ("top_logprobs", 2),
+    ("best_of", 2),
+    ("use_beam_search", True),
+    ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function"}]),
+]
+
+
+def test_a_sampling_field_the_engine_does_not_honour_is_refused_not_ignored(epd):
+    """Regression: `logit_bias` (100k entries) was accepted and silently ignored."""
+    url = epd.url + "/v1/chat/completions"
+    huge = httpx.post(url, json=body(logit_bias={str(i): 100 for i in range(100_000)}), timeout=60)
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "logit_bias", huge.text
+    for field, value in UNHONOURED:
+        resp = httpx.post(url, json=body(**{field: value}), timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == field, (field, resp.text)
+    neutral = body(logit_bias=None, min_p=0, top_logprobs=None, response_format={"type": "text"})
+    assert httpx.post(url, json=neutral, timeout=30).status_code == 200

@@ -1,6 +1,7 @@
 """The broker and the store restart under running streams, and nothing is lost: every stream ends
-with the text an uninterrupted run gives (outputs missed while NATS was away are read back from
-the output stream), and requests that arrive while Redis restarts wait for it instead of failing."""
+with the text an uninterrupted run gives (outputs missed while NATS was away are asked for again,
+and the instance that has them says them again), and requests that arrive while Redis restarts
+wait for it instead of failing."""
 
 from __future__ import annotations
 

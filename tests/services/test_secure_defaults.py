@@ -1,13 +1,17 @@
 """`trident up` is closed by default: NATS asks for the deployment's token, Redis for its password,
-and every transfer port for its secret. A client without them reads no output subject, writes no
-plan and pulls nothing; with them (what the services get, TRIDENT_SECRETS_DIR) it does."""
+every transfer port for its secret, and the planner's writes for its key. A client without them
+reads no output subject, writes no plan, pulls nothing and re-plans nothing; with them (what the
+services get, TRIDENT_SECRETS_DIR) it does."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import stat
+import time
 from pathlib import Path
 
+import httpx
 import nats
 import pytest
 import redis
@@ -95,3 +99,19 @@ def test_a_transfer_port_answers_only_with_the_secret(up):
     assert isinstance(asyncio.run(pull("wrong")), Forbidden)
     # With the secret the owner looks the handle up: the refusal was the secret's, not the handle's.
     assert isinstance(asyncio.run(pull(secrets_of(up).transfer_secret)), HandleNotFound)
+
+
+def test_the_planners_writes_take_the_deployments_planner_key(up):
+    """Regression: with keys off (the default), POST /plan/replan and /plan/jobs answered 202 to anyone."""
+    planner = up.state()["planner"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the planner starts beside the workers, maybe later
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(planner + "/health", timeout=2).status_code == 200:
+                break
+        time.sleep(0.5)
+    for path in ("/plan/replan", "/plan/jobs"):
+        refused = httpx.post(planner + path, json={}, timeout=10)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", path
+    key = {"Authorization": f"Bearer {secrets_of(up).planner_key}"}
+    assert httpx.post(planner + "/plan/replan", headers=key, timeout=10).status_code == 202

@@ -24,6 +24,7 @@ from services.stages import STAGES
 from services.worker.context import StageContext
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
+from services.worker.finals import FINALS_WINDOW
 from services.worker.ledger import Ledger
 from services.worker.outputs import OutputPublisher
 from services.worker.stage import StageHandler
@@ -67,6 +68,7 @@ class StageRig:
     ctx: StageContext
     handlers: dict[Role, StageHandler]
     serving: ServingThread
+    outputs: OutputPublisher
 
     @property
     def engine(self) -> Engine:
@@ -110,8 +112,9 @@ class StageRig:
 
 @contextlib.asynccontextmanager
 async def stage_rig(
-    roles: frozenset[Role], model: Path, nats: NatsServer, redis: RedisServer, **engine: object
-) -> AsyncIterator[StageRig]:
+    roles: frozenset[Role], model: Path, nats: NatsServer, redis: RedisServer,
+    finals_window: float = FINALS_WINDOW, **engine: object,
+) -> AsyncIterator[StageRig]:  # fmt: skip
     config = EngineConfig(roles=roles, detokenize=False, kv_cache_bytes=16 << 20, **engine)
     loaded = await asyncio.to_thread(Engine, model, config)
     store = await Store.connect(StoreConfig(url=redis.url, prefix=NAMESPACE))
@@ -123,7 +126,7 @@ async def stage_rig(
     steps: asyncio.Queue = asyncio.Queue()
     loop = EngineLoop(loaded, steps.put_nowait)
     loop.start()
-    ledger = Ledger(loop, transfer, record)
+    ledger = Ledger(loop, transfer, record, finals_window=finals_window)
     dispatch = Dispatcher(bus.tasks, record)
     ctx = StageContext(name, roles, loop, ledger, bus, store, transfer, dispatch, Counters())
     handlers = {role: STAGES[role](ctx) for role in in_path_order(roles)}
@@ -133,12 +136,11 @@ async def stage_rig(
         while True:
             await publisher.publish(await steps.get())
 
-    background = [
-        asyncio.create_task(job)
-        for job in (pump(), record.run(), ctx.watch_cancels(), *(h.watch() for h in handlers.values()))
-    ]
+    watches = [h.watch() for h in handlers.values()]
+    jobs = (pump(), record.run(), ctx.watch_cancels(), publisher.watch(), *watches)
+    background = [asyncio.create_task(job) for job in jobs]
     try:
-        yield StageRig(ctx, handlers, serving)
+        yield StageRig(ctx, handlers, serving, publisher)
     finally:
         for job in background:
             job.cancel()

@@ -29,6 +29,7 @@ from common.protocol import (
     ProtocolError,
     Release,
     RequestSpec,
+    Resend,
     SamplingParams,
     StageProfile,
     StepStats,
@@ -77,6 +78,7 @@ EXAMPLES: list[Message] = [
     ErrorOutput(request_id="chatcmpl-1", code="server_error", message="encoder lost"),
     Cancel(request_id="chatcmpl-1", reason="client went away"),
     Release(request_id="chatcmpl-1", owner="pre-1", handles=("kv0", "kv1")),
+    Resend(request_id="chatcmpl-1", index=7),
     Fence(instance_id="d-host-42", reason="no heartbeat for 1.5s"),
     Heartbeat(
         instance_id="pre-1",
