@@ -10,6 +10,7 @@ import pytest
 from common.bench.machine import single_thread_gflops
 from common.checkpoints import write_checkpoint
 from common.infra import NatsServer, RedisServer
+from tests.services.shared import SHARED
 from tests.tiers import mark_slow_folders, starts_a_deployment
 
 MATMUL_AT_START = pytest.StashKey[tuple[float, float]]()  # (GFLOP/s, time.monotonic()) at session start
@@ -62,6 +63,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         f"machine: single-thread fp32 matmul {before:.1f} GFLOP/s at the start, "
         f"{single_thread_gflops():.1f} at the end; {elapsed:.0f} s of pytest"
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_deployments() -> Iterator[None]:
+    """Stops the deployments modules share (tests/services/shared.py) that still run at the end."""
+    yield
+    SHARED.close()
 
 
 @pytest.fixture(scope="session")
