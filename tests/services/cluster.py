@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -11,9 +12,12 @@ from pathlib import Path
 from typing import ClassVar
 
 import httpx
+import nats
 
+from common.bus.subjects import Subjects
 from common.infra import NatsServer, RedisServer, free_port
 from common.launcher.compose_file import Method, load_compose
+from common.roles import Role
 from common.secrets import DeploymentSecrets
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
@@ -92,6 +96,21 @@ class Cluster:
             f"--- {path.name} ---\n" + "\n".join(path.read_text(errors="replace").splitlines()[-LOG_TAIL:])
             for path in sorted(self.workdir.glob("*.log"))
         )
+
+    def unacked_tasks(self, role: Role) -> int:
+        """Tasks for `role` published and not acked yet: waiting in its queue, or taken by a worker
+        that has not finished them (the work queue drops a task once it is acked)."""
+
+        async def read() -> int:
+            subjects = Subjects()
+            nc = await nats.connect(self.nats.url, allow_reconnect=False)
+            try:
+                info = await nc.jetstream().consumer_info(subjects.task_stream, subjects.consumer(role))
+                return (info.num_pending or 0) + (info.num_ack_pending or 0)
+            finally:
+                await nc.close()
+
+        return asyncio.run(read())
 
     def integrity_failures(self) -> list[str]:
         """What workers logged of failed ledger/engine integrity checks (services/worker/ledger.py)."""
