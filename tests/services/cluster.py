@@ -73,7 +73,10 @@ class Cluster:
                 self.start(f"{name}-{i}", "services.worker", TRIDENT_ROLES=roles, **(env or {}))
         self.start("gateway", "services.gateway", **(env or {}))
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Until the gateway answers /ready. Start-up is each process importing torch and
+        transformers, loading and profiling the model: ~10 s on a quiet machine, and past 90 s on a
+        busy one, where a shorter bound failed tests that had nothing wrong."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
