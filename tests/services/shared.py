@@ -18,9 +18,7 @@ import pytest
 from tests.services.cluster import Cluster, running_cluster
 
 SERVICES = Path(__file__).resolve().parent
-# What the tests of a module that uses a shared fixture run on: fixture name → the method a test's
-# use of it needs (from the test's parameters for `cluster`), or None when that use is not shared.
-Uses = Callable[[pytest.Item], str | None]
+Uses = Callable[[pytest.Item], str | None]  # the method a test runs on through a fixture, if shared
 
 
 class SharedClusters:
@@ -41,6 +39,10 @@ class SharedClusters:
         return register
 
     def get(self, method: str, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+        if method in self.running and any(
+            p.poll() is not None for p in self.running[method][0].procs.values()
+        ):
+            self.running.pop(method)[1].close()  # a process of it died in an earlier module: start afresh
         if method not in self.running:
             stack = ExitStack()
             workdir = tmp_path_factory.mktemp("shared-" + method.replace("+", ""))
@@ -54,20 +56,22 @@ class SharedClusters:
         (its drain and integrity check fail the module's last test if they fail)."""
         items = module.session.items
         last = max(i for i, item in enumerate(items) if _within(item, module))
-        if method in self.running and not any(self.needs(item) == method for item in items[last + 1 :]):
+        if method in self.running and not any(method in self.needs(item) for item in items[last + 1 :]):
             _, stack = self.running.pop(method)
             stack.close()
 
-    def needs(self, item: pytest.Item) -> str | None:
-        """The shared deployment a test runs on, if any."""
+    def needs(self, item: pytest.Item) -> set[str]:
+        """The shared deployments a test runs on: through a shared fixture that its module does not
+        replace with one of its own."""
+        found = set()
         for name in getattr(item, "fixturenames", ()):
             if name in self.fixtures:
                 fixture, uses = self.fixtures[name]
                 own = getattr(getattr(item, "module", None), name, None)
                 shared = own is fixture if own is not None else item.path.is_relative_to(SERVICES)
                 if shared and (method := uses(item)) is not None:
-                    return method
-        return None
+                    found.add(method)
+        return found
 
     def close(self) -> None:
         """At the end of the session (or of an interrupted one): stop whatever still runs."""
