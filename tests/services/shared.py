@@ -45,7 +45,7 @@ class SharedClusters:
             self.running.pop(method)[1].close()  # a process of it died in an earlier module: start afresh
         if method not in self.running:
             stack = ExitStack()
-            workdir = tmp_path_factory.mktemp("shared-" + method.replace("+", ""))
+            workdir = tmp_path_factory.mktemp("shared-" + method.replace("+", "_"))
             cluster = stack.enter_context(running_cluster(model, workdir, method))
             cluster.method = method
             self.running[method] = (cluster, stack)
