@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo up lint format install system-deps clean
+.PHONY: test test-fast demo up lint format install system-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
+
+# The quick loop: every test that starts no deployment (tests/tiers.py says which are slow).
+test-fast: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -q -m "not slow"
 
 demo: install
 	$(BIN)/python -c "import numpy as np; from PIL import Image; \

@@ -1,12 +1,75 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures; the fast tier's guard; the machine's speed beside the run's time."""
 
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from common.bench.machine import single_thread_gflops
 from common.checkpoints import write_checkpoint
 from common.infra import NatsServer, RedisServer
+from tests.services.shared import SHARED
+from tests.tiers import mark_slow_folders, starts_a_deployment
+
+MATMUL_AT_START = pytest.StashKey[tuple[float, float]]()  # (GFLOP/s, time.monotonic()) at session start
+RUNNING: list[pytest.Item] = []  # the test whose setup, call or teardown runs now
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    sys.addaudithook(_refuse_unmarked_deployments)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark_slow_folders(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    RUNNING.append(item)
+    try:
+        return (yield)
+    finally:
+        RUNNING.pop()
+
+
+def _refuse_unmarked_deployments(event: str, args: tuple) -> None:
+    """`make test-fast` (`-m "not slow"`) must start no deployment: a test that starts one (a service
+    process, `trident up`, Docker Compose) and is not marked slow fails here, at the start, instead
+    of silently making the fast tier slow."""
+    if event != "subprocess.Popen" or not RUNNING or RUNNING[-1].get_closest_marker("slow"):
+        return
+    argv = args[1]
+    argv = argv.split() if isinstance(argv, str | bytes) else [str(a) for a in argv]
+    if starts_a_deployment(argv):
+        raise RuntimeError(
+            f"{RUNNING[-1].nodeid} starts a deployment ({' '.join(argv)[:160]}) but is not marked slow: "
+            "add `pytestmark = pytest.mark.slow` to its module (see tests/tiers.py)"
+        )
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[MATMUL_AT_START] = (single_thread_gflops(), time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The run's time beside the machine's single-thread fp32 matmul rate at its start and end: this
+    machine's speed varies from run to run (and with what else runs), so a time means little alone."""
+    before, started = config.stash[MATMUL_AT_START]
+    elapsed = time.monotonic() - started
+    terminalreporter.write_line(
+        f"machine: single-thread fp32 matmul {before:.1f} GFLOP/s at the start, "
+        f"{single_thread_gflops():.1f} at the end; {elapsed:.0f} s of pytest"
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_deployments() -> Iterator[None]:
+    """Stops the deployments modules share (tests/services/shared.py) that still run at the end."""
+    yield
+    SHARED.close()
 
 
 @pytest.fixture(scope="session")

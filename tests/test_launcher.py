@@ -406,6 +406,7 @@ def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # `trident up` over stand-in services
 @pytest.mark.timeout(60)
 def test_up_runs_method_restarts_and_down_drains(
     tmp_path: Path, cli_runner: CliRunner, app: typer.Typer, monkeypatch: pytest.MonkeyPatch
@@ -466,6 +467,7 @@ def test_up_runs_method_restarts_and_down_drains(
     assert (tmp_path / ".trident" / "logs" / "nats.log").is_file()
 
 
+@pytest.mark.slow  # `trident up` over stand-in services
 @pytest.mark.timeout(60)
 def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     """SIGINT (Ctrl-C) drains like `trident down`, and `trident up` exits 0."""
@@ -487,6 +489,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     assert not any(is_alive(server) for server in state["servers"].values())
 
 
+@pytest.mark.slow  # `trident up` over stand-in services
 @pytest.mark.timeout(60)
 def test_up_fails_when_a_service_dies_during_start_up(tmp_path: Path) -> None:
     _stand_in_compose(tmp_path, decode_mode="fail")

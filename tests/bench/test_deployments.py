@@ -43,6 +43,7 @@ def environ(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
 
 
+@pytest.mark.slow
 def test_trident_up_serves_with_the_callers_environment_and_leaves_nothing(tiny_model_dir, tmp_path):
     env = {"TRIDENT_POLICY": "decode-first", "TRIDENT_PREFETCH": "0", "TRIDENT_KV_LAYER_GROUP": "1"}
     with deployments.trident(tiny_model_dir, "e+p+d", port=free_port(), env=env, log_dir=tmp_path) as s:
@@ -61,6 +62,7 @@ def test_trident_up_serves_with_the_callers_environment_and_leaves_nothing(tiny_
 NO_ACCELERATE = importlib.util.find_spec("accelerate") is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NO_ACCELERATE, reason="transformers serve needs accelerate (pip install -e '.[bench]')")
 def test_transformers_serve_answers_our_checkpoint_and_stops(tiny_model_dir, tmp_path):
     with deployments.transformers_serve(tiny_model_dir, port=free_port(), log_dir=tmp_path) as s:

@@ -133,6 +133,7 @@ def test_without_a_built_server_the_system_says_how_to_build_it(
     not (llamacpp.server_binary().exists() and llamacpp.converter_python().exists()),
     reason="llama.cpp is not built here (bash bench/third_party/llamacpp.sh)",
 )
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_llama_server_serves_the_same_model_as_hf(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     from common.infra import free_port

@@ -10,30 +10,30 @@ import pytest
 from typer.testing import CliRunner
 
 from common.cli import app
-from tests.services.cluster import running_cluster
+from tests.services.conftest import e_p_d  # noqa: F401 - the shared E+P+D deployment, a fixture
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_short_sweep_against_a_live_cluster(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_short_sweep_against_a_live_cluster(tiny_model_dir: Path, tmp_path: Path, e_p_d) -> None:  # noqa: F811
     out = tmp_path / "bench"
-    with running_cluster(tiny_model_dir, tmp_path / "cluster", "e+p+d") as cluster:
-        run = CliRunner().invoke(
-            app,
-            [
-                "bench", "serve", "--url", cluster.url, "--workload", "mix", "--sweep", "2:4:2",
-                "--duration", "4", "--ttft-slo", "5", "--tbt-slo", "0.5", "--max-output-tokens", "8",
-                "--image-size", "96x96", "--out", str(out), "--name", "e+p+d",
-            ],
-        )  # fmt: skip
-        # An SLO nothing meets: the sweep stops after its first rate, and goodput is 0.
-        missed = CliRunner().invoke(
-            app,
-            [
-                "bench", "serve", "--url", cluster.url, "--sweep", "2:4:2", "--duration", "2",
-                "--ttft-slo", "0.0001", "--tbt-slo", "0.5", "--max-output-tokens", "4",
-                "--out", str(tmp_path / "missed"),
-            ],
-        )  # fmt: skip
+    run = CliRunner().invoke(
+        app,
+        [
+            "bench", "serve", "--url", e_p_d.url, "--workload", "mix", "--sweep", "2:4:2",
+            "--duration", "4", "--ttft-slo", "5", "--tbt-slo", "0.5", "--max-output-tokens", "8",
+            "--image-size", "96x96", "--out", str(out), "--name", "e+p+d",
+        ],
+    )  # fmt: skip
+    # An SLO nothing meets: the sweep stops after its first rate, and goodput is 0.
+    missed = CliRunner().invoke(
+        app,
+        [
+            "bench", "serve", "--url", e_p_d.url, "--sweep", "2:4:2", "--duration", "2",
+            "--ttft-slo", "0.0001", "--tbt-slo", "0.5", "--max-output-tokens", "4",
+            "--out", str(tmp_path / "missed"),
+        ],
+    )  # fmt: skip
     assert run.exit_code == 0, run.output
     result = json.loads(run.output.strip().splitlines()[-1])
     assert result["model"] == tiny_model_dir.name and result["name"] == "e+p+d"

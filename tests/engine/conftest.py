@@ -69,18 +69,23 @@ def check_mixed_batch(engine: Engine, hf_generate, questions: list[str], images:
         assert req.output_token_ids == hf_generate(p, im, m), req.request_id
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def hf_generate(hf_tiny):
-    """Greedy HF `generate` for one prompt: the generated ids, cut after the first eos."""
+    """Greedy HF `generate` for one prompt: the generated ids, cut after the first eos. Each answer
+    is computed once per session (greedy HF is deterministic): several tests ask the same."""
     model, processor = hf_tiny
+    answers: dict[tuple, list[int]] = {}
 
     def run(prompt: str, imgs: list[Image.Image], max_tokens: int) -> list[int]:
-        enc = processor(text=prompt, images=imgs or None, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
-        ids = out[0, enc["input_ids"].shape[1] :].tolist()
-        eos = model.config.text_config.eos_token_id
-        return ids[: ids.index(eos) + 1] if eos in ids else ids
+        key = (prompt, tuple((img.size, img.mode, img.tobytes()) for img in imgs), max_tokens)
+        if key not in answers:
+            enc = processor(text=prompt, images=imgs or None, return_tensors="pt")
+            with torch.no_grad():
+                out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
+            ids = out[0, enc["input_ids"].shape[1] :].tolist()
+            eos = model.config.text_config.eos_token_id
+            answers[key] = ids[: ids.index(eos) + 1] if eos in ids else ids
+        return list(answers[key])
 
     return run
 

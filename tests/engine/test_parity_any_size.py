@@ -25,7 +25,15 @@ QUESTIONS = [
 SIZES = [(80, 64), (120, 90), (56, 200), (64, 64)]  # different grids, so different token counts
 
 
-PRESETS = ["tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+# LLaVA-NeXT's tiles and Qwen2-VL's M-RoPE grids in the fast tier; Qwen2.5-VL (window attention in
+# the vision tower) and Qwen3-VL (DeepStack), which take two thirds of this module's time, in `make
+# test` only.
+PRESETS = [
+    "tiny-llava-next",
+    "tiny-qwen2-vl",
+    pytest.param("tiny-qwen2.5-vl", marks=pytest.mark.slow),
+    pytest.param("tiny-qwen3-vl", marks=pytest.mark.slow),
+]
 
 
 @pytest.fixture(scope="module", params=PRESETS)

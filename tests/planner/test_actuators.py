@@ -105,6 +105,7 @@ def _register(r: redis.Redis, pid: int, roles: tuple[str, ...]) -> None:
     r.zadd(keys.instances, {hb.instance_id: time.time() + 60})
 
 
+@pytest.mark.slow  # `trident up` over stand-in services
 @pytest.mark.timeout(60)
 def test_trident_up_follows_the_plan(tmp_path: Path) -> None:
     """E+P+D → 2EP1D: the EP replicas start, and encoder and prefill drain only once both registered."""

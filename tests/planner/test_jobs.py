@@ -106,6 +106,7 @@ def _finish(url: str, job_id: str, timeout: float = 90) -> tuple[dict, set[str]]
 SLO = {"ttft": 0.5, "tbt": 0.1}
 
 
+@pytest.mark.slow
 def test_workload_job_runs_to_a_chart(planner: tuple[str, RedisServer]) -> None:
     url, redis_server = planner
     workload = {"shape": "textcaps", "rate": 4.0, "num_requests": 80, "seed": 3}
@@ -140,6 +141,7 @@ def test_workload_job_runs_to_a_chart(planner: tuple[str, RedisServer]) -> None:
     assert not [k for k in keys if not k.startswith(f"{NAMESPACE}:")]
 
 
+@pytest.mark.slow
 def test_a_rate_job_finds_how_many_instances_serve_it(planner: tuple[str, RedisServer]) -> None:
     url, _ = planner
     job = {**GOOD, "workload": {"shape": "pope", "rate": 4.0, "num_requests": 60, "seed": 5}}
@@ -154,6 +156,7 @@ def test_a_rate_job_finds_how_many_instances_serve_it(planner: tuple[str, RedisS
     assert sizing["tried"][str(n)] >= 60 and (n == 3 or sizing["tried"][str(n - 1)] < 60)
 
 
+@pytest.mark.slow
 def test_inline_trace_and_profiles(planner: tuple[str, RedisServer]) -> None:
     url, _ = planner
     trace = [dataclasses.asdict(e) for e in generate("pope", rate=3.0, num_requests=40, seed=1)]
@@ -179,6 +182,7 @@ GOOD = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "param"),
     [
@@ -219,6 +223,7 @@ def test_bad_bodies_are_400_naming_the_field(
     assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
+@pytest.mark.slow
 def test_unknown_jobs_are_404(planner: tuple[str, RedisServer]) -> None:
     url, _ = planner
     for path in ("/plan/jobs/nope", "/plan/jobs/nope/chart.png"):

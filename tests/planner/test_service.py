@@ -132,6 +132,7 @@ def _gauges(text: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r"^(trident_planner_\S+) (\S+)$", text, re.M)}
 
 
+@pytest.mark.slow
 async def test_a_plan_reaches_every_channel(cluster: Cluster, tmp_path: Path) -> None:
     bus = await Bus.connect(BusConfig(url=cluster.nats.url, name="test-planner"))
     store = await Store.connect(StoreConfig(url=cluster.redis.url))

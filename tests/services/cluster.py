@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -11,9 +12,12 @@ from pathlib import Path
 from typing import ClassVar
 
 import httpx
+import nats
 
+from common.bus.subjects import Subjects
 from common.infra import NatsServer, RedisServer, free_port
 from common.launcher.compose_file import Method, load_compose
+from common.roles import Role
 from common.secrets import DeploymentSecrets
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
@@ -69,7 +73,10 @@ class Cluster:
                 self.start(f"{name}-{i}", "services.worker", TRIDENT_ROLES=roles, **(env or {}))
         self.start("gateway", "services.gateway", **(env or {}))
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Until the gateway answers /ready. Start-up is each process importing torch and
+        transformers, loading and profiling the model: ~10 s on a quiet machine, and past 90 s on a
+        busy one, where a shorter bound failed tests that had nothing wrong."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
@@ -92,6 +99,21 @@ class Cluster:
             f"--- {path.name} ---\n" + "\n".join(path.read_text(errors="replace").splitlines()[-LOG_TAIL:])
             for path in sorted(self.workdir.glob("*.log"))
         )
+
+    def unacked_tasks(self, role: Role) -> int:
+        """Tasks for `role` published and not acked yet: waiting in its queue, or taken by a worker
+        that has not finished them (the work queue drops a task once it is acked)."""
+
+        async def read() -> int:
+            subjects = Subjects()
+            nc = await nats.connect(self.nats.url, allow_reconnect=False)
+            try:
+                info = await nc.jetstream().consumer_info(subjects.task_stream, subjects.consumer(role))
+                return (info.num_pending or 0) + (info.num_ack_pending or 0)
+            finally:
+                await nc.close()
+
+        return asyncio.run(read())
 
     def integrity_failures(self) -> list[str]:
         """What workers logged of failed ledger/engine integrity checks (services/worker/ledger.py)."""

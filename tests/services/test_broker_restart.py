@@ -5,6 +5,7 @@ wait for it instead of failing."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,6 +14,7 @@ import pytest
 
 from tests.services.cluster import running_cluster
 from tests.services.conftest import client_for
+from tests.services.test_behaviour import metric
 from tests.services.test_e2e import user_message
 
 STREAMS = 4
@@ -25,8 +27,11 @@ def cluster(tiny_model_dir, tmp_path_factory):
         yield c
 
 
-def ask(cluster, i: int, stream: bool = True) -> tuple[str, int, float]:
-    """A greedy answer: its text, its token count and the longest wait between two chunks."""
+def ask(
+    cluster, i: int, stream: bool = True, under_way: threading.Semaphore | None = None
+) -> tuple[str, int, float]:
+    """A greedy answer: its text, its token count and the longest wait between two chunks;
+    `under_way` is released at the stream's first token."""
     client = client_for(cluster)
     messages = user_message([], f"tell me story number {i}")
     if not stream:
@@ -48,17 +53,21 @@ def ask(cluster, i: int, stream: bool = True) -> tuple[str, int, float]:
         stall, last = max(stall, now - last), now
         if chunk.choices:
             text.append(chunk.choices[0].delta.content or "")
+            if under_way is not None and len(text) == 1:
+                under_way.release()
         usage = chunk.usage or usage
     return "".join(text), usage.completion_tokens, stall
 
 
 def test_streams_finish_unchanged_across_a_nats_crash(cluster):
     expected = [ask(cluster, i, stream=False)[0] for i in range(STREAMS)]
+    under_way = threading.Semaphore(0)
     with ThreadPoolExecutor(STREAMS) as pool:
-        running = [pool.submit(ask, cluster, i) for i in range(STREAMS)]
-        time.sleep(0.5)  # the streams are under way
+        running = [pool.submit(ask, cluster, i, True, under_way) for i in range(STREAMS)]
+        for _ in range(STREAMS):  # every stream has its first token: the crash comes mid-stream
+            assert under_way.acquire(timeout=60), "a stream did not start"
         cluster.nats.kill()
-        time.sleep(1.0)
+        time.sleep(1.0)  # the outage: NATS is away for a second
         cluster.nats.start()
         answers = [r.result(timeout=120) for r in running]
     assert [a[0] for a in answers] == expected
@@ -70,7 +79,9 @@ def test_requests_ride_through_a_redis_restart(cluster):
     cluster.redis.kill()
     with ThreadPoolExecutor(2) as pool:
         during = [pool.submit(ask, cluster, 9) for _ in range(2)]
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # both arrived while Redis is away
+        while metric(cluster.url, "trident_gateway_in_flight") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         cluster.redis.start()
         answers = [r.result(timeout=120) for r in during]
     assert [a[0] for a in answers] == [expected, expected]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import httpx
@@ -22,6 +23,7 @@ def user_message(urls: list[str], text: str) -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
+@functools.cache  # the same for every method and module: hf_tiny is the session's
 def reference(hf_tiny, num_images: int, max_tokens: int) -> tuple[str, int]:
     """HF's greedy answer (text and token count) for the same chat."""
     model, processor = hf_tiny

@@ -160,7 +160,8 @@ def test_encoders_and_prefills_die_under_load_and_every_request_ends(
         victim = instances(cluster, stage)[0]
         with ThreadPoolExecutor(6) as pool:
             answers = pool.map(ask, range(12))
-            time.sleep(0.3)
+            # Under load: most of the pool's six requests are in flight at the gateway.
+            wait_for(lambda: metric(cluster.url, "trident_gateway_in_flight") >= 4, timeout=30)
             os.kill(pid_of(victim), signum)
             started = time.monotonic()
             assert list(answers) == expected

@@ -6,7 +6,9 @@ names (E+P+D, where every hand-off crosses processes, and hybrids, where some st
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 import pytest
 
@@ -33,32 +35,46 @@ DEPLOYMENTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each family's checkpoint, written once for all the methods it is deployed under."""
+    return functools.cache(
+        lambda preset: write_checkpoint(tmp_path_factory.mktemp("family") / preset, preset, seed=0)
+    )
+
+
 @pytest.fixture(scope="module", params=DEPLOYMENTS, ids=["-".join(d) for d in DEPLOYMENTS])
-def deployment(request, tmp_path_factory):
+def deployment(request, tmp_path_factory, checkpoints):
     preset, method = request.param
-    model_dir = write_checkpoint(tmp_path_factory.mktemp("family") / preset, preset, seed=0)
+    model_dir = checkpoints(preset)
     with start(model_dir, tmp_path_factory, method) as cluster:
         yield preset, model_dir, cluster
 
 
-@pytest.fixture(scope="module")
-def reference(deployment):
-    """HF's greedy answer for the chat: its model on the prompt our processor makes (the
-    processor's placeholder rule is checked against the engine tests' positions and parity)."""
+@functools.cache
+def hf_model(model_dir: Path):
     from transformers import AutoModelForImageTextToText
 
+    return AutoModelForImageTextToText.from_pretrained(model_dir).eval(), RequestProcessor(model_dir)
+
+
+@functools.cache
+def hf_answer(model_dir: Path, num_images: int, max_tokens: int) -> tuple[str, int]:
+    """HF's greedy answer for the chat: its model on the prompt our processor makes (the
+    processor's placeholder rule is checked against the engine tests' positions and parity).
+    Computed once per checkpoint, whatever the method."""
+    model, processor = hf_model(model_dir)
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": QUESTION}]
+    prompt = processor.chat_prompt([{"role": "user", "content": content}])
+    processed = processor.process(prompt, [make_image(i, s) for i, s in enumerate(SIZES[:num_images])])
+    new = hf_greedy_ids(model, processed, processor.image_token_id, max_tokens)
+    return processor.tokenizer.decode(new, skip_special_tokens=True), len(new)
+
+
+@pytest.fixture(scope="module")
+def reference(deployment):
     _, model_dir, _ = deployment
-    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    processor = RequestProcessor(model_dir)
-
-    def answer(num_images: int, max_tokens: int) -> tuple[str, int]:
-        content = [{"type": "image"}] * num_images + [{"type": "text", "text": QUESTION}]
-        prompt = processor.chat_prompt([{"role": "user", "content": content}])
-        processed = processor.process(prompt, [make_image(i, s) for i, s in enumerate(SIZES[:num_images])])
-        new = hf_greedy_ids(model, processed, processor.image_token_id, max_tokens)
-        return processor.tokenizer.decode(new, skip_special_tokens=True), len(new)
-
-    return answer
+    return functools.partial(hf_answer, model_dir)
 
 
 @pytest.mark.parametrize("num_images", [0, 2])

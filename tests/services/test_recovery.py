@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from common.roles import Role
 from tests.services.cluster import running_cluster
 from tests.services.conftest import client_for, start
 from tests.services.test_behaviour import instances, metric
@@ -63,12 +64,11 @@ def test_kv_of_a_dead_prefill_instance_is_prefilled_again(tiny_model_dir, tmp_pa
         thread = threading.Thread(target=lambda: answer.append(ask(cluster, [], story, 16)))
         thread.start()
         try:
+            # Prefilled, and the decode task published (it waits for the frozen decoder): the KV
+            # it names lives only in the prefill instance now.
             deadline = time.monotonic() + 20
-            while (
-                metric(prefill["http_address"], "trident_prefills_total") < 2 and time.monotonic() < deadline
-            ):
+            while cluster.unacked_tasks(Role.DECODE) < 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
-            time.sleep(0.5)  # the decode task is published right after the prefill
             os.kill(pid_of(prefill), signal.SIGKILL)  # its KV goes with it
             cluster.start("prefill-new", "services.worker", TRIDENT_ROLES="prefill")
         finally:
@@ -153,7 +153,7 @@ def test_a_request_whose_decoder_dies_resumes_from_the_tokens_the_client_has(
                     os.kill(pid_of(killed), signal.SIGKILL)
                 else:
                     os.kill(pid_of(killed), signal.SIGTERM)
-                    time.sleep(0.2)
+                    draining(killed)  # the second signal is a second one, not merged into the first
                     os.kill(pid_of(killed), signal.SIGTERM)
         assert killed is not None
         assert "".join(pieces) == expected
@@ -163,6 +163,19 @@ def test_a_request_whose_decoder_dies_resumes_from_the_tokens_the_client_has(
         if stop == "term-twice":
             proc = next(p for p in cluster.procs.values() if p.pid == pid_of(killed))
             assert proc.wait(10) == 0
+
+
+def draining(instance: dict, timeout: float = 10.0) -> None:
+    """Wait until the instance says it drains (its /ready answers 503) or is gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(instance["http_address"] + "/ready", timeout=5).status_code == 503:
+                return
+        except httpx.HTTPError:
+            return
+        assert time.monotonic() < deadline, f"{instance['instance_id']} did not start draining"
+        time.sleep(0.02)
 
 
 def held(instance: dict) -> float:

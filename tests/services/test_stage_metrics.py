@@ -1,6 +1,7 @@
 """Each stage's Prometheus histograms count what really passed through it: one queue wait and one
 run per request at each stage's instance, one E→P and one P→D pull per request with its bytes, every
-gap between tokens at the gateway, and the engines' steps by kind."""
+gap between tokens at the gateway, and the engines' steps by kind. The deployment is shared with
+other modules (tests/services/shared.py): the counts are what the module's requests added."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services.conftest import client_for, start
+from tests.engine.conftest import make_image
+from tests.services.conftest import client_for, data_url
 from tests.services.test_behaviour import instances
 from tests.services.test_e2e import user_message
 
@@ -28,25 +30,34 @@ def scrape(base_url: str) -> dict[str, float]:
     return samples
 
 
+def added(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each sample grew by between two scrapes."""
+    return {name: value - before.get(name, 0.0) for name, value in after.items()}
+
+
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory, image_urls):
-    """An E+P+D deployment after REQUESTS requests with images, and what each service exposes."""
-    with start(tiny_model_dir, tmp_path_factory, "e+p+d") as cluster:
-        client = client_for(cluster)
+def served(e_p_d):
+    """An E+P+D deployment's answers to REQUESTS requests with images none sent before (so each is
+    encoded), and what each service's samples grew by meanwhile."""
+    cluster = e_p_d
+    addresses = {
+        role: instances(cluster, role)[0]["http_address"] for role in ("encode", "prefill", "decode")
+    }
+    before = {role: scrape(address) for role, address in addresses.items()}
+    gateway_before = scrape(cluster.url)
+    urls = [data_url(make_image(100 + i)) for i in range(3)]
+    client = client_for(cluster)
 
-        def ask(i: int):
-            messages = user_message(image_urls[i % 3 : i % 3 + 1 + i % 2], f"question {i}")
-            return client.chat.completions.create(
-                model="tiny-llava", messages=messages, max_tokens=6, temperature=0
-            )
+    def ask(i: int):
+        messages = user_message(urls[i % 3 : i % 3 + 1 + i % 2], f"question {i}")
+        return client.chat.completions.create(
+            model="tiny-llava", messages=messages, max_tokens=6, temperature=0
+        )
 
-        with ThreadPoolExecutor(REQUESTS) as pool:
-            answers = list(pool.map(ask, range(REQUESTS)))
-        by_role = {
-            role: scrape(instances(cluster, role)[0]["http_address"])
-            for role in ("encode", "prefill", "decode")
-        }
-        yield answers, by_role, scrape(cluster.url)
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        answers = list(pool.map(ask, range(REQUESTS)))
+    by_role = {role: added(before[role], scrape(address)) for role, address in addresses.items()}
+    return answers, by_role, added(gateway_before, scrape(cluster.url))
 
 
 def test_each_stage_times_each_request_once(served):
@@ -75,8 +86,8 @@ def test_gateway_counts_every_gap_between_tokens(served):
     assert gateway["trident_gateway_tbt_seconds_count"] == sum(a.usage.completion_tokens - 1 for a in answers)
 
 
-def test_instances_expose_budgets_scale_and_feature_cache(served):
-    _, m, _ = served
+def test_instances_expose_budgets_scale_and_feature_cache(e_p_d, served):
+    m = {role: scrape(instances(e_p_d, role)[0]["http_address"]) for role in ("encode", "prefill", "decode")}
     assert m["encode"]["trident_feature_cache_bytes"] > 0  # the images' features stay cached
     for role in ("encode", "prefill", "decode"):
         assert m[role]["trident_budget_scale"] > 0

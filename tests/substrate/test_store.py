@@ -179,8 +179,11 @@ def test_one_instance_measures_a_profile_while_the_others_wait(redis_server: Red
         assert await planning.claim_profile("tiny-p-1", "p-a", ttl=1)
         assert not await planning.claim_profile("tiny-p-1", "p-b", ttl=1)
         assert await planning.claim_profile("tiny-p-1", "p-a", ttl=1)  # the owner renews
-        await asyncio.sleep(2.1)  # the owner died: its claim lapses
-        assert await planning.claim_profile("tiny-p-1", "p-b", ttl=1)
+
+        async def taken_over() -> bool:
+            return await planning.claim_profile("tiny-p-1", "p-b", ttl=1)
+
+        assert await eventually(taken_over, timeout=5)  # the owner died: its claim lapses
         await planning.release_profile_claim("tiny-p-1")
         assert await planning.claim_profile("tiny-p-1", "p-c", ttl=1)
         await store.close()
@@ -197,8 +200,11 @@ def test_feature_index_put_get_expire_and_owner_checked_remove(redis_server: Red
         got = await index.get("h1")
         assert got is not None and got.ref.owner == "enc-1" and got.nbytes == 576 * 64 * 2
         assert set(await index.get_many(["h1", "h2", "h3"])) == {"h1", "h2"}
-        await asyncio.sleep(0.5)
-        assert await index.get("h2") is None  # expired with its TTL
+
+        async def expired() -> bool:
+            return await index.get("h2") is None
+
+        assert await eventually(expired, timeout=2)  # with its TTL of 0.3 s
         await index.put(_entry("h1", "enc-3"), ttl=30)  # re-encoded elsewhere: a newer owner
         assert not await index.remove("h1", owner="enc-1")  # the old owner's eviction must not remove it
         assert (await index.get("h1")).ref.owner == "enc-3"  # type: ignore[union-attr]
@@ -263,8 +269,11 @@ def test_heartbeats_re_register_after_a_redis_restart(redis_server: RedisServer)
 
         assert await eventually(registered, timeout=3.0)
         await asyncio.to_thread(redis_server.stop)
-        await asyncio.sleep(0.6)  # beats fail meanwhile; the service must not die of it
-        assert beats.failures >= 1
+
+        async def failing() -> bool:
+            return beats.failures >= 1
+
+        assert await eventually(failing, timeout=5)  # beats fail meanwhile; the service must not die of it
         await asyncio.to_thread(redis_server.start)  # persistence is off: Redis comes back empty
         assert not list(redis_server.workdir.glob("*.rdb"))
         assert await eventually(registered, timeout=5.0)

@@ -1,0 +1,44 @@
+"""The suite's two tiers: `make test-fast` runs every test not marked slow, `make test` runs all.
+
+A test is slow when it starts a deployment: one of our services as its own process (a cluster from
+tests/services/cluster.py, the planner), `trident up` (real or with stand-in services), or Docker
+Compose. Those take tens of seconds each; everything else (the engine against HF, the substrate
+against a real nats-server and redis-server, in-process services) stays in the fast tier.
+
+Every test under tests/services and tests/docker runs against a deployment and is marked slow by
+its folder (SLOW_FOLDERS); elsewhere a slow test or module says so itself (`@pytest.mark.slow`,
+`pytestmark = pytest.mark.slow`). tests/conftest.py fails a test that starts a deployment without
+the mark, in either tier, so the fast tier cannot grow slow unnoticed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePath
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+SLOW_FOLDERS = (TESTS / "services", TESTS / "docker")
+
+
+def mark_slow_folders(items: list[pytest.Item]) -> None:
+    """Mark every test under SLOW_FOLDERS slow."""
+    for item in items:
+        if any(item.path.is_relative_to(folder) for folder in SLOW_FOLDERS):
+            item.add_marker(pytest.mark.slow)
+
+
+def starts_a_deployment(argv: list[str]) -> bool:
+    """Whether a process started with `argv` is (or starts) a deployment of services."""
+    if not argv:
+        return False
+    args = argv[1:]
+    # The CLI itself, or `python -c` over it or over the launcher's `up`.
+    launcher = PurePath(argv[0]).name in ("trident", "docker") or any(
+        "common.cli" in a or "common.launcher" in a for a in args
+    )
+    if launcher and ("up" in args or "common.launcher import up" in " ".join(args)):
+        return True  # `trident up`, `docker compose up`, `up` over stand-in services
+    if any(a.startswith(("services.", "--app=services.")) for a in args):
+        return True  # python -m services.worker, the planner's Celery worker
+    return "serve" in args  # transformers serve, llama-server: a peer the benchmarks run
