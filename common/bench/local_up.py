@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from common.checkpoints import is_checkpoint_dir, write_checkpoint
+from common.checkpoints import resolve_model
 from common.infra import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,13 +25,9 @@ ROLES = {"encoder": "encode", "prefill": "prefill", "decode": "decode"}  # compo
 
 
 def model_or_tiny(model: Path | None, workdir: Path) -> Path:
-    """`model`, or the tiny model written under `workdir` (once: a complete one is reused)."""
-    if model is not None:
-        return model
-    tiny = workdir / "models" / "tiny-llava"
-    if not is_checkpoint_dir(tiny):
-        write_checkpoint(tiny)
-    return tiny
+    """`model` (a directory or a preset name), or the tiny model, a preset written under `workdir/models`
+    on first use (a complete one is reused)."""
+    return resolve_model(model, workdir / "models")
 
 
 class LocalUp:

@@ -28,7 +28,6 @@ from common.launcher.state import StateFile, clear_leftovers, is_alive, send, wa
 # files, the state file (the same place `trident generate` keeps the tiny model).
 HOME = Path(".trident")
 STATE = HOME / "up.json"
-DEFAULT_MODEL = HOME / "models" / "tiny-llava"
 DEFAULT_PLANNER_PORT = 8100
 PORTS_FREED = 10.0  # seconds a dead run's ports get to be released after its processes are stopped
 
@@ -53,16 +52,6 @@ def port_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def default_model() -> Path:
-    """The tiny checkpoint (seed 0), written on first use."""
-    from common.checkpoints import is_checkpoint_dir, write_checkpoint
-
-    if not is_checkpoint_dir(DEFAULT_MODEL):
-        typer.echo(f"writing the tiny-llava checkpoint to {DEFAULT_MODEL}")
-        write_checkpoint(DEFAULT_MODEL, "tiny-llava", seed=0)
-    return DEFAULT_MODEL
 
 
 def clear_dead_run(state_file: StateFile) -> None:
@@ -108,11 +97,11 @@ def wait_ports_free(ports: list[int], timeout: float) -> bool:
 
 def up(
     model: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
-            exists=True,
-            file_okay=False,
-            help="HF-format checkpoint dir; default: the tiny model, written to .trident/models/tiny-llava.",
+            help="A checkpoint directory, or a preset name (tiny-llava, small-llava, ...; `trident "
+            "make-model --help` lists them) written to .trident/models/<preset> on first use; "
+            "default: tiny-llava."
         ),
     ] = None,
     method: Annotated[
@@ -161,6 +150,12 @@ def up(
         resolve_scale(compose, method, counts)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--scale") from None
+    from common.checkpoints import ModelError, resolve_model  # torch: only once the arguments are good
+
+    try:
+        model_dir = resolve_model(model, HOME / "models", typer.echo).resolve()
+    except ModelError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
     clear_dead_run(StateFile(STATE))
     if not port_free(port):
         typer.echo(f"error: port {port} is in use; choose another with --port", err=True)
@@ -170,7 +165,6 @@ def up(
         raise typer.Exit(1)
     if not planner_port:
         planner_port = DEFAULT_PLANNER_PORT if port_free(DEFAULT_PLANNER_PORT) else free_port()
-    model_dir = (model or default_model()).resolve()
     deployment = Deployment(
         compose, method, counts, model_dir, port, HOME, ready_timeout, typer.echo, planner_port, follow_plan
     )
