@@ -31,10 +31,10 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on the last line.")] = False,
 ) -> None:
     """Answer one prompt (with optional images) using the in-process engine."""
-    from common.checkpoints import resolve_model
     from common.engine import Engine, EngineConfig, SamplingParams
     from common.engine.loader import CheckpointError
     from common.engine.processor import InputError
+    from common.models import resolve_model
 
     try:
         params = SamplingParams(

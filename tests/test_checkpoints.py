@@ -14,17 +14,11 @@ from safetensors import safe_open
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 from typer.testing import CliRunner
 
-from common.checkpoints import (
-    PRESETS,
-    ModelError,
-    count_parameters,
-    is_checkpoint_dir,
-    resolve_model,
-    write_checkpoint,
-)
+from common.checkpoints import PRESETS, count_parameters, is_checkpoint_dir, write_checkpoint
 from common.checkpoints.presets import build_config, meta_model
 from common.checkpoints.weights import tensor_specs
 from common.cli import app
+from common.models import ModelError, resolve_model
 
 PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 

@@ -63,7 +63,7 @@ def compare(
         size = parse_size(image_size) if image_size else None
     except (ValueError, WorkloadError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    from common.checkpoints import ModelError, resolve_model
+    from common.models import ModelError, resolve_model
 
     try:
         model_dir = resolve_model(model, say=typer.echo)

@@ -15,7 +15,6 @@ from common.checkpoints.presets import (
     count_parameters,
     get_preset,
 )
-from common.checkpoints.resolve import ModelError, resolve_model
 from common.checkpoints.writer import CheckpointExistsError, is_checkpoint_dir, write_checkpoint
 
 __all__ = [
@@ -23,7 +22,6 @@ __all__ = [
     "AnyPreset",
     "CheckpointExistsError",
     "LlavaNextPreset",
-    "ModelError",
     "Preset",
     "Qwen2VLPreset",
     "Qwen2_5VLPreset",
@@ -34,6 +32,5 @@ __all__ = [
     "count_parameters",
     "get_preset",
     "is_checkpoint_dir",
-    "resolve_model",
     "write_checkpoint",
 ]

@@ -23,6 +23,7 @@ from common.launcher.compose_follow import (
 )
 from common.launcher.deployment import Deployment
 from common.launcher.state import StateFile, clear_leftovers, is_alive, send, wait_gone
+from common.models import ModelError, resolve_model
 
 # Everything `trident up` writes lives here, relative to the directory it runs in: models, logs, server
 # files, the state file (the same place `trident generate` keeps the tiny model).
@@ -150,8 +151,6 @@ def up(
         resolve_scale(compose, method, counts)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--scale") from None
-    from common.checkpoints import ModelError, resolve_model  # torch: only once the arguments are good
-
     try:
         model_dir = resolve_model(model, HOME / "models", typer.echo).resolve()
     except ModelError as exc:
