@@ -9,22 +9,16 @@ from typing import Annotated
 
 import typer
 
-DEFAULT_MODEL = Path(".trident/models/tiny-llava")
-
-
-def default_model() -> Path:
-    """The tiny demo checkpoint, written on first use (deterministic, seed 0)."""
-    from common.checkpoints import is_checkpoint_dir, write_checkpoint
-
-    if not is_checkpoint_dir(DEFAULT_MODEL):
-        write_checkpoint(DEFAULT_MODEL, "tiny-llava", seed=0)
-    return DEFAULT_MODEL
-
 
 def generate(
     prompt: Annotated[str, typer.Option("--prompt", help="The user's message.")],
     model: Annotated[
-        Path | None, typer.Option(help="HF-format checkpoint dir (default: the tiny demo).")
+        str | None,
+        typer.Option(
+            help="A checkpoint directory, or a preset name (tiny-llava, small-llava, ...; `trident "
+            "make-model --help` lists them) written to .trident/models/<preset> on first use; "
+            "default: tiny-llava."
+        ),
     ] = None,
     image: Annotated[list[Path] | None, typer.Option(help="Image file; repeat for several images.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 64,
@@ -40,6 +34,7 @@ def generate(
     from common.engine import Engine, EngineConfig, SamplingParams
     from common.engine.loader import CheckpointError
     from common.engine.processor import InputError
+    from common.models import resolve_model
 
     try:
         params = SamplingParams(
@@ -50,7 +45,7 @@ def generate(
             seed=seed,
             stop=tuple(stop or ()),
         )
-        engine = Engine(model or default_model(), EngineConfig(device=device))
+        engine = Engine(resolve_model(model, say=typer.echo), EngineConfig(device=device))
         start = time.perf_counter()
         done = engine.generate([engine.chat_prompt(prompt, len(image or []))], [list(image or [])], params)[0]
         seconds = time.perf_counter() - start

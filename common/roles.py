@@ -1,7 +1,9 @@
-"""The three stages of inference, spelled once for the engine, the wire, the bus and the gateway."""
+"""The vocabulary of stages, spelled once for the engine, the wire, the bus, the gateway and the planner:
+the three roles, what one engine step ran (StepKind) and the role set of an instance (InstanceKind)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 
 
@@ -46,3 +48,49 @@ def in_path_order(roles: frozenset[Role]) -> tuple[Role, ...]:
 def letters(roles: frozenset[Role]) -> str:
     """`ep` for encode+prefill: the short name of a role set, in path order."""
     return "".join(r.letter for r in in_path_order(roles))
+
+
+class StepKind(StrEnum):
+    """What one engine step ran: one stage's work alone, or several stages' at once (`mixed`)."""
+
+    ENCODE = "encode"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+    @classmethod
+    def of(cls, roles: Iterable[Role]) -> StepKind:
+        """The kind of a step that held work of these stages."""
+        held = set(roles)
+        return cls(next(iter(held)).value) if len(held) == 1 else cls.MIXED
+
+
+class InstanceKind(StrEnum):
+    """The role set an instance runs, by its initials, as a plan counts instances (`2E3P3D`)."""
+
+    E = "e"
+    P = "p"
+    D = "d"
+    EP = "ep"
+    ED = "ed"
+    EPD = "epd"
+
+    @property
+    def roles(self) -> frozenset[Role]:
+        return parse_roles(self.value)
+
+    @property
+    def scale_name(self) -> str:
+        """How `trident up --scale` and compose name its service: the role for a one-stage kind
+        (`encode`), the initials for a hybrid (`ep`)."""
+        roles = self.roles
+        return next(iter(roles)).value if len(roles) == 1 else self.value
+
+    @classmethod
+    def of(cls, roles: Iterable[str]) -> InstanceKind | None:
+        """The kind of a role set; None for a set no kind has (an empty one)."""
+        try:
+            wanted = frozenset(Role(r) for r in roles)
+        except ValueError:
+            return None
+        return next((kind for kind in cls if kind.roles == wanted), None)

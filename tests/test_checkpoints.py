@@ -14,10 +14,11 @@ from safetensors import safe_open
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 from typer.testing import CliRunner
 
-from common.checkpoints import PRESETS, count_parameters, write_checkpoint
+from common.checkpoints import PRESETS, count_parameters, is_checkpoint_dir, write_checkpoint
 from common.checkpoints.presets import build_config, meta_model
 from common.checkpoints.weights import tensor_specs
 from common.cli import app
+from common.models import ModelError, resolve_model
 
 PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 
@@ -205,3 +206,48 @@ def test_cli_unknown_preset_lists_valid_ones(tmp_path: Path) -> None:
     flat = " ".join(result.output.replace("│", " ").split())
     assert all(name in flat for name in PRESETS)
     assert not (tmp_path / "m").exists()
+
+
+def test_model_option_takes_a_directory_or_a_preset_written_once(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--model .trident/models/small-llava` in the docs failed in a fresh clone until a `trident make-model`
+    step nobody mentioned: every --model now also takes a preset name and writes it on first use."""
+    assert resolve_model(tiny_model_dir) == tiny_model_dir  # a directory is taken as it is
+    said: list[str] = []
+    models = tmp_path / "models"
+    written = resolve_model("tiny-llava", models, said.append)
+    assert written == models / "tiny-llava" and is_checkpoint_dir(written)
+    assert len(said) == 1 and str(written) in said[0]
+    manifest = next(written.glob("*.json"))
+    before = manifest.stat().st_mtime_ns
+    assert resolve_model("tiny-llava", models, said.append) == written  # reused, not rewritten
+    assert len(said) == 1 and manifest.stat().st_mtime_ns == before
+    assert resolve_model(None, models) == written  # the default preset
+    with pytest.raises(ModelError, match=r"does not exist.*small-llava"):
+        resolve_model(tmp_path / "nope", models)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelError, match="is not a directory"):
+        resolve_model(tmp_path / "file", models)
+    # A directory of the preset's name in the working directory wins over the preset.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "small-llava").mkdir()
+    assert resolve_model("small-llava", models) == Path("small-llava")
+
+
+def test_cli_model_options_refuse_what_is_neither_a_directory_nor_a_preset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each command that takes --model says what it takes, as a usage error, before starting anything."""
+    monkeypatch.chdir(tmp_path)
+    for args in (
+        ["up", "--model", str(tmp_path / "nope")],
+        ["bench", "compare", "--model", "huge-llava", "--ttft-slo", "1", "--tbt-slo", "1", "--duration", "1",
+         "--sweep", "1:1:1", "--out", str(tmp_path / "out")],
+        ["generate", "--model", "huge-llava", "--prompt", "x"],
+    ):  # fmt: skip
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        flat = " ".join(result.output.replace("│", " ").split())
+        assert "preset name" in flat and "tiny-llava" in flat, (args, flat)
+    assert not (tmp_path / "out").exists()

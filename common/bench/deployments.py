@@ -28,10 +28,10 @@ from typing import Any
 import httpx
 
 from common.infra import free_port
-from common.launcher.commands import STATE, recorded
+from common.launcher.commands import STATE
 from common.launcher.compose_file import Method
 from common.launcher.processes import read_tail
-from common.launcher.state import StateFile, terminate
+from common.launcher.state import StateFile, clear_leftovers
 from common.secrets import DeploymentSecrets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -264,5 +264,5 @@ def _clean_up_after(run_dir: Path) -> None:
     state = state_file.read()
     if state is None:  # a clean stop removes it
         return
-    terminate(recorded(state), grace=10.0)
+    clear_leftovers(state)
     state_file.remove()

@@ -17,21 +17,18 @@ from pathlib import Path
 
 import httpx
 
-from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.infra import free_port
+from common.launcher.compose_file import load_compose
+from common.models import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
-ROLES = {"encoder": "encode", "prefill": "prefill", "decode": "decode"}  # compose service -> role
+COMPOSE = REPO / "compose.yaml"
 
 
 def model_or_tiny(model: Path | None, workdir: Path) -> Path:
-    """`model`, or the tiny model written under `workdir` (once: a complete one is reused)."""
-    if model is not None:
-        return model
-    tiny = workdir / "models" / "tiny-llava"
-    if not is_checkpoint_dir(tiny):
-        write_checkpoint(tiny)
-    return tiny
+    """`model` (a directory or a preset name), or the tiny model, a preset written under `workdir/models`
+    on first use (a complete one is reused)."""
+    return resolve_model(model, workdir / "models")
 
 
 class LocalUp:
@@ -40,10 +37,13 @@ class LocalUp:
     def __init__(self, model: Path, workdir: Path, scale: dict[str, int], env: dict[str, str]) -> None:
         self.workdir = workdir
         self.scale = scale
+        # Each scaled service's roles, as compose.yaml gives them (TRIDENT_ROLES).
+        services = load_compose(COMPOSE, os.environ).services
+        self.roles = {name: frozenset(services[name].roles) for name in scale}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
-            str(Path(sys.executable).with_name("trident")), "up", "-f", str(REPO / "compose.yaml"),
+            str(Path(sys.executable).with_name("trident")), "up", "-f", str(COMPOSE),
             "--model", str(model), "--port", str(self.port), "--planner-port", str(free_port()),
             *(f"--scale={service}={n}" for service, n in scale.items()),
         ]  # fmt: skip
@@ -68,7 +68,9 @@ class LocalUp:
         try:
             if httpx.get(self.url + "/ready", timeout=2).status_code != 200:
                 return False
-            return all(len(self.instances(ROLES[s])) == n for s, n in self.scale.items())
+            found = httpx.get(self.url + "/v1/cluster", timeout=5).json()["instances"]
+            running = [frozenset(i["roles"]) for i in found]
+            return all(running.count(self.roles[s]) == n for s, n in self.scale.items())
         except (httpx.HTTPError, ValueError, KeyError):
             return False
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig, Policy
 from common.engine.request import Request, Status
-from common.roles import Role
+from common.roles import Role, StepKind
 
 
 @dataclass
@@ -67,11 +67,11 @@ class Batch:
         return not (self.encodes or self.prefills or self.decodes)
 
     @property
-    def kind(self) -> str:
-        """ "encode", "prefill" or "decode" when the batch holds only that work, else "mixed"."""
-        held = [name for name, work in (("encode", self.encodes), ("prefill", self.prefills),
-                                        ("decode", self.decodes)) if work]  # fmt: skip
-        return held[0] if len(held) == 1 else "mixed"
+    def kind(self) -> StepKind:
+        """The one stage whose work the batch holds, else mixed."""
+        held = [role for role, work in ((Role.ENCODE, self.encodes), (Role.PREFILL, self.prefills),
+                                        (Role.DECODE, self.decodes)) if work]  # fmt: skip
+        return StepKind.of(held)
 
     def scheduled(self, req: Request) -> bool:
         return any(r is req for r in self.decodes) or any(r is req for r, _ in self.prefills + self.encodes)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -57,6 +61,42 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default; macOS starts at 49152, and anything below works there too
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()  # looked up here, not in the forked child
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` after which the kernel sends the child `signum` when its parent dies, even by
+    SIGKILL, so a launcher's servers and services do not outlive it as orphans holding their ports.
+
+    Linux only (None elsewhere). The kernel means the parent *thread*: start such children from a
+    thread that lives as long as the launcher does (its main thread).
+    """
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        zero = ctypes.c_ulong(0)
+        prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signum), zero, zero, zero)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), signum)
+
+    return preexec
+
+
 class LocalServer:
     """A server run as a child process on a loopback port, usable as a context manager.
 
@@ -76,6 +116,9 @@ class LocalServer:
         self.host = host
         self.port = port or 0
         self.log_path = self.workdir / f"{self.name}.log"
+        # With it, the server gets SIGTERM when the process that started it dies (see die_with_parent).
+        self.die_with_parent = False
+        self.command: list[str] = []  # the argv of the last start, as /proc shows it before any retitling
         self._proc: subprocess.Popen[bytes] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -161,8 +204,13 @@ class LocalServer:
         with open(self.log_path, "ab") as logf:
             # A session of its own keeps the server out of the terminal's process group, so Ctrl-C reaches
             # the parent alone and the parent stops the server in order.
+            self.command = self.argv()
             self._proc = subprocess.Popen(
-                self.argv(), stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+                self.command,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent() if self.die_with_parent else None,
             )
 
     def _wait_ready(self, timeout: float) -> bool:

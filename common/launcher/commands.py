@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,14 +22,15 @@ from common.launcher.compose_follow import (
     default_gateway,
 )
 from common.launcher.deployment import Deployment
-from common.launcher.state import StateFile, is_alive, send, terminate, wait_gone
+from common.launcher.state import StateFile, clear_leftovers, is_alive, send, wait_gone
+from common.models import ModelError, resolve_model
 
 # Everything `trident up` writes lives here, relative to the directory it runs in: models, logs, server
 # files, the state file (the same place `trident generate` keeps the tiny model).
 HOME = Path(".trident")
 STATE = HOME / "up.json"
-DEFAULT_MODEL = HOME / "models" / "tiny-llava"
 DEFAULT_PLANNER_PORT = 8100
+PORTS_FREED = 10.0  # seconds a dead run's ports get to be released after its processes are stopped
 
 
 def find_compose(file: Path | None) -> Path:
@@ -53,28 +55,54 @@ def port_free(port: int) -> bool:
     return True
 
 
-def default_model() -> Path:
-    """The tiny checkpoint (seed 0), written on first use."""
-    from common.checkpoints import is_checkpoint_dir, write_checkpoint
+def clear_dead_run(state_file: StateFile) -> None:
+    """Refuse to start beside a live `trident up`; stop what a dead one (SIGKILL, OOM) left running,
+    so its servers and gateway give their ports back before this run binds them."""
+    state = state_file.read()
+    if state is None:
+        return
+    if is_alive(state):
+        typer.echo(
+            f"error: trident up is already running here (pid {state['pid']}, {state.get('gateway')}); "
+            "stop it with `trident down`",
+            err=True,
+        )
+        raise typer.Exit(1)
+    stopped = clear_leftovers(state)
+    state_file.remove()
+    if stopped:
+        pid = state["pid"]
+        typer.echo(f"an earlier trident up (pid {pid}) had died; stopped {stopped} process(es) it left")
+        # A process's last thread may still be closing its sockets when /proc shows it gone.
+        wait_ports_free(recorded_ports(state), PORTS_FREED)
 
-    if not is_checkpoint_dir(DEFAULT_MODEL):
-        typer.echo(f"writing the tiny-llava checkpoint to {DEFAULT_MODEL}")
-        write_checkpoint(DEFAULT_MODEL, "tiny-llava", seed=0)
-    return DEFAULT_MODEL
+
+def recorded_ports(state: dict[str, Any]) -> list[int]:
+    """The ports a state file's deployment listened on: the gateway's, the planner's, the servers'."""
+    ports = [state.get("port")]
+    if state.get("planner"):
+        ports.append(urllib.parse.urlsplit(state["planner"]).port)
+    ports += [server.get("port") for server in state.get("servers", {}).values()]
+    return [int(port) for port in ports if port]
 
 
-def recorded(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The service processes and servers a state file lists."""
-    return [*state.get("processes", []), *state.get("servers", {}).values()]
+def wait_ports_free(ports: list[int], timeout: float) -> bool:
+    """Wait until nothing listens on any of `ports`; False on timeout (the caller's own check says which)."""
+    deadline = time.monotonic() + timeout
+    while not all(port_free(port) for port in ports):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def up(
     model: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
-            exists=True,
-            file_okay=False,
-            help="HF-format checkpoint dir; default: the tiny model, written to .trident/models/tiny-llava.",
+            help="A checkpoint directory, or a preset name (tiny-llava, small-llava, ...; `trident "
+            "make-model --help` lists them) written to .trident/models/<preset> on first use; "
+            "default: tiny-llava."
         ),
     ] = None,
     method: Annotated[
@@ -123,15 +151,11 @@ def up(
         resolve_scale(compose, method, counts)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--scale") from None
-    running = StateFile(STATE).read()
-    if running is not None and (is_alive(running) or any(is_alive(r) for r in recorded(running))):
-        what = (
-            f"trident up is already running here (pid {running['pid']}, {running.get('gateway')})"
-            if is_alive(running)
-            else "processes of an earlier trident up still run here"
-        )
-        typer.echo(f"error: {what}; stop them with `trident down`", err=True)
-        raise typer.Exit(1)
+    try:
+        model_dir = resolve_model(model, HOME / "models", typer.echo).resolve()
+    except ModelError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
+    clear_dead_run(StateFile(STATE))
     if not port_free(port):
         typer.echo(f"error: port {port} is in use; choose another with --port", err=True)
         raise typer.Exit(1)
@@ -140,7 +164,6 @@ def up(
         raise typer.Exit(1)
     if not planner_port:
         planner_port = DEFAULT_PLANNER_PORT if port_free(DEFAULT_PLANNER_PORT) else free_port()
-    model_dir = (model or default_model()).resolve()
     deployment = Deployment(
         compose, method, counts, model_dir, port, HOME, ready_timeout, typer.echo, planner_port, follow_plan
     )
@@ -167,9 +190,7 @@ def down(
         typer.echo("stopped")
         return
     # `trident up` died without cleaning up (SIGKILL, a crash): stop what it left behind.
-    leftovers = recorded(state)
-    grace = max([float(r.get("stop_grace", 10.0)) for r in leftovers] + [10.0])
-    stopped = terminate(leftovers, grace)
+    stopped = clear_leftovers(state)
     state_file.remove()
     if stopped:
         typer.echo(f"trident up (pid {state['pid']}) was gone; stopped {stopped} process(es) it had left")

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from common.roles import letters, parse_roles
+from common.roles import InstanceKind, parse_roles
 from common.threads import thread_split
 
 
@@ -156,10 +156,8 @@ class Service:
     @property
     def aliases(self) -> tuple[str, ...]:
         """Other names `--scale` accepts: the role (`encode`) or the hybrid's initials (`ep`)."""
-        if not self.roles:
-            return ()
-        roles = parse_roles(",".join(self.roles))
-        return (next(iter(roles)),) if len(roles) == 1 else (letters(roles),)
+        kind = InstanceKind.of(parse_roles(",".join(self.roles))) if self.roles else None
+        return (kind.scale_name,) if kind else ()
 
 
 @dataclass(frozen=True)
@@ -274,19 +272,16 @@ def resolve_scale(compose: ComposeFile, method: Method, scale: Mapping[str, int]
     return counts
 
 
-# A plan's instance kinds (common.planner.types) as `--scale` names them: a role, or a hybrid's initials.
-_KIND_ALIAS = {"e": "encode", "p": "prefill", "d": "decode", "ep": "ep", "ed": "ed", "epd": "epd"}
-
-
 def plan_scale(compose: ComposeFile, method: Method, replicas: Mapping[str, int]) -> dict[str, int]:
     """Processes per worker service for a plan: `{"e": 2, "p": 1, "d": 3}` under e+p+d →
     `{"encoder": 2, "prefill": 1, "decode": 3}`. ValueError for a kind the method does not run."""
-    unknown = sorted(set(replicas) - set(_KIND_ALIAS))
+    unknown = sorted(set(replicas) - set(InstanceKind))
     if unknown:
         raise ValueError(f"unknown instance kinds {unknown}")
-    counts = resolve_scale(compose, method, {_KIND_ALIAS[k]: n for k, n in replicas.items() if n > 0})
-    given = {_KIND_ALIAS[k] for k, n in replicas.items() if n > 0}
-    missing = [name for name in counts if not given & {name, *compose.services[name].aliases}]
+    # A kind as `--scale` names it: a role, or a hybrid's initials.
+    given = {InstanceKind(k).scale_name: n for k, n in replicas.items() if n > 0}
+    counts = resolve_scale(compose, method, given)
+    missing = [name for name in counts if not given.keys() & {name, *compose.services[name].aliases}]
     if missing:
         raise ValueError(f"the plan gives no replicas for {', '.join(missing)} of {method.value}")
     return counts

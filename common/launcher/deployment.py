@@ -144,6 +144,7 @@ class Deployment:
                 else RedisServer(workdir=workdir, password=self.secrets.redis_password)
             )
             server.log_path = self.logs / f"{service}.log"
+            server.die_with_parent = True  # a SIGKILLed `trident up` leaves no server holding its port
             self.servers[service] = server
             server.start()
             self.echo(f"{service}: {server.address} (log {server.log_path})")
@@ -224,6 +225,8 @@ class Deployment:
                             f"{name} exited; restarting it on port {server.port} (log {server.log_path})"
                         )
                         server.start()
+                        self._write_state()  # `trident down` and a later `trident up` must see the new pid
+                        self.echo(f"{name}: restarted, pid {server.pid}")
                 now = time.monotonic()
                 self._restart_children(now)
                 if self._plans is not None and now >= self._next_follow:
@@ -342,7 +345,7 @@ class Deployment:
 
     def _write_state(self) -> None:
         state: dict[str, Any] = {
-            **identity(os.getpid()),
+            **identity(os.getpid()),  # this process: its argv as /proc shows it
             "method": self.method.value,
             "gateway": self.url,
             "port": self.port,
@@ -353,7 +356,12 @@ class Deployment:
             "logs": str(self.logs.resolve()),
             "secrets": str(self.secrets_dir.resolve()),  # the servers' credentials (common/secrets.py)
             "servers": {
-                name: {**identity(s.pid), "url": s.address, "port": s.port, "log": str(s.log_path.resolve())}
+                name: {
+                    **identity(s.pid, s.command),
+                    "url": s.address,
+                    "port": s.port,
+                    "log": str(s.log_path.resolve()),
+                }
                 for name, s in self.servers.items()
             },
             "processes": [
@@ -361,7 +369,7 @@ class Deployment:
                     "name": c.name,
                     "service": c.spec.service,
                     "roles": list(c.spec.roles),
-                    **identity(c.pid),
+                    **identity(c.pid, c.spec.argv),
                     "stop_grace": c.spec.stop_grace,
                     "log": str(c.log_path.resolve()),
                 }

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from common.infra.process import die_with_parent
 from common.launcher.compose_file import ProcessSpec
 
 # Docker's restart back-off, in spirit: short at first, doubling while the process keeps dying quickly.
@@ -47,7 +48,8 @@ class Child:
     """One service process, output appended to `<log_dir>/<name>.log`.
 
     It runs in a session of its own, so Ctrl-C in the terminal reaches `trident up` alone, which then
-    stops the services in order (gateway first, so in-flight requests finish on live workers).
+    stops the services in order (gateway first, so in-flight requests finish on live workers). If
+    `trident up` dies without that (SIGKILL), the kernel sends the service SIGTERM: it drains and exits.
     """
 
     def __init__(self, spec: ProcessSpec, log_dir: Path, base_env: Mapping[str, str]) -> None:
@@ -90,6 +92,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,
+                preexec_fn=die_with_parent(),  # prctl only: nothing in the forked child takes a lock
             )
         self.started_at = time.monotonic()
 

@@ -1,7 +1,7 @@
 """`.trident/up.json`: what a running `trident up` started, so `trident down` can stop it.
 
-Every pid is stored with its start time from /proc, so a pid that the kernel has since given to
-another process is never signalled.
+Every pid is stored with its start time from /proc and the command it runs, so a pid that the
+kernel has since given to another process is never signalled.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +28,41 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])  # field 22 of proc(5), counted from field 3
 
 
-def identity(pid: int | None) -> dict[str, int | None]:
-    """What the state file records for a process."""
-    return {"pid": pid, "start": start_time(pid) if pid else None}
+def cmdline(pid: int) -> list[str]:
+    """The process's command line from /proc ([] if it is gone or unreadable)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [arg.decode(errors="replace") for arg in raw.split(b"\0") if arg]
+
+
+def program(argv: Sequence[str]) -> str:
+    """The program's file name: the first word of argv[0], as a server that retitles itself keeps it
+    (redis-server shows `redis-server 127.0.0.1:6379` in place of its arguments)."""
+    words = argv[0].split() if argv else []
+    return Path(words[0]).name if words else ""
+
+
+def identity(pid: int | None, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """What the state file records for a process: pid, start time and the command it was started with
+    (by default what /proc shows now, right for this process, not for a child that may not have run
+    exec yet)."""
+    if not pid:
+        return {"pid": None, "start": None, "argv": []}
+    return {"pid": pid, "start": start_time(pid), "argv": list(argv) if argv is not None else cmdline(pid)}
 
 
 def is_alive(record: dict[str, Any] | None) -> bool:
-    """True if the recorded process still runs (same pid and start time)."""
+    """True if the recorded process still runs: same pid, same start time, same program."""
     if not record or not record.get("pid"):
         return False
-    now = start_time(int(record["pid"]))
-    return now is not None and (record.get("start") is None or now == record["start"])
+    pid = int(record["pid"])
+    now = start_time(pid)
+    if now is None or (record.get("start") is not None and now != record["start"]):
+        return False
+    # A state file written before commands were recorded has none; the start time then stands alone.
+    return not record.get("argv") or program(cmdline(pid)) == program(record["argv"])
 
 
 def send(record: dict[str, Any] | None, signum: int) -> bool:
@@ -70,6 +95,19 @@ def terminate(records: list[dict[str, Any]], grace: float) -> int:
             send(record, signal.SIGKILL)
         wait_gone(live, 5.0)
     return len(live)
+
+
+def recorded(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The service processes and servers a state file lists."""
+    return [*state.get("processes", []), *state.get("servers", {}).values()]
+
+
+def clear_leftovers(state: dict[str, Any]) -> int:
+    """Stop what a `trident up` that died without cleaning up (SIGKILL, OOM) left running, each given
+    its stop_grace to drain before SIGKILL; returns how many were still running."""
+    leftovers = recorded(state)
+    grace = max([float(r.get("stop_grace", 10.0)) for r in leftovers] + [10.0])
+    return terminate(leftovers, grace)
 
 
 class StateFile:

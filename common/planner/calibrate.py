@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.planner.profiles import ProfileSet, StageCurves, TransferModel, kind_of, scale_profiles
+from common.planner.profiles import ProfileSet, StageCurves, TransferModel, scale_profiles
 from common.planner.simulator import simulate
-from common.roles import Role
+from common.roles import InstanceKind, Role, StepKind
 from common.stats import quantile
 
 
@@ -211,7 +211,7 @@ def calibrate_from_service(
     sharing: dict[str, float] = {}
     # Steps that say their threads and neighbours are each taken to their own share of the cores
     # (`service_factors`); a replay's stretch is for older records.
-    known = all(len(step) > 6 and step[7] >= 0 for record in stats for step in record.steps)
+    known = all(step.overlap >= 0 for record in stats for step in record.steps)
     for _ in range(SHARING_ROUNDS if profiles.host_cores and not (known and profiles.threads) else 0):
         found = simulate(served, deployment, calibration.apply(profiles), slo).sharing
         # Slower steps overlap more, so the stretch is fitted again until it settles; halfway (in
@@ -231,7 +231,7 @@ SHAPE_MIN_STEPS = 3  # steps of one shape before their spread counts
 THREAD_MIN_STEPS = 10  # steps at other threads than the rest of their shape before an exponent is fitted
 
 
-def _shape(kind: str, images: float, prefill_tokens: int, decodes: int) -> tuple:
+def _shape(kind: StepKind, images: float, prefill_tokens: int, decodes: int) -> tuple:
     return kind, round(images, 2), int(prefill_tokens).bit_length(), int(decodes).bit_length()
 
 
@@ -287,36 +287,37 @@ def service_factors(
     threads, by the exponent fitted on them (`fit_host_effects`), which the simulator then applies
     to the threads its instances have (`ProfileSet.thread_exponent`)."""
     sharing = {k: round(v, 4) for k, v in (sharing or {}).items()}
-    sums: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in ("encode", "prefill", "decode", "mixed")}
+    sums: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in StepKind}
     counts = dict.fromkeys(sums, 0)
     logs: dict[str, list[float]] = {kind: [] for kind in sums}
     shapes: dict[tuple, list[float]] = {}  # log(observed / predicted) by step shape
     budgets = {}
     steps = []  # (kind, shape, seconds, predicted, threads / profiled threads, overlap or None)
     for record in stats:
-        kind = kind_of(record.roles)
+        kind = InstanceKind.of(record.roles)
         curves = profiles.for_kind(kind) if kind else profiles.curves
         budgets[record.instance_id] = {
             "image_budget": record.image_budget, "token_budget": record.token_budget,
             "scale": record.budget_scale,
         }  # fmt: skip
-        for step_kind, images, prefill_tokens, decodes, context, seconds, *host in record.steps:
-            if step_kind not in sums or (images and not curves.encode):
+        for step in record.steps:
+            if step.images and not curves.encode:
                 continue
-            predicted = curves.iteration_time(images, prefill_tokens, decodes, context)
+            shape = (step.images, step.prefill_tokens, step.decodes)
+            predicted = curves.iteration_time(*shape, step.decode_context)
+            seconds, threads, overlap = step.seconds, step.threads, step.overlap
             if predicted <= 0 or seconds <= 0:
                 continue
-            threads, overlap = host if host else (0.0, -1.0)
             relative = threads / profiles.threads if threads > 0 and profiles.threads else None
-            shape = _shape(step_kind, images, prefill_tokens, decodes)
+            shape = _shape(step.kind, *shape)
             known = overlap >= 0 and relative and profiles.host_cores
             if known:
                 # Its own share of the cores, as the simulator shares them out: the threads running
                 # (the others' at a share each) over the cores.
                 seconds /= max(1.0, (threads + overlap * profiles.threads) / profiles.host_cores)
             else:
-                seconds /= sharing.get(step_kind, 1.0)
-            steps.append((step_kind, shape, seconds, predicted, relative, overlap if known else None))
+                seconds /= sharing.get(step.kind, 1.0)
+            steps.append((step.kind, shape, seconds, predicted, relative, overlap if known else None))
     # The exponent is fitted beside the neighbours' slowdown λ, so that it is a step's own threads'
     # effect with its neighbours held fixed, but λ is not applied: a greedy worker has every core
     # only while no other worker steps, so within a shape its threads and its neighbours move
@@ -335,9 +336,10 @@ def service_factors(
         logs[step_kind].append(float(np.log(seconds / predicted)))
         shapes.setdefault(shape, []).append(logs[step_kind][-1])
     low, high = FACTOR_RANGE
-    mixed = sums["mixed"][0] / sums["mixed"][1] if counts["mixed"] >= SERVICE_MIN_STEPS else None
+    observed, predicted = sums[StepKind.MIXED]
+    mixed = observed / predicted if counts[StepKind.MIXED] >= SERVICE_MIN_STEPS else None
     factors = {}
-    for stage in ("encode", "prefill", "decode"):
+    for stage in (StepKind.ENCODE, StepKind.PREFILL, StepKind.DECODE):
         observed, predicted = sums[stage]
         factor = observed / predicted if counts[stage] >= SERVICE_MIN_STEPS else mixed
         if factor is not None:

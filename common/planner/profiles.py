@@ -21,7 +21,7 @@ import numpy as np
 
 from common.engine.profiler import budget_target, latency_limit, search_budget
 from common.planner.types import KIND_ROLES
-from common.roles import Role
+from common.roles import InstanceKind, Role, StepKind
 from common.stats import SLO
 
 
@@ -291,7 +291,7 @@ class ProfileSet:
         base = _record_curves(lm, enc, image_cap=max((r.image_budget for r in vision), default=0))
         by_kind: dict[str, StageCurves] = {}
         for record in records:
-            kind = kind_of(record.roles)
+            kind = InstanceKind.of(record.roles)
             if kind is None:
                 continue
             own_llm = record if record.prefill and record.decode else lm
@@ -358,19 +358,13 @@ class ProfileSet:
 def _by_kind(raw) -> dict[str, float]:
     """A value by step kind; a bare number is the same for every kind."""
     if isinstance(raw, int | float):
-        return dict.fromkeys(("encode", "prefill", "decode", "mixed"), float(raw)) if raw else {}
+        return dict.fromkeys(StepKind, float(raw)) if raw else {}
     return {str(k): float(v) for k, v in (raw or {}).items()}
 
 
 def _most_roles(record) -> tuple[int, str]:
     """Prefer the record of the instance with the most stages (then the id, for a stable choice)."""
     return len(record.roles), record.profile_id
-
-
-def kind_of(roles: Sequence[str]) -> str | None:
-    """The instance kind (`e`, `ep`, ...) of a role set; None for a set no kind has."""
-    names = frozenset(roles)
-    return next((k for k, r in KIND_ROLES.items() if r == names), None)
 
 
 def _record_curves(llm, vision, image_cap: int = 0) -> StageCurves:

@@ -5,20 +5,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from common.protocol import Method
-from common.roles import Role, parse_roles
+from common.roles import InstanceKind, Role
 
 # The instance kinds each method runs, in the order replicas are written (e.g. "2E3P3D").
-METHOD_KINDS: dict[str, tuple[str, ...]] = {
-    "e+p+d": ("e", "p", "d"),
-    "ep+d": ("ep", "d"),
-    "ed+p": ("ed", "p"),
-    "epd": ("epd",),
+METHOD_KINDS: dict[str, tuple[InstanceKind, ...]] = {
+    "e+p+d": (InstanceKind.E, InstanceKind.P, InstanceKind.D),
+    "ep+d": (InstanceKind.EP, InstanceKind.D),
+    "ed+p": (InstanceKind.ED, InstanceKind.P),
+    "epd": (InstanceKind.EPD,),
 }
 
-# Which stages an instance kind runs.
-KIND_ROLES: dict[str, frozenset[Role]] = {
-    kind: parse_roles(kind) for kind in ("e", "p", "d", "ep", "ed", "epd")
-}
+# Which stages an instance kind runs (a StrEnum key: `KIND_ROLES["ep"]` finds it too).
+KIND_ROLES: dict[InstanceKind, frozenset[Role]] = {kind: kind.roles for kind in InstanceKind}
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,13 @@ another fails with a clear `ProtocolError` instead of being misread.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from pydantic import Field
 
 from common.protocol.codec import Message
 from common.protocol.tensors import TensorRef
+from common.roles import Role, StepKind
 
 
 class FeatureEntry(Message):
@@ -55,7 +56,7 @@ class StageProfile(Message):
     profile_id: str
     model: str = ""
     hardware: str = ""
-    roles: tuple[str, ...]
+    roles: tuple[Role, ...]
     latency_limit: float
     image_budget: int = Field(ge=0)
     token_budget: int = Field(ge=0)
@@ -76,27 +77,34 @@ class StageProfile(Message):
     threads: int = Field(0, ge=0)
 
 
-# kind, images, prefill tokens, decodes, mean decode context, seconds, threads, overlap
-Step = tuple[str, float, int, int, float, float, float, float]
-OldStep = tuple[str, float, int, int, float, float]  # before threads and overlap were kept
+class Step(NamedTuple):
+    """One engine step as it ran in service. On the wire it is a plain array in this order, as the
+    positional tuple it replaces was; a record from before threads and overlap were kept has the
+    first six, and reads with their defaults (not known)."""
+
+    kind: StepKind
+    images: float  # in the profile's image units
+    prefill_tokens: int
+    decodes: int
+    decode_context: float  # mean context of the decodes
+    seconds: float
+    threads: float = 0.0  # the torch threads it ran with (0: not known)
+    overlap: float = -1.0  # other workers' steps on its host beside it, on average (-1: not known)
 
 
 class StepStats(Message):
     """What an instance's engine steps took in service, lately (the planner calibrates its curves
-    with them): one (kind, images, prefill tokens, decodes, mean decode context, seconds, threads,
-    overlap) per step — images in the profile's image units, threads the torch threads it ran with,
-    overlap how many other workers' steps on its host ran beside it on average (−1: not known); a
-    record from before the last two were kept has six fields — and the budgets the governor has set."""
+    with them): one Step per step, and the budgets the governor has set."""
 
     KIND: ClassVar[str] = "rec.steps"
     instance_id: str
-    roles: tuple[str, ...]
+    roles: tuple[Role, ...]
     profile_id: str = ""
     time: float  # wall clock when published
     image_budget: int = Field(0, ge=0)
     token_budget: int = Field(0, ge=0)
     budget_scale: float = Field(1.0, gt=0)
-    steps: tuple[Step | OldStep, ...] = ()
+    steps: tuple[Step, ...] = ()
 
 
 class DeadLetter(Message):

@@ -21,11 +21,11 @@ from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from common.roles import Role
+from common.roles import Role, StepKind
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BYTES = tuple(float(1 << k) for k in range(10, 33, 2))  # 1 KiB … 4 GiB, ×4
-STEP_KINDS = ("encode", "prefill", "decode", "mixed")
+STEP_KINDS = tuple(StepKind)
 HOPS = ("ep", "pd")
 
 
@@ -78,6 +78,6 @@ class StageMetrics:
         seconds_hist.observe(max(0.0, seconds))
         bytes_hist.observe(nbytes)
 
-    def step(self, kind: str, seconds: float) -> None:
+    def step(self, kind: StepKind, seconds: float) -> None:
         """On the engine thread (a histogram is thread-safe)."""
         self.steps[kind].observe(seconds)

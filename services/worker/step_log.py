@@ -34,10 +34,11 @@ class StepLog:
         torch threads the step ran with, averaged over its layers where they changed mid-step;
         `overlap`: how many other workers' steps ran beside it on average (None: not known)."""
         images = batch.image_cost(image_unit) / (image_unit or 1)
-        self._steps.append((
-            batch.kind, round(images, 4), batch.prefill_tokens, len(batch.decodes),
-            round(batch.decode_context, 1), round(seconds, 6), round(threads, 3),
-            -1.0 if overlap is None else round(overlap, 3),
+        self._steps.append(Step(
+            kind=batch.kind, images=round(images, 4), prefill_tokens=batch.prefill_tokens,
+            decodes=len(batch.decodes), decode_context=round(batch.decode_context, 1),
+            seconds=round(seconds, 6), threads=round(threads, 3),
+            overlap=-1.0 if overlap is None else round(overlap, 3),
         ))  # fmt: skip
 
     def __len__(self) -> int:

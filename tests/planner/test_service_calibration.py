@@ -19,6 +19,7 @@ from common.planner.simulator import simulate
 from common.planner.trace import TraceEntry
 from common.planner.types import Deployment
 from common.protocol import StepStats
+from common.protocol.records import Step
 from common.stats import SLO
 from tests.planner.test_simulator import CURVES
 
@@ -97,7 +98,8 @@ def test_what_sharing_the_cores_added_to_the_steps_is_not_counted_twice():
     assert stretch["prefill"] > 1.3  # the instances did overlap
 
     def stretched(record: StepStats) -> StepStats:
-        steps = tuple((*step[:5], step[5] * stretch.get(step[0], 1.0)) for step in record.steps)
+        # Without threads and overlap (an older record's six fields): the stretch is not known.
+        steps = tuple(Step(*step[:5], step.seconds * stretch.get(step.kind, 1.0)) for step in record.steps)
         return record.model_copy(update={"steps": steps})
 
     records = [stretched(r) for r in served(np.random.default_rng(2), sigma=0.0)]

@@ -242,3 +242,23 @@ def test_a_version_1_decode_task_is_read_as_the_request_it_carried() -> None:
 def test_a_decode_task_needs_its_first_token() -> None:
     with pytest.raises(ValueError, match="first output token"):
         DecodeTask(request=REQUEST.without_pixels(), kv=KV)
+
+
+def test_a_step_record_is_named_and_its_wire_form_unchanged() -> None:
+    """StepStats carried steps as positional 8-tuples (6 before threads and overlap were kept): the
+    named Step is the same array on the wire, roles and kinds are the same strings, and an old
+    six-field step reads with both unknown."""
+    import msgpack
+
+    from common.protocol.records import Step
+    from common.roles import Role, StepKind
+
+    steps = [["mixed", 1.0, 5, 3, 10.0, 0.01, 2.0, 0.5], ["decode", 0.0, 0, 3, 12.0, 0.02]]
+    raw = ["rec.steps", 1, {"instance_id": "i", "roles": ["decode", "encode"], "time": 1.0, "steps": steps}]
+    stats = decode(msgpack.packb(raw, use_bin_type=True), expect=StepStats)
+    assert stats.roles == (Role.DECODE, Role.ENCODE)
+    new, old = stats.steps
+    assert new == Step(StepKind.MIXED, 1.0, 5, 3, 10.0, 0.01, 2.0, 0.5) and new.overlap == 0.5
+    assert old.kind is StepKind.DECODE and (old.threads, old.overlap) == (0.0, -1.0)
+    again = msgpack.unpackb(stats.to_bytes(), raw=False)[2]
+    assert again["roles"] == ["decode", "encode"] and again["steps"][0] == raw[2]["steps"][0]
