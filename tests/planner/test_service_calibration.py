@@ -168,7 +168,7 @@ def test_steps_say_how_threads_changed_them_and_are_fitted_without_them():
 
 def _old(record: StepStats) -> StepStats:
     """As a worker published it before steps said their threads and neighbours."""
-    return record.model_copy(update={"steps": tuple(step[:6] for step in record.steps)})
+    return record.model_copy(update={"steps": tuple(Step(*step[:6]) for step in record.steps)})
 
 
 def test_the_thread_exponent_is_fitted_with_the_neighbours_held_fixed():
