@@ -16,6 +16,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY common ./common
 COPY services ./services
+COPY trident ./trident
 RUN pip install .
 
 # A non-root user; /models is created here and owned by it, so the named volume mounted there starts with

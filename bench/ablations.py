@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.bench.compare import PLANNER, Comparison, System, compare, table
-from common.bench.serve_cmd import progress_reporter
-from common.bench.sweep import LoadSpec, parse_rates
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.stats import SLO
+from trident.bench.compare import PLANNER, Comparison, System, compare, table
+from trident.bench.sweep import LoadSpec, parse_rates
+from trident.cli.bench_serve import progress_reporter
 
 ONE_TRANSFER = "1000000"  # layers per KV transfer: more than any model has, so all in one
 

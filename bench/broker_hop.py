@@ -16,13 +16,10 @@ import asyncio
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.bus import Bus, BusConfig
 from common.infra import NatsServer

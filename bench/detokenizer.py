@@ -13,11 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoTokenizer
 

@@ -46,12 +46,12 @@ from PIL import Image
 from torch import nn
 from transformers import AutoModelForImageTextToText
 
-from common.bench.oracle import hf_model_inputs
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
+from trident.bench.oracle import hf_model_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = [

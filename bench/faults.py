@@ -34,19 +34,16 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.bench.client import image_data_url
-from common.bench.fault_load import Outcome, StreamingLoad
-from common.bench.local_up import LocalUp, model_or_tiny
-from common.bench.machine import matmul_gflops
-from common.bench.oracle import Chat, hf_greedy
+from trident.bench.client import image_data_url
+from trident.bench.fault_load import Outcome, StreamingLoad
+from trident.bench.machine import matmul_gflops
+from trident.bench.oracle import Chat, hf_greedy
+from trident.launcher.local_up import LocalUp, model_or_tiny
 
 STAGES = ("encoder", "prefill", "decode")  # the compose services scaled to REPLICAS
 WORKERS = {"encoder": "encode", "prefill": "prefill", "decoder": "decode"}  # fault name -> role

@@ -28,17 +28,14 @@ import contextlib
 import json
 import random
 import statistics
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.bench.local_up import LocalUp, metric, model_or_tiny, rss_bytes
-from common.bench.machine import matmul_gflops
+from trident.bench.machine import matmul_gflops
+from trident.launcher.local_up import LocalUp, metric, model_or_tiny, rss_bytes
 
 DEADLINE = 60.0  # the gateway's request timeout in this run
 SAMPLE = 5.0  # seconds between samples

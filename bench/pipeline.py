@@ -24,7 +24,6 @@ import contextlib
 import io
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,11 +32,9 @@ import numpy as np
 import openai
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.store import Store, StoreConfig
-from tests.services.cluster import running_cluster
+from trident.launcher.cluster import running_cluster
 
 METHODS = ("epd", "e+p+d")
 # (name, from stage, to stage): the intervals of one request's path, in order.

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.planner.algorithm import goodput, plan
 from common.planner.paper_profiles import profiles_from

@@ -6,7 +6,7 @@
     python bench/planner_validation.py --replay .trident/validation [--recalibrate] [--sensitivity 1.05]
 
 For each preset and method a real deployment (one instance per kind, nats-server, redis-server) is
-started and calibrated as the planner service calibrates itself (tests/planner/validation.py: the
+started and calibrated as the planner service calibrates itself (trident/bench/validation.py: the
 instances' steps in service under a calibration load, and the fixed costs from unloaded
 requests). Then a 50 % text / 50 % one-image workload is sent at each rate, the whole sweep
 `--repeats` times over with requests of the same sizes (each run's images its own). Each figure
@@ -39,11 +39,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.stats import SLO
-from tests.planner.validation import Comparison, Run, replay_folder, save, summary, validate
+from trident.bench.validation import Comparison, Run, replay_folder, save, summary, validate
 
 
 def _cell(name: str, c: Comparison) -> str:

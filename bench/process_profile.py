@@ -35,16 +35,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.bench import client, deployments
-from common.bench.local_up import state_processes
-from common.bench.machine import single_thread_gflops
-from common.bench.sweep import LoadSpec
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.infra import free_port
 from common.secrets import DeploymentSecrets, with_credentials
 from common.store import Stage, Store, StoreConfig
+from trident.bench import client, deployments
+from trident.bench.machine import single_thread_gflops
+from trident.bench.sweep import LoadSpec
+from trident.launcher.local_up import state_processes
 
 TICKS = os.sysconf("SC_CLK_TCK")
 PATH = [s.value for s in Stage]  # the marks in path order

@@ -33,12 +33,9 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.infra import NatsServer, RedisServer, netns
 from common.transfer import TransferConfig, create_backend, ucx_available

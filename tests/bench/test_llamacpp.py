@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from common.bench import llamacpp
-from common.bench.compare import Comparison, System
 from common.stats import SLO
 from tests.bench import load_script
+from trident.bench import llamacpp
+from trident.bench.compare import Comparison, System
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "third_party" / "llamacpp_convert.py"
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from common.bench.metrics import RequestResult, attainment, goodput, summarise
-from common.bench.sweep import parse_rates
 from common.stats import SLO
+from trident.bench.metrics import RequestResult, attainment, goodput, summarise
+from trident.bench.sweep import parse_rates
 
 SLO_ = SLO(ttft=1.0, tbt=0.1)
 

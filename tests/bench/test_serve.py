@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from common.cli import app
 from tests.services.conftest import e_p_d  # noqa: F401 - the shared E+P+D deployment, a fixture
+from trident.cli import app
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from common.bench.workload import TRACE_FILES, WorkloadError, build, trace_timestamps, traces_dir
 from common.planner.trace import TraceEntry, write_trace
+from trident.bench.workload import TRACE_FILES, WorkloadError, build, trace_timestamps, traces_dir
 
 
 def test_mooncake_and_azure_formats_give_seconds(tmp_path):

@@ -16,13 +16,13 @@ import httpx
 import openai
 import pytest
 
-from common.launcher.compose_file import Method, load_compose, plan_scale
-from common.launcher.compose_follow import ComposeProject
+from common.compose import Method, load_compose, plan_scale
 from common.protocol import Plan
 from tests.docker.conftest import REPO
 from tests.engine.conftest import make_image
 from tests.services.conftest import data_url
 from tests.services.test_e2e import QUESTION, reference, user_message
+from trident.launcher.compose_follow import ComposeProject
 
 pytestmark = pytest.mark.docker
 LONG = 1500  # tokens: long enough to strike mid-stream on a busy machine (two docker exec first)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from common.bench.oracle import hf_model_inputs
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.sampling import SamplingParams
+from trident.bench.oracle import hf_model_inputs
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 

@@ -147,8 +147,8 @@ def test_generate_cli_prints_one_json_object_last(tiny_model_dir, tmp_path):
     """`trident generate --json` is a contract: its last line is one JSON object with text and token_ids."""
     from typer.testing import CliRunner
 
-    from common.cli import app
     from tests.engine.conftest import make_image
+    from trident.cli import app
 
     make_image(0).save(tmp_path / "img.png")
     args = [

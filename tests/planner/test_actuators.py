@@ -14,16 +14,17 @@ from pathlib import Path
 import pytest
 import redis
 
+from common.compose import Method, load_compose, plan_scale
 from common.infra import RedisServer, free_port
-from common.launcher.compose_file import Method, ProcessSpec, load_compose, plan_scale
-from common.launcher.follow import change_for
-from common.launcher.processes import Child
 from common.protocol import Heartbeat, Plan, decode
 from common.secrets import DeploymentSecrets
 from common.store import Store, StoreConfig
 from common.store.keys import Keys
 from services.planner.actuators import LauncherActuator, compose_command
 from tests.test_launcher import _read_until, _record, _stand_in_compose, _start_up, _stop_up, _wait_for
+from trident.launcher.follow import change_for
+from trident.launcher.processes import Child
+from trident.launcher.specs import ProcessSpec
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = load_compose(REPO / "compose.yaml", {})

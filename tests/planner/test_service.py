@@ -16,7 +16,6 @@ import pytest
 from typer.testing import CliRunner
 
 from common.bus import Bus, BusConfig
-from common.cli import app as cli_app
 from common.infra import free_port
 from common.planner.trace import from_records, read_trace
 from common.planner.types import KIND_ROLES, METHOD_KINDS, Deployment, PlanResult
@@ -26,8 +25,9 @@ from common.store import Store, StoreConfig
 from services.planner.planner import Decision, Planner
 from services.settings import PlannerSettings
 from tests.engine.conftest import make_image
-from tests.services.cluster import Cluster, running_cluster
 from tests.services.conftest import data_url
+from trident.cli import app as cli_app
+from trident.launcher.cluster import Cluster, running_cluster
 
 MIN_REQUESTS = 4
 

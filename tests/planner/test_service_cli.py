@@ -17,7 +17,7 @@ from common.planner.workloads import generate
 
 @pytest.fixture(scope="module")
 def app() -> typer.Typer:
-    from common.cli import app
+    from trident.cli import app
 
     return app
 

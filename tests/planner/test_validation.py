@@ -1,5 +1,5 @@
 """The simulator against a real deployment on this machine (issue 5): E+P+D on the tiny model at
-three rates, calibrated on unloaded requests first (tests/planner/validation.py).
+three rates, calibrated on unloaded requests first (trident/bench/validation.py).
 
 The issue's goal is 20 % on TTFT p50/p90 and TBT p90. On this 2-core machine the gateway, the client
 and the workers share the cores, and two runs of the same requests differ by up to 28 %
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from common.stats import SLO
-from tests.planner.validation import METRICS, validate
+from trident.bench.validation import METRICS, validate
 
 FACTOR = 3.0
 RATES = (1.0, 4.0)  # unloaded-ish and loaded; bench/planner_validation.py sweeps more

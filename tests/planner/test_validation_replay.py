@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from common.stats import SLO
-from tests.planner.validation import goodput, replay_folder, summary
+from trident.bench.validation import goodput, replay_folder, summary
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 BOUND = 0.35

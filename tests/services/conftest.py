@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from tests.engine.conftest import make_image
-from tests.services.cluster import Cluster, running_cluster
 from tests.services.shared import SHARED, shared_cluster
+from trident.launcher.cluster import Cluster, running_cluster
 
 
 @pytest.hookimpl(wrapper=True)

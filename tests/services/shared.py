@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services.cluster import Cluster, running_cluster
+from trident.launcher.cluster import Cluster, running_cluster
 
 SERVICES = Path(__file__).resolve().parent
 Uses = Callable[[pytest.Item], str | None]  # the method a test runs on through a fixture, if shared

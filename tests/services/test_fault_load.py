@@ -1,4 +1,4 @@
-"""The fault benchmark's load (common/bench/fault_load.py) against a real deployment: with no
+"""The fault benchmark's load (trident/bench/fault_load.py) against a real deployment: with no
 fault every request ends identical to HF `generate`'s answer, a wrong answer is told apart, and a
 request the server refuses ends as an error with the server's message."""
 
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from common.bench.client import image_data_url
-from common.bench.fault_load import StreamingLoad
-from common.bench.oracle import Chat, hf_greedy
+from trident.bench.client import image_data_url
+from trident.bench.fault_load import StreamingLoad
+from trident.bench.oracle import Chat, hf_greedy
 
 TOKENS = 24
 CHATS = [Chat("Tell me a story."), Chat("What is in the picture?", (image_data_url(3, (96, 72)),))]

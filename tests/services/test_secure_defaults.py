@@ -16,13 +16,13 @@ import nats
 import pytest
 import redis
 
-from common.bench.local_up import LocalUp
 from common.secrets import NAMES, DeploymentSecrets
 from common.store.keys import Keys
 from common.transfer import TransferConfig, create_backend
 from common.transfer.errors import Forbidden, HandleNotFound
 from tests.services.conftest import client_for
 from tests.services.test_e2e import user_message
+from trident.launcher.local_up import LocalUp
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,8 +15,8 @@ import httpx
 import nats
 
 from common.bus.subjects import Subjects
+from common.compose import Method, load_compose
 from common.infra import NatsServer, RedisServer, free_port
-from common.launcher.compose_file import Method, load_compose
 from common.roles import Role
 from common.secrets import DeploymentSecrets
 

@@ -12,18 +12,18 @@ from typing import Annotated, Any
 
 import typer
 
+from common.compose import ComposeError, Method, load_compose, parse_scale, resolve_scale
 from common.infra import free_port
-from common.launcher.compose_file import ComposeError, Method, load_compose, parse_scale, resolve_scale
-from common.launcher.compose_follow import (
+from common.models import ModelError, resolve_model
+from trident.launcher.compose_follow import (
     ComposeProject,
     Follower,
     FollowError,
     GatewayView,
     default_gateway,
 )
-from common.launcher.deployment import Deployment
-from common.launcher.state import StateFile, clear_leftovers, is_alive, send, wait_gone
-from common.models import ModelError, resolve_model
+from trident.launcher.deployment import Deployment
+from trident.launcher.state import StateFile, clear_leftovers, is_alive, send, wait_gone
 
 # Everything `trident up` writes lives here, relative to the directory it runs in: models, logs, server
 # files, the state file (the same place `trident generate` keeps the tiny model).

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from common.bench.workload import ARRIVALS
+from trident.bench.workload import ARRIVALS
 
 DEFAULT_SYSTEMS = "e+p+d,ep+d,ed+p,epd,planner,transformers-serve"
 
@@ -45,12 +45,12 @@ def compare(
     seed: Annotated[int, typer.Option(help="Requests and arrival times depend only on the seed.")] = 0,
 ) -> None:
     """Start each system in turn, run the sweep against it, stop it; one table, one plot."""
-    from common.bench.compare import System
-    from common.bench.compare import compare as run_compare
-    from common.bench.serve_cmd import parse_size, progress_reporter
-    from common.bench.sweep import LoadSpec, parse_rates
-    from common.bench.workload import WorkloadError
     from common.stats import SLO
+    from trident.bench.compare import System
+    from trident.bench.compare import compare as run_compare
+    from trident.bench.sweep import LoadSpec, parse_rates
+    from trident.bench.workload import WorkloadError
+    from trident.cli.bench_serve import parse_size, progress_reporter
 
     try:
         slo = SLO(ttft_slo, tbt_slo, attainment)
@@ -69,7 +69,7 @@ def compare(
         model_dir = resolve_model(model, say=typer.echo)
     except ModelError as exc:
         raise typer.BadParameter(str(exc), param_hint="--model") from None
-    from common.bench.machine import single_thread_gflops
+    from trident.bench.machine import single_thread_gflops
 
     before = single_thread_gflops()  # this machine's speed varies from run to run: read the ratio beside it
     result = run_compare(chosen, model_dir, load, slo, out, image_size=size, reporter=progress_reporter)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from common.compose import load_compose
 from common.infra import free_port
-from common.launcher.compose_file import load_compose
 from common.models import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.bench import client, plots, workload
-from common.bench.metrics import RateSummary, RequestResult, goodput, summarise
 from common.stats import SLO
+from trident.bench import client, plots, workload
+from trident.bench.metrics import RateSummary, RequestResult, goodput, summarise
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import redis
 
-from common.launcher.compose_file import ComposeFile, Method, plan_scale
-from common.launcher.processes import Child
+from common.compose import ComposeFile, Method, plan_scale
 from common.protocol import Plan, ProtocolError, decode
 from common.store.keys import Keys
+from trident.launcher.processes import Child
 
 log = logging.getLogger(__name__)
 

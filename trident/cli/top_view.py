@@ -19,8 +19,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from common.launcher.compose_follow import FollowError, GatewayView
 from common.protocol import Plan
+from trident.launcher.compose_follow import FollowError, GatewayView
 
 STAGES = ("encode", "prefill", "decode")
 

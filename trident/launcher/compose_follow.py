@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from common.launcher.compose_file import ComposeFile, Method, plan_scale
+from common.compose import ComposeFile, Method, plan_scale
 from common.protocol import Plan
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from common.infra.process import die_with_parent
-from common.launcher.compose_file import ProcessSpec
+from trident.launcher.specs import ProcessSpec
 
 # Docker's restart back-off, in spirit: short at first, doubling while the process keeps dying quickly.
 FIRST_BACKOFF = 0.5

@@ -27,19 +27,19 @@ from typing import Any
 
 import httpx
 
+from common.compose import Method
 from common.infra import free_port
-from common.launcher.commands import STATE
-from common.launcher.compose_file import Method
-from common.launcher.processes import read_tail
-from common.launcher.state import StateFile, clear_leftovers
 from common.secrets import DeploymentSecrets
+from trident.cli.up import STATE
+from trident.launcher.processes import read_tail
+from trident.launcher.state import StateFile, clear_leftovers
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
 TRIDENT = "trident"
 PEER = "transformers-serve"
-# `trident` is the console script for common.cli:app; this runs the same app with this interpreter.
-_TRIDENT_MAIN = "from common.cli import app; app(prog_name='trident')"
+# `trident` is the console script for trident.cli:app; this runs the same app with this interpreter.
+_TRIDENT_MAIN = "from trident.cli import app; app(prog_name='trident')"
 
 
 @dataclass(frozen=True)

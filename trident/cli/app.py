@@ -8,12 +8,12 @@ from typing import Annotated
 
 import typer
 
-from common.bench.commands import bench_app
 from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters, write_checkpoint
-from common.generate_cmd import generate
-from common.launcher import down, follow_plan, up
-from common.plan_cmd import plan
-from common.top_cmd import top
+from trident.cli.bench import bench_app
+from trident.cli.generate import generate
+from trident.cli.plan import plan
+from trident.cli.top import top
+from trident.cli.up import down, follow_plan, up
 
 app = typer.Typer(
     name="trident",

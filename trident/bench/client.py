@@ -22,8 +22,8 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from common.bench.metrics import RequestResult
 from common.planner.trace import TraceEntry
+from trident.bench.metrics import RequestResult
 
 _TEXT = "the cat sat on a red mat near the old blue door while small birds sang in tall green trees"
 DEFAULT_IMAGE_SIZE = (640, 480)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from common.bench import deployments
-from common.bench.oracle import hf_model_inputs
+from trident.bench import deployments
+from trident.bench.oracle import hf_model_inputs
 
 LLAMACPP = "llama.cpp"
 MARKER = re.compile(r"<__media_[^>]*__>")  # where llama-server's rendered prompt has an image

@@ -1,4 +1,4 @@
-"""`trident top`: the live view of common/top.py, refreshed until Ctrl-C (or once, with --once)."""
+"""`trident top`: the live view of trident/cli/top_view.py, refreshed until Ctrl-C (or once, with --once)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from common.top import Frame, TopError, read_frame, render
+from trident.cli.top_view import Frame, TopError, read_frame, render
 
 UP_STATE = Path(".trident") / "up.json"
 

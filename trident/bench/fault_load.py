@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from common.bench.oracle import Chat
+from trident.bench.oracle import Chat
 
 RETRY_PAUSE = 0.2  # seconds between attempts while the gateway is away
 

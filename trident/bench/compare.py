@@ -17,11 +17,11 @@ from pathlib import Path
 
 import httpx
 
-from common.bench import deployments, llamacpp, plots
-from common.bench.sweep import LoadSpec, SweepResult, run_sweep
 from common.infra import free_port
 from common.roles import InstanceKind
 from common.stats import SLO
+from trident.bench import deployments, llamacpp, plots
+from trident.bench.sweep import LoadSpec, SweepResult, run_sweep
 
 PEER = "transformers-serve"
 PEERS = (PEER, PEER + "-cb", llamacpp.LLAMACPP)
@@ -152,7 +152,7 @@ def compare(
     reporter: Callable[[str], contextlib.AbstractContextManager] | None = None,
 ) -> Comparison:
     """Each system in turn under `load`; results, a table and plots in `out` (module docstring)."""
-    from common.bench.client import RequestOptions
+    from trident.bench.client import RequestOptions
 
     result = Comparison(slo, load.describe())
     plan: dict | None = None

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from common.bench.workload import ARRIVALS
+from trident.bench.workload import ARRIVALS
 
 
 @contextmanager
@@ -100,10 +100,10 @@ def serve(
 ) -> None:
     """Open-loop streaming load at each rate; per-request TTFT, TBTs and end-to-end latency; SLO
     attainment per rate and goodput over the sweep."""
-    from common.bench import client
-    from common.bench.sweep import LoadSpec, parse_rates, run_sweep
-    from common.bench.workload import WorkloadError
     from common.stats import SLO
+    from trident.bench import client
+    from trident.bench.sweep import LoadSpec, parse_rates, run_sweep
+    from trident.bench.workload import WorkloadError
 
     try:
         slo = SLO(ttft_slo, tbt_slo, attainment)

@@ -1,20 +1,20 @@
-"""compose.yaml as `trident up` reads it, and the local processes it stands for.
+"""compose.yaml as Trident reads it: its services, their roles and environment, and each method's workers.
 
-`trident up` runs the services of compose.yaml with the same commands and environment, except what
-only makes sense inside containers: the `nats`/`redis` hostnames (local servers on loopback ports
-instead), the model volume (a local directory), the advertised and bound host (127.0.0.1) and the
-fixed worker port (0: each worker picks a free one). The file's `x-trident-up` key says which
-services are servers, which is the gateway and which the planner, which services run for every
-method, and which services make up each method.
+The planner's compose actuator scales from it, and `trident up` runs it (trident/launcher/specs.py
+turns it into local processes) with the same commands and environment, except what only makes sense
+inside containers: the `nats`/`redis` hostnames (local servers on loopback ports instead), the model
+volume (a local directory), the advertised and bound host (127.0.0.1) and the fixed worker port (0:
+each worker picks a free one). The file's `x-trident-up` key says which services are servers, which
+is the gateway and which the planner, which services run for every method, and which services make
+up each method.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,6 @@ from typing import Any
 import yaml
 
 from common.roles import InstanceKind, parse_roles
-from common.threads import thread_split
 
 
 class ComposeError(ValueError):
@@ -285,101 +284,3 @@ def plan_scale(compose: ComposeFile, method: Method, replicas: Mapping[str, int]
     if missing:
         raise ValueError(f"the plan gives no replicas for {', '.join(missing)} of {method.value}")
     return counts
-
-
-@dataclass(frozen=True)
-class LocalSetup:
-    """What replaces the containers' world on this machine."""
-
-    model: Path
-    port: int
-    hosts: Mapping[str, str]  # compose hostname -> "127.0.0.1:PORT" of the local server
-    cpus: int
-    user_env: Mapping[str, str]  # the caller's environment; its TRIDENT_NUM_THREADS wins over the split
-    secrets_dir: Path | None = None  # the deployment's secrets (common/secrets.py), for every service
-    # The workers' shared core board (services/worker/cores.py), used unless the caller fixed the threads.
-    core_board: Path | None = None
-    # Variables set on one service's processes over everything else (the planner's port and actuator).
-    service_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    """One local process: a compose service replica with its command and environment."""
-
-    name: str  # like compose's containers: <service>-<n>
-    service: str
-    argv: tuple[str, ...]
-    env: dict[str, str]  # the compose environment with the local overrides; the caller's env goes under it
-    roles: tuple[str, ...]
-    restart: str
-    stop_grace: float
-    gateway: bool = False
-
-
-def local_argv(command: tuple[str, ...]) -> tuple[str, ...]:
-    """The container's `python` is this interpreter, so children run in the same environment."""
-    if command and command[0] in ("python", "python3"):
-        return (sys.executable, *command[1:])
-    return command
-
-
-def _local_env(setup: LocalSetup) -> dict[str, str]:
-    env = {
-        "TRIDENT_MODEL": str(setup.model),
-        "TRIDENT_BIND_HOST": "127.0.0.1",
-        "TRIDENT_ADVERTISE_HOST": "127.0.0.1",
-        # Children write to log files; unbuffered output keeps the logs current.
-        "PYTHONUNBUFFERED": "1",
-    }
-    if setup.secrets_dir is not None:
-        env["TRIDENT_SECRETS_DIR"] = str(setup.secrets_dir)
-    return env
-
-
-def plan(
-    compose: ComposeFile, method: Method, scale: Mapping[str, int], setup: LocalSetup
-) -> list[ProcessSpec]:
-    """The processes for `method`: workers, then the services run for every method (the planner), then
-    the gateway (the order they start in)."""
-    counts = resolve_scale(compose, method, scale)
-    specs: list[ProcessSpec] = []
-    for name, count in counts.items():
-        specs += [worker_spec(compose, name, i, setup, sum(counts.values())) for i in range(1, count + 1)]
-    for name in compose.always:
-        specs.append(_spec(compose.services[name], 1, setup, {**_local_env(setup), "TRIDENT_HTTP_PORT": "0"}))
-    port = str(setup.port)
-    gateway_env = {**_local_env(setup), "TRIDENT_PORT": port, "TRIDENT_HTTP_PORT": port}
-    specs.append(_spec(compose.services[compose.gateway], 1, setup, gateway_env, gateway=True))
-    return specs
-
-
-def worker_spec(
-    compose: ComposeFile, service: str, index: int, setup: LocalSetup, workers: int
-) -> ProcessSpec:
-    """Replica `index` of a worker service, its torch threads a share of the cores among `workers`."""
-    env = {**_local_env(setup), "TRIDENT_HTTP_PORT": "0"}
-    if "TRIDENT_NUM_THREADS" not in setup.user_env:
-        env["TRIDENT_NUM_THREADS"] = str(thread_split(setup.cpus, workers))
-        if setup.core_board is not None:  # the split under load; all the cores a step finds idle
-            env["TRIDENT_CORE_BOARD"] = str(setup.core_board)
-            env["TRIDENT_HOST_CORES"] = str(setup.cpus)
-    return _spec(compose.services[service], index, setup, env)
-
-
-def _spec(
-    service: Service, index: int, setup: LocalSetup, overrides: dict[str, str], gateway: bool = False
-) -> ProcessSpec:
-    env = {key: map_hosts(value, setup.hosts) for key, value in service.environment.items()}
-    env.update(overrides)
-    env.update(setup.service_env.get(service.name, {}))
-    return ProcessSpec(
-        name=f"{service.name}-{index}",
-        service=service.name,
-        argv=local_argv(service.command),
-        env=env,
-        roles=service.roles,
-        restart=service.restart,
-        stop_grace=service.stop_grace,
-        gateway=gateway,
-    )

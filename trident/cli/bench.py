@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from common.bench.compare_cmd import compare
-from common.bench.serve_cmd import serve
+from trident.cli.bench_compare import compare
+from trident.cli.bench_serve import serve
 
 bench_app = typer.Typer(
     help="Measure SLO attainment and goodput of OpenAI-compatible servers (docs/benchmarks.md).",

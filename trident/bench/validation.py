@@ -429,7 +429,7 @@ def validate(
     time and then `calibration_load` more (default: `requests`) at `calibration_rate` (default:
     the middle rate), with seeds of their own, warm the deployment up and give the calibration its
     steps in service."""
-    from tests.services.cluster import method_workers, running_cluster
+    from trident.launcher.cluster import method_workers, running_cluster
 
     tokens_per_image = load_config(model_dir).image_seq_length
     cpus = len(os.sched_getaffinity(0))

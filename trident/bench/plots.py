@@ -12,8 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from common.bench.metrics import RequestResult
 from common.stats import SLO
+from trident.bench.metrics import RequestResult
 
 
 def attainment_plot(series: Mapping[str, Sequence[tuple[float, float]]], slo: SLO, path: Path) -> None:

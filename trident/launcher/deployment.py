@@ -18,13 +18,14 @@ from typing import Any
 
 import typer
 
+from common.compose import ComposeFile, Method
 from common.infra import InfraError, NatsServer, RedisServer
-from common.launcher.compose_file import ComposeFile, LocalSetup, Method, plan, worker_spec
-from common.launcher.follow import Change, PlanSource, change_for
-from common.launcher.processes import Child, stop_children
-from common.launcher.state import StateFile, identity
 from common.protocol import Plan
 from common.secrets import DeploymentSecrets
+from trident.launcher.follow import Change, PlanSource, change_for
+from trident.launcher.processes import Child, stop_children
+from trident.launcher.specs import LocalSetup, plan, worker_spec
+from trident.launcher.state import StateFile, identity
 
 Echo = Callable[..., None]
 

@@ -1,0 +1,5 @@
+"""The `trident` command line (`trident --help`)."""
+
+from trident.cli.app import app
+
+__all__ = ["app"]
