@@ -27,13 +27,13 @@ system-deps:
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q
+	$(BIN)/python -m pytest -q
 
 # The quick loop: every test that starts no deployment (tests/tiers.py says which are slow).
 test-fast: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow"
 
 demo: install
 	$(BIN)/python -c "import numpy as np; from PIL import Image; \

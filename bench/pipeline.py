@@ -37,6 +37,8 @@ from common.store import Store, StoreConfig
 from trident.launcher.cluster import running_cluster
 
 METHODS = ("epd", "e+p+d")
+# One torch thread per worker and a small KV cache: the path's own costs, not the engine's speed.
+SMALL = {"TRIDENT_NUM_THREADS": "1", "TRIDENT_KV_CACHE_BYTES": str(16 << 20), "TRIDENT_PROFILE_REPEATS": "1"}
 # (name, from stage, to stage): the intervals of one request's path, in order.
 INTERVALS = [
     ("encode_queue", "encode_queued", "encode_started"),
@@ -123,7 +125,7 @@ def measure(model_dir: Path, n: int, max_tokens: int, workdir: Path) -> tuple[di
     per-pair TTFT that E+P+D adds, at the client and at the server."""
     with contextlib.ExitStack() as stack:
         clusters = {
-            m: stack.enter_context(running_cluster(model_dir, workdir / m.replace("+", "-"), m))
+            m: stack.enter_context(running_cluster(model_dir, workdir / m.replace("+", "-"), m, env=SMALL))
             for m in METHODS
         }
         clients = {

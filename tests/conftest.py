@@ -10,7 +10,7 @@ import pytest
 from common.checkpoints import write_checkpoint
 from common.infra import NatsServer, RedisServer
 from tests.services.shared import SHARED
-from tests.tiers import mark_slow_folders, starts_a_deployment
+from tests.tiers import START_EVENT, mark_slow_folders, starts_a_deployment
 from trident.bench.machine import single_thread_gflops
 
 MATMUL_AT_START = pytest.StashKey[tuple[float, float]]()  # (GFLOP/s, time.monotonic()) at session start
@@ -39,7 +39,11 @@ def _refuse_unmarked_deployments(event: str, args: tuple) -> None:
     """`make test-fast` (`-m "not slow"`) must start no deployment: a test that starts one (a service
     process, `trident up`, Docker Compose) and is not marked slow fails here, at the start, instead
     of silently making the fast tier slow."""
-    if event != "subprocess.Popen" or not RUNNING or RUNNING[-1].get_closest_marker("slow"):
+    if (
+        event not in ("subprocess.Popen", START_EVENT)
+        or not RUNNING
+        or RUNNING[-1].get_closest_marker("slow")
+    ):
         return
     argv = args[1]
     argv = argv.split() if isinstance(argv, str | bytes) else [str(a) for a in argv]

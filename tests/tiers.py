@@ -19,6 +19,9 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 SLOW_FOLDERS = (TESTS / "services", TESTS / "docker")
+# Raised (sys.audit) by the launcher's clusters for each process they start, forked ones included,
+# which no subprocess.Popen event announces.
+START_EVENT = "trident.launcher.start"
 
 
 def mark_slow_folders(items: list[pytest.Item]) -> None:

@@ -76,17 +76,18 @@ def _prctl() -> Callable[..., int] | None:
 _PRCTL = _prctl()  # looked up here, not in the forked child
 
 
-def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> Callable[[], None] | None:
     """A `preexec_fn` after which the kernel sends the child `signum` when its parent dies, even by
     SIGKILL, so a launcher's servers and services do not outlive it as orphans holding their ports.
 
     Linux only (None elsewhere). The kernel means the parent *thread*: start such children from a
-    thread that lives as long as the launcher does (its main thread).
+    thread that lives as long as the launcher does (its main thread). `parent`: the pid the child's
+    parent must have (this process by default; a forked child names its parent's).
     """
     prctl = _PRCTL
     if prctl is None:
         return None
-    parent = os.getpid()
+    parent = os.getpid() if parent is None else parent
 
     def preexec() -> None:
         zero = ctypes.c_ulong(0)

@@ -24,10 +24,11 @@ from common.secrets import DeploymentSecrets
 from common.store import Store, StoreConfig
 from services.planner.planner import Decision, Planner
 from services.settings import PlannerSettings
+from tests.deploy import running_cluster
 from tests.engine.conftest import make_image
 from tests.services.conftest import data_url
 from trident.cli import app as cli_app
-from trident.launcher.cluster import Cluster, running_cluster
+from trident.launcher.cluster import Cluster
 
 MIN_REQUESTS = 4
 

@@ -9,9 +9,10 @@ import io
 import openai
 import pytest
 
+from tests.deploy import running_cluster
 from tests.engine.conftest import make_image
 from tests.services.shared import SHARED, shared_cluster
-from trident.launcher.cluster import Cluster, running_cluster
+from trident.launcher.cluster import Cluster
 
 
 @pytest.hookimpl(wrapper=True)

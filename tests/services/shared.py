@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from trident.launcher.cluster import Cluster, running_cluster
+from tests.deploy import running_cluster
+from trident.launcher.cluster import Cluster
 
 SERVICES = Path(__file__).resolve().parent
 Uses = Callable[[pytest.Item], str | None]  # the method a test runs on through a fixture, if shared

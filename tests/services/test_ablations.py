@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from services.settings import WorkerSettings
+from tests.deploy import running_cluster
 from tests.services.conftest import client_for
 from tests.services.test_e2e import QUESTION, reference, user_message
-from trident.launcher.cluster import running_cluster
 
 VARIANTS = {
     "prefill-first": {"TRIDENT_POLICY": "prefill-first"},

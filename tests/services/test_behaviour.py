@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.deploy import running_cluster
 from tests.services.conftest import client_for, start
 from tests.services.test_e2e import user_message
-from trident.launcher.cluster import running_cluster
 
 
 def metric(base_url: str, name: str) -> float:

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.deploy import running_cluster
 from tests.services.conftest import client_for
 from tests.services.test_behaviour import metric
 from tests.services.test_e2e import user_message
-from trident.launcher.cluster import running_cluster
 
 STREAMS = 4
 TOKENS = 300

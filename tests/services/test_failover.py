@@ -20,11 +20,11 @@ import openai
 import pytest
 
 from common.protocol import Fence, Heartbeat, decode, encode
+from tests.deploy import running_cluster
 from tests.services.conftest import client_for
 from tests.services.test_behaviour import instances, metric
 from tests.services.test_e2e import user_message
 from tests.services.test_recovery import LONG, held, pid_of
-from trident.launcher.cluster import running_cluster
 
 # Far beyond any failover: a request that moved on by its ack deadline would fail the stall checks.
 SLOW_ACK = {"TRIDENT_TASK_ACK_WAIT": "30"}

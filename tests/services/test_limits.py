@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 from common.infra import free_port
+from tests.deploy import running_cluster
 from tests.services.test_bad_input import body
 from tests.services.test_behaviour import instances, metric
 from tests.services.test_e2e import user_message
 from tests.services.test_recovery import pid_of
-from trident.launcher.cluster import running_cluster
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import time
 import httpx
 
 from common.runtime import EXIT_LOOP_FAILED, FAULT_ENV
+from tests.deploy import running_cluster
 from tests.services.conftest import client_for
-from trident.launcher.cluster import running_cluster
 
 EXIT_WAIT = 60.0  # seconds a process may take to close and exit on this loaded machine
 

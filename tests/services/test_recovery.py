@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from common.roles import Role
+from tests.deploy import running_cluster
 from tests.services.conftest import client_for, start
 from tests.services.test_behaviour import instances, metric
 from tests.services.test_e2e import user_message
-from trident.launcher.cluster import running_cluster
 
 # Long enough that the request is still decoding when its decoder is stopped: the client reads
 # behind the decoder, and tiny decodes 400 tokens in well under a second on a fast machine, which

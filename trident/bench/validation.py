@@ -444,6 +444,7 @@ def validate(
         "TRIDENT_NUM_THREADS": str(thread_split(cpus, len(method_workers(method)))),
         "TRIDENT_CORE_BOARD": str(workdir / "cores"),
         "TRIDENT_HOST_CORES": str(cpus),
+        "TRIDENT_KV_CACHE_BYTES": str(16 << 20),  # the KV space the recorded runs (tests/data) had
     }
     deployment = DEPLOYMENTS[method]
 

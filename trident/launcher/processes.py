@@ -7,8 +7,9 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from common.infra.process import die_with_parent
 from trident.launcher.specs import ProcessSpec
@@ -32,6 +33,41 @@ def restart_delay(policy: str, returncode: int, ran_for: float, previous: float)
     return None
 
 
+class Process(Protocol):
+    """A started service process: a `subprocess.Popen`, or what a warm starter gives (warm.py)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, signum: int) -> None: ...
+
+
+class Starter(Protocol):
+    def start(self, argv: Sequence[str], env: Mapping[str, str], log: Path) -> Process: ...
+
+
+def plain_start(argv: Sequence[str], env: Mapping[str, str], log: Path) -> subprocess.Popen:
+    """A child process of its own session, output appended to `log`, killed with its parent."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+            preexec_fn=die_with_parent(),  # prctl only: nothing in the forked child takes a lock
+        )
+
+
+class PlainStarter:
+    """Each service process from a bare interpreter, as compose's command line says."""
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str], log: Path) -> Process:
+        return plain_start(argv, env, log)
+
+
 def read_tail(path: Path, lines: int = 30) -> str:
     """The last `lines` lines of a log file ('' if there is none)."""
     try:
@@ -52,12 +88,15 @@ class Child:
     `trident up` dies without that (SIGKILL), the kernel sends the service SIGTERM: it drains and exits.
     """
 
-    def __init__(self, spec: ProcessSpec, log_dir: Path, base_env: Mapping[str, str]) -> None:
+    def __init__(
+        self, spec: ProcessSpec, log_dir: Path, base_env: Mapping[str, str], starter: Starter | None = None
+    ) -> None:
         self.spec = spec
+        self.starter = starter or PlainStarter()
         self.log_path = log_dir / f"{spec.name}.log"
         # The caller's environment under the compose one, as a container's image ENV is under compose's.
         self.env = {**base_env, **spec.env}
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Process | None = None
         self.started_at = 0.0
         self.backoff = 0.0
         self.restart_at: float | None = None  # monotonic time of a pending restart
@@ -84,16 +123,7 @@ class Child:
         self.restart_at = None
         with open(self.log_path, "ab") as log:
             log.write(f"--- trident up: {time.strftime('%F %T')} {' '.join(self.spec.argv)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                self.spec.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),  # prctl only: nothing in the forked child takes a lock
-            )
+        self.proc = self.starter.start(self.spec.argv, self.env, self.log_path)
         self.started_at = time.monotonic()
 
     def schedule_restart(self, now: float) -> float | None:

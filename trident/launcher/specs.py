@@ -71,12 +71,23 @@ def plan(
     specs: list[ProcessSpec] = []
     for name, count in counts.items():
         specs += [worker_spec(compose, name, i, setup, sum(counts.values())) for i in range(1, count + 1)]
-    for name in compose.always:
-        specs.append(_spec(compose.services[name], 1, setup, {**_local_env(setup), "TRIDENT_HTTP_PORT": "0"}))
-    port = str(setup.port)
-    gateway_env = {**_local_env(setup), "TRIDENT_PORT": port, "TRIDENT_HTTP_PORT": port}
-    specs.append(_spec(compose.services[compose.gateway], 1, setup, gateway_env, gateway=True))
+    specs += [service_spec(compose, name, 1, setup) for name in compose.always]
+    specs.append(gateway_spec(compose, setup))
     return specs
+
+
+def service_spec(compose: ComposeFile, service: str, index: int, setup: LocalSetup) -> ProcessSpec:
+    """Replica `index` of a service that is neither a worker nor the gateway (the planner, its jobs)."""
+    return _spec(compose.services[service], index, setup, {**_local_env(setup), "TRIDENT_HTTP_PORT": "0"})
+
+
+def gateway_spec(
+    compose: ComposeFile, setup: LocalSetup, index: int = 1, port: int | None = None
+) -> ProcessSpec:
+    """Replica `index` of the gateway, serving on `port` (the setup's by default)."""
+    served = str(setup.port if port is None else port)
+    env = {**_local_env(setup), "TRIDENT_PORT": served, "TRIDENT_HTTP_PORT": served}
+    return _spec(compose.services[compose.gateway], index, setup, env, gateway=True)
 
 
 def worker_spec(
