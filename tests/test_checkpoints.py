@@ -18,7 +18,7 @@ from common.checkpoints import PRESETS, count_parameters, is_checkpoint_dir, wri
 from common.checkpoints.presets import build_config, meta_model
 from common.checkpoints.weights import tensor_specs
 from common.models import ModelError, resolve_model
-from trident.cli import app
+from trident.cli.app import app
 
 PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 

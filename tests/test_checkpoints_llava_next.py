@@ -32,7 +32,7 @@ from tests.test_checkpoints_qwen2_vl import (
     _safetensors_keys,
     _squashed,
 )
-from trident.cli import app
+from trident.cli.app import app
 
 TINY, SMALL, REAL = "tiny-llava-next", "small-llava-next", "llava-next-7b"
 PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"

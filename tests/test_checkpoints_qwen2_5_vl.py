@@ -36,7 +36,7 @@ from tests.test_checkpoints_qwen2_vl import (
 from tests.test_checkpoints_qwen2_vl import (
     test_the_image_changes_the_output as check_the_image_changes_the_output,
 )
-from trident.cli import app
+from trident.cli.app import app
 
 # Image sizes (width, height) the family checks feed the tiny presets: from 4 placeholder tokens up to the
 # tiny presets' pixel caps, one of them not a multiple of the patch grid.

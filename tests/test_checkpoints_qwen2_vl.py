@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from common.checkpoints import PRESETS, Qwen2VLPreset, count_parameters, is_checkpoint_dir, write_checkpoint
 from common.checkpoints.presets import placeholder_config
 from common.checkpoints.weights import tensor_specs
-from trident.cli import app
+from trident.cli.app import app
 
 QWEN_PRESETS = ("tiny-qwen2-vl", "small-qwen2-vl", "qwen2-vl-7b")
 IMAGE_PAD = "<|image_pad|>"

@@ -226,7 +226,7 @@ def cli_runner() -> CliRunner:
 @pytest.fixture(scope="module")
 def app() -> typer.Typer:
     """The `trident` app, imported on first use: it pulls in the model stack."""
-    from trident.cli import app
+    from trident.cli.app import app
 
     return app
 

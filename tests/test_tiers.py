@@ -20,7 +20,7 @@ PY = sys.executable
         ([PY, "-m", "services.gateway"], True),
         ([PY, "-m", "celery", "--app=services.planner.jobs", "worker"], True),
         (["/venv/bin/trident", "up", "--model", "m"], True),
-        ([PY, "-c", "from trident.cli import app; app(prog_name='trident')", "up", "--model", "m"], True),
+        ([PY, "-c", "from trident.cli.app import app; app(prog_name='trident')", "up", "--model", "m"], True),
         ([PY, "-c", "import typer; from trident.cli.up import up; typer.run(up)", "--model", "m"], True),
         (["docker", "compose", "-p", "x", "-f", "compose.yaml", "up", "-d"], True),
         ([PY, "-m", "transformers.cli.transformers", "serve", "m"], True),

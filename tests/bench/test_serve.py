@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.services.conftest import e_p_d  # noqa: F401 - the shared E+P+D deployment, a fixture
-from trident.cli import app
+from trident.cli.app import app
 
 
 @pytest.mark.slow

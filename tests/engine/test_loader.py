@@ -148,7 +148,7 @@ def test_generate_cli_prints_one_json_object_last(tiny_model_dir, tmp_path):
     from typer.testing import CliRunner
 
     from tests.engine.conftest import make_image
-    from trident.cli import app
+    from trident.cli.app import app
 
     make_image(0).save(tmp_path / "img.png")
     args = [

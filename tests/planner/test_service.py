@@ -27,7 +27,7 @@ from services.settings import PlannerSettings
 from tests.deploy import running_cluster
 from tests.engine.conftest import make_image
 from tests.services.conftest import data_url
-from trident.cli import app as cli_app
+from trident.cli.app import app as cli_app
 from trident.launcher.cluster import Cluster
 
 MIN_REQUESTS = 4

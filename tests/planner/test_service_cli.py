@@ -17,7 +17,7 @@ from common.planner.workloads import generate
 
 @pytest.fixture(scope="module")
 def app() -> typer.Typer:
-    from trident.cli import app
+    from trident.cli.app import app
 
     return app
 

@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
 TRIDENT = "trident"
 PEER = "transformers-serve"
-# `trident` is the console script for trident.cli:app; this runs the same app with this interpreter.
-_TRIDENT_MAIN = "from trident.cli import app; app(prog_name='trident')"
+# `trident` is the console script for trident.cli.app:app; this runs the same app with this interpreter.
+_TRIDENT_MAIN = "from trident.cli.app import app; app(prog_name='trident')"
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from common.stats import SLO, slo_met
 from common.store import Store, StoreConfig
 from common.threads import thread_split
 from services.settings import WorkerSettings
+from trident.launcher.processes import Starter
 
 _WORDS = [
     "the",
@@ -423,12 +424,13 @@ def validate(
     calibration_rate: float | None = None,
     calibration_load: int | None = None,
     seed: int = 0,
+    starter: Starter | None = None,
 ) -> tuple[dict, list[Comparison]]:
     """Measure `method` at each rate (requests/s), `repeats` times over, and compare with the
     simulator's prediction (module docstring). Before measuring, `calibration` requests one at a
     time and then `calibration_load` more (default: `requests`) at `calibration_rate` (default:
     the middle rate), with seeds of their own, warm the deployment up and give the calibration its
-    steps in service."""
+    steps in service. `starter`: how the deployment's processes start (trident/launcher/processes.py)."""
     from trident.launcher.cluster import method_workers, running_cluster
 
     tokens_per_image = load_config(model_dir).image_seq_length
@@ -458,7 +460,7 @@ def validate(
             max_output_tokens=max_output,
         )
 
-    with running_cluster(model_dir, workdir, method, env=env) as cluster:
+    with running_cluster(model_dir, workdir, method, env=env, starter=starter) as cluster:
         model = model_dir.name
         # Requests one at a time (none overlaps another): the fixed costs and the client's TBT.
         quiet = workload(2.0, calibration, seed + 1000)

@@ -1,5 +1,4 @@
-"""The `trident` command line (`trident --help`)."""
+"""The `trident` command line (`trident --help`); the command group is `trident.cli.app:app`.
 
-from trident.cli.app import app
-
-__all__ = ["app"]
+Nothing is imported here: `trident.cli.up`, which the launcher's tests run on its own, must not pull
+in torch and transformers through the other commands."""

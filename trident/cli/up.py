@@ -24,6 +24,7 @@ from trident.launcher.compose_follow import (
 )
 from trident.launcher.deployment import Deployment
 from trident.launcher.state import StateFile, clear_leftovers, is_alive, send, wait_gone
+from trident.launcher.warm import WarmStarter
 
 # Everything `trident up` writes lives here, relative to the directory it runs in: models, logs, server
 # files, the state file (the same place `trident generate` keeps the tiny model).
@@ -136,6 +137,14 @@ def up(
             help="Apply the planner's plans: start and drain workers to match (the launcher actuator).",
         ),
     ] = False,
+    warm: Annotated[
+        bool,
+        typer.Option(
+            "--warm/--cold",
+            help="--warm: fork each service from one process that imported torch and transformers "
+            "once (faster start and restart, shared pages); --cold: each from a bare interpreter.",
+        ),
+    ] = True,
 ) -> None:
     """Run compose.yaml's services as local processes (no Docker); Ctrl-C or `trident down` stops them."""
     try:
@@ -165,8 +174,9 @@ def up(
     if not planner_port:
         planner_port = DEFAULT_PLANNER_PORT if port_free(DEFAULT_PLANNER_PORT) else free_port()
     deployment = Deployment(
-        compose, method, counts, model_dir, port, HOME, ready_timeout, typer.echo, planner_port, follow_plan
-    )
+        compose, method, counts, model_dir, port, HOME, ready_timeout, typer.echo, planner_port, follow_plan,
+        starter=WarmStarter() if warm else None,
+    )  # fmt: skip
     raise typer.Exit(deployment.run())
 
 

@@ -23,7 +23,7 @@ from common.infra import InfraError, NatsServer, RedisServer
 from common.protocol import Plan
 from common.secrets import DeploymentSecrets
 from trident.launcher.follow import Change, PlanSource, change_for
-from trident.launcher.processes import Child, stop_children
+from trident.launcher.processes import Child, Starter, stop_children
 from trident.launcher.specs import LocalSetup, plan, worker_spec
 from trident.launcher.state import StateFile, identity
 
@@ -76,6 +76,7 @@ class Deployment:
         echo: Echo = typer.echo,
         planner_port: int = 0,
         follow_plan: bool = False,
+        starter: Starter | None = None,
     ) -> None:
         self.compose = compose
         self.method = method
@@ -90,6 +91,7 @@ class Deployment:
         self.planner_port = planner_port
         self.planner_url = f"http://127.0.0.1:{planner_port}" if compose.planner and planner_port else None
         self.follow_plan = follow_plan
+        self.starter = starter  # how a service process starts (processes.py; None: a bare interpreter)
         self._plans: PlanSource | None = None
         self._applied = 0  # decision id of the last plan acted on
         self._pending: tuple[list[Child], list[Child], float] | None = None  # (started, to retire, deadline)
@@ -170,7 +172,7 @@ class Deployment:
             service_env={self.compose.planner: planner_env} if self.compose.planner else {},
         )
         for spec in plan(self.compose, self.method, self.scale, self.setup):
-            self._start_child(Child(spec, self.logs, os.environ))
+            self._start_child(Child(spec, self.logs, os.environ, self.starter))
         self._write_state()
 
     def _start_child(self, child: Child) -> None:
@@ -277,7 +279,12 @@ class Deployment:
         total = sum(change.counts.values())
         started = []
         for service, index in change.start:
-            child = Child(worker_spec(self.compose, service, index, self.setup, total), self.logs, os.environ)
+            child = Child(
+                worker_spec(self.compose, service, index, self.setup, total),
+                self.logs,
+                os.environ,
+                self.starter,
+            )
             self._start_child(child)
             started.append(child)
         self._write_state()

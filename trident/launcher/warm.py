@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from multiprocessing import forkserver
 from pathlib import Path
 
 from common.infra.process import die_with_parent
@@ -44,9 +45,15 @@ PRELOAD = (
 )
 
 
-def module_of(argv: Sequence[str]) -> str | None:
-    """The module of a `python -m MODULE` command line run by this interpreter, else None."""
-    if len(argv) == 3 and argv[0] == sys.executable and argv[1] == "-m":
+def module_of(argv: Sequence[str], packages: Sequence[str] = ("services.",)) -> str | None:
+    """The module of a `python -m MODULE` command line run by this interpreter, where MODULE is in
+    one of `packages`; else None (anything else, the planner's Celery worker say, starts plainly)."""
+    if (
+        len(argv) == 3
+        and argv[0] == sys.executable
+        and argv[1] == "-m"
+        and argv[2].startswith(tuple(packages))
+    ):
         return argv[2]
     return None
 
@@ -93,20 +100,21 @@ class WarmStarter:
     """Starts `python -m services.*` command lines as forks of a warm forkserver; any other command
     line as a plain child process."""
 
-    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
+    def __init__(self, preload: Sequence[str] = PRELOAD, packages: Sequence[str] = ("services.",)) -> None:
         self._preload = list(preload)
+        self._packages = tuple(packages)  # the modules it forks; any other command starts plainly
         self._context: multiprocessing.context.ForkServerContext | None = None
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], log: Path) -> Forked | subprocess.Popen:
-        module = module_of(argv)
+        module = module_of(argv, self._packages)
         if module is None:
             return plain_start(argv, env, log)
         if self._context is None:
             self._context = multiprocessing.get_context("forkserver")
             self._context.set_forkserver_preload(self._preload)
         process = self._context.Process(
-            target=run_module, args=(module, dict(env), str(log), list(argv)), name=module, daemon=False
-        )
+            target=run_module, args=(module, dict(env), str(log), list(argv)), name=module, daemon=True
+        )  # daemon: should the caller exit with it still running, multiprocessing sends it SIGTERM
         process.start()
         return Forked(process, argv)
 
@@ -116,6 +124,7 @@ def run_module(module: str, env: dict[str, str], log: str, argv: list[str]) -> N
     arm = die_with_parent(parent=os.getppid())
     if arm is not None:
         arm()  # the forkserver's death (its caller's) ends this process
+    _let_the_forkserver_go()
     os.setsid()  # a session of its own, as plain_start gives: a terminal's Ctrl-C reaches the caller alone
     os.environ.clear()
     os.environ.update(env)
@@ -126,3 +135,16 @@ def run_module(module: str, env: dict[str, str], log: str, argv: list[str]) -> N
     sys.stdout.reconfigure(line_buffering=True)
     sys.argv = [*argv[2:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _let_the_forkserver_go() -> None:
+    """Close this fork's copy of the forkserver's keep-alive pipe. multiprocessing hands it to every
+    fork, so that a fork could start processes of its own, and the forkserver runs until the last
+    copy closes: kept here, the forkserver would outlive its caller, and so would this process,
+    whose parent-death signal is armed on the forkserver."""
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
