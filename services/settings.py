@@ -113,6 +113,11 @@ class WorkerSettings(ServiceSettings):
         "(cores shared with other processes), and back up when they do not",
     )
     max_num_seqs: int = 256
+    prefix_caching: bool = Field(
+        True,
+        description="Keep full KV blocks for reuse by the hash of what they hold: a request computes "
+        "only what follows its longest cached prefix (cached blocks give way to any allocation)",
+    )
     feature_cache_bytes: int = 64 << 20
     transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")

@@ -58,6 +58,7 @@ def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
         token_budget=s.token_budget,
         image_budget=s.image_budget,
         max_num_seqs=s.max_num_seqs,
+        prefix_caching=s.prefix_caching,
         feature_cache_bytes=s.feature_cache_bytes,
         detokenize=False,  # the gateway makes the text
         device=s.device,
