@@ -113,7 +113,17 @@ class WorkerSettings(ServiceSettings):
         "(cores shared with other processes), and back up when they do not",
     )
     max_num_seqs: int = 256
-    feature_cache_bytes: int = 64 << 20
+    prefix_caching: bool = Field(
+        True,
+        description="Keep full KV blocks for reuse by the hash of what they hold: a request computes "
+        "only what follows its longest cached prefix (cached blocks give way to any allocation)",
+    )
+    feature_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Bytes of image features an engine keeps by content hash; unset: 512 MiB on an "
+        "encode-only instance (which holds no KV), 64 MiB on any other",
+    )
     transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
     prefetch: bool = Field(

@@ -1,8 +1,21 @@
-"""Paged KV block allocation: which physical blocks each request owns."""
+"""Paged KV block allocation: which physical blocks each request owns, and which full blocks are kept
+for reuse by the hash of everything their KV depends on (prefix caching).
+
+A block is in exactly one of three states:
+
+- owned: in one or more requests' tables (its reference count), shared when a prefix is;
+- cached: owned by nobody, but holding a full block's KV under its hash, kept until an allocation
+  needs the space, least recently used first;
+- free: holding nothing anyone can find.
+
+So cached blocks never delay admission: `num_free` counts them, and `allocate` takes a cached block
+(forgetting its hash) only when no free one is left.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -12,40 +25,104 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     """Hands out fixed-size KV blocks. Allocation returns None when short, never a sentinel.
 
-    Blocks are handed out lowest id first and freed blocks go to the back of the queue, so the
-    order is deterministic and tests can assert exact ids.
+    Free blocks are handed out lowest id first and freed blocks go to the back of the queue, so the
+    order is deterministic and tests can assert exact ids. With `caching` off no block is ever
+    cached: a freed block is free at once.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.caching = caching
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[str, list[int]] = {}
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # block -> the hash it is found by
+        self._by_hash: dict[bytes, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # owned by nobody, oldest use first
+        # Counters since start (metrics): tokens looked up, tokens found, cached blocks given up.
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take now: free ones and cached ones nobody owns."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks found by hash (owned or not)."""
+        return len(self._by_hash)
 
     def table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
     def can_fit(self, request_id: str, num_tokens: int) -> bool:
         """Whether `request_id` could grow to hold `num_tokens` tokens with the blocks free now."""
-        return self._extra_blocks(request_id, num_tokens) <= len(self._free)
+        return self._extra_blocks(request_id, num_tokens) <= self.num_free
 
+    # -- prefix caching ---------------------------------------------------------------------------
+    def longest_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """The blocks holding the longest run of `hashes` from the first (none with caching off)."""
+        found: list[int] = []
+        if self.caching:
+            for h in hashes:
+                block = self._by_hash.get(h)
+                if block is None:
+                    break
+                found.append(block)
+        return found
+
+    def attach(self, request_id: str, blocks: Sequence[int], queried_tokens: int) -> None:
+        """Start a request's table with cached `blocks` (its prefix), sharing them. `queried_tokens`:
+        how many of its tokens were looked up, for the hit rate."""
+        assert not self._tables.get(request_id), "a prefix is attached to a request holding no blocks"
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._cached[block]
+            self._refs[block] += 1
+        if blocks:
+            self._tables[request_id] = list(blocks)
+        self.queried_tokens += queried_tokens
+        self.hit_tokens += len(blocks) * self.block_size
+
+    def remember(self, request_id: str, hashes: Sequence[bytes], start: int = 0) -> None:
+        """Make the request's blocks [start, len(hashes)) (full, computed) findable by those hashes.
+        A block whose hash another block already has stays unfindable: the first copy is kept."""
+        if not self.caching:
+            return
+        table = self._tables.get(request_id, [])
+        for block, h in zip(table[start:], hashes[start:], strict=False):
+            if block not in self._hash_of and h not in self._by_hash:
+                self._hash_of[block] = h
+                self._by_hash[h] = block
+
+    # -- owning -----------------------------------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grow the request's table to cover `num_tokens` tokens; None (and no change) if short."""
         extra = self._extra_blocks(request_id, num_tokens)
-        if extra > len(self._free):
+        if extra > self.num_free:
             return None
         table = self._tables.setdefault(request_id, [])
-        table.extend(self._free.popleft() for _ in range(extra))
+        for _ in range(extra):
+            block = self._take()
+            self._refs[block] = 1
+            table.append(block)
         return table
 
     def free(self, request_id: str) -> int:
-        """Return all of the request's blocks; returns how many were freed (0 if it held none)."""
+        """Give up all of the request's blocks; returns how many it held (0 if none). A block no one
+        else owns is cached if it is findable, else free. The table is given up from its end, so
+        the blocks of a prefix, which later requests are likeliest to share, are given up last."""
         table = self._tables.pop(request_id, [])
-        self._free.extend(table)
+        for block in reversed(table):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
         return len(table)
 
     def owners(self) -> set[str]:
@@ -53,15 +130,34 @@ class BlockManager:
         return set(self._tables)
 
     def check_integrity(self) -> None:
-        """Every block is either free or owned by exactly one request, and nothing else."""
-        used = [b for t in self._tables.values() for b in t]
-        free = list(self._free)
-        assert len(set(used)) == len(used), "a block is owned twice"
+        """Every block is owned (its reference count the number of tables holding it), cached or
+        free, and exactly one of them; hashes map both ways; nothing else."""
+        counts = [0] * self.num_blocks
+        for table in self._tables.values():
+            assert len(set(table)) == len(table), "a block is twice in one table"
+            for block in table:
+                counts[block] += 1
+        assert counts == self._refs, "reference counts differ from the tables holding the blocks"
+        free, cached = list(self._free), list(self._cached)
         assert len(set(free)) == len(free), "a block is free twice"
-        assert not set(used) & set(free), "a block is both free and owned"
-        assert len(used) + len(free) == self.num_blocks, (
-            f"free {len(free)} + used {len(used)} != total {self.num_blocks}"
+        unowned = set(free) | set(cached)
+        assert not set(free) & set(cached), "a block is both free and cached"
+        assert all(counts[b] == 0 for b in unowned), "a free or cached block is owned"
+        owned = sum(1 for c in counts if c)
+        assert owned + len(free) + len(cached) == self.num_blocks, (
+            f"owned {owned} + free {len(free)} + cached {len(cached)} != total {self.num_blocks}"
         )
+        assert all(b in self._hash_of for b in cached), "a cached block has no hash"
+        assert not any(b in self._hash_of for b in free), "a free block keeps a hash"
+        assert {self._by_hash[h]: h for h in self._by_hash} == self._hash_of, "the hash maps disagree"
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block, _ = self._cached.popitem(last=False)  # the least recently used
+        del self._by_hash[self._hash_of.pop(block)]
+        self.evictions += 1
+        return block
 
     def _extra_blocks(self, request_id: str, num_tokens: int) -> int:
         have = len(self._tables.get(request_id, ()))

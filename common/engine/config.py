@@ -40,6 +40,9 @@ class EngineConfig:
     adapt_budgets: bool = True
     # Upper bound on concurrently running sequences, so one iteration's decode batch stays bounded.
     max_num_seqs: int = 256
+    # Keep full KV blocks for reuse by the hash of everything they depend on (prefix.py): a request
+    # computes only what follows its longest cached prefix. Cached blocks give way to any allocation.
+    prefix_caching: bool = True
     # Image features kept for reuse, keyed by content hash (0 disables the cache).
     feature_cache_bytes: int = 64 << 20
     # Produce text in RequestOutput. Services turn off: the gateway makes the text from the

@@ -24,6 +24,7 @@ from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import Completion, RequestOutput
+from common.engine.prefix import block_hashes
 from common.engine.processor import ProcessedPrompt, RequestProcessor, load_image, reference_image
 from common.engine.profiler import budget_target
 from common.engine.request import Request, Status
@@ -73,7 +74,7 @@ class Engine:
         )  # fmt: skip
         num_blocks = self._num_blocks() if self.has_lm else 0
         self.cache = KVCache(self.kv_spec, num_blocks, self.device) if self.has_lm else None
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, caching=config.prefix_caching)
         self.features = FeatureCache(config.feature_cache_bytes)
         self.scheduler = Scheduler(config, self.blocks)
         ref = reference_image(self.processor) if Role.ENCODE in config.roles else None
@@ -150,7 +151,7 @@ class Engine:
         `rope_delta` is the prefill's (`Request.rope_delta`): an M-RoPE model needs it to go on."""
         req = Request(
             request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids),
-            rope_delta=rope_delta,
+            rope_delta=rope_delta, cacheable=False,  # its images are not known here
         )  # fmt: skip
         self._admit(req)
         req.num_computed_tokens = req.num_tokens - 1
@@ -231,8 +232,19 @@ class Engine:
     def _advance(self, batch: Batch) -> None:
         for req, n in batch.prefills:
             req.num_computed_tokens += n
+            self._remember(req)
         for req in batch.decodes:
             req.num_computed_tokens += 1
+            if req.num_computed_tokens % self.config.block_size == 0:  # a block just filled
+                self._remember(req)
+
+    def _remember(self, req: Request) -> None:
+        """Make the request's newly computed full blocks findable by their keys (prefix caching)."""
+        full = req.num_computed_tokens // self.config.block_size
+        if self.blocks.caching and req.cacheable and full > req.num_remembered:
+            hashes = block_hashes(req, full, self.config.block_size)
+            self.blocks.remember(req.request_id, hashes, start=req.num_remembered)
+            req.num_remembered = full
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         req.output_token_ids.append(token)

@@ -58,6 +58,12 @@ class Request:
     # token's position from its index (the same in all three streams). None/0: position = index.
     mrope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+    # Prefix caching (prefix.py): the keys of its full blocks as far as computed, how many of its
+    # blocks are findable by them, and whether they may be (not when what its image placeholders
+    # stand for is unknown here: a request whose KV was imported).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_remembered: int = 0
+    cacheable: bool = True
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig, Policy
+from common.engine.prefix import block_hashes
 from common.engine.request import Request, Status
 from common.roles import Role, StepKind
 
@@ -156,7 +157,7 @@ class Scheduler:
         """Preemption by recompute: drop its KV; it prefills prompt + outputs again later."""
         self.blocks.free(req.request_id)
         self.running.remove(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_remembered = 0  # its full blocks stay cached, to be found again
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -221,11 +222,36 @@ class Scheduler:
         room = self._tokens_left(batch)
         if Role.PREFILL not in self.config.roles or room <= 0:
             return False
+        self._reuse_prefix(req)
         chunk = min(req.num_uncomputed, room)
         if self.blocks.allocate(req.request_id, req.num_computed_tokens + chunk) is None:
+            self._give_back_prefix(req)
             return False
         batch.prefills.append((req, chunk))
         return True
+
+    def _reuse_prefix(self, req: Request) -> None:
+        """A request about to compute its first tokens starts from its longest cached prefix, and
+        computes at least its last token (whose logits it samples from)."""
+        if (
+            not self.blocks.caching
+            or not req.cacheable
+            or req.num_computed_tokens
+            or self.blocks.table(req.request_id)
+        ):
+            return
+        size = self.blocks.block_size
+        hashes = block_hashes(req, (req.num_tokens - 1) // size, size)
+        found = self.blocks.longest_prefix(hashes)
+        self.blocks.attach(req.request_id, found, queried_tokens=req.num_tokens)
+        req.num_computed_tokens = req.num_remembered = len(found)
+        req.num_computed_tokens *= size
+
+    def _give_back_prefix(self, req: Request) -> None:
+        """Not admitted after all: a request that computed nothing holds no blocks while it waits."""
+        if req.num_computed_tokens and all(req is not r for r in self.running):
+            self.blocks.free(req.request_id)
+            req.num_computed_tokens = req.num_remembered = 0
 
     def _tokens_left(self, batch: Batch) -> int:
         if self.shared_limit:  # what the images leave of the limit, in tokens (exact integer floor)
@@ -276,7 +302,9 @@ class Scheduler:
     def _admit_inline(self, req: Request, chunk: int, batch: Batch) -> bool:
         if req.needs_encode and Role.ENCODE not in self.config.roles:
             return True  # cannot encode here; leave it (the engine rejects such requests at admission)
+        self._reuse_prefix(req)
         if self.blocks.allocate(req.request_id, req.num_computed_tokens + chunk) is None:
+            self._give_back_prefix(req)
             return False
         if req.needs_encode:
             batch.encodes.append((req, req.images_to_encode()))

@@ -15,6 +15,10 @@ from common.store.keys import Keys
 
 log = logging.getLogger(__name__)
 
+# Seconds an image's features stay served by their encoder, and indexed, after their last use: each
+# hit (a lookup that finds them, a pull) starts the time again, so a hot image stays.
+FEATURE_TTL = 600.0
+
 # Delete the key only if it still names this owner.
 _DELETE_IF_OWNER = """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
@@ -53,6 +57,16 @@ class FeatureIndex:
     async def touch(self, content_hash: str, ttl: float) -> bool:
         """Extend an entry's life (its features were just used); False if it is gone."""
         return bool(await self._r.pexpire(self._keys.feature(content_hash), int(ttl * 1000)))
+
+    async def get_many_touched(self, content_hashes: list[str], ttl: float) -> dict[str, FeatureEntry]:
+        """`get_many`, and each entry found lives `ttl` on from now (one round trip more)."""
+        found = await self.get_many(content_hashes)
+        if found:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for h in found:
+                    pipe.pexpire(self._keys.feature(h), int(ttl * 1000))
+                await pipe.execute()
+        return found
 
     async def remove(self, content_hash: str, owner: str) -> bool:
         """Remove the entry if `owner` still holds it (an evicting owner calls this)."""

@@ -51,6 +51,7 @@ class _Entry:
     tensor: torch.Tensor  # contiguous, CPU
     bytes_view: torch.Tensor  # the same memory as uint8 [nbytes]
     expires: float | None
+    sliding: float | None = None  # each serve extends `expires` to now + this (a hot tensor stays)
 
 
 class HandleTable:
@@ -61,14 +62,14 @@ class HandleTable:
         self._expiry: list[tuple[float, str]] = []
         self._lock = threading.Lock()
 
-    def put(self, tensor: torch.Tensor, handle: str | None, ttl: float | None) -> str:
+    def put(self, tensor: torch.Tensor, handle: str | None, ttl: float | None, sliding: bool = False) -> str:
         if tensor.device.type != "cpu":
             tensor = tensor.to("cpu")  # CPU-only transports; a CUDA-aware UCX could send device memory
         tensor = tensor.detach().contiguous()
         dtype_name(tensor.dtype)  # refuse dtypes that cannot travel, at publish time
         handle = handle or uuid.uuid4().hex
         expires = time.monotonic() + ttl if ttl else None
-        entry = _Entry(tensor, as_bytes(tensor), expires)
+        entry = _Entry(tensor, as_bytes(tensor), expires, ttl if sliding and ttl else None)
         with self._lock:
             self._entries[handle] = entry
             if expires is not None:
@@ -79,6 +80,16 @@ class HandleTable:
         with self._lock:
             self._expire_locked()
             return self._entries.get(handle)
+
+    def serve(self, handle: str) -> _Entry | None:
+        """The entry a pull asked for; a sliding one lives `ttl` on from now."""
+        with self._lock:
+            self._expire_locked()
+            entry = self._entries.get(handle)
+            if entry is not None and entry.sliding is not None:
+                entry.expires = time.monotonic() + entry.sliding
+                heapq.heappush(self._expiry, (entry.expires, handle))
+            return entry
 
     def __contains__(self, handle: str) -> bool:
         return self.get(handle) is not None
@@ -146,9 +157,12 @@ class TransferBackend(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
-    def publish(self, tensor: torch.Tensor, handle: str | None = None, ttl: float | None = None) -> str:
-        """Serve `tensor` (kept by reference, no copy if contiguous CPU) until released or `ttl` passes."""
-        return self.handles.put(tensor, handle, ttl)
+    def publish(
+        self, tensor: torch.Tensor, handle: str | None = None, ttl: float | None = None, sliding: bool = False
+    ) -> str:
+        """Serve `tensor` (kept by reference, no copy if contiguous CPU) until released or `ttl` passes;
+        `sliding`: `ttl` from its last pull instead of from now."""
+        return self.handles.put(tensor, handle, ttl, sliding)
 
     def release(self, handle: str) -> bool:
         """Stop serving a handle; a transfer already under way finishes. False if it was not held."""
@@ -162,7 +176,7 @@ class TransferBackend(abc.ABC):
         ):
             return pack_refusal(), None
         handle = str(request.get("h", ""))
-        entry = self.handles.get(handle)
+        entry = self.handles.serve(handle)
         header, has_data = pack_reply(entry, handle, int(request.get("n", -1)))
         return header, entry if has_data else None
 

@@ -11,11 +11,10 @@ from common.engine.admission import encode_room
 from common.protocol import FeatureEntry, PrefillTask, TensorRef, dtype_name
 from common.roles import Role
 from common.store import Stage
+from common.store.features import FEATURE_TTL
 from common.transfer import share
 from services.worker.ledger import Held
 from services.worker.stage import StageHandler
-
-FEATURE_TTL = 600.0  # seconds an encoder serves published features (and keeps their index entry)
 
 
 class EncodeHandler(StageHandler):
@@ -48,7 +47,7 @@ class EncodeHandler(StageHandler):
             # Always published and indexed, so any prefill instance can find them by hash; the
             # task itself carries small features inline and saves prefill the pull. Features are
             # shared by every request with this image, so they live out their TTL, not the request.
-            handle = ctx.transfer.publish(features, ttl=FEATURE_TTL)
+            handle = ctx.transfer.publish(features, ttl=FEATURE_TTL, sliding=True)  # each pull extends it
             ref = TensorRef(
                 owner=ctx.instance_id, address=ctx.transfer.address, handle=handle,
                 shape=tuple(features.shape), dtype=dtype_name(features.dtype),

@@ -24,6 +24,7 @@ from common.protocol import (
     dtype_name,
 )
 from common.roles import Role
+from common.store.features import FEATURE_TTL
 
 log = logging.getLogger(__name__)
 PIXEL_TTL = 300.0  # seconds the gateway serves pixels at most (released when the request ends)
@@ -113,7 +114,7 @@ async def _stored_features(gw, hashes: list[str]) -> dict:
     if not hashes:
         return {}
     try:
-        return await gw.store.features.get_many(hashes)
+        return await gw.store.features.get_many_touched(hashes, FEATURE_TTL)  # a hit keeps them on
     except Exception as exc:  # the index is a shortcut: without it, encode again
         log.warning("feature index unreadable (%r); encoding", exc)
         return {}

@@ -23,6 +23,7 @@ from common.engine.request import Request
 from common.protocol import DecodeTask, EncodeTask, InlineTensor, KvGroup, KvLocation, TensorRef, dtype_name
 from common.roles import Role
 from common.store import Stage
+from common.store.features import FEATURE_TTL
 from common.transfer import TransferError
 from services.settings import WorkerSettings
 from services.worker.context import StageContext
@@ -141,8 +142,8 @@ class PrefillHandler(StageHandler):
         for img in held.spec.images:
             ref = img.features
             if ref is None:
-                entry = await ctx.store.features.get(img.content_hash)
-                ref = entry.ref if entry is not None else None
+                found = await ctx.store.features.get_many_touched([img.content_hash], FEATURE_TTL)
+                ref = found[img.content_hash].ref if found else None
             try:
                 if ref is None:
                     raise TransferError(f"no features registered for image {img.content_hash[:12]}")

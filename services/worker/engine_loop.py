@@ -42,6 +42,10 @@ class EngineStats:
     budget_scale: float  # the governor's scale of the profiled budgets (1.0: as profiled)
     feature_cache_bytes: int
     feature_cache_capacity: int
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_hit_tokens: int = 0  # of them, found cached (not computed again)
+    cached_blocks: int = 0  # KV blocks findable by their prefix key now
+    prefix_evictions: int = 0  # cached blocks given up to an allocation, since start
 
     def load(self) -> Load:
         """What a stage's pull rule reads (common/engine/admission.py)."""
@@ -64,6 +68,10 @@ class EngineStats:
             budget_scale=e.governor.scale if e.governor is not None else 1.0,
             feature_cache_bytes=e.features.used_bytes,
             feature_cache_capacity=e.features.capacity_bytes,
+            prefix_queried_tokens=e.blocks.queried_tokens,
+            prefix_hit_tokens=e.blocks.hit_tokens,
+            cached_blocks=e.blocks.num_cached,
+            prefix_evictions=e.blocks.evictions,
         )
 
 

@@ -40,12 +40,20 @@ class WorkerCollector:
             ("integrity_failures", w.upkeep.integrity_failures, "Ledger/engine integrity checks that failed"),
             ("failovers", w.runtime.reaper.reaped, "Dead instances whose work this one handed on"),
             ("tasks_handed_on", w.runtime.reaper.handed_on, "Tasks of dead instances this one queued again"),
+            (
+                "prefix_queried_tokens",
+                stats.prefix_queried_tokens,
+                "Prompt tokens looked up in the prefix cache",
+            ),
+            ("prefix_hit_tokens", stats.prefix_hit_tokens, "Prompt tokens found in the prefix cache"),
+            ("prefix_evictions", stats.prefix_evictions, "Cached KV blocks given up to an allocation"),
         ]:
             metric = CounterMetricFamily(f"trident_{name}", doc, labels=labels)
             metric.add_metric(values, value)
             yield metric
         for name, value, doc in [
-            ("free_kv_blocks", stats.free_blocks, "Free KV cache blocks"),
+            ("free_kv_blocks", stats.free_blocks, "Free KV cache blocks (cached ones nobody holds included)"),
+            ("cached_kv_blocks", stats.cached_blocks, "KV blocks findable by their prefix key"),
             ("total_kv_blocks", stats.total_blocks, "KV cache blocks in all"),
             ("running_requests", stats.running, "Requests in the running set"),
             ("waiting_requests", stats.waiting, "Requests admitted, not yet scheduled"),

@@ -49,6 +49,16 @@ def advertise_host(value: str) -> str:
     return socket.gethostname() if value == "auto" else value
 
 
+ENCODER_FEATURE_CACHE = 512 << 20  # an encode-only instance's feature cache: its memory holds no KV
+FEATURE_CACHE = 64 << 20  # beside a KV cache
+
+
+def feature_cache_bytes(s: WorkerSettings, roles: frozenset[Role]) -> int:
+    if s.feature_cache_bytes is not None:
+        return s.feature_cache_bytes
+    return ENCODER_FEATURE_CACHE if roles == {Role.ENCODE} else FEATURE_CACHE
+
+
 def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
     return EngineConfig(
         roles=roles,
@@ -58,7 +68,8 @@ def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
         token_budget=s.token_budget,
         image_budget=s.image_budget,
         max_num_seqs=s.max_num_seqs,
-        feature_cache_bytes=s.feature_cache_bytes,
+        prefix_caching=s.prefix_caching,
+        feature_cache_bytes=feature_cache_bytes(s, roles),
         detokenize=False,  # the gateway makes the text
         device=s.device,
         num_threads=s.num_threads or None,

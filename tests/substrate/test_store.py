@@ -215,6 +215,21 @@ def test_feature_index_put_get_expire_and_owner_checked_remove(redis_server: Red
     run(main())
 
 
+def test_a_lookup_that_finds_an_image_extends_its_entry(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        index = store.features
+        await index.put(_entry("hot", "enc-1"), ttl=5)
+        found = await index.get_many_touched(["hot", "missing"], ttl=600)
+        assert set(found) == {"hot"}
+        ttl_ms = await store.redis.pttl(store.keys.feature("hot"))
+        assert 590_000 < ttl_ms <= 600_000, ttl_ms
+        assert await store.redis.pttl(store.keys.feature("missing")) == -2  # nothing made for a miss
+        await store.close()
+
+    run(main())
+
+
 def test_registry_lists_live_instances_and_forgets_dead_ones_by_ttl(redis_server: RedisServer) -> None:
     async def main() -> None:
         store = await Store.connect(StoreConfig(url=redis_server.url))

@@ -57,6 +57,24 @@ def test_handle_table_expires_and_releases() -> None:
     assert table.pop(keep) and not table.pop(keep)
 
 
+def test_a_sliding_handle_lives_its_ttl_from_its_last_serve(monkeypatch) -> None:
+    """Hot image features stay: each pull (serve) starts a sliding handle's time again; a plain
+    handle and a mere lookup do not."""
+    now = [1000.0]
+    monkeypatch.setattr("common.transfer.base.time.monotonic", lambda: now[0])
+    table = HandleTable()
+    hot = table.put(torch.ones(3), "hot", ttl=10, sliding=True)
+    plain = table.put(torch.ones(3), "plain", ttl=10)
+    for _ in range(3):
+        now[0] += 8
+        assert table.serve(hot) is not None and table.serve(plain if now[0] < 1010 else hot) is not None
+    assert table.get(plain) is None, "a plain handle expires 10 s after its publication"
+    now[0] += 9.9
+    assert table.get(hot) is not None, "served 9.9 s ago: still there"
+    now[0] += 0.2
+    assert table.get(hot) is None and len(table) == 0
+
+
 def test_factory_picks_ucx_when_it_loads_and_tcp_on_request() -> None:
     assert isinstance(create_backend(TransferConfig(backend="tcp")), TcpBackend)
     auto = create_backend(TransferConfig(backend="auto"))
