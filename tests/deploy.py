@@ -1,7 +1,7 @@
 """Deployments as the tests run them: the launcher's clusters (trident/launcher/cluster.py), small
-and checking themselves, their service processes forked from one warm parent (warm.py) so that none
-imports torch and transformers anew. `trident up`, the Docker tests and tests/test_tiers.py run the
-plain `python -m services.*` command lines, so those stay tested as users start them."""
+and checking themselves, their service processes forked from one warm parent (warm.py), as `trident
+up` starts them by default, so that none imports torch and transformers anew. The Docker tests run
+compose's plain `python -m services.*` command lines."""
 
 from __future__ import annotations
 
