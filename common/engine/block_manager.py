@@ -74,9 +74,8 @@ class BlockManager:
                 found.append(block)
         return found
 
-    def attach(self, request_id: str, blocks: Sequence[int], queried_tokens: int) -> None:
-        """Start a request's table with cached `blocks` (its prefix), sharing them. `queried_tokens`:
-        how many of its tokens were looked up, for the hit rate."""
+    def attach(self, request_id: str, blocks: Sequence[int]) -> None:
+        """Start a request's table with cached `blocks` (its prefix), sharing them."""
         assert not self._tables.get(request_id), "a prefix is attached to a request holding no blocks"
         for block in blocks:
             if self._refs[block] == 0:
@@ -84,8 +83,11 @@ class BlockManager:
             self._refs[block] += 1
         if blocks:
             self._tables[request_id] = list(blocks)
+
+    def count_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        """A request admitted after looking up `queried_tokens` of its tokens and finding `hit_tokens`."""
         self.queried_tokens += queried_tokens
-        self.hit_tokens += len(blocks) * self.block_size
+        self.hit_tokens += hit_tokens
 
     def remember(self, request_id: str, hashes: Sequence[bytes], start: int = 0) -> None:
         """Make the request's blocks [start, len(hashes)) (full, computed) findable by those hashes.
@@ -116,13 +118,15 @@ class BlockManager:
         else owns is cached if it is findable, else free. The table is given up from its end, so
         the blocks of a prefix, which later requests are likeliest to share, are given up last."""
         table = self._tables.pop(request_id, [])
+        freed = []
         for block in reversed(table):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 if block in self._hash_of:
                     self._cached[block] = None
                 else:
-                    self._free.append(block)
+                    freed.append(block)
+        self._free.extend(reversed(freed))  # unfindable blocks in table order, as without caching
         return len(table)
 
     def owners(self) -> set[str]:

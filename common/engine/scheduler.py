@@ -222,30 +222,33 @@ class Scheduler:
         room = self._tokens_left(batch)
         if Role.PREFILL not in self.config.roles or room <= 0:
             return False
-        self._reuse_prefix(req)
+        looked = self._reuse_prefix(req)
         chunk = min(req.num_uncomputed, room)
         if self.blocks.allocate(req.request_id, req.num_computed_tokens + chunk) is None:
             self._give_back_prefix(req)
             return False
+        self.blocks.count_lookup(*looked)
         batch.prefills.append((req, chunk))
         return True
 
-    def _reuse_prefix(self, req: Request) -> None:
+    def _reuse_prefix(self, req: Request) -> tuple[int, int]:
         """A request about to compute its first tokens starts from its longest cached prefix, and
-        computes at least its last token (whose logits it samples from)."""
+        computes at least its last token (whose logits it samples from). Returns (tokens looked up,
+        tokens found), for the hit rate once the request is admitted ((0, 0): no lookup)."""
         if (
             not self.blocks.caching
             or not req.cacheable
             or req.num_computed_tokens
             or self.blocks.table(req.request_id)
         ):
-            return
+            return 0, 0
         size = self.blocks.block_size
         hashes = block_hashes(req, (req.num_tokens - 1) // size, size)
         found = self.blocks.longest_prefix(hashes)
-        self.blocks.attach(req.request_id, found, queried_tokens=req.num_tokens)
+        self.blocks.attach(req.request_id, found)
         req.num_computed_tokens = req.num_remembered = len(found)
         req.num_computed_tokens *= size
+        return req.num_tokens, req.num_computed_tokens
 
     def _give_back_prefix(self, req: Request) -> None:
         """Not admitted after all: a request that computed nothing holds no blocks while it waits."""
@@ -284,10 +287,12 @@ class Scheduler:
         if Role.PREFILL not in self.config.roles:
             return
         for req in self._pending_prefills():
+            looked = self._reuse_prefix(req)
             need = req.num_uncomputed
-            if batch.prefills and need > self._tokens_left(batch):
-                break
-            if not self._admit_inline(req, need, batch):
+            if (batch.prefills and need > self._tokens_left(batch)) or not self._admit_inline(
+                req, need, batch, looked
+            ):
+                self._give_back_prefix(req)
                 break
 
     def _chunked_prefills_inline_encode(self, batch: Batch) -> None:
@@ -296,16 +301,19 @@ class Scheduler:
             return
         for req in self._pending_prefills():
             room = self._tokens_left(batch)
-            if room <= 0 or not self._admit_inline(req, min(req.num_uncomputed, room), batch):
+            if room <= 0:
+                break
+            looked = self._reuse_prefix(req)
+            if not self._admit_inline(req, min(req.num_uncomputed, room), batch, looked):
+                self._give_back_prefix(req)
                 break
 
-    def _admit_inline(self, req: Request, chunk: int, batch: Batch) -> bool:
+    def _admit_inline(self, req: Request, chunk: int, batch: Batch, looked: tuple[int, int]) -> bool:
         if req.needs_encode and Role.ENCODE not in self.config.roles:
             return True  # cannot encode here; leave it (the engine rejects such requests at admission)
-        self._reuse_prefix(req)
         if self.blocks.allocate(req.request_id, req.num_computed_tokens + chunk) is None:
-            self._give_back_prefix(req)
             return False
+        self.blocks.count_lookup(*looked)
         if req.needs_encode:
             batch.encodes.append((req, req.images_to_encode()))
         batch.prefills.append((req, chunk))

@@ -42,8 +42,8 @@ def test_freed_blocks_are_reused_after_the_untouched_ones(blocks):
 
 def test_integrity_catches_a_double_owned_block(blocks):
     blocks.allocate("a", 4)
-    blocks._tables["b"] = [0]
-    with pytest.raises(AssertionError, match="owned twice"):
+    blocks._tables["b"] = [0]  # held by a second table behind the counts' back
+    with pytest.raises(AssertionError, match="reference counts differ"):
         blocks.check_integrity()
     del blocks._tables["b"]
 

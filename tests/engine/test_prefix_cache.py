@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from common.checkpoints import write_checkpoint
 from common.engine.block_manager import BlockManager
+from common.engine.config import Policy
 from common.engine.prefix import block_hashes
 from common.engine.processor import ProcessedPrompt
 from common.engine.request import ImageInput, Request
@@ -75,8 +76,9 @@ def test_shared_blocks_are_counted_and_cached_until_needed_least_recent_first():
     m.allocate("a", 8)
     m.remember("a", [b"k0", b"k1"])
     assert m.longest_prefix([b"k0", b"k1", b"k2"]) == [0, 1]
-    m.attach("b", [0, 1], queried_tokens=12)
+    m.attach("b", [0, 1])
     m.allocate("b", 12)
+    m.count_lookup(12, 8)
     assert m.table("b") == [0, 1, 2] and m.hit_tokens == 8
     m.check_integrity()
     m.free("a")  # shared: still owned by b
@@ -126,7 +128,7 @@ def test_random_sequences_keep_the_blocks_consistent(ops):
         rid = f"r{i}"
         if op == "a" and not m.table(rid):
             found = m.longest_prefix(keys[i][: (n - 1) // BS])
-            m.attach(rid, found, queried_tokens=n)
+            m.attach(rid, found)
             if m.allocate(rid, n) is None:
                 m.free(rid)
         elif op == "f":
@@ -238,6 +240,24 @@ def test_shared_blocks_survive_a_cancel_and_a_preemption(make_engine, hf_generat
     )
     assert first.output_token_ids == hf_generate(prompt, images[:1], 6)
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_a_repeated_prompt_reuses_its_prefix_under_every_policy(make_engine, hf_generate, images, policy):
+    """One at a time, then three at once: each policy admits a request from its cached prefix (the
+    comparison policies admit whole prompts, so they must look it up before sizing them)."""
+    engine = make_engine(policy=policy)
+    prompt = engine.chat_prompt("What is in the picture? Tell me a long story", 1)
+    want = hf_generate(prompt, images[:1], 12)
+    for _ in range(2):
+        assert engine.generate([prompt], [images[:1]], SamplingParams(max_tokens=12))[0].token_ids == want
+    burst = engine.generate([prompt] * 3, [images[:1]] * 3, SamplingParams(max_tokens=12))
+    assert [c.token_ids for c in burst] == [want] * 3
+    assert (
+        engine.blocks.hit_tokens
+        >= 4 * (len(engine.processor.process(prompt, images[:1]).token_ids) // 16 - 1) * 16
+    )
+    assert engine.blocks.queried_tokens == 5 * len(engine.processor.process(prompt, images[:1]).token_ids)
 
 
 def test_a_prefix_ending_inside_a_block_reuses_the_full_blocks_only(make_engine, hf_tiny):
