@@ -320,6 +320,12 @@ STAND_IN = textwrap.dedent(
     if mode == "stubborn-gateway":  # a gateway that will not stop on SIGTERM: only SIGKILL ends it
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         mode = "gateway"
+    if mode == "waiting-gateway":  # ready only once every worker stand-in has started, as a real one
+        import glob, time
+        started = os.path.join(os.environ["STAND_IN_OUT"], "*.json")
+        while len(glob.glob(started)) < int(os.environ["STAND_IN_WORKERS"]):
+            time.sleep(0.05)
+        mode = "gateway"
     if mode == "gateway":
         address = (os.environ["TRIDENT_BIND_HOST"], int(os.environ["TRIDENT_PORT"]))
         server = http.server.ThreadingHTTPServer(address, Handler)
@@ -523,8 +529,11 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # `trident up` over stand-in services
 @pytest.mark.timeout(60)
-def test_up_fails_when_a_service_dies_during_start_up(tmp_path: Path) -> None:
-    _stand_in_compose(tmp_path, decode_mode="fail")
+def test_up_fails_when_a_service_dies_during_start_up(tmp_path: Path, monkeypatch) -> None:
+    # The gateway waits for every worker, as a real one does, so it is never ready here: else, on a
+    # busy machine, the stand-in gateway answered /ready before the failing decoder had exited.
+    _stand_in_compose(tmp_path, decode_mode="fail", gateway_mode="waiting-gateway")
+    monkeypatch.setenv("STAND_IN_WORKERS", "5")  # encoder, prefill, decode, planner, planner-jobs
     proc, lines = _start_up(tmp_path, "--port", str(free_port()), "--ready-timeout", "30")
     text = "\n".join(_read_until(lines, None, timeout=40))
     assert proc.wait(timeout=5) == 1

@@ -213,7 +213,7 @@ def test_trident_top_shows_the_deployment_live_in_a_terminal(deployment):
         proc.send_signal(signal.SIGINT)
         # A terminal keeps reading while the program exits: unread, the pty's buffer fills and
         # the last frame's write blocks the exit (it did, once the frames above went unread).
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a bound: idle, it exits in well under a second
         while proc.poll() is None and time.monotonic() < deadline:
             if _read_terminal(main, 0.2) is None:
                 break
@@ -222,7 +222,7 @@ def test_trident_top_shows_the_deployment_live_in_a_terminal(deployment):
             stuck = ""
             while chunk := _read_terminal(main, 2):
                 stuck += chunk
-            pytest.fail(f"trident top did not exit within 10 s of Ctrl-C:\n{ANSI.sub('', stuck)[-4000:]}")
+            pytest.fail(f"trident top did not exit within 30 s of Ctrl-C:\n{ANSI.sub('', stuck)[-4000:]}")
         assert proc.returncode == 0
     finally:
         if proc.poll() is None:

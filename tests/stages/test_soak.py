@@ -11,12 +11,14 @@ handed on on a prefill instance, until the next NATS reconnect (issue 25)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import random
 import time
 
 import psutil
 import pytest
+import torch
 
 from common.bus import keep_alive
 from common.protocol import OUTPUT_KINDS, FinalOutput, PrefillTask, RequestSpec, SamplingParams
@@ -49,6 +51,16 @@ async def pull_loop(rig: StageRig, role: Role, stop: asyncio.Event) -> None:
                 tg.create_task(handler.take(task))
 
 
+@contextlib.asynccontextmanager
+async def restored_threads(threads: int):
+    """Two engines in one process share its cores: one torch thread each runs the tiny model's small
+    steps faster than two contending ones. Put back for the tests after this one."""
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def rss() -> int:
     gc.collect()
     return psutil.Process().memory_info().rss
@@ -57,9 +69,11 @@ def rss() -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # 4-5 minutes measured on 2 cores shared with other test runs
 async def test_five_thousand_requests_leave_nothing_behind(tiny_model_dir, nats_server, redis_server):
+    threads = torch.get_num_threads()  # the rigs' engines set one thread (process-wide): restored after
     async with (
-        stage_rig(P, tiny_model_dir, nats_server, redis_server, finals_window=WINDOW) as p,
-        stage_rig(D, tiny_model_dir, nats_server, redis_server, finals_window=WINDOW) as d,
+        stage_rig(P, tiny_model_dir, nats_server, redis_server, finals_window=WINDOW, num_threads=1) as p,
+        stage_rig(D, tiny_model_dir, nats_server, redis_server, finals_window=WINDOW, num_threads=1) as d,
+        restored_threads(threads),
     ):
         vocab = p.engine.model.config.text_config.vocab_size
         rng = random.Random(25)
