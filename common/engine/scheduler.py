@@ -69,13 +69,21 @@ class Batch:
 
     @property
     def kind(self) -> StepKind:
-        """The one stage whose work the batch holds, else mixed."""
-        held = [role for role, work in ((Role.ENCODE, self.encodes), (Role.PREFILL, self.prefills),
-                                        (Role.DECODE, self.decodes)) if work]  # fmt: skip
-        return StepKind.of(held)
+        """The one stage whose work the batch holds, else mixed (read for every step the planner's
+        simulator replays: a table lookup)."""
+        return _KINDS[bool(self.encodes), bool(self.prefills), bool(self.decodes)]
 
     def scheduled(self, req: Request) -> bool:
         return any(r is req for r in self.decodes) or any(r is req for r, _ in self.prefills + self.encodes)
+
+
+# Batch.kind by (encodes?, prefills?, decodes?): StepKind.of the stages with work.
+_KINDS = {
+    (e, p, d): StepKind.of(r for r, held in zip(Role, (e, p, d), strict=True) if held)
+    for e in (False, True)
+    for p in (False, True)
+    for d in (False, True)
+}
 
 
 class Scheduler:
