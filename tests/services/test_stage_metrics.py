@@ -45,11 +45,13 @@ def served(e_p_d):
     }
     before = {role: scrape(address) for role, address in addresses.items()}
     gateway_before = scrape(cluster.url)
-    urls = [data_url(make_image(100 + i)) for i in range(3)]
+    # Two images of its own per request, never shared: a request whose images another one had just
+    # encoded would find them in the feature index and skip the encoder.
+    urls = [[data_url(make_image(100 + 2 * i + k)) for k in range(2)] for i in range(REQUESTS)]
     client = client_for(cluster)
 
     def ask(i: int):
-        messages = user_message(urls[i % 3 : i % 3 + 1 + i % 2], f"question {i}")
+        messages = user_message(urls[i][: 1 + i % 2], f"question {i}")
         return client.chat.completions.create(
             model="tiny-llava", messages=messages, max_tokens=6, temperature=0
         )
