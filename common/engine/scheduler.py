@@ -254,8 +254,8 @@ class Scheduler:
         hashes = block_hashes(req, (req.num_tokens - 1) // size, size)
         found = self.blocks.longest_prefix(hashes)
         self.blocks.attach(req.request_id, found)
-        req.num_computed_tokens = req.num_remembered = len(found)
-        req.num_computed_tokens *= size
+        req.num_remembered = len(found)  # its attached blocks are findable already
+        req.num_computed_tokens = len(found) * size
         return req.num_tokens, req.num_computed_tokens
 
     def _give_back_prefix(self, req: Request) -> None:

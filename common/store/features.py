@@ -59,14 +59,15 @@ class FeatureIndex:
         return bool(await self._r.pexpire(self._keys.feature(content_hash), int(ttl * 1000)))
 
     async def get_many_touched(self, content_hashes: list[str], ttl: float) -> dict[str, FeatureEntry]:
-        """`get_many`, and each entry found lives `ttl` on from now (one round trip more)."""
-        found = await self.get_many(content_hashes)
-        if found:
-            async with self._r.pipeline(transaction=False) as pipe:
-                for h in found:
-                    pipe.pexpire(self._keys.feature(h), int(ttl * 1000))
-                await pipe.execute()
-        return found
+        """`get_many`, and each entry found lives `ttl` on from now, in the same round trip (PEXPIRE
+        on a key that is not there does nothing)."""
+        async with self._r.pipeline(transaction=False) as pipe:
+            for h in content_hashes:
+                pipe.hget(self._keys.feature(h), "entry")
+                pipe.pexpire(self._keys.feature(h), int(ttl * 1000))
+            raws = (await pipe.execute())[::2]
+        found = {h: self._decode(raw) for h, raw in zip(content_hashes, raws, strict=True)}
+        return {h: e for h, e in found.items() if e is not None}
 
     async def remove(self, content_hash: str, owner: str) -> bool:
         """Remove the entry if `owner` still holds it (an evicting owner calls this)."""
