@@ -8,11 +8,21 @@ import time
 
 import pytest
 
-from common.bus import Bus, BusConfig
+from common.bus import Bus, BusConfig, Task, TaskConsumer
 from common.infra import NatsServer
 from tests.substrate.helpers import prefill_task, run
 
 pytestmark = pytest.mark.timeout(90)
+
+
+async def take(consumer: TaskConsumer, n: int, within: float = 10.0) -> list[Task]:
+    """Exactly `n` tasks: a fetch returns *up to* what it asks for (under load, fewer), so ask again
+    for the rest, within a bound."""
+    got: list[Task] = []
+    deadline = time.monotonic() + within
+    while len(got) < n and time.monotonic() < deadline:
+        got += await consumer.fetch(n - len(got), timeout=1.0)
+    return got
 
 
 def test_publishers_and_consumers_carry_on_across_a_nats_restart(nats_server: NatsServer) -> None:
@@ -25,10 +35,10 @@ def test_publishers_and_consumers_carry_on_across_a_nats_restart(nats_server: Na
             await producer.tasks.publish(prefill_task(rid))
 
         acked: list[str] = []
-        for task in await consumer.fetch(10, timeout=2.0):
+        for task in await take(consumer, 10):
             assert await task.ack()
             acked.append(task.message.request.request_id)
-        held = await consumer.fetch(5, timeout=2.0)  # taken but not acked when NATS goes down
+        held = await take(consumer, 5)  # taken but not acked when NATS goes down
         assert len(acked) == 10 and len(held) == 5
 
         await asyncio.to_thread(nats_server.stop)
