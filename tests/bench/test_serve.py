@@ -10,6 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.services.conftest import e_p_d  # noqa: F401 - the shared E+P+D deployment, a fixture
+from tests.services.test_behaviour import instances
+from tests.services.test_stage_metrics import added, scrape
 from trident.cli.app import app
 
 
@@ -80,3 +82,39 @@ def test_bad_arguments_are_usage_errors_before_any_load() -> None:
         assert run.exit_code == 2 and message in run.output, run.output
     run = runner.invoke(app, [*base, "--rate", "1"])  # nothing listens there
     assert run.exit_code == 2 and "cannot list models" in run.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_multi_turn_run_resends_its_history_and_the_prefill_instance_reuses_it(
+    tmp_path: Path,
+    e_p_d,  # noqa: F811
+) -> None:
+    prefill = instances(e_p_d, "prefill")[0]["http_address"]
+    before = scrape(prefill)
+    out = tmp_path / "turns"
+    run = CliRunner().invoke(
+        app,
+        [
+            "bench", "serve", "--url", e_p_d.url, "--workload", "textcaps", "--rate", "1.5",
+            "--duration", "4", "--ttft-slo", "10", "--tbt-slo", "1", "--max-output-tokens", "4",
+            "--max-prompt-tokens", "40", "--image-size", "96x96", "--out", str(out),
+            "--turns", "3", "--system-prompt-tokens", "48", "--image-pool", "2", "--pool-share", "1",
+            "--image-prob", "0.5", "--image-window", "2",
+        ],
+    )  # fmt: skip
+    assert run.exit_code == 0, run.output
+    rate = json.loads(run.output.strip().splitlines()[-1])["rates"][0]
+    assert rate["sent"] % 3 == 0 and rate["completed"] == rate["sent"] > 0, rate
+    assert rate["ttft_p50_first_turns"] and rate["ttft_p50_later_turns"]
+    records = [json.loads(line) for line in (out / "requests-1.5.jsonl").read_text().splitlines()]
+    for first in range(0, len(records), 3):
+        turns = records[first : first + 3]
+        assert [r["turn"] for r in turns] == [0, 1, 2]
+        prompts = [r["prompt_tokens"] for r in turns]
+        # Each turn resends the one before it, its answer and a new message (one image, at most,
+        # is dropped from what is resent: the window holds two turns' images).
+        assert prompts[0] < prompts[1] and prompts[0] + 4 < prompts[2], prompts
+    grew = added(before, scrape(prefill))
+    # Every request's system prompt (three full blocks) and every later turn's history was cached.
+    assert grew["trident_prefix_hit_tokens_total"] >= 48 * len(records) / 2, grew

@@ -16,7 +16,7 @@ import io
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
@@ -24,6 +24,7 @@ from PIL import Image
 
 from common.planner.trace import TraceEntry
 from trident.bench.metrics import RequestResult
+from trident.bench.repeat import ImageSeed, Repeats
 
 _TEXT = "the cat sat on a red mat near the old blue door while small birds sang in tall green trees"
 DEFAULT_IMAGE_SIZE = (640, 480)
@@ -39,9 +40,10 @@ class RequestOptions:
     # How to ask this server for exactly max_tokens tokens, when it does not take `ignore_eos`
     # (e.g. deployments.Served.ignoring_eos); None: send `ignore_eos`.
     fix_length: Callable[[dict], dict] | None = None
+    repeats: Repeats = field(default_factory=Repeats)  # what the requests share (trident/bench/repeat.py)
 
 
-def image_data_url(seed: int, size: tuple[int, int]) -> str:
+def image_data_url(seed: ImageSeed, size: tuple[int, int]) -> str:
     """A distinct JPEG of `size` pixels: a few random colours, smoothly interpolated."""
     rng = np.random.default_rng(seed)
     coarse = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8))
@@ -56,18 +58,32 @@ def prompt_text(entry: TraceEntry, seed: int) -> str:
     return " ".join(rng.choice(_TEXT.split(), max(1, entry.text_tokens)))
 
 
-def chat_body(entry: TraceEntry, index: int, opts: RequestOptions) -> dict:
-    seed = opts.seed * 1_000_003 + index
-    sizes = entry.image_sizes or (DEFAULT_IMAGE_SIZE,) * entry.num_images
-    parts: list[dict] = [
-        {"type": "image_url", "image_url": {"url": image_data_url(seed * 64 + k, opts.image_size or s)}}
-        for k, s in enumerate(sizes)
-    ]
+def user_content(
+    entry: TraceEntry, seed: int, opts: RequestOptions, num_images: int | None = None
+) -> list[dict]:
+    """A user message's parts: `num_images` images (default: the entry's), then its text. An image
+    is the request's own or, with an image pool, drawn from it (at one size, so it is the same)."""
+    draws = np.random.default_rng([opts.repeats.seed, seed])
+    sizes = list(entry.image_sizes or (DEFAULT_IMAGE_SIZE,) * entry.num_images)
+    if num_images is not None:
+        sizes = (sizes + [DEFAULT_IMAGE_SIZE] * num_images)[:num_images]
+    parts: list[dict] = []
+    for k, size in enumerate(sizes):
+        image = opts.repeats.image_seed(seed * 64 + k, draws)
+        size = opts.image_size or (size if isinstance(image, int) else DEFAULT_IMAGE_SIZE)
+        parts.append({"type": "image_url", "image_url": {"url": image_data_url(image, size)}})
     parts.append({"type": "text", "text": prompt_text(entry, seed)})
+    return parts
+
+
+def request_body(messages: list[dict], max_tokens: int, opts: RequestOptions) -> dict:
+    """A streamed chat request; the shared system prompt (if any) first."""
+    if system := opts.repeats.system_prompt():
+        messages = [{"role": "system", "content": system}, *messages]
     body = {
         "model": opts.model,
-        "messages": [{"role": "user", "content": parts}],
-        "max_tokens": max(1, entry.output_tokens),
+        "messages": messages,
+        "max_tokens": max(1, max_tokens),
         "temperature": opts.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -77,9 +93,21 @@ def chat_body(entry: TraceEntry, index: int, opts: RequestOptions) -> dict:
     return body
 
 
+def chat_body(entry: TraceEntry, index: int, opts: RequestOptions) -> dict:
+    seed = opts.seed * 1_000_003 + index
+    messages = [{"role": "user", "content": user_content(entry, seed, opts)}]
+    return request_body(messages, entry.output_tokens, opts)
+
+
 async def _one(
-    client: httpx.AsyncClient, url: str, body: dict, result: RequestResult, start: float
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    result: RequestResult,
+    start: float,
+    answer: list[str] | None = None,
 ) -> RequestResult:
+    """Send `body` at its scheduled time and time its stream; the text streamed goes to `answer`."""
     await asyncio.sleep(max(0.0, start + result.scheduled - time.perf_counter()))
     sent = time.perf_counter()
     result.sent = sent - start
@@ -101,7 +129,10 @@ async def _one(
                     result.error = f"stream error: {_message(data)}"
                     return result
                 now = time.perf_counter()
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+                texts = [(c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()]
+                if answer is not None:
+                    answer.extend(t for t in texts if t)
+                if any(texts):
                     if last is None:
                         result.ttft = now - sent
                     else:
@@ -136,21 +167,86 @@ async def run(
     on_done: Callable[[RequestResult], None] | None = None,
 ) -> list[RequestResult]:
     """Send `entries` at their arrival times to `base_url`/v1/chat/completions; one result each,
-    in the entries' order, failures included (with `error` set)."""
-    bodies = await asyncio.to_thread(lambda: [chat_body(e, i, opts) for i, e in enumerate(entries)])
+    in the entries' order, failures included (with `error` set). With `opts.repeats.turns` over 1,
+    each entry starts a conversation instead (`conversation`): its turns' results, in order."""
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    bodies = []
+    if not opts.repeats.multi_turn:
+        bodies = await asyncio.to_thread(lambda: [chat_body(e, i, opts) for i, e in enumerate(entries)])
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         start = time.perf_counter() + 0.2
 
-        async def one(i: int, e: TraceEntry) -> RequestResult:
+        async def one(i: int, e: TraceEntry) -> list[RequestResult]:
+            if opts.repeats.multi_turn:
+                return await conversation(client, url, e, i, opts, start, on_done)
             r = RequestResult(index=i, scheduled=e.arrival, num_images=e.num_images)
-            r = await _one(client, base_url.rstrip("/") + "/v1/chat/completions", bodies[i], r, start)
+            r = await _one(client, url, bodies[i], r, start)
             if on_done is not None:
                 on_done(r)
-            return r
+            return [r]
 
-        return list(await asyncio.gather(*(one(i, e) for i, e in enumerate(entries))))
+        done = await asyncio.gather(*(one(i, e) for i, e in enumerate(entries)))
+    return [r for results in done for r in results]
+
+
+def turn_messages(history: list[tuple[list[dict], str]], parts: list[dict], image_window: int) -> list[dict]:
+    """A turn's messages: each earlier turn's user message and answer, then this turn's `parts`. The
+    images of turns older than the latest `image_window` (this one included) are left out; 0 keeps
+    them all."""
+    messages: list[dict] = []
+    for age, (past, answer) in enumerate(history[::-1], start=1):
+        keep_images = not image_window or age < image_window
+        resent = past if keep_images else [p for p in past if p["type"] != "image_url"]
+        messages[:0] = [{"role": "user", "content": resent}, {"role": "assistant", "content": answer}]
+    return [*messages, {"role": "user", "content": parts}]
+
+
+async def conversation(
+    client: httpx.AsyncClient,
+    url: str,
+    entry: TraceEntry,
+    index: int,
+    opts: RequestOptions,
+    start: float,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> list[RequestResult]:
+    """One user's `opts.repeats.turns` turns, the first at the entry's arrival, each later one a
+    think time after the answer before it. Every turn resends the history (its answers as they
+    streamed) and adds its own message: the entry's images on the first turn, an image with
+    probability `image_prob` on each later one, and the entry's text. Images older than the last
+    `image_window` turns are left out of what is resent. A turn that fails ends the conversation:
+    the turns after it are recorded as not sent."""
+    repeats = opts.repeats
+    draws = np.random.default_rng([repeats.seed, opts.seed, index, 0xC0])
+    history: list[tuple[list[dict], str]] = []  # (user parts, answer) per finished turn
+    results: list[RequestResult] = []
+    due = entry.arrival
+    for turn in range(repeats.turns):
+        seed = (opts.seed * 1_000_003 + index) * 1_000 + turn
+        images = entry.num_images if turn == 0 else int(draws.random() < repeats.image_prob)
+        parts = await asyncio.to_thread(user_content, entry, seed, opts, images)
+        messages = turn_messages(history, parts, repeats.image_window)
+        result = RequestResult(
+            index=index * repeats.turns + turn, scheduled=due, num_images=images, turn=turn
+        )
+        answer: list[str] = []
+        await _one(client, url, request_body(messages, entry.output_tokens, opts), result, start, answer)
+        results.append(result)
+        if on_done is not None:
+            on_done(result)
+        if not result.ok:
+            break
+        history.append((parts, "".join(answer)))
+        due = time.perf_counter() - start + repeats.think(draws)
+    for turn in range(len(results), repeats.turns):
+        skipped = RequestResult(index=index * repeats.turns + turn, scheduled=due, turn=turn)
+        skipped.error = "not sent: an earlier turn of its conversation failed"
+        results.append(skipped)
+        if on_done is not None:
+            on_done(skipped)
+    return results
 
 
 async def served_model(base_url: str, api_key: str = "", timeout: float = 10.0) -> str:

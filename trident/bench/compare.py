@@ -26,6 +26,8 @@ from trident.bench.sweep import LoadSpec, SweepResult, run_sweep
 PEER = "transformers-serve"
 PEERS = (PEER, PEER + "-cb", llamacpp.LLAMACPP)
 PLANNER = "planner"
+METHODS = ("e+p+d", "ep+d", "ed+p", "epd")
+NO_CACHE = "-nocache"  # a method's suffix: the same deployment with prefix caching off
 
 
 @dataclass(frozen=True)
@@ -42,16 +44,20 @@ class System:
 
     @classmethod
     def parse(cls, spec: str) -> System:
-        """`e+p+d`, `ep+d`, `ed+p`, `epd`, `planner`, `transformers-serve`, `transformers-serve-cb`
-        (that peer with continuous batching) or `llama.cpp`."""
-        if spec in ("e+p+d", "ep+d", "ed+p", "epd"):
+        """`e+p+d`, `ep+d`, `ed+p`, `epd` (any of them `-nocache`: with prefix caching off),
+        `planner`, `transformers-serve`, `transformers-serve-cb` (that peer with continuous batching)
+        or `llama.cpp`."""
+        if spec in METHODS:
             return cls(spec, method=spec)
+        if spec.removesuffix(NO_CACHE) in METHODS:
+            return cls(spec, method=spec.removesuffix(NO_CACHE), env={"TRIDENT_PREFIX_CACHING": "false"})
         if spec == PLANNER:
             return cls(PLANNER)
         if spec in PEERS:
             return cls(spec, peer=True, continuous_batching=spec.endswith("-cb"))
         raise ValueError(
-            f"unknown system {spec!r}; known: e+p+d, ep+d, ed+p, epd, planner, {', '.join(PEERS)}"
+            f"unknown system {spec!r}; known: e+p+d, ep+d, ed+p, epd (each also with {NO_CACHE}), "
+            f"planner, {', '.join(PEERS)}"
         )
 
 
@@ -78,6 +84,7 @@ class Comparison:
 
         ratios = {name: ratio(name) for name in peers} if best else {}
         return {
+            "prefix_cache": self.cache_effect(),
             "best": best,
             "best_goodput": ours.get(best),
             "peer": peer,
@@ -85,6 +92,29 @@ class Comparison:
             "ratio": ratios.get(peer),
             "ratios": ratios,
         }
+
+    def cache_effect(self) -> dict[str, dict]:
+        """For each method run with prefix caching on and off: goodput on / off, and the TTFT p50 at
+        the lowest rate (and of later turns, for a multi-turn workload) off / on."""
+        runs = {r.name: r for r in self.results}
+        effect = {}
+        for name, off in runs.items():
+            on = runs.get(name.removesuffix(NO_CACHE)) if name.endswith(NO_CACHE) else None
+            if on is None or not on.summaries or not off.summaries:
+                continue
+
+            def ratio(a: float | None, b: float | None) -> float | None:
+                return round(a / b, 3) if a and b else None
+
+            low_on, low_off = on.summaries[0], off.summaries[0]
+            effect[on.name] = {
+                "goodput_ratio": ratio(on.goodput, off.goodput),
+                "ttft_p50_ratio": ratio(low_off.ttft_p50, low_on.ttft_p50),
+                "later_turns_ttft_p50_ratio": ratio(
+                    low_off.ttft_p50_later_turns, low_on.ttft_p50_later_turns
+                ),
+            }
+        return effect
 
     def to_dict(self) -> dict:
         return {

@@ -36,6 +36,7 @@ class RequestResult:
     output_tokens: int = 0
     num_images: int = 0
     error: str = ""
+    turn: int = 0  # of its conversation, from 0 (a multi-turn workload; 0 for single requests)
 
     @property
     def tbt_p90(self) -> float:
@@ -78,6 +79,10 @@ class RateSummary:
     throughput: float  # completed requests/s
     output_tokens_per_s: float
     errors: dict[str, int]
+    # Multi-turn workloads: the TTFT p50 of first turns and of the turns after them (which resend a
+    # history a prefix cache holds); None when the run has no such turns.
+    ttft_p50_first_turns: float | None = None
+    ttft_p50_later_turns: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,6 +94,7 @@ def summarise(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
     sent = [r.sent for r in results if not math.isnan(r.sent)]
     ends = [r.sent + r.e2e for r in done]
     span = (max(ends) - min(sent)) if ends and sent else 0.0
+    multi = any(r.turn for r in results)
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
@@ -112,6 +118,8 @@ def summarise(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
         throughput=round(len(done) / span, 4) if span > 0 else 0.0,
         output_tokens_per_s=round(sum(r.output_tokens for r in done) / span, 2) if span > 0 else 0.0,
         errors=errors,
+        ttft_p50_first_turns=_pct([r.ttft for r in done if r.turn == 0], 50) if multi else None,
+        ttft_p50_later_turns=_pct([r.ttft for r in done if r.turn > 0], 50) if multi else None,
     )
 
 

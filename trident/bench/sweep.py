@@ -19,6 +19,7 @@ from pathlib import Path
 from common.stats import SLO
 from trident.bench import client, plots, workload
 from trident.bench.metrics import RateSummary, RequestResult, goodput, summarise
+from trident.bench.repeat import Repeats, conversation_rate
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,15 @@ class LoadSpec:
     image_tokens: int | None = None
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
+    repeats: Repeats = field(
+        default_factory=Repeats
+    )  # what the requests share: system prompt, image pool, turns
 
     def entries(self, rate: float) -> list[workload.TraceEntry]:
+        """The requests at `rate`; for a multi-turn workload, the conversations' first turns (at the
+        rate that makes `rate` turns per second)."""
         return workload.build(
-            rate=rate,
+            rate=conversation_rate(rate, self.repeats),
             duration=self.duration,
             workload=self.workload if self.trace is None else None,
             trace=self.trace,
@@ -58,6 +64,7 @@ class LoadSpec:
             "duration": self.duration,
             "seed": self.seed,
             "max_output_tokens": self.max_output_tokens,
+            "repeats": self.repeats.describe(),
         }
 
 
@@ -130,11 +137,12 @@ def run_sweep(
     for k, rate in enumerate(sorted(load.rates)):
         entries = load.entries(rate)
         if on_start is not None:
-            on_start(rate, len(entries))
+            on_start(rate, len(entries) * load.repeats.turns)
         # The same request shapes at every rate, but images and prompts of their own: a server that
         # caches features or prompts (Trident's feature cache, llama.cpp's prompt cache) must not
         # find the last rate's requests again.
-        content = dataclasses.replace(opts, seed=opts.seed * 1009 + k)
+        # What the requests share (a system prompt, an image pool) stays the same across the rates.
+        content = dataclasses.replace(opts, seed=opts.seed * 1009 + k, repeats=load.repeats)
         measured = asyncio.run(client.run(url, entries, content, api_key=api_key, on_done=on_done))
         result.requests[rate] = measured
         summary = summarise(rate, measured, slo)

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from trident.bench.workload import ARRIVALS
+from trident.cli import bench_repeats as opt
 
 DEFAULT_SYSTEMS = "e+p+d,ep+d,ed+p,epd,planner,transformers-serve"
 
@@ -43,6 +44,13 @@ def compare(
     max_output_tokens: Annotated[int | None, typer.Option(min=1, help="Cap on each output.")] = None,
     image_size: Annotated[str | None, typer.Option(help="WxH for every image.")] = None,
     seed: Annotated[int, typer.Option(help="Requests and arrival times depend only on the seed.")] = 0,
+    system_prompt_tokens: opt.SystemTokens = 0,
+    image_pool: opt.ImagePool = 0,
+    pool_share: opt.PoolShare = 0.8,
+    turns: opt.Turns = 1,
+    think_time: opt.ThinkTime = 0.0,
+    image_prob: opt.ImageProb = 0.0,
+    image_window: opt.ImageWindow = 0,
 ) -> None:
     """Start each system in turn, run the sweep against it, stop it; one table, one plot."""
     from common.stats import SLO
@@ -58,6 +66,8 @@ def compare(
         load = LoadSpec(
             rates=parse_rates(None, sweep), duration=duration, workload=workload, arrivals=arrivals,
             seed=seed, max_output_tokens=max_output_tokens,
+            repeats=opt.repeats(seed, system_prompt_tokens, image_pool, pool_share, turns, think_time,
+                                image_prob, image_window),
         )  # fmt: skip
         load.entries(load.rates[0])
         size = parse_size(image_size) if image_size else None

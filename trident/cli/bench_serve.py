@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from trident.bench.workload import ARRIVALS
+from trident.cli import bench_repeats as opt
 
 
 @contextmanager
@@ -90,6 +91,13 @@ def serve(
         bool, typer.Option("--ignore-eos/--no-ignore-eos", help="Ask for exactly the trace's output length.")
     ] = True,
     seed: Annotated[int, typer.Option(help="Requests and arrival times depend only on the seed.")] = 0,
+    system_prompt_tokens: opt.SystemTokens = 0,
+    image_pool: opt.ImagePool = 0,
+    pool_share: opt.PoolShare = 0.8,
+    turns: opt.Turns = 1,
+    think_time: opt.ThinkTime = 0.0,
+    image_prob: opt.ImageProb = 0.0,
+    image_window: opt.ImageWindow = 0,
     api_key: Annotated[
         str, typer.Option(envvar="OPENAI_API_KEY", help="Bearer key, if the server wants one.")
     ] = "",
@@ -118,6 +126,16 @@ def serve(
             seed=seed,
             max_prompt_tokens=max_prompt_tokens,
             max_output_tokens=max_output_tokens,
+            repeats=opt.repeats(
+                seed,
+                system_prompt_tokens,
+                image_pool,
+                pool_share,
+                turns,
+                think_time,
+                image_prob,
+                image_window,
+            ),
         )
         size = parse_size(image_size) if image_size else None
         load.entries(load.rates[0])  # a bad workload or trace fails now, before any load is sent

@@ -120,9 +120,22 @@ def render(url: str, frame: Frame, earlier: Frame | None) -> Group:
         + "  ".join(f"{s} {int(frame.queued.get(s, 0))}" for s in STAGES),
     )  # fmt: skip
     table = Table(title="instances", title_justify="left", expand=False)
-    for column in ("instance", "roles", "running", "queued", "τe", "τt", "KV used", "state"):
+    columns = (
+        "instance",
+        "roles",
+        "running",
+        "queued",
+        "τe",
+        "τt",
+        "KV used",
+        "cached",
+        "prefix hit",
+        "state",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column in ("instance", "roles", "state") else "right")
     workers = sorted((i for i in frame.instances if i.get("kind", "worker") == "worker"), key=_order)
+    before = {i["instance_id"]: i for i in earlier.instances} if earlier else {}
     for i in workers:
         total = i.get("total_kv_blocks") or 0
         used = f"{100 * (1 - i.get('free_kv_blocks', 0) / total):.0f} %" if total else "-"
@@ -131,11 +144,22 @@ def render(url: str, frame: Frame, earlier: Frame | None) -> Group:
         table.add_row(
             i["instance_id"], ",".join(i.get("roles", ())), str(i.get("running", 0)),
             str(i.get("queue_depth", 0)), str(budgets.get("image_budget", "-")),
-            str(budgets.get("token_budget", "-")), used, state,
+            str(budgets.get("token_budget", "-")), used, str(i.get("cached_kv_blocks", 0)),
+            prefix_hit(i, before.get(i["instance_id"])), state,
         )  # fmt: skip
     if not workers:
-        table.add_row("(no worker has a heartbeat)", "", "", "", "", "", "", "")
+        table.add_row("(no worker has a heartbeat)", *[""] * (len(columns) - 1))
     return Group(head, table, _plan_line(frame.plan))
+
+
+def prefix_hit(now: dict, earlier: dict | None) -> str:
+    """The share of prompt tokens the instance found in its prefix cache since `earlier` (its
+    heartbeat at the last refresh; since it started without one, or if it restarted since)."""
+    queried, hit = now.get("prefix_queried_tokens", 0), now.get("prefix_hit_tokens", 0)
+    if earlier and earlier.get("prefix_queried_tokens", 0) <= queried:
+        queried -= earlier.get("prefix_queried_tokens", 0)
+        hit -= earlier.get("prefix_hit_tokens", 0)
+    return f"{100 * hit / queried:.0f} %" if queried > 0 else "-"
 
 
 def _order(instance: dict) -> tuple:
