@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trident.cli.top_view import Buckets
+from trident.cli.top_view import Buckets, prefix_hit
 
 INF = math.inf
 
@@ -34,3 +34,12 @@ def test_window_is_what_came_after_the_earlier_read():
     assert later.since(None) is later
     restarted = Buckets([0.1, INF], [1, 1])  # fewer than before: the gateway restarted
     assert restarted.since(earlier) is restarted
+
+
+def test_prefix_hit_is_the_share_found_cached_since_the_last_refresh():
+    earlier = {"prefix_queried_tokens": 1000, "prefix_hit_tokens": 100}
+    now = {"prefix_queried_tokens": 1400, "prefix_hit_tokens": 400}
+    assert prefix_hit(now, earlier) == "75 %"  # 300 of the 400 looked up since
+    assert prefix_hit(now, None) == "29 %"  # no earlier frame: since the instance started
+    assert prefix_hit(earlier, now) == "10 %"  # it restarted (its counts went back): since then
+    assert prefix_hit(now, now) == "-" and prefix_hit({}, None) == "-"  # nothing looked up

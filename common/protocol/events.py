@@ -112,7 +112,7 @@ class Heartbeat(Message):
     live replica at once; `leaving` says it ended cleanly (nothing to hand over)."""
 
     KIND: ClassVar[str] = "hb"
-    VERSION: ClassVar[int] = 2  # v2: kind, held and leaving; a gateway's has no roles
+    VERSION: ClassVar[int] = 3  # v2: kind, held and leaving; a gateway's has no roles. v3: prefix cache
     instance_id: str = Field(min_length=1)
     kind: Literal["worker", "gateway"] = "worker"
     roles: tuple[Role, ...] = ()
@@ -124,6 +124,9 @@ class Heartbeat(Message):
     running: int = Field(0, ge=0)
     free_kv_blocks: int = Field(0, ge=0)
     total_kv_blocks: int = Field(0, ge=0)
+    cached_kv_blocks: int = Field(0, ge=0)  # findable by their prefix key (free or held)
+    prefix_queried_tokens: int = Field(0, ge=0)  # prompt tokens looked up in the prefix cache, since start
+    prefix_hit_tokens: int = Field(0, ge=0)  # of them, found cached
     budgets: Budgets = Budgets()
     profile_id: str = ""
     draining: bool = False
