@@ -145,13 +145,15 @@ class Engine:
 
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-        params: SamplingParams, kv: list[torch.Tensor], rope_delta: int = 0,
+        params: SamplingParams, kv: list[torch.Tensor], rope_delta: int = 0, cached_tokens: int = 0,
     ) -> Request:  # fmt: skip
         """Admit a request prefilled elsewhere: import its KV (one buffer per layer group) and decode.
-        `rope_delta` is the prefill's (`Request.rope_delta`): an M-RoPE model needs it to go on."""
+        `rope_delta` is the prefill's (`Request.rope_delta`): an M-RoPE model needs it to go on;
+        `cached_tokens`, what the prefill found in its prefix cache (for usage)."""
         req = Request(
             request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids),
             rope_delta=rope_delta, cacheable=False,  # its images are not known here
+            num_cached_tokens=cached_tokens,
         )  # fmt: skip
         self._admit(req)
         req.num_computed_tokens = req.num_tokens - 1
@@ -252,6 +254,7 @@ class Engine:
         reason = self._stop_reason(req)
         out = RequestOutput(req.request_id, [token], text, num_prompt_tokens=len(req.prompt_token_ids))
         out.num_output_tokens = len(req.output_token_ids)
+        out.num_cached_tokens = req.num_cached_tokens
         if reason:
             if self.config.detokenize or req.params.stop:
                 out.text += req.detokenizer.flush()

@@ -21,6 +21,7 @@ class RequestOutput:
     next_stage: Role | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt's, found in the prefix cache (Request.num_cached_tokens)
 
 
 @dataclass

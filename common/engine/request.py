@@ -64,6 +64,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_remembered: int = 0
     cacheable: bool = True
+    # Prompt tokens found in the prefix cache when it was (last) admitted: usage reports them as
+    # cached. A request prefilled elsewhere carries the prefill instance's count.
+    num_cached_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

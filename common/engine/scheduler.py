@@ -235,7 +235,7 @@ class Scheduler:
         if self.blocks.allocate(req.request_id, req.num_computed_tokens + chunk) is None:
             self._give_back_prefix(req)
             return False
-        self.blocks.count_lookup(*looked)
+        self._count_lookup(req, looked)
         batch.prefills.append((req, chunk))
         return True
 
@@ -257,6 +257,12 @@ class Scheduler:
         req.num_remembered = len(found)  # its attached blocks are findable already
         req.num_computed_tokens = len(found) * size
         return req.num_tokens, req.num_computed_tokens
+
+    def _count_lookup(self, req: Request, looked: tuple[int, int]) -> None:
+        """Admitted after a lookup (`_reuse_prefix`): count it, and what it found is the request's."""
+        if looked[0]:
+            self.blocks.count_lookup(*looked)
+            req.num_cached_tokens = looked[1]
 
     def _give_back_prefix(self, req: Request) -> None:
         """Not admitted after all: a request that computed nothing holds no blocks while it waits."""
@@ -321,7 +327,7 @@ class Scheduler:
             return True  # cannot encode here; leave it (the engine rejects such requests at admission)
         if self.blocks.allocate(req.request_id, req.num_computed_tokens + chunk) is None:
             return False
-        self.blocks.count_lookup(*looked)
+        self._count_lookup(req, looked)
         if req.needs_encode:
             batch.encodes.append((req, req.images_to_encode()))
         batch.prefills.append((req, chunk))

@@ -32,6 +32,7 @@ class TokenDelta(Message):
 class Usage(Record):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(0, ge=0)  # of the prompt's, found in a prefix cache (not computed)
 
 
 class FinalOutput(Message):
@@ -39,6 +40,7 @@ class FinalOutput(Message):
     in deltas, so the gateway knows when it has them all even if the final overtakes a delta."""
 
     KIND: ClassVar[str] = "out.final"
+    VERSION: ClassVar[int] = 2  # v2: usage counts cached tokens
     request_id: str
     finish_reason: FinishReason
     usage: Usage

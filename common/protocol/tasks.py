@@ -137,9 +137,10 @@ class DecodeTask(StageTask):
     """
 
     KIND: ClassVar[str] = "task.decode"
-    VERSION: ClassVar[int] = 3  # v1 spread the request's fields over the task itself
+    VERSION: ClassVar[int] = 4  # v1 spread the request's fields over the task itself; v4: cached_tokens
     ROLE: ClassVar[Role] = Role.DECODE
     kv: KvLocation
+    cached_tokens: int = Field(0, ge=0)  # of the prompt's, the prefill found in its prefix cache
 
     @model_validator(mode="after")
     def _prefilled(self) -> DecodeTask:

@@ -89,7 +89,9 @@ class DecodeHandler(StageHandler):
         try:
             await ctx.ledger.enter(
                 held,
-                lambda e: e.add_prefilled(rid, prompt, outputs, spec.sampling, buffers, msg.kv.rope_delta),
+                lambda e: e.add_prefilled(
+                    rid, prompt, outputs, spec.sampling, buffers, msg.kv.rope_delta, msg.cached_tokens
+                ),
             )
         except AdmissionError as exc:
             await ctx.fail(rid, "invalid_request_error", str(exc))

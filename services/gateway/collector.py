@@ -41,6 +41,7 @@ class Outcome:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, found in a prefix cache
 
 
 @dataclass
@@ -191,7 +192,10 @@ class OutputCollector:
             raise APIError(ERROR_STATUS.get(msg.code, 500), msg.message, code=msg.code)
         if isinstance(msg, FinalOutput):
             self._expected = msg.num_outputs
-            self.outcome = Outcome(msg.finish_reason, msg.usage.prompt_tokens, msg.usage.completion_tokens)
+            usage = msg.usage
+            self.outcome = Outcome(
+                msg.finish_reason, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
+            )
         elif isinstance(msg, TokenDelta):
             for k, token in enumerate(msg.token_ids):
                 if msg.index + k >= self.received:

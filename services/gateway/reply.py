@@ -114,10 +114,15 @@ class Reply:
         the prompt as the gateway tokenised it and the output tokens received so far."""
         o = self.collector.outcome
         if self.collector.complete:
-            prompt, completion = o.prompt_tokens, o.completion_tokens
+            prompt, completion, cached = o.prompt_tokens, o.completion_tokens, o.cached_tokens
         else:
-            prompt, completion = len(self.spec.prompt_token_ids), self.collector.received
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            prompt, completion, cached = len(self.spec.prompt_token_ids), self.collector.received, 0
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def _body(self, text: str) -> dict:
         reason = self.collector.outcome.finish_reason

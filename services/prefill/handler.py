@@ -110,7 +110,8 @@ class PrefillHandler(StageHandler):
                 "output_token_ids": tuple(req.output_token_ids),
             }
         )
-        await ctx.dispatch.send(DecodeTask(request=prefilled, kv=location), held.source)
+        task = DecodeTask(request=prefilled, kv=location, cached_tokens=req.num_cached_tokens)
+        await ctx.dispatch.send(task, held.source)
         await ctx.ledger.settle(rid)  # the KV stays until decode says it has it
 
     async def watch(self) -> None:

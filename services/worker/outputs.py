@@ -99,7 +99,11 @@ class OutputPublisher:
                     handler.first_token(held)
             ctx.counters.tokens_generated += len(out.new_token_ids)
         if out.finished:
-            usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens)
+            usage = Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_tokens=out.num_cached_tokens,
+            )
             final = FinalOutput(
                 request_id=rid,
                 finish_reason=out.finish_reason,

@@ -116,5 +116,13 @@ def test_a_multi_turn_run_resends_its_history_and_the_prefill_instance_reuses_it
         # is dropped from what is resent: the window holds two turns' images).
         assert prompts[0] < prompts[1] and prompts[0] + 4 < prompts[2], prompts
     grew = added(before, scrape(prefill))
-    # Every request's system prompt (three full blocks) and every later turn's history was cached.
-    assert grew["trident_prefix_hit_tokens_total"] >= 48 * len(records) / 2, grew
+    # Every request's system prompt (three full blocks) and every later turn's history was cached,
+    # and each answer's usage says how much of its prompt was (prompt_tokens_details.cached_tokens).
+    hits = grew["trident_prefix_hit_tokens_total"]
+    assert hits >= 48 * len(records) / 2, grew
+    # Turn 1 resends turn 0 whole; turn 2 leaves out turn 0's image (the window), so from there on
+    # its prompt differs from what was cached: the system prompt's blocks, at least, are found.
+    assert all(r["cached_tokens"] >= r["prompt_tokens"] / 2 for r in records if r["turn"] == 1), records
+    assert all(r["cached_tokens"] >= 32 for r in records if r["turn"] > 0), records
+    assert 0 < sum(r["cached_tokens"] for r in records) <= hits  # a request counts its last admission
+    assert rate["cached_tokens"] == sum(r["cached_tokens"] for r in records)

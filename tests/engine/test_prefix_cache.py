@@ -320,3 +320,34 @@ def test_kv_imported_for_decode_is_never_found_by_its_tokens_alone(make_engine, 
     prefill.abort(req.request_id)
     assert not got.cacheable and decode.blocks.num_cached == 0
     assert prefill.blocks.num_cached > 0
+
+
+def test_a_requests_cached_tokens_reach_its_final_output(make_engine, images):
+    """What usage reports as cached: the first asking finds nothing, the second all its full blocks
+    but the one holding its last token; a request prefilled elsewhere carries the prefill's count
+    to its decoder's final output."""
+    engine = make_engine()
+    size = engine.config.block_size
+    prompt = engine.chat_prompt("What is in the picture? Tell me everything", 1)
+    n = len(engine.processor.process(prompt, images[:1]).token_ids)
+    finals = []
+    for _ in range(2):
+        engine.add_request(prompt, images[:1], SamplingParams(max_tokens=3))
+        while engine.has_unfinished():
+            finals += [o for o in engine.step() if o.finished]
+    assert [o.num_cached_tokens for o in finals] == [0, (n - 1) // size * size]
+
+    prefill = make_engine(roles=frozenset({Role.ENCODE, Role.PREFILL}))
+    decode = make_engine(roles=frozenset({Role.DECODE}))
+    req = prefill.add_request(prompt, images[:1], SamplingParams(max_tokens=3))
+    while prefill.has_unfinished():
+        prefill.step()
+    kv = prefill.export_kv(req.request_id, 2)
+    decode.add_prefilled(
+        "d", req.prompt_token_ids, req.output_token_ids, SamplingParams(max_tokens=3), kv, cached_tokens=32
+    )
+    outs = []
+    while decode.has_unfinished():
+        outs += decode.step()
+    prefill.abort(req.request_id)
+    assert [o.num_cached_tokens for o in outs if o.finished] == [32]

@@ -141,6 +141,8 @@ async def _one(
                 if usage := chunk.get("usage"):
                     result.prompt_tokens = usage.get("prompt_tokens", 0)
                     result.output_tokens = usage.get("completion_tokens", 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
         result.e2e = time.perf_counter() - sent
         result.ok = last is not None or result.output_tokens == 0
         if not result.ok:

@@ -34,6 +34,7 @@ class RequestResult:
     tbts: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, the server found cached (its usage's prompt_tokens_details)
     num_images: int = 0
     error: str = ""
     turn: int = 0  # of its conversation, from 0 (a multi-turn workload; 0 for single requests)
@@ -83,6 +84,9 @@ class RateSummary:
     # history a prefix cache holds); None when the run has no such turns.
     ttft_p50_first_turns: float | None = None
     ttft_p50_later_turns: float | None = None
+    # Over the completed requests: prompt tokens sent, and those the server reported as cached.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +124,8 @@ def summarise(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
         errors=errors,
         ttft_p50_first_turns=_pct([r.ttft for r in done if r.turn == 0], 50) if multi else None,
         ttft_p50_later_turns=_pct([r.ttft for r in done if r.turn > 0], 50) if multi else None,
+        prompt_tokens=sum(r.prompt_tokens for r in done),
+        cached_tokens=sum(r.cached_tokens for r in done),
     )
 
 
