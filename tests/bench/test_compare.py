@@ -32,6 +32,8 @@ def test_systems_by_name():
     assert System.parse("transformers-serve").peer
     assert System.parse("transformers-serve-cb").continuous_batching
     assert System.parse(PLANNER).method == ""
+    off = System.parse("ep+d-nocache")
+    assert (off.method, off.env) == ("ep+d", {"TRIDENT_PREFIX_CACHING": "false"})
     with pytest.raises(ValueError, match="unknown system 'vllm'"):
         System.parse("vllm")
 
@@ -58,3 +60,17 @@ def test_the_headline_is_our_best_goodput_over_the_peers():
     assert "| transformers-serve | 1 | 1 | 100 % |" in text
     c.results[-1] = sweep("transformers-serve", [(1, 0.5)])
     assert c.headline()["ratio"] == float("inf")  # the peer meets the target at no rate measured
+
+
+def test_the_cache_effect_pairs_each_method_with_its_cache_off_run():
+    c = Comparison(SLO_, {})
+    c.results = [
+        sweep("ep+d", [(1, 1.0), (2, 1.0), (3, 0.9)]),
+        sweep("ep+d-nocache", [(1, 1.0), (2, 0.5)]),
+        sweep("epd", [(1, 1.0)]),  # no cache-off run: no entry
+    ]
+    c.results[1].summaries[0].ttft_p50 *= 4
+    effect = c.headline()["prefix_cache"]
+    assert list(effect) == ["ep+d"]
+    assert effect["ep+d"]["goodput_ratio"] == 3.0 and effect["ep+d"]["ttft_p50_ratio"] == 4.0
+    assert effect["ep+d"]["later_turns_ttft_p50_ratio"] is None  # not a multi-turn load
