@@ -98,7 +98,7 @@ def test_a_multi_turn_run_resends_its_history_and_the_prefill_instance_reuses_it
         [
             "bench", "serve", "--url", e_p_d.url, "--workload", "textcaps", "--rate", "1.5",
             "--duration", "4", "--ttft-slo", "10", "--tbt-slo", "1", "--max-output-tokens", "4",
-            "--max-prompt-tokens", "40", "--image-size", "96x96", "--out", str(out),
+            "--image-size", "96x96", "--out", str(out),
             "--turns", "3", "--system-prompt-tokens", "48", "--image-pool", "2", "--pool-share", "1",
             "--image-prob", "0.5", "--image-window", "2",
         ],
