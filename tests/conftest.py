@@ -9,6 +9,7 @@ import pytest
 
 from common.checkpoints import write_checkpoint
 from common.infra import NatsServer, RedisServer
+from tests.lanes import mark_lanes
 from tests.services.shared import SHARED
 from tests.tiers import START_EVENT, mark_slow_folders, starts_a_deployment
 from trident.bench.machine import single_thread_gflops
@@ -24,6 +25,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mark_slow_folders(items)
+    mark_lanes(items)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -18,9 +18,10 @@ import numpy as np
 
 ImageSeed = int | tuple[int, ...]  # what seeds an image's pixels (client.image_data_url)
 
+# Common short words, each one token in the usual vocabularies, so N words are about N tokens.
 _SYSTEM_TEXT = (
-    "you are a careful assistant who answers questions about pictures and documents with short "
-    "precise sentences naming what is seen where it is and how sure you are of each detail"
+    "you are a kind and fair aide who will look at each one of the images and say what is in it and "
+    "where it is and how sure you are of it in a few short and clear lines for the user to read"
 )
 
 
