@@ -28,7 +28,7 @@ system-deps:
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope
 
 # The quick loop: every test that starts no deployment (tests/tiers.py says which are slow).
 test-fast: install
