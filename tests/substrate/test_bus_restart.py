@@ -15,14 +15,19 @@ from tests.substrate.helpers import prefill_task, run
 pytestmark = pytest.mark.timeout(90)
 
 
-async def take(consumer: TaskConsumer, n: int, within: float = 10.0) -> list[Task]:
-    """Exactly `n` tasks: a fetch returns *up to* what it asks for (under load, fewer), so ask again
-    for the rest, within a bound."""
-    got: list[Task] = []
+async def take(consumer: TaskConsumer, n: int, ack: bool, within: float = 10.0) -> list[Task]:
+    """`n` distinct tasks, acked as they come or held. A fetch returns *up to* what it asks for
+    (under load, fewer), so ask again for the rest, within a bound; a held task that comes back
+    meanwhile (its ack wait lapsed) is taken once."""
+    got: dict[str, Task] = {}
     deadline = time.monotonic() + within
     while len(got) < n and time.monotonic() < deadline:
-        got += await consumer.fetch(n - len(got), timeout=1.0)
-    return got
+        for task in await consumer.fetch(n - len(got), timeout=1.0):
+            rid = task.message.request.request_id
+            if ack:
+                assert await task.ack()
+            got.setdefault(rid, task)
+    return list(got.values())
 
 
 def test_publishers_and_consumers_carry_on_across_a_nats_restart(nats_server: NatsServer) -> None:
@@ -34,11 +39,8 @@ def test_publishers_and_consumers_carry_on_across_a_nats_restart(nats_server: Na
         for rid in before:
             await producer.tasks.publish(prefill_task(rid))
 
-        acked: list[str] = []
-        for task in await take(consumer, 10):
-            assert await task.ack()
-            acked.append(task.message.request.request_id)
-        held = await take(consumer, 5)  # taken but not acked when NATS goes down
+        acked = [task.message.request.request_id for task in await take(consumer, 10, ack=True)]
+        held = await take(consumer, 5, ack=False)  # taken but not acked when NATS goes down
         assert len(acked) == 10 and len(held) == 5
 
         await asyncio.to_thread(nats_server.stop)
