@@ -96,16 +96,16 @@ class Comparison:
     def cache_effect(self) -> dict[str, dict]:
         """For each method run with prefix caching on and off: goodput on / off, and the TTFT p50 at
         the lowest rate (and of later turns, for a multi-turn workload) off / on."""
+
+        def ratio(a: float | None, b: float | None) -> float | None:
+            return round(a / b, 3) if a and b else None
+
         runs = {r.name: r for r in self.results}
         effect = {}
         for name, off in runs.items():
             on = runs.get(name.removesuffix(NO_CACHE)) if name.endswith(NO_CACHE) else None
             if on is None or not on.summaries or not off.summaries:
                 continue
-
-            def ratio(a: float | None, b: float | None) -> float | None:
-                return round(a / b, 3) if a and b else None
-
             low_on, low_off = on.summaries[0], off.summaries[0]
             effect[on.name] = {
                 "goodput_ratio": ratio(on.goodput, off.goodput),

@@ -36,9 +36,8 @@ class LoadSpec:
     image_tokens: int | None = None
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
-    repeats: Repeats = field(
-        default_factory=Repeats
-    )  # what the requests share: system prompt, image pool, turns
+    # What the requests share: a system prompt, an image pool, turns (trident/bench/repeat.py).
+    repeats: Repeats = field(default_factory=Repeats)
 
     def entries(self, rate: float) -> list[workload.TraceEntry]:
         """The requests at `rate`; for a multi-turn workload, the conversations' first turns (at the
