@@ -294,6 +294,8 @@ class Simulation:
             if stage not in inst.roles:
                 continue
             queue = self.queues[stage]
+            if not queue or queue[0][0] > self.now:
+                continue  # nothing to fetch yet: the pull rule need not be asked
             room = inst.room(stage)
             while room > 0 and queue and queue[0][0] <= self.now:
                 if stage == Role.DECODE and not self._can_hold(inst, queue[0][2]):

@@ -26,9 +26,9 @@ from common.roles import Role
 from tests.stages.rig import StageRig, stage_rig
 
 REQUESTS = 5_000
-IN_FLIGHT = 128  # requests the "gateway" keeps going at once
+IN_FLIGHT = 512  # requests the "gateway" keeps going at once
 MAX_TOKENS = 2  # the first token from prefill, one decode step
-BATCH = 16  # tasks fetched at once while the engine has room
+BATCH = 64  # tasks fetched at once while the engine has room
 WINDOW = 2.0  # seconds finished requests' finals are kept (120 s in a deployment)
 RSS_SLACK = 3 << 20  # bytes RSS may move between the halves: the maps this replaced grew ~4.7 MB a half
 P, D = frozenset({Role.PREFILL}), frozenset({Role.DECODE})
