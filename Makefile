@@ -24,10 +24,13 @@ system-deps:
 	@(command -v redis-server && command -v promtool && command -v prometheus) >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq redis-server prometheus >/dev/null)
 
+# Two lanes side by side, one xdist worker each (tests/lanes.py): the suite mostly waits. Then the
+# tests that hold a time or memory bound (marked `alone`), by themselves.
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope -m "not alone"
+	$(BIN)/python -m pytest -q -m alone
 
 # The quick loop: every test that starts no deployment (tests/tiers.py says which are slow).
 test-fast: install

@@ -9,6 +9,7 @@ import pytest
 
 from common.checkpoints import write_checkpoint
 from common.infra import NatsServer, RedisServer
+from tests.lanes import lane_scheduler
 from tests.services.shared import SHARED
 from tests.tiers import START_EVENT, mark_slow_folders, starts_a_deployment
 from trident.bench.machine import single_thread_gflops
@@ -52,6 +53,12 @@ def _refuse_unmarked_deployments(event: str, args: tuple) -> None:
             f"{RUNNING[-1].nodeid} starts a deployment ({' '.join(argv)[:160]}) but is not marked slow: "
             "add `pytestmark = pytest.mark.slow` to its module (see tests/tiers.py)"
         )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadscope` runs the suite's two lanes side by side (tests/lanes.py)."""
+    return lane_scheduler(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

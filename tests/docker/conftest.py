@@ -66,7 +66,7 @@ class Stack:
         found = httpx.get(self.url + "/v1/cluster", timeout=10).json()["instances"]
         return [i for i in found if role in i["roles"]]
 
-    def wait_for(self, check, timeout: float = 120.0) -> None:
+    def wait_for(self, check, timeout: float = 300.0) -> None:  # a bound: a busy host starts them slowly
         deadline = time.monotonic() + timeout
         while not check():
             assert time.monotonic() < deadline, "not reached in time"

@@ -176,6 +176,7 @@ def rss_kb(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+@pytest.mark.alone  # a latency bound and a memory bound: another lane beside it would move both
 def test_large_images_stall_no_text_request_and_their_memory_is_given_back(epd):
     """Regression: two clients' 8 images of 7000x7000 made a text request wait 39 s (one thread
     preprocessed every image) and left 3.6 GB held. Here each request's 8 images of 3000x3000 are

@@ -188,6 +188,7 @@ def test_prometheus_answers_every_dashboard_query(deployment, tmp_path):
             proc.wait(20)
 
 
+@pytest.mark.alone  # a 30 s bound on quitting, which a lane beside it once pushed past
 def test_trident_top_shows_the_deployment_live_in_a_terminal(deployment):
     """...and Ctrl-C quits it, even when it starts with SIGINT ignored, as a shell starts a command
     in the background or under nohup (CI's test runs were started so: it never quit there)."""
