@@ -44,6 +44,9 @@ class BlockManager:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.evictions = 0
+        # Once watched (`watch_changes`): each hash made findable (True) or given up (False) since
+        # the changes were last taken, for a worker to tell the cluster where prefixes live.
+        self._changes: dict[bytes, bool] | None = None
 
     @property
     def num_free(self) -> int:
@@ -99,6 +102,24 @@ class BlockManager:
             if block not in self._hash_of and h not in self._by_hash:
                 self._hash_of[block] = h
                 self._by_hash[h] = block
+                if self._changes is not None:
+                    self._changes[h] = True
+
+    def watch_changes(self) -> None:
+        """Start keeping the hashes gained and given up, for `take_changes`."""
+        self._changes = {}
+
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """The hashes made findable and those given up since the last call (each in one list, by
+        its state now); ([], []) unless watched."""
+        changes, self._changes = self._changes, ({} if self._changes is not None else None)
+        if not changes:
+            return [], []
+        return [h for h, found in changes.items() if found], [h for h, found in changes.items() if not found]
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash a block is findable by now."""
+        return list(self._by_hash)
 
     # -- owning -----------------------------------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
@@ -159,8 +180,11 @@ class BlockManager:
         if self._free:
             return self._free.popleft()
         block, _ = self._cached.popitem(last=False)  # the least recently used
-        del self._by_hash[self._hash_of.pop(block)]
+        h = self._hash_of.pop(block)
+        del self._by_hash[h]
         self.evictions += 1
+        if self._changes is not None:
+            self._changes[h] = False
         return block
 
     def _extra_blocks(self, request_id: str, num_tokens: int) -> int:

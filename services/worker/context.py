@@ -16,8 +16,8 @@ import torch
 from common.bus import Bus, Task
 from common.dispatch import Dispatcher
 from common.engine import AdmissionError
-from common.engine.processor import InputError, ProcessedPrompt
-from common.engine.request import ImageInput
+from common.engine.processor import InputError
+from common.engine.spec_prompt import spec_prompt
 from common.protocol import ErrorOutput, InlineTensor, RequestSpec, TensorRef
 from common.roles import Role
 from common.store import Store
@@ -63,7 +63,7 @@ class StageContext:
         engine can never run fails here with the engine's reason."""
         spec = held.spec
         try:
-            prompt = to_prompt(spec, self.engine.engine.processor.image_token_id, pixels, features)
+            prompt = spec_prompt(spec, self.engine.engine.processor.image_token_id, pixels, features)
             outputs = list(spec.output_token_ids)
             await self.ledger.enter(
                 held,
@@ -113,22 +113,3 @@ class StageContext:
             await self.bus.events.publish_output(error)
         finally:
             await self.ledger.abort(request_id)
-
-
-def to_prompt(
-    spec: RequestSpec,
-    image_token_id: int,
-    pixels: list[torch.Tensor | None],
-    features: list[torch.Tensor | None],
-) -> ProcessedPrompt:
-    """The engine's view of a request: one ImageInput per image, with its pixels or its features."""
-    ids = torch.as_tensor(spec.prompt_token_ids)
-    positions = (ids == image_token_id).nonzero().squeeze(1)
-    images = []
-    for img, px, ft in zip(spec.images, pixels, features, strict=True):
-        extra = {"grid_thw": img.grid_thw, "image_size": img.image_size}  # families whose images vary
-        images.append(ImageInput(img.content_hash, img.num_tokens, pixel_values=px, features=ft, **extra))
-    expected = sum(img.num_tokens for img in spec.images)
-    if len(positions) != expected:
-        raise ValueError(f"prompt has {len(positions)} image placeholders, its images need {expected}")
-    return ProcessedPrompt(list(spec.prompt_token_ids), images, positions)

@@ -1,0 +1,47 @@
+"""A request as sent between services (`RequestSpec`) seen as the engine sees it: its processed
+prompt, and the prefix-cache keys of its prompt's full blocks. A prefill instance admits the
+prompt; a gateway computes the same keys to find where they are cached (services/gateway/kv_routing.py),
+so both go through `spec_prompt` and cannot disagree."""
+
+from __future__ import annotations
+
+import torch
+
+from common.engine.prefix import block_hashes
+from common.engine.processor import ProcessedPrompt
+from common.engine.request import ImageInput, Request
+from common.protocol import RequestSpec, SamplingParams
+
+
+def spec_prompt(
+    spec: RequestSpec,
+    image_token_id: int,
+    pixels: list[torch.Tensor | None],
+    features: list[torch.Tensor | None],
+) -> ProcessedPrompt:
+    """The engine's view of a request: one ImageInput per image, with its pixels or its features."""
+    ids = torch.as_tensor(spec.prompt_token_ids)
+    positions = (ids == image_token_id).nonzero().squeeze(1)
+    images = []
+    for img, px, ft in zip(spec.images, pixels, features, strict=True):
+        extra = {"grid_thw": img.grid_thw, "image_size": img.image_size}  # families whose images vary
+        images.append(ImageInput(img.content_hash, img.num_tokens, pixel_values=px, features=ft, **extra))
+    expected = sum(img.num_tokens for img in spec.images)
+    if len(positions) != expected:
+        raise ValueError(f"prompt has {len(positions)} image placeholders, its images need {expected}")
+    return ProcessedPrompt(list(spec.prompt_token_ids), images, positions)
+
+
+def spec_block_hashes(spec: RequestSpec, image_token_id: int, block_size: int) -> list[bytes]:
+    """The prefix-cache keys of the prompt's full blocks, as a prefill instance of that block size
+    computes them (common/engine/prefix.py)."""
+    none = [None] * len(spec.images)
+    prompt = spec_prompt(spec, image_token_id, none, none)
+    req = Request(
+        spec.request_id,
+        prompt.token_ids,
+        SamplingParams(),
+        prompt.images,
+        image_positions=prompt.image_positions,
+    )
+    return block_hashes(req, len(prompt.token_ids) // block_size, block_size)
