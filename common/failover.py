@@ -41,6 +41,7 @@ from common.aio import raise_if_cancelled
 from common.bus import Bus
 from common.bus.tasks import FAILOVER_HEADER
 from common.protocol import Fence, Heartbeat
+from common.roles import Role
 from common.store import Store
 
 log = logging.getLogger(__name__)
@@ -210,8 +211,14 @@ class Reaper:
         await asyncio.sleep(SWEEP_GRACE)
         live = {seq for _, hb in self._last.values() for seq in hb.held}
         for role, upto in delivered.items():
-            for seq in await self._unsettled(role, upto):
+            for seq in await self._unsettled(self.bus.subjects.task(role), upto):
                 if seq not in live and seq not in handed and await self._hand_on(instance_id, seq):
+                    handed.add(seq)
+        if Role.PREFILL in beat.roles:  # what was sent to it alone: nobody else reads its mailbox
+            mailbox = self.bus.subjects.mailbox(Role.PREFILL, instance_id)
+            for seq in await self._unsettled(mailbox, upto=None):
+                mine = seq not in handed and await self._mailbox_claim(instance_id, seq)
+                if mine and await self._hand_on(instance_id, seq):
                     handed.add(seq)
         self.handed_on += len(handed)
         if handed:
@@ -226,9 +233,20 @@ class Reaper:
                 found[role] = info.delivered.stream_seq or 0
         return found
 
-    async def _unsettled(self, role, upto: int) -> list[int]:
-        """Sequences of `role`'s tasks still in the stream (not settled), up to `upto`."""
-        js, stream, subject = self.bus.js, self.bus.subjects.task_stream, self.bus.subjects.task(role)
+    async def _mailbox_claim(self, dead: str, seq: int) -> bool:
+        """Whether a task left in a dead instance's mailbox is the failover's to hand on: unclaimed,
+        or claimed by the dead instance itself (its sender, taking it back, has it otherwise)."""
+        try:
+            stream = self.bus.subjects.task_stream
+            holder = await self.store.registry.claim_task(stream, seq, f"failover:{dead}")
+        except Exception as exc:  # Redis away: its sender takes it back
+            log.warning("cannot claim task %d of %s's mailbox: %r", seq, dead, exc)
+            return False
+        return holder in (f"failover:{dead}", dead)
+
+    async def _unsettled(self, subject: str, upto: int | None) -> list[int]:
+        """Sequences of the tasks on `subject` still in the stream (not settled), up to `upto`."""
+        js, stream = self.bus.js, self.bus.subjects.task_stream
         found, seq = [], 0
         while True:
             try:
@@ -236,7 +254,7 @@ class Reaper:
             except NotFoundError:
                 return found
             seq = msg.seq
-            if seq > upto:
+            if upto is not None and seq > upto:
                 return found
             found.append(seq)
 
@@ -247,9 +265,10 @@ class Reaper:
             stored = await js.get_msg(stream, seq)
         except NotFoundError:
             return False  # settled before the instance died
-        await self.bus.tasks.restore(
-            stored.subject, stored.data, msg_id=f"failover:{dead}:{seq}", headers={FAILOVER_HEADER: dead}
-        )
+        await self.bus.tasks.restore(  # a task sent to its mailbox goes to the shared queue
+            self.bus.subjects.shared(stored.subject), stored.data, msg_id=f"failover:{dead}:{seq}",
+            headers={FAILOVER_HEADER: dead},
+        )  # fmt: skip
         with contextlib.suppress(NotFoundError):
             await js.delete_msg(stream, seq)
         return True

@@ -78,6 +78,13 @@ class Bus:
         self._consumers.append(consumer)
         return consumer
 
+    async def mailbox(self, role: Role, instance_id: str) -> TaskConsumer:
+        """A puller on the tasks sent to `instance_id` alone (routing by cached prefix)."""
+        consumer = TaskConsumer(self.nc, self.js, self.config, role, self._dead_letters)
+        await consumer.start_mailbox(instance_id)
+        self._consumers.append(consumer)
+        return consumer
+
     @property
     def connected(self) -> bool:
         return self.nc.is_connected

@@ -103,7 +103,7 @@ async def ensure_task_stream(js: JetStreamContext, config: BusConfig) -> None:
     subjects = config.subjects
     stream = StreamConfig(
         name=subjects.task_stream,
-        subjects=[subjects.task(role) for role in Role],
+        subjects=[subjects.task(role) for role in Role] + [subjects.mailboxes(Role.PREFILL)],
         # Work queue: a task is removed once acked, and each subject has exactly one consumer.
         retention=RetentionPolicy.WORK_QUEUE,
         # File storage: tasks survive a NATS restart; unacked ones are redelivered afterwards.
@@ -138,4 +138,23 @@ def consumer_config(config: BusConfig, role: Role) -> ConsumerConfig:
         max_deliver=config.max_deliver,
         # Many replicas may each hold a waiting pull request; the default cap (512) is plenty.
         max_waiting=512,
+    )
+
+
+MAILBOX_IDLE = 60.0  # seconds a mailbox consumer outlives its instance's last pull (the server removes it)
+
+
+def mailbox_config(config: BusConfig, role: Role, instance_id: str) -> ConsumerConfig:
+    """One instance's consumer of the tasks sent to it. The server removes it once its instance
+    has stopped pulling for MAILBOX_IDLE seconds; what is left in the mailbox is handed on by the
+    failover, or taken back by its sender (common/dispatch.py)."""
+    name = config.subjects.mailbox_consumer(role, instance_id)
+    return ConsumerConfig(
+        name=name,
+        durable_name=name,
+        filter_subject=config.subjects.mailbox(role, instance_id),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=config.ack_wait,
+        max_deliver=config.max_deliver,
+        inactive_threshold=MAILBOX_IDLE,
     )

@@ -29,6 +29,7 @@ from common.protocol import (
     Heartbeat,
     Message,
     Plan,
+    PrefixBlocks,
     ProtocolError,
     Release,
     Resend,
@@ -185,3 +186,10 @@ class EventBus:
 
     async def heartbeats(self) -> EventStream:
         return await self.subscribe(self.subjects.heartbeats_all, (Heartbeat,))
+
+    async def prefix_blocks(self, message: PrefixBlocks) -> None:
+        """Prefix-cache keys gained and given up (patience 0: a later snapshot repairs a loss)."""
+        await self.publish(self.subjects.prefix_blocks(message.instance_id), message, patience=0.0)
+
+    async def prefix_blocks_all(self) -> EventStream:
+        return await self.subscribe(self.subjects.prefix_blocks_all, (PrefixBlocks,))

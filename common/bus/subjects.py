@@ -1,6 +1,7 @@
 """Every NATS subject, stream and consumer name in one place, derived from one prefix.
 
     <p>.task.{encode,prefill,decode}   JetStream work-queue stream <P>_TASKS, durable consumer per role
+    <p>.task.prefill.to.<instance_id>  the same stream: tasks sent to one instance (its mailbox)
     <p>.out.<request_id>               core: TokenDelta / FinalOutput / ErrorOutput for one request
     <p>.ctl.cancel                     core: Cancel, broadcast to every instance
     <p>.ctl.resend                     core: Resend, broadcast: a gateway asks for outputs again
@@ -8,6 +9,7 @@
     <p>.ctl.release.<owner>            core: Release, to the instance that holds the KV
     <p>.plan                           core: Plan events from the planner
     <p>.hb.<instance_id>               core: Heartbeat (the registry in Redis is the source of truth)
+    <p>.kv.<instance_id>               core: PrefixBlocks, the prefix-cache keys an instance gained/dropped
 
 The prefix exists so tests (and two deployments on one NATS) do not see each other's traffic.
 """
@@ -52,6 +54,27 @@ class Subjects:
     def consumer(self, role: Role) -> str:
         """The durable pull consumer every replica of `role` shares."""
         return f"{self.prefix}-{_role(role)}"
+
+    def mailbox(self, role: Role, instance_id: str) -> str:
+        """`role`'s tasks sent to one instance (routing by cached prefix), beside the shared queue."""
+        return f"{self.task(role)}.to.{check_token(instance_id, 'instance id')}"
+
+    def mailboxes(self, role: Role) -> str:
+        return f"{self.task(role)}.to.*"
+
+    def mailbox_consumer(self, role: Role, instance_id: str) -> str:
+        return f"{self.consumer(role)}-to-{check_token(instance_id, 'instance id')}"
+
+    def shared(self, subject: str) -> str:
+        """The shared queue's subject for a task stored on `subject` (a mailbox's, or already it)."""
+        return subject.split(".to.", 1)[0] if subject.startswith(f"{self.prefix}.task.") else subject
+
+    def prefix_blocks(self, instance_id: str) -> str:
+        return f"{self.prefix}.kv.{check_token(instance_id, 'instance id')}"
+
+    @property
+    def prefix_blocks_all(self) -> str:
+        return f"{self.prefix}.kv.*"
 
     def output(self, request_id: str) -> str:
         token = request_id if request_id == "*" else check_token(request_id, "request id")

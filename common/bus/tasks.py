@@ -24,7 +24,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NoStreamResponseError
 
 from common.aio import raise_if_cancelled
-from common.bus.connection import BusConfig
+from common.bus.connection import BusConfig, mailbox_config
 from common.bus.subjects import TASK_KINDS
 from common.protocol import DeadLetter, ErrorOutput, ProtocolError, StageTask, decode
 from common.roles import Role
@@ -161,8 +161,13 @@ class Task:
             return False
 
     async def nak(self, delay: float | None = None) -> None:
-        """Give the task back for another worker (after `delay` seconds); counts as a delivery."""
-        await self.msg.nak(delay=delay)
+        """Give the task back for another worker (after `delay` seconds); counts as a delivery. A
+        task from this instance's mailbox goes to the shared queue instead: nobody else reads the
+        mailbox."""
+        if self._consumer.mailbox_of is not None:
+            await self._consumer.move_to_shared(self.msg)
+        else:
+            await self.msg.nak(delay=delay)
         self.settled = True
 
     async def fail(self, reason: str) -> None:
@@ -234,12 +239,32 @@ class TaskConsumer:
         self._kind = TASK_KINDS[self.role]
         self._sink = dead_letters
         self._sub: JetStreamContext.PullSubscription | None = None
+        self.mailbox_of: str | None = None  # the instance whose mailbox this reads, if it reads one
 
     async def start(self) -> None:
         subjects = self.config.subjects
         self._sub = await self._js.pull_subscribe_bind(
             durable=subjects.consumer(self.role), stream=subjects.task_stream
         )
+
+    async def start_mailbox(self, instance_id: str) -> None:
+        """Read the tasks sent to `instance_id` (subjects.mailbox) instead of the shared queue."""
+        subjects = self.config.subjects
+        self.mailbox_of = instance_id
+        await self._js.add_consumer(subjects.task_stream, mailbox_config(self.config, self.role, instance_id))
+        self._sub = await self._js.pull_subscribe_bind(
+            durable=subjects.mailbox_consumer(self.role, instance_id), stream=subjects.task_stream
+        )
+
+    async def move_to_shared(self, msg: Msg) -> None:
+        """Store a mailbox task again on the shared queue, marked as handed on by this instance
+        (its next holder resumes it from what its client has), then settle the mailbox copy."""
+        subject = self.config.subjects.shared(msg.subject)
+        headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
+        headers[FAILOVER_HEADER] = self.mailbox_of or ""
+        seq = msg.metadata.sequence.stream
+        await TaskPublisher(self._js, self.config).restore(subject, msg.data, f"moved:{seq}", headers)
+        await msg.ack_sync()
 
     async def fetch(self, max_tasks: int, timeout: float = 1.0) -> list[Task]:
         """Up to `max_tasks` tasks, waiting at most `timeout` for the first. Ask only for what there is

@@ -142,6 +142,32 @@ class Heartbeat(Message):
         return self
 
 
+BlockKey = Annotated[bytes, Field(min_length=32, max_length=32)]  # a prefix-cache key (SHA-256)
+
+
+class PrefixBlocks(Message):
+    """Which prefix-cache keys an instance gained and gave up (a delta), or every key it holds (a
+    snapshot, sent in `parts` messages of one `seq` when large). `seq` counts an instance's
+    messages, so a reader sees a gap; snapshots, sent every few seconds, heal it and seed a reader
+    that just started. Gateways index them to send a request where its prefix is cached."""
+
+    KIND: ClassVar[str] = "kv.blocks"
+    instance_id: str = Field(min_length=1)
+    seq: int = Field(ge=0)
+    block_size: int = Field(ge=1)
+    snapshot: bool = False
+    part: int = Field(0, ge=0)
+    parts: int = Field(1, ge=1)
+    gained: tuple[BlockKey, ...] = ()  # a snapshot lists its keys here
+    dropped: tuple[BlockKey, ...] = ()
+
+    @model_validator(mode="after")
+    def _part_in_range(self) -> PrefixBlocks:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} of {self.parts}")
+        return self
+
+
 class Plan(Message):
     """The planner's recommendation: which deployment method, and how many replicas per role kind."""
 

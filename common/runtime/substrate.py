@@ -32,7 +32,7 @@ from common.transfer import TransferBackend, TransferConfig, create_backend
 log = logging.getLogger(__name__)
 CLOSE_STEP_TIMEOUT = 5.0  # seconds each step of a close may take
 EXIT_LOOP_FAILED = 70  # the exit status of a service one of whose loops failed (EX_SOFTWARE)
-OWN_LOOPS = ("recorder", "heartbeats", "reaper")  # what the runtime itself runs
+OWN_LOOPS = ("recorder", "heartbeats", "reaper", "take-backs")  # what the runtime itself runs
 
 Step = Callable[[], Awaitable[object]]
 
@@ -74,7 +74,7 @@ class Runtime:
         self.bus = bus
         self.transfer = transfer
         self.record = StageRecorder(store)  # request records, written off the request path
-        self.dispatch = Dispatcher(bus.tasks, self.record)
+        self.dispatch = Dispatcher(bus.tasks, self.record, bus, store.registry, sender=instance_id)
         self.loops = Supervisor(instance_id)
         self.reaper = Reaper(
             bus, store, instance_id, settings.failover_after, self._fenced, settings.unresponsive_after
@@ -125,6 +125,7 @@ class Runtime:
         """Start the runtime's own loops: the recorder always; with a `heartbeat` (the service's
         current one), beating and watching the others for deaths."""
         self.loops.start("recorder", self.record.run)
+        self.loops.start("take-backs", self.dispatch.take_backs)  # tasks sent to one instance
         if heartbeat is not None:
             self._heartbeat = heartbeat
             self.loops.start("heartbeats", self.heartbeats.run)

@@ -55,6 +55,9 @@ class Keys:
     def reaped(self, instance_id: str) -> str:
         return f"{self.prefix}:inst:{instance_id}:reaped"
 
+    def task_claim(self, stream: str, seq: int) -> str:
+        return f"{self.prefix}:task:{stream}:{seq}:claim"
+
     @property
     def instances(self) -> str:
         return f"{self.prefix}:instances"

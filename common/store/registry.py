@@ -58,6 +58,14 @@ class Registry:
         """Take on handing over a dead instance's work; only the first watcher to ask gets True."""
         return bool(await self._r.set(self._keys.reaped(instance_id), 1, nx=True, ex=int(ttl)))
 
+    async def claim_task(self, stream: str, seq: int, owner: str, ttl: float = 600.0) -> str:
+        """Take a task sent to one instance's mailbox: the instance, to run it; its sender, to move
+        it to the shared queue after waiting too long; the failover, to hand a dead instance's on.
+        Returns who has it: `owner` for the first to ask, the first one's name for the others."""
+        key = self._keys.task_claim(stream, seq)
+        prior = await self._r.set(key, owner, nx=True, get=True, ex=int(ttl))
+        return owner if prior is None else prior.decode()
+
     async def fence(self, instance_id: str, ttl: float = 86400.0) -> None:
         """Mark an instance found dead and drop its record: should it come back, it must leave."""
         async with self._r.pipeline(transaction=True) as pipe:

@@ -26,6 +26,7 @@ from common.protocol import (
     Message,
     Plan,
     PrefillTask,
+    PrefixBlocks,
     ProtocolError,
     Release,
     RequestSpec,
@@ -80,6 +81,8 @@ EXAMPLES: list[Message] = [
     Release(request_id="chatcmpl-1", owner="pre-1", handles=("kv0", "kv1")),
     Resend(request_id="chatcmpl-1", index=7),
     Fence(instance_id="d-host-42", reason="no heartbeat for 1.5s"),
+    PrefixBlocks(instance_id="p", seq=3, block_size=16, gained=(b"\x01" * 32,), dropped=(b"\x02" * 32,)),
+    PrefixBlocks(instance_id="p-host-7", seq=4, block_size=16, snapshot=True, part=1, parts=2),
     Heartbeat(
         instance_id="pre-1",
         roles=("encode", "prefill"),
@@ -262,3 +265,11 @@ def test_a_step_record_is_named_and_its_wire_form_unchanged() -> None:
     assert old.kind is StepKind.DECODE and (old.threads, old.overlap) == (0.0, -1.0)
     again = msgpack.unpackb(stats.to_bytes(), raw=False)[2]
     assert again["roles"] == ["decode", "encode"] and again["steps"][0] == raw[2]["steps"][0]
+
+
+def test_prefix_blocks_carry_whole_keys_and_a_part_in_range() -> None:
+    """Keys are full SHA-256 digests: a truncated one is refused, as is a part past the count."""
+    with pytest.raises(ValueError, match="32"):
+        PrefixBlocks(instance_id="p", seq=1, block_size=16, gained=(b"\x01" * 8,))
+    with pytest.raises(ValueError, match="part 2 of 2"):
+        PrefixBlocks(instance_id="p", seq=1, block_size=16, snapshot=True, part=2, parts=2)
