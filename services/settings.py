@@ -193,6 +193,24 @@ class GatewaySettings(ServiceSettings):
     sse_keepalive: float = Field(
         10.0, gt=0, description="Seconds of silence after which a stream gets an SSE comment"
     )
+    kv_routing: bool = Field(
+        True,
+        description="Send a request whose prompt prefix a prefill instance holds in its cache to that "
+        "instance (weighing the tokens it saves against the instance's queue), not the shared queue",
+    )
+    kv_routing_min_tokens: int = Field(
+        64, ge=1, description="Cached prefix tokens a request must find at an instance to be sent there"
+    )
+    kv_routing_load_tokens: int = Field(
+        256, ge=0,
+        description="Prompt tokens one request waiting at an instance is taken to cost, when its "
+        "queue is weighed against the tokens its cache saves",
+    )  # fmt: skip
+    kv_routing_take_back: float = Field(
+        1.0, gt=0,
+        description="Seconds a request sent to one instance waits for it (busy, slow or dead) before it "
+        "goes to the shared queue",
+    )  # fmt: skip
 
 
 class PlannerSettings(ServiceSettings):

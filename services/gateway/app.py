@@ -50,7 +50,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         if problem := gw.unhealthy():
             return JSONResponse({"ready": False, "error": problem}, status_code=503)
         try:
-            missing = sorted(set(Role) - await live_roles(gw.store))
+            missing = sorted(set(Role) - live_roles(await gw.store.registry.instances()))
         except Exception as exc:
             return JSONResponse({"ready": False, "error": f"registry unreadable: {exc!r}"}, status_code=503)
         body = {"ready": not missing, "missing_roles": missing}

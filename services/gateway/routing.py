@@ -32,8 +32,8 @@ ROUTE_WAIT = 5.0  # seconds to wait for a stage's instance (or the registry) to 
 POLL = 0.1
 
 
-async def live_roles(store) -> set[Role]:
-    return {role for hb in await store.registry.instances() for role in hb.roles if not hb.draining}
+def live_roles(beats) -> set[Role]:
+    return {role for hb in beats for role in hb.roles if not hb.draining}
 
 
 class LiveRoles:
@@ -46,6 +46,7 @@ class LiveRoles:
         self.store = store
         self.max_age = max_age
         self._roles: set[Role] = set()
+        self.beats: list = []  # the registry's heartbeats as last read (routing by prefix weighs them)
         self._at = float("-inf")
         self._reading: asyncio.Future[set[Role]] | None = None  # one read, shared by all who ask
 
@@ -59,7 +60,8 @@ class LiveRoles:
         return await asyncio.shield(self._reading)  # a waiter that leaves does not cancel it
 
     async def _read(self) -> set[Role]:
-        roles = await live_roles(self.store)
+        self.beats = await self.store.registry.instances()
+        roles = live_roles(self.beats)
         self._roles, self._at = roles, time.monotonic()
         return roles
 
@@ -100,14 +102,30 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         image_tokens=sum(i.num_tokens for i in images), max_tokens=sampling.max_tokens,
     )  # fmt: skip
     task = EncodeTask(request=spec) if needs_encode else PrefillTask(request=spec)
+    to = None if needs_encode else _prefix_holder(gw, spec)
     try:
-        await gw.dispatch.send(task, "gateway")
+        await gw.dispatch.send(task, "gateway", to=to)
     except QueueFull as exc:
         raise APIError(429, f"{exc}; retry shortly", code="queue_full", retry_after=2) from exc
     except PublishError as exc:
         raise Unavailable("the message broker did not store the request in time") from exc
     gw.metrics.routed.labels(task.ROLE).inc()
     return spec
+
+
+def _prefix_holder(gw, spec: RequestSpec) -> str | None:
+    """The prefill instance to send the request to for the prefix it caches (kv_routing.py), or
+    None for the shared queue."""
+    router = gw.prefix_router
+    if router is None:
+        return None
+    try:
+        choice = router.choose(spec, gw.live_roles.beats)
+    except Exception:  # a shortcut: without it, the shared queue
+        log.exception("routing %s by prefix failed; queued for any instance", spec.request_id)
+        return None
+    gw.metrics.prefix_routes.labels(choice.reason).inc()
+    return choice.target
 
 
 async def _stored_features(gw, hashes: list[str]) -> dict:

@@ -25,6 +25,8 @@ from common.store.recorder import StageRecorder
 from common.transfer import TransferBackend, TransferConfig
 from services.gateway.images import ImagePolicy
 from services.gateway.journal import OutputJournal
+from services.gateway.kv_routing import REASONS as ROUTE_REASONS
+from services.gateway.kv_routing import PrefixRouter
 from services.gateway.preprocess import ImagePreprocessor
 from services.gateway.queues import QueueDepths
 from services.gateway.routing import LiveRoles
@@ -39,6 +41,8 @@ class Metrics:
     registry: CollectorRegistry
     requests: Counter
     routed: Counter
+    prefix_routes: Counter
+    prefix_index_keys: Gauge
     in_flight: Gauge
     queued: Gauge
     failovers: Gauge
@@ -59,6 +63,19 @@ class Metrics:
                 registry=r,
             ),
             Counter("trident_gateway_routed", "Requests by first stage", ["stage"], registry=r),
+            Counter(
+                "trident_gateway_prefix_routes",
+                "Prefill routing decisions by reason: prefix (sent to the instance holding the "
+                "prompt's prefix), load (a prefix was cached, but its holder was too busy), none (no "
+                "useful prefix anywhere), fallback (sent, then moved to the shared queue)",
+                ["reason"],
+                registry=r,
+            ),
+            Gauge(
+                "trident_gateway_prefix_index_keys",
+                "Prefix-cache keys the gateway knows prefill instances to hold (all instances)",
+                registry=r,
+            ),
             Gauge("trident_gateway_in_flight", "Requests being served", registry=r),
             Gauge(
                 "trident_gateway_queued_tasks", "Tasks waiting in each stage's queue", ["stage"], registry=r
@@ -129,6 +146,13 @@ class Gateway:
         # The deployment is reached from inside uvicorn's event loop (its lifespan), after the app
         # and its middleware exist: until start() no request is served, and `links` is None.
         self.links: Links | None = None
+        self.prefix_router = (  # routing by cached prefix (kv_routing.py), unless switched off
+            PrefixRouter(
+                self.processor.image_token_id, settings.kv_routing_min_tokens, settings.kv_routing_load_tokens
+            )
+            if settings.kv_routing
+            else None
+        )
 
     # -- the deployment, once started -----------------------------------------------------------
 
@@ -211,10 +235,30 @@ class Gateway:
         rt.start(self.heartbeat)
         rt.supervise("journal", links.journal.run)
         rt.supervise("queues", links.queues.run)
+        if self.prefix_router is not None:
+            rt.dispatch.take_back_after = self.settings.kv_routing_take_back
+            rt.dispatch.on_take_back = lambda target: self.metrics.prefix_routes.labels("fallback").inc()
+            rt.supervise("prefix-index", self._index_prefixes)
+            for reason in ROUTE_REASONS:  # each shows from the start, at 0
+                self.metrics.prefix_routes.labels(reason)
+            self.metrics.prefix_index_keys.set_function(self.prefix_router.index.size)
         rt.supervise("exit-on-failure", lambda: rt.exit_on_failure(self._closers()), may_end=True)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(instance_id=self.instance_id, kind="gateway", time=time.time())
+
+    async def _index_prefixes(self) -> None:
+        """Keep the prefix index (kv_routing.py) as instances announce their keys; forget the
+        instances the registry no longer lists."""
+        router = self.prefix_router
+        assert router is not None
+        forgot = time.monotonic()
+        async with await self.bus.events.prefix_blocks_all() as stream:
+            async for msg in stream:
+                router.index.apply(msg)
+                if time.monotonic() - forgot > 1.0:
+                    router.index.forget_absent({hb.instance_id for hb in self.live_roles.beats})
+                    forgot = time.monotonic()
 
     def _on_fence(self, instance_id: str) -> None:
         """Taken for dead itself (its loop stalled past the others' patience): its requests were

@@ -40,6 +40,7 @@ class PrefillHandler(StageHandler):
     hands_on_to = Role.DECODE
     pull_rule = staticmethod(prefill_room)
     takes_idle_cores = True  # its steps are what a request's TTFT waits on
+    routed_by_prefix = True  # a prompt's cached prefix is what it skips computing
 
     def first_token(self, held: Held) -> None:
         """Prefill ends with the first token: it is what TTFT measures."""

@@ -20,4 +20,6 @@ class Counters:
     kv_pull_failures: int = 0
     resumed_tokens: int = 0
     cancelled_unrun: int = 0  # tasks of cancelled requests dropped when pulled
+    mailbox_taken: int = 0  # tasks sent to this instance alone (routing by prefix) that it ran
+    taken_back: int = 0  # of those sent to it, the ones their sender had moved to the shared queue
     started_at: float = field(default_factory=time.time)

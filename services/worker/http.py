@@ -36,6 +36,8 @@ class WorkerCollector:
             ("kv_pull_failures", c.kv_pull_failures, "KV pulls that failed"),
             ("resumed_tokens", c.resumed_tokens, "Streamed tokens requests resumed from after a loss"),
             ("cancelled_unrun", c.cancelled_unrun, "Tasks of cancelled requests dropped when pulled"),
+            ("mailbox_tasks", c.mailbox_taken, "Tasks sent to this instance alone (for its cached prefix)"),
+            ("mailbox_taken_back", c.taken_back, "Tasks sent to this instance that their sender took back"),
             ("feature_cache_hits", stats.feature_hits, "Images found in the feature cache"),
             ("integrity_failures", w.upkeep.integrity_failures, "Ledger/engine integrity checks that failed"),
             ("failovers", w.runtime.reaper.reaped, "Dead instances whose work this one handed on"),

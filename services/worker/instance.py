@@ -32,6 +32,7 @@ from services.worker.context import StageContext
 from services.worker.cores import CoreBoard
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
+from services.worker.kv_announce import PrefixAnnouncer
 from services.worker.ledger import Ledger
 from services.worker.outputs import OutputPublisher
 from services.worker.stage import StageHandler
@@ -138,6 +139,11 @@ class WorkerInstance:
             self.instance_id, self.roles, profile_id, self.steps, self.loop, runtime.store
         )
         runtime.on_fence(self._fenced)
+        # Where prefixes live, for gateways routing by them: what a prefill instance caches.
+        routed = [h for h in self.handlers.values() if h.routed_by_prefix]
+        self.announcer = None
+        if routed and engine.blocks.caching:
+            self.announcer = PrefixAnnouncer(self.instance_id, self.loop, runtime.bus)
 
     @classmethod
     async def build(cls, settings: WorkerSettings, stages: Stages, http_address: str) -> WorkerInstance:
@@ -177,6 +183,12 @@ class WorkerInstance:
         for role in PULL_ORDER:
             if role in self.handlers:
                 rt.supervise(f"{role}-intake", functools.partial(self.intake.pull, self.handlers[role]))
+        for handler in self.handlers.values():  # tasks sent here alone (routing by cached prefix)
+            if handler.routed_by_prefix:
+                pull = functools.partial(self.intake.pull, handler, mailbox=True)
+                rt.supervise(f"{handler.role}-mailbox", pull)
+        if self.announcer is not None:
+            rt.supervise("prefix-announce", self.announcer.run)
         log.info(
             "%s ready: roles %s, transfer %s", self.instance_id, sorted(self.roles), self.ctx.transfer.address
         )

@@ -17,7 +17,8 @@ from services.worker.ledger import Held
 class StageHandler:
     """What a stage pulls and admits (`take`), what it hands on when its part is done (`hand_on`),
     and any background work of its own (`watch`); how much it asks its queue for (`pull_rule`)
-    and whether its steps take the host's idle cores (`takes_idle_cores`)."""
+    whether its steps take the host's idle cores (`takes_idle_cores`), and whether requests are
+    sent to where their prefix is cached (`routed_by_prefix`)."""
 
     role: ClassVar[Role]
     # The stage this one queues next, when the engine says a request needs it and this instance
@@ -29,6 +30,10 @@ class StageHandler:
     # Whether an instance running this stage lends its steps the host's idle cores (a core board):
     # the stages a request's TTFT waits on run large steps.
     takes_idle_cores: ClassVar[bool] = False
+    # Whether requests are sent to the instance that holds their prefix for this stage (routing by
+    # cached prefix): the instance then also reads its own mailbox, and tells the cluster which
+    # prefix-cache keys it holds.
+    routed_by_prefix: ClassVar[bool] = False
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx

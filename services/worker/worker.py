@@ -57,9 +57,12 @@ class StageWorker:
 
     # -- intake ------------------------------------------------------------------------------------
 
-    async def pull(self, handler: StageHandler) -> None:
-        """Pull `handler`'s role's tasks while there is room, until cancelled."""
-        consumer = await self.ctx.bus.consumer(handler.role)
+    async def pull(self, handler: StageHandler, mailbox: bool = False) -> None:
+        """Pull `handler`'s role's tasks while there is room, until cancelled: from the role's shared
+        queue, or (`mailbox`) from those sent to this instance alone, each claimed before it is
+        taken (common/dispatch.py: its sender takes back what waits too long)."""
+        bus, me = self.ctx.bus, self.ctx.instance_id
+        consumer = await (bus.mailbox(handler.role, me) if mailbox else bus.consumer(handler.role))
         while True:
             raise_if_cancelled()
             room = self.room(handler)
@@ -71,6 +74,8 @@ class StageWorker:
                 tasks = await consumer.fetch(room, timeout=0.5)
             finally:
                 self._fetching -= 1
+            if mailbox:
+                tasks = await self._claimed(tasks)
             if not tasks:
                 continue
             self._fetched.update(tasks)  # the failover must know of them before their turn
@@ -81,6 +86,25 @@ class StageWorker:
                     await self._take(handler, task, task.message.request.request_id in cancelled)
                 finally:
                     self._fetched.discard(task)
+
+    async def _claimed(self, tasks: list[Task]) -> list[Task]:
+        """The mailbox tasks this instance claimed first; the others were taken back by their
+        sender (moved to the shared queue) and are settled here."""
+        mine = []
+        stream, me = self.ctx.bus.subjects.task_stream, self.ctx.instance_id
+        for task in tasks:
+            try:
+                won = await self.ctx.store.registry.claim_task(stream, task.stream_seq, me) == me
+            except Exception as exc:  # Redis away: run it (at least once; a copy is harmless)
+                log.warning("%s: cannot claim task %d (%r); taking it", me, task.stream_seq, exc)
+                won = True
+            if won:
+                self.ctx.counters.mailbox_taken += 1
+                mine.append(task)
+            else:
+                self.ctx.counters.taken_back += 1
+                await task.ack()
+        return mine
 
     async def _take(self, handler: StageHandler, task: Task, cancelled: bool) -> None:
         if self.ctx.draining.is_set():  # fetched as the drain began: another replica takes it

@@ -1,0 +1,148 @@
+"""Routing by cached prefix (issue 26): a request goes to the prefill instance that holds the
+longest run of its prompt's prefix-cache keys, when the tokens that saves outweigh the requests
+queued there; otherwise to the shared queue, as every request without a useful prefix does.
+
+Instances announce the keys they gain and give up (services/worker/kv_announce.py); `PrefixIndex`
+keeps them per instance. A delta applies in order; a snapshot (every few seconds, in parts when
+large) replaces what an instance is known to hold, so a lost delta or a gateway started late is
+healed within one snapshot period. An instance gone from the registry is forgotten. A request's
+own keys are computed as the prefill instance will compute them (common/engine/spec_prompt.py).
+
+Sending to one instance never strands a request: its task waits in that instance's mailbox at
+most `kv_routing_take_back` seconds before the gateway moves it to the shared queue
+(common/dispatch.py), and the failover hands on a dead instance's mailbox with the rest."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from common.engine.spec_prompt import spec_block_hashes
+from common.protocol import Heartbeat, PrefixBlocks, RequestSpec
+from common.roles import Role
+
+log = logging.getLogger(__name__)
+FORGET_AFTER = 15.0  # seconds an instance absent from the registry keeps its entry (it may be new)
+REASONS = ("prefix", "load", "none", "fallback")  # what /metrics counts routing decisions by
+
+
+@dataclass
+class _Held:
+    block_size: int
+    keys: set[bytes] = field(default_factory=set)
+    seq: int = 0
+    heard: float = 0.0  # monotonic time of its last message
+    parts: dict[int, tuple[int, dict[int, tuple[bytes, ...]]]] = field(default_factory=dict)  # snapshots
+
+
+class PrefixIndex:
+    """Which prefix-cache keys each instance holds, as it announced them."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, _Held] = {}
+        self.gaps = 0  # deltas found missing (healed by the next snapshot)
+
+    def apply(self, msg: PrefixBlocks) -> None:
+        held = self._held.get(msg.instance_id)
+        if held is None or held.block_size != msg.block_size:
+            held = self._held[msg.instance_id] = _Held(msg.block_size)
+        held.heard = time.monotonic()
+        if msg.snapshot:
+            parts = held.parts.setdefault(msg.seq, (msg.parts, {}))[1]
+            parts[msg.part] = msg.gained
+            if len(parts) == msg.parts:  # whole: it replaces what was known, older halves dropped
+                held.keys = {k for chunk in parts.values() for k in chunk}
+                held.seq = msg.seq
+                held.parts = {s: p for s, p in held.parts.items() if s > msg.seq}
+            return
+        if held.seq and msg.seq != held.seq + 1:
+            self.gaps += 1
+        held.seq = msg.seq
+        held.keys.difference_update(msg.dropped)
+        held.keys.update(msg.gained)
+
+    def matched(self, instance_id: str, keys: list[bytes]) -> int:
+        """How many of `keys`, from the first, the instance holds."""
+        held = self._held.get(instance_id)
+        if held is None:
+            return 0
+        n = 0
+        for key in keys:
+            if key not in held.keys:
+                break
+            n += 1
+        return n
+
+    def block_size(self, instance_id: str) -> int | None:
+        held = self._held.get(instance_id)
+        return held.block_size if held is not None else None
+
+    def instances(self) -> set[str]:
+        return set(self._held)
+
+    def size(self) -> int:
+        """Keys known, over all instances."""
+        return sum(len(h.keys) for h in self._held.values())
+
+    def forget_absent(self, live: set[str]) -> None:
+        """Drop the instances not in `live` that have been silent for FORGET_AFTER seconds."""
+        now = time.monotonic()
+        gone = [i for i, h in self._held.items() if i not in live and now - h.heard > FORGET_AFTER]
+        for instance_id in gone:
+            del self._held[instance_id]
+
+
+@dataclass
+class Choice:
+    target: str | None  # the instance to send the request to; None: the shared queue
+    reason: str  # one of REASONS
+    cached_tokens: int = 0  # what the target is expected to find in its cache
+
+
+class PrefixRouter:
+    """Chooses where a request's prefill goes, from the index and the instances' heartbeats."""
+
+    def __init__(self, image_token_id: int, min_tokens: int, load_tokens: int) -> None:
+        self.index = PrefixIndex()
+        self.image_token_id = image_token_id
+        self.min_tokens = min_tokens
+        self.load_tokens = load_tokens
+        self._sent: dict[str, tuple[float, int]] = {}  # instance -> (its heartbeat's time, sent since)
+
+    def choose(self, spec: RequestSpec, beats: list[Heartbeat]) -> Choice:
+        candidates = [
+            hb for hb in beats if hb.kind == "worker" and Role.PREFILL in hb.roles and not hb.draining
+        ]
+        if not candidates:
+            return Choice(None, "none")
+        prompt = len(spec.prompt_token_ids)
+        chains: dict[int, list[bytes]] = {}
+        best: tuple[float, int, str] | None = None  # (cost, cached tokens, instance)
+        for hb in candidates:
+            size = self.index.block_size(hb.instance_id)
+            if size is None:
+                continue
+            if size not in chains:
+                chains[size] = spec_block_hashes(spec, self.image_token_id, size)
+            cached = min(self.index.matched(hb.instance_id, chains[size]) * size, prompt - 1)
+            cost = prompt - cached + self.load_tokens * self._load(hb)
+            if cached >= self.min_tokens and (best is None or cost < best[0]):
+                best = (cost, cached, hb.instance_id)
+        if best is None:
+            return Choice(None, "none")
+        shared = prompt + self.load_tokens * min(self._load(hb) for hb in candidates)
+        if best[0] >= shared:
+            return Choice(None, "load", 0)
+        self._count_sent(best[2], candidates)
+        return Choice(best[2], "prefix", best[1])
+
+    def _load(self, hb: Heartbeat) -> int:
+        """Requests waiting at the instance: its last heartbeat's, and those sent to it since."""
+        at, sent = self._sent.get(hb.instance_id, (hb.time, 0))
+        return hb.queue_depth + (sent if at == hb.time else 0)
+
+    def _count_sent(self, instance_id: str, beats: list[Heartbeat]) -> None:
+        hb = next(b for b in beats if b.instance_id == instance_id)
+        at, sent = self._sent.get(instance_id, (hb.time, 0))
+        self._sent[instance_id] = (hb.time, sent + 1 if at == hb.time else 1)

@@ -1,0 +1,118 @@
+"""Routing by cached prefix, in process: the gateway's index of who holds which prefix-cache keys
+(deltas in order, gaps counted, snapshots in parts replacing what was known, the silent forgotten)
+and the choice it makes from it — the longest prefix wins, a queue weighs against it, and a request
+with no useful prefix anywhere goes to the shared queue."""
+
+from __future__ import annotations
+
+import time
+
+from common.engine.spec_prompt import spec_block_hashes
+from common.protocol import Heartbeat, PrefixBlocks, RequestSpec, SamplingParams
+from common.roles import Role
+from services.gateway import kv_routing
+from services.gateway.kv_routing import PrefixIndex, PrefixRouter
+
+BS = 16
+IMAGE_TOKEN = 32000
+
+
+def spec(tokens: list[int], rid: str = "r") -> RequestSpec:
+    return RequestSpec(
+        request_id=rid,
+        prompt_token_ids=tuple(tokens),
+        arrival_time=0.0,
+        sampling=SamplingParams(max_tokens=4),
+    )
+
+
+def keys_of(tokens: list[int]) -> list[bytes]:
+    return spec_block_hashes(spec(tokens), IMAGE_TOKEN, BS)
+
+
+def blocks(instance: str, seq: int, gained=(), dropped=(), **kw) -> PrefixBlocks:
+    return PrefixBlocks(
+        instance_id=instance, seq=seq, block_size=BS, gained=tuple(gained), dropped=tuple(dropped), **kw
+    )
+
+
+def beat(instance: str, queue_depth: int = 0, roles=(Role.PREFILL,), draining: bool = False) -> Heartbeat:
+    return Heartbeat(
+        instance_id=instance, roles=roles, queue_depth=queue_depth, draining=draining, time=time.time()
+    )
+
+
+PROMPT = list(range(100, 100 + 20 * BS))  # 20 full blocks
+KEYS = keys_of(PROMPT)
+
+
+def test_deltas_apply_in_order_and_a_gap_is_counted():
+    index = PrefixIndex()
+    index.apply(blocks("p1", 1, gained=KEYS[:5]))
+    index.apply(blocks("p1", 2, gained=KEYS[5:8], dropped=KEYS[4:5]))
+    assert index.matched("p1", KEYS) == 4  # the run stops at the first key it lacks
+    index.apply(blocks("p1", 4, gained=KEYS[4:5]))  # seq 3 was lost
+    assert index.gaps == 1 and index.matched("p1", KEYS) == 8
+    assert index.matched("nobody", KEYS) == 0
+
+
+def test_a_snapshot_in_parts_replaces_what_was_known_once_whole():
+    index = PrefixIndex()
+    index.apply(blocks("p1", 1, gained=KEYS[10:]))  # stale: the snapshot says otherwise
+    index.apply(blocks("p1", 2, snapshot=True, part=0, parts=2, gained=KEYS[:3]))
+    assert index.matched("p1", KEYS) == 0, "half a snapshot changes nothing"
+    index.apply(blocks("p1", 2, snapshot=True, part=1, parts=2, gained=KEYS[3:6]))
+    assert index.matched("p1", KEYS) == 6
+    assert index.matched("p1", KEYS[10:]) == 0
+    index.apply(blocks("p1", 3, gained=KEYS[6:7]))
+    assert index.gaps == 0 and index.matched("p1", KEYS) == 7
+
+
+def test_an_instance_gone_from_the_registry_and_silent_is_forgotten(monkeypatch):
+    index = PrefixIndex()
+    index.apply(blocks("p1", 1, gained=KEYS[:2]))
+    index.apply(blocks("p2", 1, gained=KEYS[:2]))
+    index.forget_absent({"p2"})
+    assert index.instances() == {"p1", "p2"}, "a new instance may announce before it registers"
+    monkeypatch.setattr(kv_routing, "FORGET_AFTER", -1.0)
+    index.forget_absent({"p2"})
+    assert index.instances() == {"p2"}
+
+
+def router_holding(**held: int) -> PrefixRouter:
+    router = PrefixRouter(IMAGE_TOKEN, min_tokens=64, load_tokens=256)
+    for instance, n in held.items():
+        router.index.apply(blocks(instance, 1, gained=KEYS[:n]))
+    return router
+
+
+def test_the_instance_with_the_longest_prefix_is_chosen():
+    router = router_holding(p1=5, p2=12, p3=0)
+    choice = router.choose(spec(PROMPT), [beat("p1"), beat("p2"), beat("p3")])
+    assert (choice.target, choice.reason, choice.cached_tokens) == ("p2", "prefix", 12 * BS)
+
+
+def test_a_queue_outweighs_a_short_prefix_and_a_draining_holder_is_passed_over():
+    router = router_holding(p1=5, p2=12)
+    choice = router.choose(spec(PROMPT), [beat("p1"), beat("p2", queue_depth=3)])
+    assert choice.target == "p1"  # 7 blocks saved (112 tokens) < 3 queued requests (768)
+    choice = router.choose(spec(PROMPT), [beat("p1", queue_depth=4), beat("p2", queue_depth=6), beat("p3")])
+    assert (choice.target, choice.reason) == (None, "load")  # an idle instance computes it sooner
+    choice = router.choose(spec(PROMPT), [beat("p1", draining=True), beat("p2", draining=True), beat("p3")])
+    assert (choice.target, choice.reason) == (None, "none")
+
+
+def test_no_useful_prefix_goes_to_the_shared_queue():
+    router = router_holding(p1=3)  # 48 tokens: under the 64 that make it worth a detour
+    assert router.choose(spec(PROMPT), [beat("p1")]).reason == "none"
+    assert router.choose(spec(list(range(7, 400))), [beat("p1")]).target is None
+    decode_only = beat("p1", roles=(Role.DECODE,))
+    assert router_holding(p1=12).choose(spec(PROMPT), [decode_only]).target is None
+
+
+def test_requests_sent_since_a_heartbeat_count_as_queued_there():
+    """Without it, a burst of one prefix all goes to one instance before its heartbeat shows the queue."""
+    router = router_holding(p1=12, p2=11)
+    beats = [beat("p1"), beat("p2")]
+    targets = [router.choose(spec(PROMPT, f"r{i}"), beats).target for i in range(4)]
+    assert targets[0] == "p1" and "p2" in targets
