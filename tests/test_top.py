@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trident.cli.top_view import Buckets, prefix_hit
+from trident.cli.top_view import Buckets, Frame, prefix_hit, routing_line
 
 INF = math.inf
 
@@ -43,3 +43,14 @@ def test_prefix_hit_is_the_share_found_cached_since_the_last_refresh():
     assert prefix_hit(now, None) == "29 %"  # no earlier frame: since the instance started
     assert prefix_hit(earlier, now) == "10 %"  # it restarted (its counts went back): since then
     assert prefix_hit(now, now) == "-" and prefix_hit({}, None) == "-"  # nothing looked up
+
+
+def test_the_routing_line_counts_decisions_since_the_last_refresh():
+    def frame(routes: dict[str, float]) -> Frame:
+        return Frame(0.0, [], None, {}, Buckets(), Buckets(), 0.0, routes)
+
+    earlier = frame({"prefix": 4, "load": 1, "none": 10, "fallback": 0})
+    now = frame({"prefix": 9, "load": 1, "none": 12, "fallback": 1})
+    assert routing_line(now, earlier) == "routed: prefix 5  load 0  none 2  fallback 1"
+    assert routing_line(now, None) == "routed: prefix 9  load 1  none 12  fallback 1"
+    assert routing_line(frame({}), None) == "routed by prefix: off"  # TRIDENT_KV_ROUTING=false

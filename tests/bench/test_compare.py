@@ -36,6 +36,13 @@ def test_systems_by_name():
     assert (off.method, off.env) == ("ep+d", {"TRIDENT_PREFIX_CACHING": "false"})
     with pytest.raises(ValueError, match="unknown system 'vllm'"):
         System.parse("vllm")
+    routed_off = System.parse("e+p+d-norouting:prefill=2")
+    assert (routed_off.method, routed_off.env) == ("e+p+d", {"TRIDENT_KV_ROUTING": "false"})
+    assert routed_off.scale == {"prefill": 2} and System.parse("e+p+d:prefill=2:decode=3").env == {}
+    assert System.parse("e+p+d:prefill=2:decode=3").scale == {"prefill": 2, "decode": 3}
+    for bad in ("e+p+d:prefill", "e+p+d:prefill=0", "llama.cpp:prefill=2", "e+p+d-nocache-norouting"):
+        with pytest.raises(ValueError):
+            System.parse(bad)
 
 
 def test_the_planners_pick_becomes_a_deployment():

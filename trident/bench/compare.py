@@ -28,6 +28,12 @@ PEERS = (PEER, PEER + "-cb", llamacpp.LLAMACPP)
 PLANNER = "planner"
 METHODS = ("e+p+d", "ep+d", "ed+p", "epd")
 NO_CACHE = "-nocache"  # a method's suffix: the same deployment with prefix caching off
+NO_ROUTING = "-norouting"  # ...with routing by cached prefix off (requests pulled from shared queues)
+VARIANTS = {  # suffix -> the environment it sets
+    "": {},
+    NO_CACHE: {"TRIDENT_PREFIX_CACHING": "false"},
+    NO_ROUTING: {"TRIDENT_KV_ROUTING": "false"},
+}
 
 
 @dataclass(frozen=True)
@@ -44,21 +50,35 @@ class System:
 
     @classmethod
     def parse(cls, spec: str) -> System:
-        """`e+p+d`, `ep+d`, `ed+p`, `epd` (any of them `-nocache`: with prefix caching off),
-        `planner`, `transformers-serve`, `transformers-serve-cb` (that peer with continuous batching)
-        or `llama.cpp`."""
-        if spec in METHODS:
-            return cls(spec, method=spec)
-        if spec.removesuffix(NO_CACHE) in METHODS:
-            return cls(spec, method=spec.removesuffix(NO_CACHE), env={"TRIDENT_PREFIX_CACHING": "false"})
+        """`e+p+d`, `ep+d`, `ed+p`, `epd` (any of them `-nocache`: with prefix caching off, or
+        `-norouting`: with routing by cached prefix off; and `:SERVICE=N` as often as needed, N
+        replicas of a compose service, e.g. `e+p+d:prefill=2`), `planner`, `transformers-serve`,
+        `transformers-serve-cb` (that peer with continuous batching) or `llama.cpp`."""
+        base, *scales = spec.split(":")
+        for suffix, env in VARIANTS.items():
+            method = base.removesuffix(suffix)
+            if method in METHODS and (method == base) == (suffix == ""):
+                return cls(spec, method=method, env=dict(env), scale=_scale(spec, scales))
+        if scales:
+            raise ValueError(f"{spec!r}: only a Trident method takes replica counts")
         if spec == PLANNER:
             return cls(PLANNER)
         if spec in PEERS:
             return cls(spec, peer=True, continuous_batching=spec.endswith("-cb"))
         raise ValueError(
-            f"unknown system {spec!r}; known: e+p+d, ep+d, ed+p, epd (each also with {NO_CACHE}), "
-            f"planner, {', '.join(PEERS)}"
+            f"unknown system {spec!r}; known: e+p+d, ep+d, ed+p, epd (each also with {NO_CACHE} or "
+            f"{NO_ROUTING}, and :SERVICE=N), planner, {', '.join(PEERS)}"
         )
+
+
+def _scale(spec: str, scales: list[str]) -> dict[str, int]:
+    counts = {}
+    for item in scales:
+        service, _, n = item.partition("=")
+        if not service or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"{spec!r}: {item!r} is not SERVICE=N (N replicas, at least 1)")
+        counts[service] = int(n)
+    return counts
 
 
 @dataclass

@@ -74,6 +74,7 @@ class Frame:
     ttft: Buckets
     tbt: Buckets
     requests: float  # answered since the gateway started
+    routes: dict[str, float] = field(default_factory=dict)  # prefill routing decisions by reason, since start
 
 
 def read_frame(url: str, api_key: str = "") -> Frame:
@@ -85,20 +86,22 @@ def read_frame(url: str, api_key: str = "") -> Frame:
         raise TopError(str(exc)) from None
     queued: dict[str, float] = {}
     hist = {name: Buckets() for name in ("trident_gateway_ttft_seconds", "trident_gateway_tbt_seconds")}
-    requests = 0.0
+    requests, routes = 0.0, {}
     for family in text_string_to_metric_families(reply.text):
         for s in family.samples:
             if s.name == "trident_gateway_queued_tasks":
                 queued[s.labels.get("stage", "")] = s.value
             elif s.name == "trident_gateway_requests_total":
                 requests += s.value
+            elif s.name == "trident_gateway_prefix_routes_total":
+                routes[s.labels.get("reason", "")] = s.value
             elif s.name.endswith("_bucket") and s.name[: -len("_bucket")] in hist:
                 into = hist[s.name[: -len("_bucket")]]
                 into.bounds.append(float(s.labels["le"]))
                 into.counts.append(s.value)
     return Frame(
         time.time(), instances, plan, queued,
-        hist["trident_gateway_ttft_seconds"], hist["trident_gateway_tbt_seconds"], requests,
+        hist["trident_gateway_ttft_seconds"], hist["trident_gateway_tbt_seconds"], requests, routes,
     )  # fmt: skip
 
 
@@ -118,6 +121,7 @@ def render(url: str, frame: Frame, earlier: Frame | None) -> Group:
         f"({span}, {int(ttft.total)} requests)\n",
         f"requests/s {'-' if rate is None else f'{rate:.2f}'}   queued: "
         + "  ".join(f"{s} {int(frame.queued.get(s, 0))}" for s in STAGES),
+        f"\n{routing_line(frame, earlier)}",
     )  # fmt: skip
     table = Table(title="instances", title_justify="left", expand=False)
     columns = (
@@ -160,6 +164,16 @@ def prefix_hit(now: dict, earlier: dict | None) -> str:
         queried -= earlier.get("prefix_queried_tokens", 0)
         hit -= earlier.get("prefix_hit_tokens", 0)
     return f"{100 * hit / queried:.0f} %" if queried > 0 else "-"
+
+
+def routing_line(frame: Frame, earlier: Frame | None) -> str:
+    """Prefill routing decisions by reason (docs/architecture.md, routing by cached prefix), since
+    `earlier` (since the gateway started without one)."""
+    before = earlier.routes if earlier else {}
+    counts = {r: frame.routes.get(r, 0) - before.get(r, 0) for r in ("prefix", "load", "none", "fallback")}
+    if not frame.routes:
+        return "routed by prefix: off"
+    return "routed: " + "  ".join(f"{reason} {int(n)}" for reason, n in counts.items())
 
 
 def _order(instance: dict) -> tuple:
