@@ -73,6 +73,10 @@ class EncodeTask(StageTask):
 
     KIND: ClassVar[str] = "task.encode"
     ROLE: ClassVar[Role] = Role.ENCODE
+    VERSION: ClassVar[int] = 3  # v3: prefill_to
+    # The prefill instance that holds the request's cached prefix, where the encoder sends the
+    # prefill task (routing by cached prefix; empty: the shared queue).
+    prefill_to: str = ""
 
     @model_validator(mode="after")
     def _has_pixels(self) -> EncodeTask:

@@ -60,7 +60,8 @@ class EncodeHandler(StageHandler):
         ctx.ledger.mark(held, Stage.ENCODE_ENDED, encode_instance=ctx.instance_id)
         ctx.metrics.ran(self.role, held.marks, Stage.ENCODE_STARTED)
         encoded = held.spec.model_copy(update={"images": tuple(images)})
-        await ctx.dispatch.send(PrefillTask(request=encoded), held.source)
+        to = held.task.message.prefill_to if held.task is not None else ""  # the gateway's choice
+        await ctx.dispatch.send(PrefillTask(request=encoded), held.source, to=to or None)
         for entry in entries:  # after the task: it carries the refs; the index serves later requests
             await ctx.store.features.put(entry, ttl=FEATURE_TTL)
         await ctx.ledger.settle(rid)

@@ -101,10 +101,10 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         rid, arrival=spec.arrival_time, prompt_tokens=len(prompt.token_ids), num_images=len(images),
         image_tokens=sum(i.num_tokens for i in images), max_tokens=sampling.max_tokens,
     )  # fmt: skip
-    task = EncodeTask(request=spec) if needs_encode else PrefillTask(request=spec)
-    to = None if needs_encode else _prefix_holder(gw, spec)
+    to = _prefix_holder(gw, spec)  # an encoder sends the prefill task there once it has encoded
+    task = EncodeTask(request=spec, prefill_to=to or "") if needs_encode else PrefillTask(request=spec)
     try:
-        await gw.dispatch.send(task, "gateway", to=to)
+        await gw.dispatch.send(task, "gateway", to=None if needs_encode else to)
     except QueueFull as exc:
         raise APIError(429, f"{exc}; retry shortly", code="queue_full", retry_after=2) from exc
     except PublishError as exc:

@@ -81,3 +81,21 @@ def test_the_cache_effect_pairs_each_method_with_its_cache_off_run():
     assert list(effect) == ["ep+d"]
     assert effect["ep+d"]["goodput_ratio"] == 3.0 and effect["ep+d"]["ttft_p50_ratio"] == 4.0
     assert effect["ep+d"]["later_turns_ttft_p50_ratio"] is None  # not a multi-turn load
+
+
+def test_the_routing_effect_pairs_a_scaled_method_with_its_routing_off_run():
+    c = Comparison(SLO_, {})
+    c.results = [
+        sweep("e+p+d:prefill=2", [(1, 1.0), (2, 1.0)]),
+        sweep("e+p+d-norouting:prefill=2", [(1, 1.0), (2, 0.5)]),
+        sweep("e+p+d-nocache:prefill=2", [(1, 1.0)]),
+    ]
+    c.results[1].summaries[0].ttft_p50 *= 2
+    on, off = c.results[0].summaries[0], c.results[1].summaries[0]
+    on.prompt_tokens, on.cached_tokens, off.prompt_tokens, off.cached_tokens = 1000, 800, 1000, 400
+    headline = c.headline()
+    assert list(headline["kv_routing"]) == ["e+p+d:prefill=2"]
+    effect = headline["kv_routing"]["e+p+d:prefill=2"]
+    assert effect["goodput_ratio"] == 2.0 and effect["ttft_p50_ratio"] == 2.0
+    assert effect["cached_share"] == [0.8, 0.4]
+    assert list(headline["prefix_cache"]) == ["e+p+d:prefill=2"]  # its cache-off run pairs the same way

@@ -14,30 +14,49 @@ import pytest
 import torch
 
 from tests.deploy import running_cluster
-from tests.services.conftest import client_for
+from tests.engine.conftest import make_image
+from tests.services.conftest import client_for, data_url
 from tests.services.test_behaviour import instances, metric
 
 PREAMBLE = "You answer questions about foxes. " + "The quick brown fox jumps over the lazy dog. " * 24
 MAX_TOKENS = 8
+FIRST = "Where does the fox sleep?"  # the deployment's first question
+FIRST_ANSWER = "In a den."  # what a client would send back as the first turn's answer
 
 
-def messages(question: str) -> list[dict]:
-    return [{"role": "user", "content": PREAMBLE + question}]
+def messages(question: str, image: int | None = None) -> list[dict]:
+    """The preamble and a question; with `image`, a second turn after the first answer, asking about
+    that test image (a turn that adds an image: the request is encoded first, and its prefix is the
+    cached first turn — LLaVA's template puts a message's images before its text)."""
+    if image is None:
+        return [{"role": "user", "content": PREAMBLE + question}]
+    picture = {"type": "image_url", "image_url": {"url": data_url(make_image(image))}}
+    return [
+        {"role": "user", "content": PREAMBLE + FIRST},
+        {"role": "assistant", "content": FIRST_ANSWER},
+        {"role": "user", "content": [{"type": "text", "text": question}, picture]},
+    ]
 
 
-def hf_answer(hf_tiny, question: str) -> str:
+def hf_answer(hf_tiny, question: str, image: int | None = None) -> str:
     model, processor = hf_tiny
-    chat = [{"role": "user", "content": [{"type": "text", "text": PREAMBLE + question}]}]
+    chat = [
+        {"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+        if isinstance(m["content"], str)
+        else {"role": m["role"], "content": [{"type": "text", "text": question}, {"type": "image"}]}
+        for m in messages(question, image)
+    ]
     prompt = processor.apply_chat_template(chat, add_generation_prompt=True)
-    enc = processor(text=prompt, return_tensors="pt")
+    images = [make_image(image)] if image is not None else None
+    enc = processor(text=prompt, images=images, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
     return processor.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def ask(cluster, question: str):
+def ask(cluster, question: str, image: int | None = None):
     return client_for(cluster).chat.completions.create(
-        model="tiny-llava", messages=messages(question), max_tokens=MAX_TOKENS, temperature=0
+        model="tiny-llava", messages=messages(question, image), max_tokens=MAX_TOKENS, temperature=0
     )
 
 
@@ -73,8 +92,8 @@ def two_prefills(tiny_model_dir, tmp_path_factory):
 
 def test_a_request_goes_to_the_instance_that_holds_its_prefix(two_prefills, hf_tiny):
     cluster = two_prefills
-    first = ask(cluster, "Where does the fox sleep?")
-    assert first.choices[0].message.content == hf_answer(hf_tiny, "Where does the fox sleep?")
+    first = ask(cluster, FIRST)
+    assert first.choices[0].message.content == hf_answer(hf_tiny, FIRST)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     prompt_tokens = first.usage.prompt_tokens
     wait_for(lambda: metric(cluster.url, "trident_gateway_prefix_index_keys") >= prompt_tokens // 16 - 1,
@@ -88,6 +107,20 @@ def test_a_request_goes_to_the_instance_that_holds_its_prefix(two_prefills, hf_t
         assert metric(holder["http_address"], "trident_mailbox_tasks_total") == i
     others = [p for p in prefills(cluster).values() if p["instance_id"] != holder["instance_id"]]
     assert [metric(p["http_address"], "trident_prefills_total") for p in others] == [0]
+
+
+def test_a_request_encoded_first_is_sent_on_to_the_holder_by_its_encoder(two_prefills, hf_tiny):
+    cluster = two_prefills
+    holder = holder_of_one_prefill(cluster)
+    before = metric(holder["http_address"], "trident_mailbox_tasks_total")
+    routed = routes(cluster, "prefix")
+    reply = ask(cluster, "And what is in this picture?", image=2)
+    assert reply.choices[0].message.content == hf_answer(hf_tiny, "And what is in this picture?", image=2)
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0
+    assert routes(cluster, "prefix") == routed + 1
+    assert metric(holder["http_address"], "trident_mailbox_tasks_total") == before + 1
+    encoder = instances(cluster, "encode")[0]
+    assert metric(encoder["http_address"], "trident_images_encoded_total") >= 1
 
 
 def test_a_restarted_gateway_learns_where_prefixes_live(two_prefills, hf_tiny):

@@ -81,6 +81,7 @@ EXAMPLES: list[Message] = [
     Release(request_id="chatcmpl-1", owner="pre-1", handles=("kv0", "kv1")),
     Resend(request_id="chatcmpl-1", index=7),
     Fence(instance_id="d-host-42", reason="no heartbeat for 1.5s"),
+    EncodeTask(request=REQUEST, prefill_to="p-host-7"),
     PrefixBlocks(instance_id="p", seq=3, block_size=16, gained=(b"\x01" * 32,), dropped=(b"\x02" * 32,)),
     PrefixBlocks(instance_id="p-host-7", seq=4, block_size=16, snapshot=True, part=1, parts=2),
     Heartbeat(

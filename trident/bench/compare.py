@@ -105,6 +105,7 @@ class Comparison:
         ratios = {name: ratio(name) for name in peers} if best else {}
         return {
             "prefix_cache": self.cache_effect(),
+            "kv_routing": self.routing_effect(),
             "best": best,
             "best_goodput": ours.get(best),
             "peer": peer,
@@ -116,14 +117,21 @@ class Comparison:
     def cache_effect(self) -> dict[str, dict]:
         """For each method run with prefix caching on and off: goodput on / off, and the TTFT p50 at
         the lowest rate (and of later turns, for a multi-turn workload) off / on."""
+        return self._variant_effect(NO_CACHE)
 
+    def routing_effect(self) -> dict[str, dict]:
+        """The same ratios for each method run with routing by cached prefix on and off."""
+        return self._variant_effect(NO_ROUTING)
+
+    def _variant_effect(self, suffix: str) -> dict[str, dict]:
         def ratio(a: float | None, b: float | None) -> float | None:
             return round(a / b, 3) if a and b else None
 
         runs = {r.name: r for r in self.results}
         effect = {}
         for name, off in runs.items():
-            on = runs.get(name.removesuffix(NO_CACHE)) if name.endswith(NO_CACHE) else None
+            base, colon, scale = name.partition(":")
+            on = runs.get(base.removesuffix(suffix) + colon + scale) if base.endswith(suffix) else None
             if on is None or not on.summaries or not off.summaries:
                 continue
             low_on, low_off = on.summaries[0], off.summaries[0]
@@ -133,6 +141,10 @@ class Comparison:
                 "later_turns_ttft_p50_ratio": ratio(
                     low_off.ttft_p50_later_turns, low_on.ttft_p50_later_turns
                 ),
+                "cached_share": [
+                    ratio(low.cached_tokens, low.prompt_tokens) if low.prompt_tokens else None
+                    for low in (low_on, low_off)
+                ],
             }
         return effect
 
