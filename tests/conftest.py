@@ -1,11 +1,13 @@
 """Shared pytest fixtures; the fast tier's guard; the machine's speed beside the run's time."""
 
+import os
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.checkpoints import write_checkpoint
 from common.infra import NatsServer, RedisServer
@@ -20,6 +22,11 @@ RUNNING: list[pytest.Item] = []  # the test whose setup, call or teardown runs n
 
 def pytest_configure(config: pytest.Config) -> None:
     sys.addaudithook(_refuse_unmarked_deployments)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A lane of `make test` (tests/lanes.py): two lanes on two cores. Torch's own pool would
+        # take both cores in each, and its threads spin while they wait: the lanes then slow each
+        # other several-fold (the engine tests ran 4x slower beside the other lane).
+        torch.set_num_threads(1)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects

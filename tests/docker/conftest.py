@@ -93,7 +93,10 @@ def stack() -> Iterator[Stack]:
     }
     s = Stack(project=f"trident-test-{port}", env=env, url=f"http://127.0.0.1:{port}")
     try:
-        s.compose("up", "-d", "--build", "--wait", "--wait-timeout", "300", timeout=UP_TIMEOUT)
+        # Two decode replicas from the start: the failover tests need them, and scaling up later
+        # (which follow-plan and the hybrid profiles do) starts a container on a busy host again.
+        up = ("up", "-d", "--build", "--scale", "decode=2", "--wait", "--wait-timeout", "300")
+        s.compose(*up, timeout=UP_TIMEOUT)
         yield s
     except BaseException:
         print(s.logs())

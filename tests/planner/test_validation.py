@@ -22,7 +22,6 @@ FACTOR = 3.0
 RATES = (1.0, 4.0)  # unloaded-ish and loaded; bench/planner_validation.py sweeps more
 
 
-@pytest.mark.alone  # real latencies against simulated ones: another lane beside it would slow the real
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_simulated_latencies_are_within_a_factor_of_a_real_deployment(
