@@ -21,6 +21,7 @@ from services.worker.stage import StageHandler
 log = logging.getLogger(__name__)
 NO_ROOM_WAIT = 0.02  # seconds a pull loop waits for room in the engine
 DRAIN_POLL = 0.1  # seconds between looks at what a drain still waits for
+STAGE_HANDOVER = 10.0  # seconds a request's next stage waits for its earlier one here to let go
 
 
 class StageWorker:
@@ -133,6 +134,9 @@ class StageWorker:
                 self.ctx.counters.cancelled_unrun += 1
                 await task.ack()
         except AlreadyHeld:
+            if await self._earlier_stage_leaves(handler, rid):
+                await self._handle(handler, task)  # the request's next stage, here too: take it now
+                return
             log.warning(
                 "%s: a second delivery of %s's %s task while it runs here; dropped",
                 self.ctx.instance_id,
@@ -145,6 +149,21 @@ class StageWorker:
             self.ctx.ledger.forget(rid)
             if not task.settled:
                 await task.fail(f"{type(exc).__name__}: {exc}")
+
+    async def _earlier_stage_leaves(self, handler: StageHandler, rid: str) -> bool:
+        """Whether the request is held here for another stage that is handing it on, and lets go
+        within STAGE_HANDOVER seconds. A hybrid instance runs two stages of a request with a third
+        between them elsewhere (ED+P: encode here, prefill there, decode here): the decode task can
+        arrive before the encode hold is settled. It is the request's next stage, not a duplicate."""
+        held = self.ctx.ledger.get(rid)
+        if held is None or held.role == handler.role:
+            return held is None  # gone already: take it; the same stage twice: a duplicate
+        deadline = time.monotonic() + STAGE_HANDOVER
+        while (held := self.ctx.ledger.get(rid)) is not None and held.holds_task:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
 
     # -- drain -------------------------------------------------------------------------------------
 

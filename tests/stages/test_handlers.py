@@ -22,6 +22,7 @@ from common.protocol import (
 )
 from common.roles import Role
 from common.store import Stage
+from services.worker.worker import StageWorker
 from tests.engine.conftest import make_image
 from tests.stages.rig import ServingThread, StageRig, stage_rig
 
@@ -148,4 +149,34 @@ async def test_decode_without_the_kv_sends_the_request_back_to_prefill(
         assert again.message.request.output_token_ids == decode.message.request.output_token_ids
         assert d.ctx.counters.kv_pull_failures == 1
         for rig in (p, d):
+            await rig.idle()
+
+
+async def test_a_hybrid_takes_a_requests_next_stage_once_its_earlier_one_lets_go(
+    tiny_model_dir, nats_server, redis_server, owner, hf_generate
+):
+    """ED+P: encode on the ED instance, prefill elsewhere, decode back on the ED instance — whose
+    decode task can arrive before the encode's hold is settled (the prefill instance was quick).
+    That is the request's next stage, not a duplicate delivery: it is taken once the encode lets go
+    (it was dropped, and its request hung)."""
+    ed_roles = frozenset({Role.ENCODE, Role.DECODE})
+    async with (
+        stage_rig(ed_roles, tiny_model_dir, nats_server, redis_server) as ed,
+        stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
+    ):
+        spec, prompt, _ = request(p, owner, "r-ed", num_images=0, max_tokens=6)
+        stream = await ed.ctx.bus.events.outputs(spec.request_id)
+        await ed.ctx.dispatch.send(PrefillTask(request=spec), "encode-stand-in")
+        encoding = ed.ledger.begin(spec, Role.ENCODE, await ed.fetch(Role.PREFILL))  # still settling
+        await p.ctx.dispatch.send(PrefillTask(request=spec), "encoded")
+        await p.take(Role.PREFILL)
+        decode = await ed.fetch(Role.DECODE)
+        intake = StageWorker(ed.ctx, ed.handlers, set(), lambda: None, drain_timeout=5)
+        taking = asyncio.create_task(intake._handle(ed.handlers[Role.DECODE], decode))
+        await asyncio.sleep(0.5)  # the decode task meets the encode's hold (a delay, not a sync point)
+        assert encoding.holds_task and not decode.settled, "the decode task was dropped as a duplicate"
+        await ed.ledger.settle(spec.request_id)  # the encode's hand-on completes
+        await taking
+        assert await answer(stream) == hf_generate(prompt, [], 6)
+        for rig in (ed, p):
             await rig.idle()
