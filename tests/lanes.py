@@ -17,7 +17,7 @@ from pathlib import PurePosixPath
 # Top-level folders of tests/ in lane `b`: none of them uses a shared deployment. Roughly half of
 # the suite's time beside another lane (tests/docker alone is over half of it there); everything
 # else is lane `a`.
-LANE_B = ("docker", "engine", "stages")
+LANE_B = ("docker", "engine", "gateway", "runtime", "stages", "substrate")
 
 
 def lane_of(nodeid: str) -> str:
