@@ -189,10 +189,12 @@ def test_prometheus_answers_every_dashboard_query(deployment, tmp_path):
 
 
 @pytest.mark.alone  # a 30 s bound on quitting, which a lane beside it once pushed past
-def test_trident_top_shows_the_deployment_live_in_a_terminal(deployment):
+def test_trident_top_shows_the_deployment_live_in_a_terminal(epd):
     """...and Ctrl-C quits it, even when it starts with SIGINT ignored, as a shell starts a command
-    in the background or under nohup (CI's test runs were started so: it never quit there)."""
-    url, _, workers = deployment
+    in the background or under nohup (CI's test runs were started so: it never quit there). On the
+    shared EPD deployment, which the other test that runs alone uses too: one start for both."""
+    url = epd.url
+    workers = [i for i in httpx.get(url + "/v1/cluster", timeout=5).json()["instances"] if i["roles"]]
     main, child = pty.openpty()
     proc = subprocess.Popen(
         [str(TRIDENT), "top", "--url", url, "--interval", "0.5"],
