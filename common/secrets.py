@@ -34,7 +34,7 @@ class DeploymentSecrets:
             if not path.exists():
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "w") as f:
-                    f.write(secrets.token_urlsafe(24))
+                    f.write(new_secret())
         return cls.read(folder)
 
     @classmethod
@@ -51,6 +51,14 @@ class DeploymentSecrets:
                 raise ValueError(f"secret {path} is empty")
             values.append(value)
         return cls(*values)
+
+
+def new_secret() -> str:
+    """192 random bits as a letter and 48 hex digits. nats-server reads the token from its
+    environment into its config and parses it as a value: a token_urlsafe that began with digits and
+    a dash ("2025-...") was taken for a date, and NATS refused to start. A letter first makes any
+    secret a plain string wherever it is read (none is a boolean word: all are 49 characters)."""
+    return "s" + secrets.token_hex(24)
 
 
 def with_credentials(url: str, user: str, password: str) -> str:
