@@ -24,13 +24,13 @@ system-deps:
 	@(command -v redis-server && command -v promtool && command -v prometheus) >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq redis-server prometheus >/dev/null)
 
-# Two lanes side by side, one xdist worker each (tests/lanes.py): the suite mostly waits. Then the
-# tests that hold a time or memory bound (marked `alone`), by themselves.
+# One lane: CI's. `pytest -n 2 --dist loadscope -m "not alone"`, then `pytest -m alone`, runs the
+# suite in two lanes (tests/lanes.py) in ~19 min instead of ~27, but two tests still fail there at
+# times under the contention (issue 25's note): not yet what CI runs.
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadscope -m "not alone"
-	$(BIN)/python -m pytest -q -m alone
+	$(BIN)/python -m pytest -q
 
 # The quick loop: every test that starts no deployment (tests/tiers.py says which are slow).
 test-fast: install

@@ -108,7 +108,6 @@ class PrefixRouter:
         self.image_token_id = image_token_id
         self.min_tokens = min_tokens
         self.load_tokens = load_tokens
-        self._sent: dict[str, tuple[float, int]] = {}  # instance -> (its heartbeat's time, sent since)
 
     def choose(self, spec: RequestSpec, beats: list[Heartbeat]) -> Choice:
         candidates = [
@@ -134,15 +133,8 @@ class PrefixRouter:
         shared = prompt + self.load_tokens * min(self._load(hb) for hb in candidates)
         if best[0] >= shared:
             return Choice(None, "load", 0)
-        self._count_sent(best[2], candidates)
         return Choice(best[2], "prefix", best[1])
 
     def _load(self, hb: Heartbeat) -> int:
-        """Requests waiting at the instance: its last heartbeat's, and those sent to it since."""
-        at, sent = self._sent.get(hb.instance_id, (hb.time, 0))
-        return hb.queue_depth + (sent if at == hb.time else 0)
-
-    def _count_sent(self, instance_id: str, beats: list[Heartbeat]) -> None:
-        hb = next(b for b in beats if b.instance_id == instance_id)
-        at, sent = self._sent.get(instance_id, (hb.time, 0))
-        self._sent[instance_id] = (hb.time, sent + 1 if at == hb.time else 1)
+        """Requests waiting at the instance, as its last heartbeat says."""
+        return hb.queue_depth

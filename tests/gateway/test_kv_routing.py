@@ -108,11 +108,3 @@ def test_no_useful_prefix_goes_to_the_shared_queue():
     assert router.choose(spec(list(range(7, 400))), [beat("p1")]).target is None
     decode_only = beat("p1", roles=(Role.DECODE,))
     assert router_holding(p1=12).choose(spec(PROMPT), [decode_only]).target is None
-
-
-def test_requests_sent_since_a_heartbeat_count_as_queued_there():
-    """Without it, a burst of one prefix all goes to one instance before its heartbeat shows the queue."""
-    router = router_holding(p1=12, p2=11)
-    beats = [beat("p1"), beat("p2")]
-    targets = [router.choose(spec(PROMPT, f"r{i}"), beats).target for i in range(4)]
-    assert targets[0] == "p1" and "p2" in targets
