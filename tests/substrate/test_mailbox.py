@@ -47,15 +47,21 @@ async def fetch_all(consumer, want: int, timeout: float = 5.0) -> list:
     return got
 
 
+async def claimed_by_p1(dispatch, bus, store, rid: str):
+    """A task for `rid` sent to instance p1, fetched from its mailbox and claimed by it; with p1's
+    mailbox and the shared queue's consumers."""
+    mailbox, shared = await bus.mailbox(Role.PREFILL, "p1"), await bus.consumer(Role.PREFILL)
+    await dispatch.send(prefill_task(rid), "gateway", to="p1")
+    [task] = await fetch_all(mailbox, 1)
+    assert await store.registry.claim_task(bus.subjects.task_stream, task.stream_seq, "p1") == "p1"
+    return mailbox, shared, task
+
+
 def test_a_task_sent_to_an_instance_is_its_own_once_claimed(nats_server, redis_server):
     async def main() -> None:
         async with sender_and_instance(nats_server, redis_server) as (dispatch, bus, store):
-            mailbox, shared = await bus.mailbox(Role.PREFILL, "p1"), await bus.consumer(Role.PREFILL)
-            await dispatch.send(prefill_task("r1"), "gateway", to="p1")
-            [task] = await fetch_all(mailbox, 1)
+            _, shared, task = await claimed_by_p1(dispatch, bus, store, "r1")
             assert task.message.request.request_id == "r1" and not task.redelivered
-            stream = bus.subjects.task_stream
-            assert await store.registry.claim_task(stream, task.stream_seq, "p1") == "p1"
             await asyncio.sleep(BACK * 3)  # past the take-back: the sender finds it claimed
             assert dispatch.taken_back == 0 and dispatch.waiting == 0
             assert await shared.fetch(1, timeout=0.3) == []
@@ -92,10 +98,7 @@ def test_a_mailbox_task_given_back_goes_to_the_shared_queue(nats_server, redis_s
 
     async def main() -> None:
         async with sender_and_instance(nats_server, redis_server) as (dispatch, bus, store):
-            mailbox, shared = await bus.mailbox(Role.PREFILL, "p1"), await bus.consumer(Role.PREFILL)
-            await dispatch.send(prefill_task("r3"), "gateway", to="p1")
-            [task] = await fetch_all(mailbox, 1)
-            await store.registry.claim_task(bus.subjects.task_stream, task.stream_seq, "p1")
+            mailbox, shared, task = await claimed_by_p1(dispatch, bus, store, "r3")
             await task.nak()
             [again] = await fetch_all(shared, 1)
             assert again.message.request.request_id == "r3"
