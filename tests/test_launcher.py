@@ -286,7 +286,7 @@ def test_down_stops_what_a_killed_up_left(
 # -- a whole run, with stand-ins for the services ------------------------------------------------
 STAND_IN = textwrap.dedent(
     """
-    import http.server, json, os, signal, socket, sys, threading, urllib.parse
+    import http.server, json, os, signal, socket, sys, threading, time, urllib.parse
 
     mode = sys.argv[1]
     if mode == "fail":
@@ -321,7 +321,7 @@ STAND_IN = textwrap.dedent(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         mode = "gateway"
     if mode == "waiting-gateway":  # ready only once every worker stand-in has started, as a real one
-        import glob, time
+        import glob
         started = os.path.join(os.environ["STAND_IN_OUT"], "*.json")
         while len(glob.glob(started)) < int(os.environ["STAND_IN_WORKERS"]):
             time.sleep(0.05)
@@ -330,11 +330,12 @@ STAND_IN = textwrap.dedent(
         address = (os.environ["TRIDENT_BIND_HOST"], int(os.environ["TRIDENT_PORT"]))
         server = http.server.ThreadingHTTPServer(address, Handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
-    stop = threading.Event()
+    stopped = []  # a list, not a threading.Event: Event.set in a handler can deadlock Event.wait
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, lambda *a: stop.set())
+        signal.signal(signal.SIGTERM, lambda *a: stopped.append(1))
     save()
-    stop.wait()
+    while not stopped:
+        time.sleep(0.05)
     save(drained=True)
     """
 )

@@ -4,15 +4,17 @@ writes that it drained and exits 0 (an exit code from its environment, WARM_CHIL
 import os
 import signal
 import sys
-import threading
+import time
 from pathlib import Path
 
 out = Path(os.environ["WARM_CHILD_OUT"])
-stop = threading.Event()
-signal.signal(signal.SIGTERM, lambda *_: stop.set())
+stopped = []  # not a threading.Event: Event.set in a signal handler can deadlock Event.wait
+signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
 print(f"child {os.getpid()} argv {sys.argv[1:]} env {os.environ.get('WARM_CHILD_MARK')}", flush=True)
 (out / f"{os.getpid()}.started").write_text(str(os.getppid()))
 if os.environ.get("WARM_CHILD_EXIT"):
     sys.exit(int(os.environ["WARM_CHILD_EXIT"]))
-stop.wait(120)
+deadline = time.monotonic() + 120
+while not stopped and time.monotonic() < deadline:
+    time.sleep(0.05)
 (out / f"{os.getpid()}.drained").write_text("")

@@ -7,7 +7,6 @@ import os
 import shlex
 import shutil
 import signal
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +23,7 @@ from common.protocol import Plan
 from common.secrets import DeploymentSecrets
 from trident.launcher.follow import Change, PlanSource, change_for
 from trident.launcher.processes import Child, Starter, stop_children
+from trident.launcher.signal_flag import SignalFlag
 from trident.launcher.specs import LocalSetup, plan, worker_spec
 from trident.launcher.state import StateFile, identity
 
@@ -104,8 +104,8 @@ class Deployment:
         self.secrets_dir = home / "secrets"
         self.secrets = DeploymentSecrets.ensure(self.secrets_dir)
         self.children: list[Child] = []
-        self._stop = threading.Event()
-        self._force = threading.Event()
+        self._stop = SignalFlag()  # set by SIGINT/SIGTERM: no threading.Event (see signal_flag.py)
+        self._force = SignalFlag()
         self._down: set[str] = set()  # exited and left down by their restart policy
 
     # -- the whole run ---------------------------------------------------------------------------
