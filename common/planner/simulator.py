@@ -95,12 +95,34 @@ class SimResult:
         return quantile(self.gaps.tolist(), q / 100) if len(self.gaps) else 0.0
 
 
+class _CachedPrefixes(Scheduler):
+    """The engine's scheduler, with its prefix-cache lookup answered by the trace: a request finds
+    the cached tokens its entry says (a measured count, or a workload's ideal), in whole blocks and
+    never its last token, as `Scheduler._reuse_prefix` would; the blocks then count as its own."""
+
+    def __init__(self, config: EngineConfig, blocks: BlockManager, cached: dict[str, int] | None) -> None:
+        super().__init__(config, blocks)
+        self.cached = cached if cached is not None else {}
+
+    def _reuse_prefix(self, req: Request) -> tuple[int, int]:
+        found = self.cached.get(req.request_id, 0)
+        if not found or req.num_computed_tokens or self.blocks.table(req.request_id):
+            return 0, 0
+        size = self.blocks.block_size
+        req.num_computed_tokens = min(found, req.num_tokens - 1) // size * size
+        return req.num_tokens, req.num_computed_tokens
+
+    def _count_lookup(self, req: Request, looked: tuple[int, int]) -> None:
+        if looked[0]:
+            req.num_cached_tokens = looked[1]
+
+
 class _Instance:
     """One simulated engine: the engine's scheduler and block manager, timed by a profile."""
 
     def __init__(
         self, name: str, kind: str, curves: StageCurves, slo: SLO, policy: Policy, context: float,
-        governor: bool = True,
+        governor: bool = True, cached: dict[str, int] | None = None,
     ) -> None:  # fmt: skip
         self.name = name
         self.kind = kind
@@ -116,7 +138,7 @@ class _Instance:
             max_num_seqs=curves.max_num_seqs,
         )
         self.blocks = BlockManager(curves.num_kv_blocks, curves.block_size)
-        self.scheduler = Scheduler(config, self.blocks)
+        self.scheduler = _CachedPrefixes(config, self.blocks, cached)
         # τe counts what the engine's does: images, or image tokens in units of the profiled image.
         self.scheduler.image_unit = curves.tokens_per_image or None
         # The workers' budget governor, by default on there too: it shrinks the budgets while full
@@ -187,8 +209,11 @@ class Simulation:
         self.correction = correction or Correction()
         # The decode context budgets are sized for: the trace's mean over a request's decode.
         context = sum(e.prompt_tokens + e.output_tokens / 2 for e in self.trace) / max(len(self.trace), 1)
+        self.cached: dict[str, int] = {}  # prompt tokens each request finds in a prefix cache
         self.instances = [
-            _Instance(f"{kind}{i}", kind, profiles.for_kind(kind), slo, policy, context, governor)
+            _Instance(
+                f"{kind}{i}", kind, profiles.for_kind(kind), slo, policy, context, governor, self.cached
+            )
             for kind, n in deployment.replicas
             for i in range(n)
         ]
@@ -254,13 +279,16 @@ class Simulation:
     def _arrive(self, rid: str, entry) -> None:
         per_image = _split(entry.image_tokens, entry.num_images)
         images = [ImageInput(f"{rid}/{k}", n) for k, n in enumerate(per_image)]
+        for img in images[: getattr(entry, "encoded_images", 0)]:
+            img.features = _ENCODED  # stored already: no encoder runs for it
         req = Request(
             rid,
             [0] * max(entry.prompt_tokens, 1),
             SamplingParams(max_tokens=max(entry.output_tokens, 1)),
             images,
         )
-        self._enqueue(Role.ENCODE if images else Role.PREFILL, self.now, req)
+        self.cached[rid] = getattr(entry, "cached_tokens", 0)
+        self._enqueue(Role.ENCODE if req.needs_encode else Role.PREFILL, self.now, req)
         self._push(entry.arrival + self.slo.ttft / self.correction.ttft, "deadline", rid)
 
     def _enqueue(self, stage: Role, visible: float, req: Request) -> None:

@@ -39,17 +39,33 @@ class TraceEntry:
     ttft: float | None = None  # measured outcome, seconds; None for a trace not yet run
     tbt_p90: float | None = None
     slo_met: bool | None = None
+    # What caches spared it (a measured trace: the request's record; a workload: its ideal): its
+    # first `encoded_images` images needed no encoder run, and the prefill found its first
+    # `cached_tokens` prompt tokens in its prefix cache.
+    encoded_images: int = 0
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         # A list from JSON or a caller becomes a tuple, so entries stay hashable.
         object.__setattr__(self, "image_sizes", tuple((int(w), int(h)) for w, h in self.image_sizes))
         if not (math.isfinite(self.arrival) and self.arrival >= 0):
             raise ValueError(f"arrival must be a finite number >= 0, got {self.arrival}")
-        for name in ("prompt_tokens", "num_images", "image_tokens", "output_tokens"):
+        for name in (
+            "prompt_tokens",
+            "num_images",
+            "image_tokens",
+            "output_tokens",
+            "encoded_images",
+            "cached_tokens",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.image_tokens > self.prompt_tokens:
             raise ValueError(f"image_tokens {self.image_tokens} > prompt_tokens {self.prompt_tokens}")
+        if self.encoded_images > self.num_images:
+            raise ValueError(f"encoded_images {self.encoded_images} > num_images {self.num_images}")
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError(f"cached_tokens {self.cached_tokens} > prompt_tokens {self.prompt_tokens}")
         if len(self.image_sizes) not in (0, self.num_images):
             raise ValueError(f"{len(self.image_sizes)} image_sizes for {self.num_images} images")
         if any(w <= 0 or h <= 0 for w, h in self.image_sizes):
@@ -152,7 +168,7 @@ def entry_json(e: TraceEntry) -> dict:
     }
     if e.image_sizes:
         obj["image_sizes"] = [list(s) for s in e.image_sizes]
-    for name in ("request_id", "dataset"):
+    for name in ("request_id", "dataset", "encoded_images", "cached_tokens"):
         if getattr(e, name):
             obj[name] = getattr(e, name)
     for name in ("ttft", "tbt_p90", "slo_met"):
@@ -179,6 +195,8 @@ def entry_from_json(obj: dict) -> TraceEntry:
         ttft=_optional_number(obj, "ttft"),
         tbt_p90=_optional_number(obj, "tbt_p90"),
         slo_met=_optional_bool(obj, "slo_met"),
+        encoded_images=_int(obj, "encoded_images", 0),
+        cached_tokens=_int(obj, "cached_tokens", 0),
     )
 
 
@@ -237,6 +255,8 @@ def from_records(records: Iterable[TraceRecord]) -> list[TraceEntry]:
             ttft=_record_ttft(r),
             tbt_p90=getattr(r, "tbt_p90", None),
             slo_met=getattr(r, "slo_met", None),
+            encoded_images=min(getattr(r, "encoded_images", 0), r.num_images),
+            cached_tokens=min(getattr(r, "cached_tokens", 0), r.prompt_tokens),
         )
         for r in records
     ]

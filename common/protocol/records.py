@@ -32,12 +32,17 @@ class TraceRecord(Message):
     """One finished request, the planner's input: sizes, stage timestamps (wall clock) and outcome."""
 
     KIND: ClassVar[str] = "rec.trace"
+    VERSION: ClassVar[int] = 2  # v2: encoded_images, cached_tokens
     request_id: str
     arrival: float
     prompt_tokens: int = Field(ge=0)
     image_tokens: int = Field(0, ge=0)
     num_images: int = Field(0, ge=0)
     output_tokens: int = Field(0, ge=0)
+    # Work a cache spared: images whose features were stored already (the gateway skipped the
+    # encoder for them), and prompt tokens the prefilling instance found in its prefix cache.
+    encoded_images: int = Field(0, ge=0)
+    cached_tokens: int = Field(0, ge=0)
     finish_reason: str = ""
     stages: dict[str, float] = Field(default_factory=dict)
     # What the client saw, measured at the gateway; None when the gateway never reported (it died,

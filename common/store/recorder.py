@@ -44,8 +44,12 @@ class StageRecorder:
         """Set a stage's time (`at`, wall clock; default now) and optional facts about it."""
         self._queue.put_nowait(("mark", request_id, stage, time.time() if at is None else at, info))
 
-    def finish(self, request_id: str, output_tokens: int, finish_reason: str) -> None:
-        self._queue.put_nowait(("finish", request_id, output_tokens, finish_reason, time.time()))
+    def finish(self, request_id: str, output_tokens: int, finish_reason: str, cached_tokens: int = 0) -> None:
+        """The request's end, at the worker that made its last token, with the prompt tokens the
+        prefill found cached."""
+        self._queue.put_nowait(
+            ("finish", request_id, output_tokens, finish_reason, time.time(), cached_tokens)
+        )
 
     def outcome(self, request_id: str, ttft: float, tbt_p90: float | None, slo_met: bool) -> None:
         self._queue.put_nowait(("outcome", request_id, ttft, tbt_p90, slo_met))
@@ -85,8 +89,10 @@ class StageRecorder:
                 await self._guarded(requests.create(rid, **sizes))
             case ("mark", rid, stage, at, info):
                 await self._guarded(requests.mark(rid, stage, at=at, **info))
-            case ("finish", rid, tokens, reason, at):
-                ended = requests.finish(rid, output_tokens=tokens, finish_reason=reason, at=at)
+            case ("finish", rid, tokens, reason, at, cached):
+                ended = requests.finish(
+                    rid, output_tokens=tokens, finish_reason=reason, at=at, cached_tokens=cached
+                )
                 if await self._guarded(ended):
                     self._unreported.append((time.monotonic() + self.trace_grace, rid))
             case ("outcome", rid, ttft, tbt_p90, slo_met):

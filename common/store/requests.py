@@ -34,7 +34,11 @@ class Stage(StrEnum):
 
 
 # Integer facts about a request, kept beside the timestamps in the same hash.
-_SIZE_FIELDS = ("prompt_tokens", "num_images", "image_tokens", "max_tokens", "output_tokens")
+_SIZE_FIELDS = (
+    "prompt_tokens", "num_images", "image_tokens", "max_tokens", "output_tokens",
+    "encoded_images",  # of its images, those whose features were stored already (no encoder run)
+    "cached_tokens",  # of its prompt, found in the prefix cache of the instance that prefilled it
+)  # fmt: skip
 # What the client saw, as the gateway measured it (seconds; slo_met 0 or 1).
 _OUTCOME_FIELDS = ("ttft", "tbt_p90", "slo_met")
 
@@ -44,7 +48,7 @@ _FINISH_ONCE = """
 if redis.call('HSETNX', KEYS[1], 'end', ARGV[1]) == 0 then
     return -1
 end
-redis.call('HSET', KEYS[1], 'output_tokens', ARGV[2], 'finish_reason', ARGV[3])
+redis.call('HSET', KEYS[1], 'output_tokens', ARGV[2], 'finish_reason', ARGV[3], 'cached_tokens', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return redis.call('HEXISTS', KEYS[1], 'ttft')
 """
@@ -72,13 +76,13 @@ class RequestLog:
 
     async def create(
         self, request_id: str, *, arrival: float, prompt_tokens: int, num_images: int = 0,
-        image_tokens: int = 0, max_tokens: int = 0,
+        image_tokens: int = 0, max_tokens: int = 0, encoded_images: int = 0,
     ) -> None:  # fmt: skip
         """Record a request at the gateway (its arrival time and sizes)."""
         key = self._keys.request(request_id)
         fields = {
             Stage.ARRIVAL.value: repr(arrival), "prompt_tokens": prompt_tokens, "num_images": num_images,
-            "image_tokens": image_tokens, "max_tokens": max_tokens,
+            "image_tokens": image_tokens, "max_tokens": max_tokens, "encoded_images": encoded_images,
         }  # fmt: skip
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
@@ -95,13 +99,14 @@ class RequestLog:
             await pipe.execute()
 
     async def finish(
-        self, request_id: str, *, output_tokens: int, finish_reason: str, at: float | None = None
-    ) -> bool:
+        self, request_id: str, *, output_tokens: int, finish_reason: str, at: float | None = None,
+        cached_tokens: int = 0,
+    ) -> bool:  # fmt: skip
         """Mark the end (the worker that produced the last token). Only the first call counts: a
         redelivered final step changes nothing and returns False. The trace entry is appended here
         if the gateway's outcome is already in, else by `outcome()` or, failing that, `append_trace()`."""
         end = time.time() if at is None else at
-        args = [repr(end), output_tokens, finish_reason, self._ttl]
+        args = [repr(end), output_tokens, finish_reason, self._ttl, cached_tokens]
         state = await self._finish_once(keys=[self._keys.request(request_id)], args=args)
         if state == 1:
             await self.append_trace(request_id)
@@ -202,6 +207,8 @@ def _to_trace(record: RequestRecord) -> TraceRecord:
         num_images=sizes.get("num_images", 0),
         image_tokens=sizes.get("image_tokens", 0),
         output_tokens=sizes.get("output_tokens", 0),
+        encoded_images=sizes.get("encoded_images", 0),
+        cached_tokens=sizes.get("cached_tokens", 0),
         finish_reason=record.info.get("finish_reason", ""),
         stages=record.stages,
         ttft=outcome.get("ttft"),

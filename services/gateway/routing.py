@@ -100,6 +100,7 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
     gw.record.create(
         rid, arrival=spec.arrival_time, prompt_tokens=len(prompt.token_ids), num_images=len(images),
         image_tokens=sum(i.num_tokens for i in images), max_tokens=sampling.max_tokens,
+        encoded_images=sum(h in stored for h in hashes),
     )  # fmt: skip
     to = _prefix_holder(gw, spec)  # an encoder sends the prefill task there once it has encoded
     task = EncodeTask(request=spec, prefill_to=to or "") if needs_encode else PrefillTask(request=spec)

@@ -26,6 +26,8 @@ class TraceEntryIn(BaseModel):
     image_sizes: list[tuple[int, int]] = []
     request_id: str = ""
     dataset: str = ""
+    encoded_images: int = Field(0, ge=0)  # images needing no encoder run (features stored)
+    cached_tokens: int = Field(0, ge=0)  # prompt tokens found in a prefix cache
 
 
 class WorkloadIn(BaseModel):

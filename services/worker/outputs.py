@@ -114,7 +114,7 @@ class OutputPublisher:
             await ctx.bus.events.publish_output(final)
             ctx.ledger.finals.keep(rid, held.sent, final)
             if ctx.ledger.record is not None:
-                ctx.ledger.record.finish(rid, out.num_output_tokens, out.finish_reason)
+                ctx.ledger.record.finish(rid, out.num_output_tokens, out.finish_reason, out.num_cached_tokens)
             ctx.counters.finished += 1
             for handler in self.handlers:
                 handler.finished(held)

@@ -177,3 +177,29 @@ def test_the_simulated_governor_shrinks_budgets_as_the_workers_does_on_shared_co
     for inst in on.instances:
         assert inst.governor.scale == pytest.approx(0.5, abs=0.1)
         assert inst.scheduler.token_budget < 0.6 * start
+
+
+def test_cached_prefix_tokens_are_not_computed_in_whole_blocks_and_never_the_last() -> None:
+    # 100-token prompts at 1 ms a token; blocks of 16. A cache hit skips whole blocks only, and the
+    # last token is always computed (its logits are sampled), as the engine's lookup does.
+    def ttft(cached: int) -> float:
+        one = [TraceEntry(0.0, 100, 0, 0, 2, cached_tokens=cached)]
+        return float(simulate(one, Deployment.of("epd", epd=1), PROFILES, SLO_).ttft[0])
+
+    assert CURVES.block_size == 16
+    assert ttft(0) == pytest.approx(0.100)
+    assert ttft(64) == pytest.approx(0.036)
+    assert ttft(70) == pytest.approx(0.036)  # 4 whole blocks of the 70
+    assert ttft(100) == pytest.approx(0.004)  # 96 of 99: the last token stays
+
+
+def test_stored_images_skip_the_encoder() -> None:
+    # E+P+D: encoded, A's first token comes at 0.132 (above); with its image's features stored it
+    # goes straight to prefill: the features' transfer (one latency), then the 12-token prefill.
+    stored = [TraceEntry(0.0, 12, 1, 10, 2, encoded_images=1)]
+    result = simulate(stored, Deployment.of("e+p+d", e=1, p=1, d=1), PROFILES, SLO_)
+    assert result.ttft[0] == pytest.approx(HOP + 0.012)
+    # Of two images, one stored: the encoder runs once, for the other.
+    half = [TraceEntry(0.0, 22, 2, 20, 2, encoded_images=1)]
+    result = simulate(half, Deployment.of("epd", epd=1), PROFILES, SLO_)
+    assert result.ttft[0] == pytest.approx(0.1 + 0.022)

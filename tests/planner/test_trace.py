@@ -38,6 +38,9 @@ def test_entry_validates_and_derives_text_tokens():
         ({"image_sizes": ((640, 480), (640, 480))}, "2 image_sizes for 1 images"),
         ({"image_sizes": ((0, 480),)}, "positive"),
         ({"ttft": -0.1}, "ttft"),
+        ({"encoded_images": 2}, "encoded_images 2 > num_images 1"),
+        ({"cached_tokens": 601}, "cached_tokens 601 > prompt_tokens 600"),
+        ({"cached_tokens": -1}, "cached_tokens"),
     ]:
         with pytest.raises(ValueError, match=message):
             _entry(**bad)
@@ -46,6 +49,7 @@ def test_entry_validates_and_derives_text_tokens():
 def test_round_trip_with_header(tmp_path):
     entries = generate("mix", rate=3, num_requests=100, seed=1)
     entries[3] = _entry(arrival=entries[3].arrival, ttft=0.25, tbt_p90=0.03, slo_met=True, request_id="x")
+    entries[4] = _entry(arrival=entries[4].arrival, encoded_images=1, cached_tokens=592)
     path = tmp_path / "t.jsonl"
     write_trace(path, entries, meta={"shape": "mix", "rate": 3})
     trace = read_trace(path)
@@ -147,10 +151,17 @@ def test_from_records_makes_arrivals_relative_and_sorted():
     assert from_records([]) == []
 
 
-def test_from_records_takes_measured_outcomes():
+def test_from_records_takes_measured_outcomes_and_what_caches_spared():
     record = TraceRecord(request_id="a", arrival=5.0, prompt_tokens=40, ttft=0.2, tbt_p90=0.03, slo_met=True)
     (entry,) = from_records([record])
     assert (entry.ttft, entry.tbt_p90, entry.slo_met) == (0.2, 0.03, True)
+    assert (entry.encoded_images, entry.cached_tokens) == (0, 0)
+    record = TraceRecord(
+        request_id="b", arrival=5.0, prompt_tokens=640, num_images=1, image_tokens=576,
+        encoded_images=1, cached_tokens=624,
+    )  # fmt: skip
+    (entry,) = from_records([record])
+    assert (entry.encoded_images, entry.cached_tokens) == (1, 624)
 
 
 def test_rate_and_rescale_keep_the_shape():

@@ -17,6 +17,7 @@ from tests.deploy import running_cluster
 from tests.engine.conftest import make_image
 from tests.services.conftest import client_for, data_url
 from tests.services.test_behaviour import instances, metric
+from tests.services.test_e2e import read_store
 
 PREAMBLE = "You answer questions about foxes. " + "The quick brown fox jumps over the lazy dog. " * 24
 MAX_TOKENS = 8
@@ -107,6 +108,14 @@ def test_a_request_goes_to_the_instance_that_holds_its_prefix(two_prefills, hf_t
         assert metric(holder["http_address"], "trident_mailbox_tasks_total") == i
     others = [p for p in prefills(cluster).values() if p["instance_id"] != holder["instance_id"]]
     assert [metric(p["http_address"], "trident_prefills_total") for p in others] == [0]
+    # The planner's trace says what the cache spared, so its simulator does not compute it again.
+    wait_for(lambda: traced(cluster, reply.id) is not None, what="the last request's trace entry")
+    assert traced(cluster, reply.id).cached_tokens == reply.usage.prompt_tokens_details.cached_tokens
+
+
+def traced(cluster, rid: str):
+    found = [t for _, t in read_store(cluster, lambda s: s.requests.trace()) if t.request_id == rid]
+    return found[0] if found else None
 
 
 def test_a_request_encoded_first_is_sent_on_to_the_holder_by_its_encoder(two_prefills, hf_tiny):

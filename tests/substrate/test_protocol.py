@@ -111,6 +111,8 @@ EXAMPLES: list[Message] = [
         image_tokens=576,
         num_images=1,
         output_tokens=64,
+        encoded_images=1,
+        cached_tokens=640,
         stages=STAGES,
     ),
     StageProfile(

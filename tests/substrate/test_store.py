@@ -31,13 +31,19 @@ def test_request_record_collects_stage_times_and_finishes_into_the_trace(redis_s
     async def main() -> None:
         store = await Store.connect(StoreConfig(url=redis_server.url))
         log = store.requests
-        sizes = {"prompt_tokens": 700, "num_images": 1, "image_tokens": 576, "max_tokens": 64}
+        sizes = {
+            "prompt_tokens": 700,
+            "num_images": 1,
+            "image_tokens": 576,
+            "max_tokens": 64,
+            "encoded_images": 1,
+        }
         await log.create("r1", arrival=100.0, **sizes)
         stages = [Stage.ENCODE_QUEUED, Stage.ENCODE_STARTED, Stage.ENCODE_ENDED, Stage.FIRST_TOKEN]
         for i, stage in enumerate(stages):
             await log.mark("r1", stage, at=101.0 + i)
         await log.mark("r1", Stage.PREFILL_STARTED, at=102.5, prefill_instance="p-1")
-        assert await log.finish("r1", output_tokens=64, finish_reason="length", at=110.0)
+        assert await log.finish("r1", output_tokens=64, finish_reason="length", at=110.0, cached_tokens=640)
         # A redelivered final step finishes again: it changes nothing.
         assert not await log.finish("r1", output_tokens=63, finish_reason="stop")
         assert await log.trace() == []  # the trace entry waits for the gateway's outcome
@@ -45,12 +51,13 @@ def test_request_record_collects_stage_times_and_finishes_into_the_trace(redis_s
         record = await log.get("r1")
         assert record is not None
         assert record.stages["arrival"] == 100.0 and record.stages["end"] == 110.0
-        assert record.sizes == {**sizes, "output_tokens": 64}
+        assert record.sizes == {**sizes, "output_tokens": 64, "cached_tokens": 640}
         assert record.info == {"prefill_instance": "p-1", "finish_reason": "length"}
         assert record.outcome == {"ttft": 4.2, "tbt_p90": 0.05, "slo_met": 1.0} and record.traced
         ((entry_id, trace),) = await log.trace()
         assert (trace.request_id, trace.prompt_tokens, trace.image_tokens) == ("r1", 700, 576)
         assert (trace.output_tokens, trace.finish_reason) == (64, "length")
+        assert (trace.encoded_images, trace.cached_tokens) == (1, 640)
         assert (trace.ttft, trace.tbt_p90, trace.slo_met) == (4.2, 0.05, True)
         assert trace.stages["first_token"] == 104.0
         assert await log.trace(after=entry_id) == []
