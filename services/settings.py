@@ -118,6 +118,13 @@ class WorkerSettings(ServiceSettings):
         description="Keep full KV blocks for reuse by the hash of what they hold: a request computes "
         "only what follows its longest cached prefix (cached blocks give way to any allocation)",
     )
+    decode_prefill_tokens: int = Field(
+        0,
+        ge=0,
+        description="On a decode instance without the prefill role: prefill, from its own mailbox, a "
+        "conversation's next turn when at most this many of its tokens are not cached here (it holds "
+        "the earlier turns' prompt and answer); gateways send such turns here. 0: never",
+    )
     feature_cache_bytes: int | None = Field(
         None,
         ge=0,

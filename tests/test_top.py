@@ -49,8 +49,8 @@ def test_the_routing_line_counts_decisions_since_the_last_refresh():
     def frame(routes: dict[str, float]) -> Frame:
         return Frame(0.0, [], None, {}, Buckets(), Buckets(), 0.0, routes)
 
-    earlier = frame({"prefix": 4, "load": 1, "none": 10, "fallback": 0})
-    now = frame({"prefix": 9, "load": 1, "none": 12, "fallback": 1})
-    assert routing_line(now, earlier) == "routed: prefix 5  load 0  none 2  fallback 1"
-    assert routing_line(now, None) == "routed: prefix 9  load 1  none 12  fallback 1"
+    earlier = frame({"prefix": 4, "decoder": 1, "load": 1, "none": 10, "fallback": 0})
+    now = frame({"prefix": 9, "decoder": 3, "load": 1, "none": 12, "fallback": 1})
+    assert routing_line(now, earlier) == "routed: prefix 5  decoder 2  load 0  none 2  fallback 1"
+    assert routing_line(now, None) == "routed: prefix 9  decoder 3  load 1  none 12  fallback 1"
     assert routing_line(frame({}), None) == "routed by prefix: off"  # TRIDENT_KV_ROUTING=false

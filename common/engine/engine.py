@@ -3,11 +3,12 @@ schedule a batch, run it, then turn sampled tokens into outputs and stage hand-o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from common.engine.outputs import Completion, RequestOutput
 from common.engine.prefix import block_hashes
 from common.engine.processor import ProcessedPrompt, RequestProcessor, load_image, reference_image
 from common.engine.profiler import budget_target
-from common.engine.request import Request, Status
+from common.engine.request import CONSUMED, ImageInput, Request, Status
 from common.engine.sampling import SamplingParams, make_generator, sample
 from common.engine.scheduler import Batch, Scheduler
 from common.roles import Role
@@ -146,21 +147,28 @@ class Engine:
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
         params: SamplingParams, kv: list[torch.Tensor], rope_delta: int = 0, cached_tokens: int = 0,
+        images: Sequence[ImageInput] | None = None, image_positions: torch.Tensor | None = None,
     ) -> Request:  # fmt: skip
         """Admit a request prefilled elsewhere: import its KV (one buffer per layer group) and decode.
         `rope_delta` is the prefill's (`Request.rope_delta`): an M-RoPE model needs it to go on;
-        `cached_tokens`, what the prefill found in its prefix cache (for usage)."""
+        `cached_tokens`, what the prefill found in its prefix cache (for usage). With `images` (its
+        images' identities, none for a text prompt) and their `image_positions`, its blocks are
+        keyed as the prefill instance keyed them and stay cached here after it ends: a later turn
+        of the conversation finds its history (prompt and answer) on this instance."""
+        known = images is not None
+        consumed = [dataclasses.replace(img, pixel_values=None, features=CONSUMED) for img in images or ()]
         req = Request(
-            request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids),
-            rope_delta=rope_delta, cacheable=False,  # its images are not known here
-            num_cached_tokens=cached_tokens,
+            request_id, list(prompt_token_ids), params, images=consumed,
+            output_token_ids=list(output_token_ids), image_positions=image_positions if consumed else None,
+            rope_delta=rope_delta,
+            cacheable=known, num_cached_tokens=cached_tokens,
         )  # fmt: skip
         self._admit(req)
         req.num_computed_tokens = req.num_tokens - 1
-        # An instance without prefill could not recompute a request it preempted, so it reserves
-        # the blocks of the request's whole length now and never preempts it.
+        # A request that could not be computed again here (no prefill role, or images encoded
+        # elsewhere) is never preempted: it reserves the blocks of its whole length now.
         reserve = req.num_computed_tokens
-        if Role.PREFILL not in self.config.roles:
+        if Role.PREFILL not in self.config.roles or not req.recomputable:
             reserve = max(reserve, len(req.prompt_token_ids) + params.max_tokens)
         if self.blocks.allocate(request_id, reserve) is None:
             raise AdmissionError(f"no free KV blocks for {request_id}; pull it only when can_admit() says so")
@@ -171,6 +179,7 @@ class Engine:
             self.cache.import_blocks(table[: buf.shape[2]], layers, buf)
             start = layers.stop
         req.detokenizer.add(req.output_token_ids)  # their text was streamed by the prefill instance
+        self._remember(req)  # its imported full blocks, findable by their keys (when known)
         self.requests[request_id] = req
         self.scheduler.add_running(req)
         return req

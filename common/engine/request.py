@@ -17,6 +17,10 @@ from common.engine.detokenizer import IncrementalDetokenizer
 from common.protocol import SamplingParams
 from common.roles import Role
 
+# The features of an image used where the request was prefilled (its KV was imported): only the
+# image's identity is kept here, for the request's prefix keys. Not encoded again, and never read.
+CONSUMED = torch.empty(0)
+
 
 class Status(StrEnum):
     WAITING = "waiting"  # admitted, nothing scheduled yet (or preempted)
@@ -60,10 +64,17 @@ class Request:
     rope_delta: int = 0
     # Prefix caching (prefix.py): the keys of its full blocks as far as computed, how many of its
     # blocks are findable by them, and whether they may be (not when what its image placeholders
-    # stand for is unknown here: a request whose KV was imported).
+    # stand for is unknown here: a request whose KV was imported without its images).
     block_hashes: list[bytes] = field(default_factory=list)
     num_remembered: int = 0
     cacheable: bool = True
+
+    @property
+    def recomputable(self) -> bool:
+        """Whether its KV can be computed again here after a preemption: not when an image's
+        features were consumed elsewhere (its KV was imported)."""
+        return all(img.features is not CONSUMED for img in self.images)
+
     # Prompt tokens found in the prefix cache when it was (last) admitted: usage reports them as
     # cached. A request prefilled elsewhere carries the prefill instance's count.
     num_cached_tokens: int = 0

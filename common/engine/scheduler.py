@@ -154,7 +154,9 @@ class Scheduler:
     def _grow_or_preempt(self, req: Request, num_tokens: int, batch: Batch) -> bool:
         """Make KV room for `req`, preempting the newest other running requests if needed."""
         while self.blocks.allocate(req.request_id, num_tokens) is None:
-            victim = next((r for r in reversed(self.running) if r is not req), None)
+            # Never one that could not be computed again here (its KV imported with its images'
+            # features consumed elsewhere): it reserved its whole length when it arrived.
+            victim = next((r for r in reversed(self.running) if r is not req and r.recomputable), None)
             if victim is None:
                 self._preempt(req, batch)
                 return False

@@ -15,6 +15,7 @@ import logging
 from common.bus import Task
 from common.engine import AdmissionError
 from common.engine.admission import check_fits, decode_room
+from common.engine.spec_prompt import spec_prompt
 from common.protocol import DecodeTask, PrefillTask, Release
 from common.roles import Role
 from common.store import Stage
@@ -85,15 +86,21 @@ class DecodeHandler(StageHandler):
         ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED)
         seconds = held.marks[Stage.PD_TRANSFER_ENDED] - held.marks[Stage.PD_TRANSFER_STARTED]
         ctx.metrics.transferred("pd", seconds, sum(b.numel() * b.element_size() for b in buffers))
-        prompt, outputs = list(spec.prompt_token_ids), list(spec.output_token_ids)
+        outputs = list(spec.output_token_ids)
         try:
-            await ctx.ledger.enter(
-                held,
-                lambda e: e.add_prefilled(
-                    rid, prompt, outputs, spec.sampling, buffers, msg.kv.rope_delta, msg.cached_tokens
-                ),
-            )
-        except AdmissionError as exc:
+            # Its images' identities too: its blocks are then keyed as the prefill instance keyed
+            # them, and stay cached here for the conversation's next turn.
+            none = [None] * len(spec.images)
+            prompt = spec_prompt(spec, engine.processor.image_token_id, none, none)
+
+            def admit(e):
+                return e.add_prefilled(
+                    rid, prompt.token_ids, outputs, spec.sampling, buffers, msg.kv.rope_delta,
+                    msg.cached_tokens, prompt.images, prompt.image_positions,
+                )  # fmt: skip
+
+            await ctx.ledger.enter(held, admit)
+        except (AdmissionError, ValueError) as exc:
             await ctx.fail(rid, "invalid_request_error", str(exc))
             return
         await self._release_at_owner(msg)

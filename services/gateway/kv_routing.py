@@ -24,7 +24,10 @@ from common.roles import Role
 
 log = logging.getLogger(__name__)
 FORGET_AFTER = 15.0  # seconds an instance absent from the registry keeps its entry (it may be new)
-REASONS = ("prefix", "load", "none", "fallback")  # what /metrics counts routing decisions by
+# What /metrics counts routing decisions by: sent to a prefill instance for its prefix; to a decode
+# instance that continues the conversation (it holds the history and prefills the rest itself);
+# to the shared queue for load, or with no useful prefix; taken back from a mailbox.
+REASONS = ("prefix", "decoder", "load", "none", "fallback")
 
 
 @dataclass
@@ -110,30 +113,41 @@ class PrefixRouter:
         self.load_tokens = load_tokens
 
     def choose(self, spec: RequestSpec, beats: list[Heartbeat]) -> Choice:
-        candidates = [
-            hb for hb in beats if hb.kind == "worker" and Role.PREFILL in hb.roles and not hb.draining
-        ]
-        if not candidates:
+        live = [hb for hb in beats if hb.kind == "worker" and not hb.draining]
+        prefills = [hb for hb in live if Role.PREFILL in hb.roles]
+        # Decode instances that continue conversations: for a turn whose uncached rest is short.
+        decoders = [hb for hb in live if Role.PREFILL not in hb.roles and hb.prefills_up_to > 0]
+        if not prefills and not decoders:
             return Choice(None, "none")
         prompt = len(spec.prompt_token_ids)
         chains: dict[int, list[bytes]] = {}
-        best: tuple[float, int, str] | None = None  # (cost, cached tokens, instance)
-        for hb in candidates:
+        best: tuple[float, int, str, str] | None = None  # (cost, cached tokens, instance, reason)
+        for hb in prefills + decoders:
             size = self.index.block_size(hb.instance_id)
             if size is None:
                 continue
             if size not in chains:
                 chains[size] = spec_block_hashes(spec, self.image_token_id, size)
             cached = min(self.index.matched(hb.instance_id, chains[size]) * size, prompt - 1)
+            if cached < self.min_tokens:
+                continue
+            reason = "prefix"
+            if Role.PREFILL not in hb.roles:  # a decoder: a short rest, and room for the whole request
+                need = -(-(prompt - cached + spec.sampling.max_tokens) // size)
+                if prompt - cached > hb.prefills_up_to or need > hb.free_kv_blocks:
+                    continue
+                reason = "decoder"
             cost = prompt - cached + self.load_tokens * self._load(hb)
-            if cached >= self.min_tokens and (best is None or cost < best[0]):
-                best = (cost, cached, hb.instance_id)
+            # At equal cost the decoder: its KV then never moves between instances.
+            if best is None or cost < best[0] or (cost == best[0] and reason == "decoder"):
+                best = (cost, cached, hb.instance_id, reason)
         if best is None:
             return Choice(None, "none")
-        shared = prompt + self.load_tokens * min(self._load(hb) for hb in candidates)
-        if best[0] >= shared:
-            return Choice(None, "load", 0)
-        return Choice(best[2], "prefix", best[1])
+        if prefills:
+            shared = prompt + self.load_tokens * min(self._load(hb) for hb in prefills)
+            if best[0] >= shared:
+                return Choice(None, "load", 0)
+        return Choice(best[2], best[3], best[1])
 
     def _load(self, hb: Heartbeat) -> int:
         """Requests waiting at the instance, as its last heartbeat says."""

@@ -60,9 +60,25 @@ def feature_cache_bytes(s: WorkerSettings, roles: frozenset[Role]) -> int:
     return ENCODER_FEATURE_CACHE if roles == {Role.ENCODE} else FEATURE_CACHE
 
 
+def continues_turns(s: WorkerSettings, roles: frozenset[Role]) -> bool:
+    """Whether a decode instance also prefills the conversations' next turns sent to it (decoder-side
+    reuse, docs/architecture.md): its prefix cache keeps the turns it decoded."""
+    return (
+        Role.DECODE in roles
+        and Role.PREFILL not in roles
+        and s.decode_prefill_tokens > 0
+        and s.prefix_caching
+    )
+
+
+def engine_roles(s: WorkerSettings, roles: frozenset[Role]) -> frozenset[Role]:
+    """What the engine runs: the instance's roles, and prefill on a decoder that continues turns."""
+    return roles | {Role.PREFILL} if continues_turns(s, roles) else roles
+
+
 def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
     return EngineConfig(
-        roles=roles,
+        roles=engine_roles(s, roles),
         policy=Policy(s.policy),
         block_size=s.block_size,
         kv_cache_bytes=s.kv_cache_bytes,
@@ -123,8 +139,13 @@ class WorkerInstance:
             runtime.transfer, runtime.dispatch, self.counters, metrics=self.metrics,
         )  # fmt: skip
         self.handlers = {
-            role: stages[role].from_settings(self.ctx, settings) for role in in_path_order(self.roles)
+            role: stages[role].from_settings(self.ctx, settings)
+            for role in in_path_order(engine_roles(settings, self.roles))
         }
+        self.prefills_up_to = 0
+        if continues_turns(settings, self.roles):  # its prefill takes only the turns sent here
+            self.handlers[Role.PREFILL].shared_queue = False
+            self.prefills_up_to = settings.decode_prefill_tokens
         self.outputs = OutputPublisher.for_handlers(self.ctx, self.handlers.values())
         fenced_gateways = runtime.reaper.fenced
         self.intake = StageWorker(
@@ -181,7 +202,7 @@ class WorkerInstance:
         for role, handler in self.handlers.items():
             rt.supervise(f"{role}-watch", handler.watch, may_end=True)  # most stages have none
         for role in PULL_ORDER:
-            if role in self.handlers:
+            if role in self.handlers and self.handlers[role].shared_queue:
                 rt.supervise(f"{role}-intake", functools.partial(self.intake.pull, self.handlers[role]))
         for handler in self.handlers.values():  # tasks sent here alone (routing by cached prefix)
             if handler.routed_by_prefix:
@@ -234,6 +255,7 @@ class WorkerInstance:
             cached_kv_blocks=stats.cached_blocks,
             prefix_queried_tokens=stats.prefix_queried_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
+            prefills_up_to=self.prefills_up_to,
             budgets=Budgets(image_budget=stats.image_budget, token_budget=stats.token_budget),
             profile_id=self.profile_id,
             draining=self.ctx.draining.is_set(),

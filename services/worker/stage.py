@@ -37,6 +37,9 @@ class StageHandler:
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
+        # Whether it pulls its role's shared queue; False: only the tasks sent to this instance (its
+        # mailbox), as a decode instance's prefill does for the conversations it continues.
+        self.shared_queue = True
 
     @classmethod
     def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> StageHandler:

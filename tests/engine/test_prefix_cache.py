@@ -351,3 +351,82 @@ def test_a_requests_cached_tokens_reach_its_final_output(make_engine, images):
         outs += decode.step()
     prefill.abort(req.request_id)
     assert [o.num_cached_tokens for o in outs if o.finished] == [32]
+
+
+def test_a_decoder_keeps_the_conversation_and_the_next_turn_computes_only_what_is_new(
+    tiny_model_dir, hf_tiny, images
+):
+    """Decoder-side reuse (issue 26, point 3): a request whose KV was imported with its images'
+    identities keeps its blocks keyed as the prefill instance keyed them, its answer's included, so
+    the conversation's next turn prefilled on that decoder computes only what is new, and answers
+    as HF does on the whole conversation. The imported request is never a preemption victim."""
+    with engines(tiny_model_dir) as build:
+        prefill = build(roles=frozenset({Role.ENCODE, Role.PREFILL}))
+        decoder = build(roles=frozenset({Role.PREFILL, Role.DECODE}))
+        size = decoder.config.block_size
+        req = prefill.add_request(
+            conversation(prefill, images, 0, []), images[:1], SamplingParams(max_tokens=8)
+        )
+        while prefill.has_unfinished():
+            prefill.step()
+        kv = prefill.export_kv(req.request_id, 2)
+        got = decoder.add_prefilled(
+            req.request_id, req.prompt_token_ids, req.output_token_ids, req.params, kv,
+            images=req.images, image_positions=req.image_positions,
+        )  # fmt: skip
+        assert got.cacheable and not got.recomputable and not got.needs_encode
+        while decoder.has_unfinished():
+            decoder.step()
+        prefill.abort(req.request_id)
+        prompt_keys = block_hashes(req, len(req.prompt_token_ids) // size, size)
+        assert set(prompt_keys) <= set(decoder.blocks.cached_hashes())
+        assert decoder.blocks.num_cached >= len(got.all_token_ids) // size  # the answer's blocks too
+
+        answer = decoder.tokenizer.decode(got.output_token_ids, skip_special_tokens=True)
+        processed = prefill.processor.process(conversation(prefill, images, 1, [answer or "ok"]), images[:1])
+        features = [prefill.features.get(img.content_hash) for img in processed.images]
+        assert all(f is not None for f in features)  # the feature store's part, in a deployment
+        encoded = [
+            ImageInput(img.content_hash, img.num_tokens, features=f)
+            for img, f in zip(processed.images, features, strict=True)
+        ]
+        turn = decoder.add_request(
+            ProcessedPrompt(processed.token_ids, encoded, processed.image_positions),
+            params=SamplingParams(max_tokens=8),
+        )
+        while decoder.has_unfinished():
+            decoder.step()
+            decoder.check_integrity()
+        assert turn.num_cached_tokens >= len(prompt_keys) * size
+        want = hf_greedy_ids(hf_tiny[0], processed, decoder.processor.image_token_id, 8)
+        assert turn.output_token_ids == want
+        assert decoder.blocks.num_free == decoder.blocks.num_blocks  # idle: every block free or cached
+
+
+def test_an_imported_request_is_never_preempted_for_another(make_engine, images):
+    """On a decoder that also prefills, a request whose images were encoded elsewhere cannot be
+    computed again: it reserves its whole length and another request's growth never evicts it."""
+    per_block = 2 * 4 * 2 * 16 * 16 * 4
+    prefill = make_engine(roles=frozenset({Role.ENCODE, Role.PREFILL}))
+    decoder = make_engine(roles=frozenset({Role.PREFILL, Role.DECODE}), kv_cache_bytes=14 * per_block)
+    req = prefill.add_request(
+        prefill.chat_prompt("What is in it?", 1), images[:1], SamplingParams(max_tokens=100)
+    )
+    while prefill.has_unfinished():
+        prefill.step()
+    kv = prefill.export_kv(req.request_id, 2)
+    imported = decoder.add_prefilled(
+        "imported", req.prompt_token_ids, req.output_token_ids, req.params, kv,
+        images=req.images, image_positions=req.image_positions,
+    )  # fmt: skip
+    prefill.abort(req.request_id)
+    reserved = len(decoder.blocks.table(imported.request_id))
+    assert reserved * 16 >= len(imported.prompt_token_ids) + 100
+    # Its whole length and this one's cannot both fit: this one's growth needs a victim.
+    local = decoder.add_request(decoder.chat_prompt("Count slowly", 0), [], SamplingParams(max_tokens=150))
+    assert reserved + (len(local.prompt_token_ids) + 150) // 16 + 1 > decoder.blocks.num_blocks
+    while decoder.has_unfinished():
+        decoder.step()
+        decoder.check_integrity()
+    assert imported.num_preemptions == 0 and len(imported.output_token_ids) == 100
+    assert local.num_preemptions > 0 and len(local.output_token_ids) == 150

@@ -108,3 +108,26 @@ def test_no_useful_prefix_goes_to_the_shared_queue():
     assert router.choose(spec(list(range(7, 400))), [beat("p1")]).target is None
     decode_only = beat("p1", roles=(Role.DECODE,))
     assert router_holding(p1=12).choose(spec(PROMPT), [decode_only]).target is None
+
+
+def decoder(instance: str, up_to: int, free_blocks: int = 1000, queue_depth: int = 0) -> Heartbeat:
+    return Heartbeat(
+        instance_id=instance, roles=(Role.DECODE,), prefills_up_to=up_to, free_kv_blocks=free_blocks,
+        queue_depth=queue_depth, time=time.time(),
+    )  # fmt: skip
+
+
+def test_a_decoder_that_holds_the_history_continues_a_turn_whose_rest_is_short():
+    """Decoder-side reuse: a decode instance that prefills turns (prefills_up_to) gets a turn whose
+    prompt it holds all but a short rest of, when it has room for the whole request; a longer rest,
+    too little room, or a prefill instance holding more goes elsewhere."""
+    router = router_holding(d1=19, p1=12)  # d1 holds all but the last block's 16 tokens
+    prefill = beat("p1")
+    choice = router.choose(spec(PROMPT), [prefill, decoder("d1", up_to=64)])
+    assert (choice.target, choice.reason, choice.cached_tokens) == ("d1", "decoder", 19 * BS)
+    assert router.choose(spec(PROMPT), [prefill, decoder("d1", up_to=8)]).target == "p1"  # 16 > 8
+    assert router.choose(spec(PROMPT), [prefill, decoder("d1", up_to=64, free_blocks=1)]).target == "p1"
+    router = router_holding(d1=12, p1=19)
+    assert router.choose(spec(PROMPT), [prefill, decoder("d1", up_to=1000)]).target == "p1"
+    # A decoder that does not prefill turns (0) is never a target, whatever it holds.
+    assert router_holding(d1=19).choose(spec(PROMPT), [decoder("d1", up_to=0)]).target is None

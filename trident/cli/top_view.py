@@ -170,7 +170,8 @@ def routing_line(frame: Frame, earlier: Frame | None) -> str:
     """Prefill routing decisions by reason (docs/architecture.md, routing by cached prefix), since
     `earlier` (since the gateway started without one)."""
     before = earlier.routes if earlier else {}
-    counts = {r: frame.routes.get(r, 0) - before.get(r, 0) for r in ("prefix", "load", "none", "fallback")}
+    reasons = ("prefix", "decoder", "load", "none", "fallback")  # services/gateway/kv_routing.py REASONS
+    counts = {r: frame.routes.get(r, 0) - before.get(r, 0) for r in reasons}
     if not frame.routes:
         return "routed by prefix: off"
     return "routed: " + "  ".join(f"{reason} {int(n)}" for reason, n in counts.items())
