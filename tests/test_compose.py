@@ -227,7 +227,9 @@ def test_dockerfiles() -> None:
     cpu = (REPO / "Dockerfile").read_text()
     assert cpu.startswith("#") and "FROM python:3.11-slim" in cpu
     assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in cpu
-    assert cpu.index("torch==2.13.0") < cpu.index("pip install .")  # the CPU torch first
+    # The CPU torch first, then the dependencies alone, then the project's code without them.
+    assert cpu.index("torch==2.13.0") < cpu.index("pip install -r") < cpu.index("pip install --no-deps .")
+    assert cpu.index("COPY pyproject.toml") < cpu.index("pip install -r") < cpu.index("COPY common")
     assert "WORKDIR /app" in cpu and re.search(r"^USER (?!root)\w+", cpu, re.M)
     gpu = (REPO / "Dockerfile.gpu").read_text()
     assert "nvidia/cuda:" in gpu and "'.[gpu]'" in gpu and re.search(r"^USER (?!root)\w+", gpu, re.M)
