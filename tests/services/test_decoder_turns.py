@@ -38,7 +38,7 @@ def hf_answer(hf_tiny, messages: list[dict]) -> str:
 
 @pytest.fixture(scope="module")
 def continuing_decoder(tiny_model_dir, tmp_path_factory):
-    """E+P+D whose one decode instance continues conversations (the worker entry point, decode role)."""
+    """E+P+D whose one decode instance continues conversations."""
     workdir = tmp_path_factory.mktemp("decoder-turns")
     with running_cluster(tiny_model_dir, workdir, "e+p+d") as cluster:
         cluster.start(
@@ -82,24 +82,6 @@ def test_the_next_turn_continues_on_the_decoder_that_holds_the_history(continuin
     assert metric(decoder["http_address"], "trident_prefills_total") == 1
     assert metric(prefill["http_address"], "trident_prefills_total") == 1
     assert metric(decoder["http_address"], "trident_mailbox_tasks_total") == 1
-
-
-def test_a_decode_entry_point_without_the_prefill_stage_refuses_the_setting(tiny_model_dir, tmp_path):
-    """`python -m services.decode` runs the decode stage alone: asked to prefill turns, it says how."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRIDENT_MODEL": str(tiny_model_dir), "TRIDENT_DECODE_PREFILL_TOKENS": "256"}
-    out = subprocess.run(
-        [sys.executable, "-m", "services.decode"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 2 and "python -m services.worker --roles decode" in out.stderr, out.stderr
 
 
 def test_the_cluster_view_says_which_decoders_continue_turns(continuing_decoder):
