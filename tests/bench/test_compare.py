@@ -40,6 +40,8 @@ def test_systems_by_name():
     assert (routed_off.method, routed_off.env) == ("e+p+d", {"TRIDENT_KV_ROUTING": "false"})
     assert routed_off.scale == {"prefill": 2} and System.parse("e+p+d:prefill=2:decode=3").env == {}
     assert System.parse("e+p+d:prefill=2:decode=3").scale == {"prefill": 2, "decode": 3}
+    turns = System.parse("ep+d-turns")
+    assert (turns.method, turns.env) == ("ep+d", {"TRIDENT_DECODE_PREFILL_TOKENS": "256"})
     for bad in ("e+p+d:prefill", "e+p+d:prefill=0", "llama.cpp:prefill=2", "e+p+d-nocache-norouting"):
         with pytest.raises(ValueError):
             System.parse(bad)
@@ -99,3 +101,12 @@ def test_the_routing_effect_pairs_a_scaled_method_with_its_routing_off_run():
     assert effect["goodput_ratio"] == 2.0 and effect["ttft_p50_ratio"] == 2.0
     assert effect["cached_share"] == [0.8, 0.4]
     assert list(headline["prefix_cache"]) == ["e+p+d:prefill=2"]  # its cache-off run pairs the same way
+
+
+def test_the_turns_effect_is_the_turns_run_over_the_method_as_it_is():
+    c = Comparison(SLO_, {})
+    c.results = [sweep("ep+d", [(1, 1.0), (2, 0.5)]), sweep("ep+d-turns", [(1, 1.0), (2, 1.0)])]
+    c.results[0].summaries[0].ttft_p50 *= 3  # the method as it is: slower first tokens
+    effect = c.headline()["decoder_turns"]
+    assert list(effect) == ["ep+d-turns"]
+    assert effect["ep+d-turns"]["goodput_ratio"] == 2.0 and effect["ep+d-turns"]["ttft_p50_ratio"] == 3.0

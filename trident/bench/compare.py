@@ -29,10 +29,12 @@ PLANNER = "planner"
 METHODS = ("e+p+d", "ep+d", "ed+p", "epd")
 NO_CACHE = "-nocache"  # a method's suffix: the same deployment with prefix caching off
 NO_ROUTING = "-norouting"  # ...with routing by cached prefix off (requests pulled from shared queues)
+TURNS = "-turns"  # ...with decode instances that continue conversations (decoder-side reuse)
 VARIANTS = {  # suffix -> the environment it sets
     "": {},
     NO_CACHE: {"TRIDENT_PREFIX_CACHING": "false"},
     NO_ROUTING: {"TRIDENT_KV_ROUTING": "false"},
+    TURNS: {"TRIDENT_DECODE_PREFILL_TOKENS": "256"},
 }
 
 
@@ -50,8 +52,9 @@ class System:
 
     @classmethod
     def parse(cls, spec: str) -> System:
-        """`e+p+d`, `ep+d`, `ed+p`, `epd` (any of them `-nocache`: with prefix caching off, or
-        `-norouting`: with routing by cached prefix off; and `:SERVICE=N` as often as needed, N
+        """`e+p+d`, `ep+d`, `ed+p`, `epd` (any of them `-nocache`: with prefix caching off,
+        `-norouting`: with routing by cached prefix off, or `-turns`: with decode instances that
+        prefill the next turns of their conversations; and `:SERVICE=N` as often as needed, N
         replicas of a compose service, e.g. `e+p+d:prefill=2`), `planner`, `transformers-serve`,
         `transformers-serve-cb` (that peer with continuous batching) or `llama.cpp`."""
         base, *scales = spec.split(":")
@@ -66,8 +69,8 @@ class System:
         if spec in PEERS:
             return cls(spec, peer=True, continuous_batching=spec.endswith("-cb"))
         raise ValueError(
-            f"unknown system {spec!r}; known: e+p+d, ep+d, ed+p, epd (each also with {NO_CACHE} or "
-            f"{NO_ROUTING}, and :SERVICE=N), planner, {', '.join(PEERS)}"
+            f"unknown system {spec!r}; known: e+p+d, ep+d, ed+p, epd (each also with {NO_CACHE}, "
+            f"{NO_ROUTING} or {TURNS}, and :SERVICE=N), planner, {', '.join(PEERS)}"
         )
 
 
@@ -106,6 +109,7 @@ class Comparison:
         return {
             "prefix_cache": self.cache_effect(),
             "kv_routing": self.routing_effect(),
+            "decoder_turns": self.turns_effect(),
             "best": best,
             "best_goodput": ours.get(best),
             "peer": peer,
@@ -123,7 +127,12 @@ class Comparison:
         """The same ratios for each method run with routing by cached prefix on and off."""
         return self._variant_effect(NO_ROUTING)
 
-    def _variant_effect(self, suffix: str) -> dict[str, dict]:
+    def turns_effect(self) -> dict[str, dict]:
+        """The same ratios for each method run with decoders that continue turns (`-turns`, the
+        key) against the method as it is."""
+        return self._variant_effect(TURNS, suffixed_is_on=True)
+
+    def _variant_effect(self, suffix: str, suffixed_is_on: bool = False) -> dict[str, dict]:
         def ratio(a: float | None, b: float | None) -> float | None:
             return round(a / b, 3) if a and b else None
 
@@ -132,6 +141,8 @@ class Comparison:
         for name, off in runs.items():
             base, colon, scale = name.partition(":")
             on = runs.get(base.removesuffix(suffix) + colon + scale) if base.endswith(suffix) else None
+            if on is not None and suffixed_is_on:
+                on, off = off, on
             if on is None or not on.summaries or not off.summaries:
                 continue
             low_on, low_off = on.summaries[0], off.summaries[0]
