@@ -17,7 +17,7 @@ from common.roles import parse_roles
 from common.runtime import EXIT_LOOP_FAILED
 from services.settings import WorkerSettings
 from services.worker.http import make_app
-from services.worker.instance import Stages, WorkerInstance, advertise_host, continues_turns, engine_roles
+from services.worker.instance import Stages, WorkerInstance, advertise_host, engine_roles
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,9 @@ def main(stages: Stages, roles: str | None = None) -> None:
     args = parser.parse_args()
     chosen = roles or getattr(args, "roles", None)
     settings = WorkerSettings(**({"roles": chosen} if chosen else {}))
-    roles_run = parse_roles(settings.roles)
-    missing = engine_roles(settings, roles_run) - stages.keys()
+    missing = engine_roles(settings, parse_roles(settings.roles)) - stages.keys()
     if missing:
-        why = ""
-        if continues_turns(settings, roles_run):
-            why = " (TRIDENT_DECODE_PREFILL_TOKENS needs it: run `python -m services.worker --roles decode`)"
-        parser.error(f"no stage handler for {', '.join(sorted(missing))} in this entry point{why}")
+        parser.error(f"no stage handler for {', '.join(sorted(missing))} in this entry point")
     logging.basicConfig(
         level=settings.log_level.upper(),
         stream=sys.stderr,

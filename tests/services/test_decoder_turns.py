@@ -41,9 +41,8 @@ def continuing_decoder(tiny_model_dir, tmp_path_factory):
     """E+P+D whose one decode instance continues conversations."""
     workdir = tmp_path_factory.mktemp("decoder-turns")
     with running_cluster(tiny_model_dir, workdir, "e+p+d") as cluster:
-        cluster.start(
-            "decode-turns", "services.worker", TRIDENT_ROLES="decode", TRIDENT_DECODE_PREFILL_TOKENS="256"
-        )
+        # compose's decode service (`python -m services.decode`), the setting from the environment
+        cluster.start("decode-turns", "services.decode", TRIDENT_DECODE_PREFILL_TOKENS="256")
         wait_for(lambda: len(instances(cluster, "decode")) == 2, what="the second decode instance")
         cluster.stop(cluster.name_of("decode"))  # the plain decoder drains and leaves
         wait_for(lambda: len(instances(cluster, "decode")) == 1, what="one decode instance")
