@@ -114,8 +114,9 @@ class Heartbeat(Message):
     live replica at once; `leaving` says it ended cleanly (nothing to hand over)."""
 
     KIND: ClassVar[str] = "hb"
-    # v2: kind, held and leaving; a gateway's has no roles. v3: prefix cache. v4: prefills_up_to
-    VERSION: ClassVar[int] = 4
+    # v2: kind, held and leaving; a gateway's has no roles. v3: prefix cache. v4: prefills_up_to.
+    # v5: images_encoded, prefix_evictions
+    VERSION: ClassVar[int] = 5
     instance_id: str = Field(min_length=1)
     kind: Literal["worker", "gateway"] = "worker"
     roles: tuple[Role, ...] = ()
@@ -130,6 +131,8 @@ class Heartbeat(Message):
     cached_kv_blocks: int = Field(0, ge=0)  # findable by their prefix key (free or held)
     prefix_queried_tokens: int = Field(0, ge=0)  # prompt tokens looked up in the prefix cache, since start
     prefix_hit_tokens: int = Field(0, ge=0)  # of them, found cached
+    prefix_evictions: int = Field(0, ge=0)  # cached blocks given up to an allocation, since start
+    images_encoded: int = Field(0, ge=0)  # images its vision tower encoded, since start
     # A decode instance that also prefills a conversation's next turn sent to it, when at most this
     # many of its tokens are uncached there (TRIDENT_DECODE_PREFILL_TOKENS; 0: it does not).
     prefills_up_to: int = Field(0, ge=0)

@@ -255,6 +255,8 @@ class WorkerInstance:
             cached_kv_blocks=stats.cached_blocks,
             prefix_queried_tokens=stats.prefix_queried_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
+            prefix_evictions=stats.prefix_evictions,
+            images_encoded=self.counters.images_encoded,
             prefills_up_to=self.prefills_up_to,
             budgets=Budgets(image_budget=stats.image_budget, token_budget=stats.token_budget),
             profile_id=self.profile_id,

@@ -109,7 +109,7 @@ def test_llama_cpp_is_a_peer_and_the_headline_gives_a_ratio_to_each_peer() -> No
 
     class Run:
         def __init__(self, name: str, goodput: float) -> None:
-            self.name, self.goodput = name, goodput
+            self.name, self.goodput, self.summaries = name, goodput, []
 
     result.results = [Run("ep+d", 2.0), Run("transformers-serve", 0.5), Run("llama.cpp", 4.0)]
     head = result.headline()

@@ -88,6 +88,7 @@ def test_bad_arguments_are_usage_errors_before_any_load() -> None:
 @pytest.mark.timeout(240)
 def test_a_multi_turn_run_resends_its_history_and_the_prefill_instance_reuses_it(
     tmp_path: Path,
+    tiny_model_dir: Path,
     e_p_d,  # noqa: F811
 ) -> None:
     prefill = instances(e_p_d, "prefill")[0]["http_address"]
@@ -100,7 +101,7 @@ def test_a_multi_turn_run_resends_its_history_and_the_prefill_instance_reuses_it
             "--duration", "4", "--ttft-slo", "10", "--tbt-slo", "1", "--max-output-tokens", "4",
             "--image-size", "96x96", "--out", str(out),
             "--turns", "3", "--system-prompt-tokens", "48", "--image-pool", "2", "--pool-share", "1",
-            "--image-prob", "0.5", "--image-window", "2",
+            "--image-prob", "0.5", "--image-window", "2", "--checkpoint", str(tiny_model_dir),
         ],
     )  # fmt: skip
     assert run.exit_code == 0, run.output
@@ -126,3 +127,11 @@ def test_a_multi_turn_run_resends_its_history_and_the_prefill_instance_reuses_it
     assert all(r["cached_tokens"] >= 32 for r in records if r["turn"] > 0), records
     assert 0 < sum(r["cached_tokens"] for r in records) <= hits  # a request counts its last admission
     assert rate["cached_tokens"] == sum(r["cached_tokens"] for r in records)
+    # What it reused against what it could have (trident/bench/reuse.py): the pool's two images are
+    # encoded at most once each, and an unbounded cache would compute no more than the real one.
+    reuse = rate["reuse"]
+    assert reuse["images_sent"] == sum(len(r["images"]) for r in records) > 0
+    assert reuse["encoder_runs"] <= reuse["new_images"] <= 2, reuse
+    assert reuse["prompt_tokens"] == rate["prompt_tokens"]
+    assert reuse["computed_tokens"] == rate["prompt_tokens"] - rate["cached_tokens"]
+    assert 0 < reuse["ideal_computed_tokens"] <= reuse["computed_tokens"], reuse

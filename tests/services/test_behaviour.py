@@ -68,6 +68,11 @@ def test_text_skips_the_encoder_and_a_repeated_image_is_encoded_once(two_decoder
     client.chat.completions.create(model="tiny-llava", messages=again, max_tokens=4)
     assert metric(encoder["http_address"], "trident_images_encoded_total") == before + 1
     assert metric(two_decoders.url, 'trident_gateway_routed_total{stage="encode"}') >= 1
+    # Its heartbeat says so too (what `trident bench` reads from /v1/cluster), within a few beats.
+    deadline = time.monotonic() + 10
+    while instances(two_decoders, "encode")[0]["images_encoded"] != before + 1:
+        assert time.monotonic() < deadline, "the encoder's heartbeat never counted the image"
+        time.sleep(0.1)
 
 
 def test_cancelled_stream_releases_its_kv_blocks(two_decoders):

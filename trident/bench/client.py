@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import io
 import json
 import time
@@ -41,6 +42,7 @@ class RequestOptions:
     # (e.g. deployments.Served.ignoring_eos); None: send `ignore_eos`.
     fix_length: Callable[[dict], dict] | None = None
     repeats: Repeats = field(default_factory=Repeats)  # what the requests share (trident/bench/repeat.py)
+    keep_bodies: bool = False  # keep each body sent on its result, for trident/bench/reuse.py
 
 
 def image_data_url(seed: ImageSeed, size: tuple[int, int]) -> str:
@@ -109,6 +111,7 @@ async def _one(
 ) -> RequestResult:
     """Send `body` at its scheduled time and time its stream; the text streamed goes to `answer`."""
     await asyncio.sleep(max(0.0, start + result.scheduled - time.perf_counter()))
+    result.images = [image_digest(url) for url in image_urls(body)]
     sent = time.perf_counter()
     result.sent = sent - start
     last = None
@@ -152,6 +155,22 @@ async def _one(
     return result
 
 
+def image_digest(url: str) -> str:
+    """A short name for an image as sent (equal URLs: the same image), to count distinct ones."""
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def image_urls(body: dict) -> list[str]:
+    """The image URLs of a chat request body, in prompt order."""
+    return [
+        part["image_url"]["url"]
+        for message in body["messages"]
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part.get("type") == "image_url"
+    ]
+
+
 def _message(text: str) -> str:
     try:
         return json.loads(text)["error"]["message"][:300]
@@ -184,6 +203,7 @@ async def run(
             if opts.repeats.multi_turn:
                 return await conversation(client, url, e, i, opts, start, on_done)
             r = RequestResult(index=i, scheduled=e.arrival, num_images=e.num_images)
+            r.body = bodies[i] if opts.keep_bodies else None
             r = await _one(client, url, bodies[i], r, start)
             if on_done is not None:
                 on_done(r)
@@ -234,7 +254,9 @@ async def conversation(
             index=index * repeats.turns + turn, scheduled=due, num_images=images, turn=turn
         )
         answer: list[str] = []
-        await _one(client, url, request_body(messages, entry.output_tokens, opts), result, start, answer)
+        body = request_body(messages, entry.output_tokens, opts)
+        result.body = body if opts.keep_bodies else None
+        await _one(client, url, body, result, start, answer)
         results.append(result)
         if on_done is not None:
             on_done(result)

@@ -110,12 +110,24 @@ class Comparison:
             "prefix_cache": self.cache_effect(),
             "kv_routing": self.routing_effect(),
             "decoder_turns": self.turns_effect(),
+            "reuse": self.reuse(),
             "best": best,
             "best_goodput": ours.get(best),
             "peer": peer,
             "peer_goodput": peers.get(peer),
             "ratio": ratios.get(peer),
             "ratios": ratios,
+        }
+
+    def reuse(self) -> dict[str, dict]:
+        """Each system's reuse over its sweep: new images against encoder runs, prompt tokens
+        computed against an unbounded cache's (trident/bench/reuse.py)."""
+        from trident.bench.reuse import total
+
+        return {
+            r.name: total(s.reuse for s in r.summaries)
+            for r in self.results
+            if r.summaries and all(s.reuse is not None for s in r.summaries)
         }
 
     def cache_effect(self) -> dict[str, dict]:
@@ -253,6 +265,7 @@ def compare(
                     sweep = run_sweep(
                         system.name, served.url, served.model, load, slo, out / system.name,
                         options=opts, on_start=on_start, on_done=on_done, on_rate=on_rate,
+                        meter=reuse_meter(system, served, model),
                     )  # fmt: skip
                 result.results.append(sweep)
                 if wants_plan and plan is None and not system.peer and served.planner_url:
@@ -267,6 +280,18 @@ def compare(
             result.notes[system.name] = f"did not run: {exc}"
         save(result, out)
     return result
+
+
+def reuse_meter(system: System, served: deployments.Served, model: Path):
+    """What measures a system's reuse: for Trident, its encoder runs and evictions and the ideal
+    prompt tokens at its block size; for a peer, what the client sees (trident/bench/reuse.py)."""
+    from services.settings import WorkerSettings
+    from trident.bench.reuse import IdealCache, ReuseMeter
+
+    if system.peer:
+        return ReuseMeter()
+    size = int(system.env.get("TRIDENT_BLOCK_SIZE", WorkerSettings.model_fields["block_size"].default))
+    return ReuseMeter(served.url, ideal=IdealCache(model, size))
 
 
 def table(result: Comparison) -> str:

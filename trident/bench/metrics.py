@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from common.stats import SLO, quantile, request_tbt, slo_met
 from common.stats import attainment as share_met
@@ -38,6 +38,8 @@ class RequestResult:
     num_images: int = 0
     error: str = ""
     turn: int = 0  # of its conversation, from 0 (a multi-turn workload; 0 for single requests)
+    images: list[str] = field(default_factory=list)  # each image sent, by digest (client.image_digest)
+    body: dict | None = field(default=None, repr=False)  # what was sent, until reuse is measured; not saved
 
     @property
     def tbt_p90(self) -> float:
@@ -48,7 +50,8 @@ class RequestResult:
         return self.ok and slo_met(self.ttft, request_tbt(self.tbts), slo)
 
     def to_dict(self) -> dict:
-        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "body"}
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in values.items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> RequestResult:
@@ -87,6 +90,8 @@ class RateSummary:
     # Over the completed requests: prompt tokens sent, and those the server reported as cached.
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # What was reused against what could have been (trident/bench/reuse.py); None if not measured.
+    reuse: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -15,11 +15,15 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common.stats import SLO
 from trident.bench import client, plots, workload
 from trident.bench.metrics import RateSummary, RequestResult, goodput, summarise
 from trident.bench.repeat import Repeats, conversation_rate
+
+if TYPE_CHECKING:
+    from trident.bench.reuse import ReuseMeter
 
 
 @dataclass(frozen=True)
@@ -125,11 +129,12 @@ def run_sweep(
     on_done: Callable[[RequestResult], None] | None = None,
     on_rate: Callable[[RateSummary], None] | None = None,
     every_rate: bool = False,
+    meter: ReuseMeter | None = None,
 ) -> SweepResult:
     """The rates of `load` against `url` in turn, lowest first, until one misses the SLO's
     attainment (no higher rate can count towards goodput; a server far past its capacity only
     takes long to drain) or, with `every_rate`, through all of them. Saves as it goes (module
-    docstring)."""
+    docstring). With a `meter`, each rate's summary says what it reused (trident/bench/reuse.py)."""
     out.mkdir(parents=True, exist_ok=True)
     opts = options or client.RequestOptions(model=model, seed=load.seed)
     result = SweepResult(name, url, model, slo, load.describe())
@@ -141,10 +146,19 @@ def run_sweep(
         # caches features or prompts (Trident's feature cache, llama.cpp's prompt cache) must not
         # find the last rate's requests again.
         # What the requests share (a system prompt, an image pool) stays the same across the rates.
-        content = dataclasses.replace(opts, seed=opts.seed * 1009 + k, repeats=load.repeats)
+        content = dataclasses.replace(
+            opts,
+            seed=opts.seed * 1009 + k,
+            repeats=load.repeats,
+            keep_bodies=meter is not None and meter.ideal is not None,
+        )
+        if meter is not None:
+            meter.start()
         measured = asyncio.run(client.run(url, entries, content, api_key=api_key, on_done=on_done))
         result.requests[rate] = measured
         summary = summarise(rate, measured, slo)
+        if meter is not None:
+            summary.reuse = meter.measure(measured).to_dict()
         result.summaries.append(summary)
         with (out / f"requests-{rate:g}.jsonl").open("w") as f:
             for r in measured:

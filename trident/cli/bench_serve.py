@@ -55,8 +55,21 @@ def format_summary(label: str, s) -> str:
         f"{label:14} {s.rate:6g} req/s  attainment {100 * s.attainment:5.1f} %  "
         f"TTFT p50/p90 {_ms(s.ttft_p50)}/{_ms(s.ttft_p90)} ms  "
         f"TBT p50/p90 {_ms(s.tbt_p50)}/{_ms(s.tbt_p90)} ms  "
-        f"done {s.completed}/{s.sent}  {s.throughput:.2f} req/s"
+        f"done {s.completed}/{s.sent}  {s.throughput:.2f} req/s" + _reuse_line(s.reuse)
     )
+
+
+def _reuse_line(reuse: dict | None) -> str:
+    """New images against encoder runs, prompt tokens computed against the ideal, where known."""
+    if not reuse:
+        return ""
+    line = f"  images new {reuse['new_images']}"
+    if reuse["encoder_runs"] is not None:
+        line += f" encoded {reuse['encoder_runs']}"
+    line += f"  prompt computed {reuse['computed_tokens']}/{reuse['prompt_tokens']}"
+    if reuse["ideal_computed_tokens"] is not None:
+        line += f" (ideal {reuse['ideal_computed_tokens']})"
+    return line
 
 
 def serve(
@@ -105,6 +118,18 @@ def serve(
     every_rate: Annotated[
         bool, typer.Option("--every-rate", help="Run every rate; default: stop after one misses the SLO.")
     ] = False,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            file_okay=False,
+            help="The served checkpoint's directory: with it, each rate also reports the prompt tokens an "
+            "unbounded prefix cache would compute (the ideal its reuse is judged by).",
+        ),
+    ] = None,
+    block_size: Annotated[
+        int, typer.Option(min=1, help="The server's KV block size, for the ideal (Trident's default: 16).")
+    ] = 16,
 ) -> None:
     """Open-loop streaming load at each rate; per-request TTFT, TBTs and end-to-end latency; SLO
     attainment per rate and goodput over the sweep."""
@@ -147,16 +172,34 @@ def serve(
         typer.echo(f"error: cannot list models at {url}/v1/models: {exc}", err=True)
         raise typer.Exit(2) from None
     opts = client.RequestOptions(model=model, ignore_eos=ignore_eos, image_size=size, seed=seed)
+    meter = reuse_meter(url, api_key, checkpoint, block_size)
     with progress_reporter(name) as (on_start, on_done, on_rate):
         result = run_sweep(
             name, url, model, load, slo, out,
             options=opts, api_key=api_key, on_start=on_start, on_done=on_done, on_rate=on_rate,
-            every_rate=every_rate,
+            every_rate=every_rate, meter=meter,
         )  # fmt: skip
     typer.echo(
         f"goodput: {result.goodput:g} req/s at {100 * slo.attainment:g} % attainment; results in {out}"
     )
     typer.echo(json.dumps({**result.to_dict(), "out": str(out)}))
+
+
+def reuse_meter(url: str, api_key: str, checkpoint: Path | None, block_size: int):
+    """What measures each rate's reuse (trident/bench/reuse.py): a Trident deployment's own counts
+    when the server is one (it answers /v1/cluster), the ideal when the checkpoint is given."""
+    from trident.bench.reuse import IdealCache, ReuseMeter, cluster_counts
+
+    try:
+        cluster_counts(url, api_key)
+        trident = url
+    except Exception:  # not Trident, or not telling: the client's own figures only
+        trident = None
+    try:
+        ideal = IdealCache(checkpoint, block_size) if checkpoint else None
+    except Exception as exc:
+        raise typer.BadParameter(f"--checkpoint {checkpoint}: {exc}") from None
+    return ReuseMeter(trident, api_key, ideal)
 
 
 def parse_size(text: str) -> tuple[int, int]:
