@@ -3,13 +3,18 @@
     python bench/planner_validation.py [--presets small-llava] [--methods e+p+d,ep+d,ed+p]
                                        [--rates 1,2,3,4,5] [--requests 30] [--repeats 3]
                                        [--calibration-load N] [--out .trident/validation]
+                                       [--turns T --system-prompt-tokens K --think-time S --image-prob P]
     python bench/planner_validation.py --replay .trident/validation [--recalibrate] [--sensitivity 1.05]
 
 For each preset and method a real deployment (one instance per kind, nats-server, redis-server) is
 started and calibrated as the planner service calibrates itself (trident/bench/validation.py: the
 instances' steps in service under a calibration load, and the fixed costs from unloaded
 requests). Then a 50 % text / 50 % one-image workload is sent at each rate, the whole sweep
-`--repeats` times over with requests of the same sizes (each run's images its own). Each figure
+`--repeats` times over with requests of the same sizes (each run's images its own). With
+`--turns` (or a shared system prompt) the requests are instead turns of conversations that resend
+their history, and each is replayed with the cached tokens its trace record reports (issue 26:
+"the planner's simulator counts cached tokens, so its predictions hold on the multi-turn
+workload"); `--requests` counts turns. Each figure
 is the median over the repeats, with their spread beside it:
 
 * TTFT p50/p90 and TBT p90 (the median over requests of each one's p90), measured by the gateway
@@ -41,6 +46,7 @@ from pathlib import Path
 
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.stats import SLO
+from trident.bench.repeat import Repeats
 from trident.bench.validation import Comparison, Run, replay_folder, save, summary, validate
 
 
@@ -67,6 +73,17 @@ def main() -> None:
         "(default: --requests)",
     )
     ap.add_argument("--max-output", type=int, default=16)
+    ap.add_argument(
+        "--turns", type=int, default=1,
+        help="over 1: conversations of this many turns, each resending its history (rates count turns)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--system-prompt-tokens", type=int, default=0, help="a system prompt every request shares"
+    )
+    ap.add_argument(
+        "--think-time", type=float, default=0.0, help="mean seconds between an answer and the next turn"
+    )
+    ap.add_argument("--image-prob", type=float, default=0.0, help="the chance a later turn adds an image")
     ap.add_argument("--ttft-slo", type=float, default=2.0)
     ap.add_argument("--tbt-slo", type=float, default=0.2)
     ap.add_argument("--attainment", type=float, default=0.9)
@@ -146,6 +163,7 @@ def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
                 calibration, comparisons = validate(
                     model, method, rates, args.requests, workdir, slo, repeats=args.repeats,
                     max_output=args.max_output, calibration_load=args.calibration_load,
+                    turns=turns(args),
                 )  # fmt: skip
                 save(
                     args.out / f"{preset}-{method.replace('+', '-')}",
@@ -155,6 +173,16 @@ def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
                     comparisons,
                 )
                 yield preset, method, calibration, comparisons
+
+
+def turns(args: argparse.Namespace) -> Repeats | None:
+    """The repeating workload asked for (trident/bench/repeat.py), or None for single requests."""
+    if args.turns <= 1 and not args.system_prompt_tokens:
+        return None
+    return Repeats(
+        system_tokens=args.system_prompt_tokens, turns=args.turns, think_time=args.think_time,
+        image_prob=args.image_prob, seed=1,
+    )  # fmt: skip
 
 
 def replayed(root: Path, recalibrated: bool = False, slower: float = 1.0) -> Iterator[Run]:

@@ -128,6 +128,7 @@ async def _one(
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                result.request_id = result.request_id or chunk.get("id") or ""
                 if "error" in chunk:
                     result.error = f"stream error: {_message(data)}"
                     return result

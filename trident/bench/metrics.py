@@ -38,6 +38,7 @@ class RequestResult:
     num_images: int = 0
     error: str = ""
     turn: int = 0  # of its conversation, from 0 (a multi-turn workload; 0 for single requests)
+    request_id: str = ""  # the server's id for it (its chunks' `id`)
     images: list[str] = field(default_factory=list)  # each image sent, by digest (client.image_digest)
     body: dict | None = field(default=None, repr=False)  # what was sent, until reuse is measured; not saved
 

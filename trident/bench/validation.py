@@ -35,7 +35,14 @@ from common.engine.loader import load_config
 from common.planner.calibrate import calibrate_from_service, fit_dispatch, transfer_model
 from common.planner.profiles import ProfileSet, TransferModel, scale_profiles
 from common.planner.simulator import simulate
-from common.planner.trace import TraceEntry, entry_from_json, entry_json, read_trace, write_trace
+from common.planner.trace import (
+    TraceEntry,
+    entry_from_json,
+    entry_json,
+    from_records,
+    read_trace,
+    write_trace,
+)
 from common.planner.types import Deployment
 from common.planner.workloads import generate
 from common.protocol import StepStats
@@ -43,6 +50,7 @@ from common.stats import SLO, slo_met
 from common.store import Store, StoreConfig
 from common.threads import thread_split
 from services.settings import WorkerSettings
+from trident.bench.repeat import Repeats, conversation_rate
 from trident.launcher.processes import Starter
 
 _WORDS = [
@@ -72,7 +80,7 @@ class Measured:
     """One request: sizes from the server's usage, arrival as actually sent, latencies from the trace."""
 
     request_id: str
-    entry: TraceEntry
+    entry: TraceEntry | None  # None until its trace record sizes it (a turn of a conversation)
     ttft: float = float("nan")
     tbt_p90: float = 0.0
     stages: dict[str, float] = dataclasses.field(default_factory=dict)  # s after its arrival mark
@@ -188,7 +196,9 @@ def measured_entries(measured: Sequence[Measured]) -> list[TraceEntry]:
 
 
 def attach(measured: Sequence[Measured], records: Sequence) -> None:
-    """Fill each request's gateway-measured TTFT and TBT p90 from its trace record."""
+    """Fill each request's gateway-measured TTFT and TBT p90 from its trace record; a request not
+    sized yet takes its sizes, cached tokens and stored images from the record too, its arrival
+    relative to the earliest of `measured`."""
     by_id = {r.request_id: r for r in records}
     for m in measured:
         record = by_id.get(m.request_id)
@@ -197,6 +207,10 @@ def attach(measured: Sequence[Measured], records: Sequence) -> None:
         m.ttft, m.tbt_p90 = record.ttft, record.tbt_p90 or 0.0
         start = record.stages.get("arrival", record.arrival)
         m.stages = {k: round(v - start, 6) for k, v in record.stages.items()}
+    if any(m.entry is None for m in measured):
+        sized = {e.request_id: e for e in from_records(by_id[m.request_id] for m in measured)}
+        for m in measured:
+            m.entry = dataclasses.replace(sized[m.request_id], ttft=None, tbt_p90=None, slo_met=None)
 
 
 async def send(
@@ -223,6 +237,21 @@ async def send(
             _one(client, model, e, seed * 100_000 + i, start, tokens_per_image) for i, e in enumerate(entries)
         ]
         return list(await asyncio.gather(*jobs))
+
+
+async def send_turns(
+    url: str, model: str, entries: Sequence[TraceEntry], repeats: Repeats, seed: int
+) -> list[Measured]:
+    """`entries` as the first turns of conversations (trident/bench/client.py: each later turn
+    resends the history a think time after the answer before it), every turn a request. Each is
+    sized from its trace record (`attach`): what the server cached and computed is the record's."""
+    from trident.bench import client
+
+    opts = client.RequestOptions(model=model, image_size=(64, 64), seed=seed, repeats=repeats)
+    results = await client.run(url, entries, opts)
+    if failed := [r.error for r in results if not r.ok]:
+        raise RuntimeError(f"{len(failed)} of {len(results)} turns failed, the first: {failed[0]}")
+    return [Measured(r.request_id, None) for r in results]
 
 
 def summarise(entries: Sequence[TraceEntry], slo: SLO) -> dict[str, float]:
@@ -425,12 +454,16 @@ def validate(
     calibration_load: int | None = None,
     seed: int = 0,
     starter: Starter | None = None,
+    turns: Repeats | None = None,
 ) -> tuple[dict, list[Comparison]]:
     """Measure `method` at each rate (requests/s), `repeats` times over, and compare with the
     simulator's prediction (module docstring). Before measuring, `calibration` requests one at a
     time and then `calibration_load` more (default: `requests`) at `calibration_rate` (default:
     the middle rate), with seeds of their own, warm the deployment up and give the calibration its
-    steps in service. `starter`: how the deployment's processes start (trident/launcher/processes.py)."""
+    steps in service. `starter`: how the deployment's processes start (trident/launcher/processes.py).
+    With `turns`, the measured requests are turns of conversations that repeat (a shared system
+    prompt, history resent each turn: trident/bench/repeat.py), `requests` turns per rate and
+    repeat, and the simulator finds cached what each turn's trace record says the server found."""
     from trident.launcher.cluster import method_workers, running_cluster
 
     tokens_per_image = load_config(model_dir).image_seq_length
@@ -493,12 +526,15 @@ def validate(
             for rate in rates:
                 # Requests of the same sizes at every rate and in every repeat, their arrival times
                 # scaled (`generate`), so the points of a sweep differ in rate alone.
-                sent = asyncio.run(
-                    send(
+                if turns is None:
+                    sending = send(
                         cluster.url, model, workload(rate, requests, seed), tokens_per_image,
                         seed=next(contents),
-                    )
-                )  # fmt: skip
+                    )  # fmt: skip
+                else:
+                    talks = workload(conversation_rate(rate, turns), max(1, requests // turns.turns), seed)
+                    sending = send_turns(cluster.url, model, talks, turns, seed=next(contents))
+                sent = asyncio.run(sending)
                 _traced(cluster.redis.url, sent)
                 measured[rate].append(sent)
     comparisons = []
