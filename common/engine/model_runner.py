@@ -44,6 +44,7 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.spec.block_size if cache is not None else 0
         self.vision_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.images_encoded = 0  # images the vision tower ran on, since start
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> ForwardResult:
@@ -66,6 +67,7 @@ class ModelRunner:
             return
         todo = [req.images[i] for req, idx in encodes for i in idx]
         out = self.model.encode(todo, self.device, self._vision_dtype())  # [image_tokens, hidden] each
+        self.images_encoded += len(todo)
         for img, feats in zip(todo, out, strict=True):
             if feats.shape[0] != img.num_tokens:
                 raise ValueError(

@@ -32,7 +32,7 @@ class EncodeHandler(StageHandler):
         pixels = []
         for img in spec.images:  # an image without pixels had its features cached when routed
             pixels.append(None if img.pixels is None else await ctx.pull(held, img.pixels))
-        ctx.counters.images_encoded += sum(p is not None for p in pixels)
+        ctx.counters.images_to_encode += sum(p is not None for p in pixels)
         await ctx.admit(held, pixels, [None] * len(spec.images))
 
     async def hand_on(self, held: Held) -> None:

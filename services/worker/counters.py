@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 class Counters:
     """Monotonic figures for /metrics and tests."""
 
-    images_encoded: int = 0
+    images_to_encode: int = 0  # taken with pixels (the engine may find their features cached)
     prefills: int = 0
     decodes_admitted: int = 0
     tokens_generated: int = 0

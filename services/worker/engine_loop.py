@@ -46,6 +46,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of them, found cached (not computed again)
     cached_blocks: int = 0  # KV blocks findable by their prefix key now
     prefix_evictions: int = 0  # cached blocks given up to an allocation, since start
+    images_encoded: int = 0  # images the vision tower ran on, since start (feature-cache hits are not)
 
     def load(self) -> Load:
         """What a stage's pull rule reads (common/engine/admission.py)."""
@@ -72,6 +73,7 @@ class EngineStats:
             prefix_hit_tokens=e.blocks.hit_tokens,
             cached_blocks=e.blocks.num_cached,
             prefix_evictions=e.blocks.evictions,
+            images_encoded=e.runner.images_encoded,
         )
 
 

@@ -26,7 +26,12 @@ class WorkerCollector:
         values = [w.instance_id, ",".join(sorted(w.roles))]
         held = list(w.ledger)
         for name, value, doc in [
-            ("images_encoded", c.images_encoded, "Images encoded by the vision tower"),
+            ("images_encoded", stats.images_encoded, "Images the vision tower ran on"),
+            (
+                "images_to_encode",
+                c.images_to_encode,
+                "Images taken with pixels to encode (feature-cache hits included)",
+            ),
             ("prefills", c.prefills, "Prefill tasks taken"),
             ("decodes_admitted", c.decodes_admitted, "Decode tasks admitted after pulling KV"),
             ("tokens_generated", c.tokens_generated, "Output tokens produced"),

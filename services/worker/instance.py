@@ -256,7 +256,7 @@ class WorkerInstance:
             prefix_queried_tokens=stats.prefix_queried_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
             prefix_evictions=stats.prefix_evictions,
-            images_encoded=self.counters.images_encoded,
+            images_encoded=stats.images_encoded,
             prefills_up_to=self.prefills_up_to,
             budgets=Budgets(image_budget=stats.image_budget, token_budget=stats.token_budget),
             profile_id=self.profile_id,

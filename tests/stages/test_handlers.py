@@ -88,7 +88,8 @@ async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
 
         encoded = await e.take(Role.ENCODE)
         await e.idle()  # features published and indexed, the prefill task queued, nothing held
-        assert encoded.settled and e.ctx.counters.images_encoded == 2
+        assert encoded.settled and e.ctx.counters.images_to_encode == 2
+        assert e.ctx.engine.engine.runner.images_encoded == 2  # the vision tower ran on both
         for img in spec.images:
             entry = await e.ctx.store.features.get(img.content_hash)
             assert entry is not None and entry.ref.owner == e.ctx.instance_id

@@ -98,7 +98,7 @@ def llama_server(
     port: int,
     log_dir: Path,
     slots: int = 8,
-    slot_context: int = 2048,
+    slot_context: int = 4096,  # a four-turn chat with LLaVA images reaches ~3,200 tokens
     threads: int | None = None,
     ready_timeout: float = 300.0,
 ) -> Iterator[deployments.Served]:
