@@ -115,3 +115,11 @@ def test_a_meter_counts_new_images_across_rates_and_drops_the_bodies(tiny_model_
     second = meter.measure([sent(body("d", 1), 0.1, 100, 64), failed])
     assert (second.images_sent, second.new_images, second.prompt_tokens) == (2, 1, 100)
     assert failed.body is None and not math.isnan(failed.sent)
+
+
+def test_a_deployment_that_does_not_answer_leaves_its_counts_out() -> None:
+    meter = ReuseMeter("http://127.0.0.1:9")  # nothing listens there
+    meter.start()
+    r = RequestResult(index=0, scheduled=0.0, sent=0.0, ok=True, prompt_tokens=10)
+    reuse = meter.measure([r])
+    assert reuse.encoder_runs is None and reuse.prefix_evictions is None and reuse.computed_tokens == 10

@@ -2,17 +2,17 @@
 that repeat (trident/bench/repeat.py).
 
 - Encoder runs against new images. Every image sent for the first time in the sweep needs one run
-  of the vision tower; an image sent again should need none (the feature store keeps it). The runs
-  are the deployment's own count (`images_encoded` in the workers' heartbeats, via /v1/cluster),
-  taken before and after each rate.
+  of the vision tower; an image sent again should need none (the feature store and the engines'
+  feature caches keep it). The runs are the deployment's own count of the tower's runs
+  (`images_encoded` in the workers' heartbeats, via /v1/cluster), read before and after each rate.
 - Prompt tokens computed against the ideal. Computed: what the server reported as not cached
   (prompt tokens less `cached_tokens`). Ideal: what an unbounded prefix cache of the engine's block
   size would still compute — each prompt run through the checkpoint's own chat template and
   processor and keyed as the engine keys it (common/engine/prefix.py), finding the longest run of
   full blocks that any earlier prompt of the sweep computed, never its last token. Earlier means
-  sent earlier: a request sent while another with the same prefix is being prefilled finds nothing
-  in a real cache and in this one alike only if the other was sent after it, so concurrency can
-  make the real count exceed the ideal a little, never fall below it.
+  sent earlier: two requests in flight together with the same new prefix both compute it in a real
+  cache but once here, and a real cache evicts, so a fresh deployment computes at least the ideal;
+  how far above it is what the goal (within 5 %) judges.
 
 The ideal covers prompts only: a conversation's answers were computed by a decoder, which is not a
 prefix cache here (see `-turns` in docs/architecture.md for one that is).
@@ -159,17 +159,23 @@ class ReuseMeter:
             reuse.ideal_computed_tokens = sum(self.ideal.computed(r.body) for r in done)
         for r in results:
             r.body = None
-        if self._before is not None:
-            counted = counted_since(self._before, self._counts(since=time.time()))
+        after = self._counts(since=time.time()) if self._before is not None else None
+        if after is not None:
+            counted = counted_since(self._before, after)
             reuse.encoder_runs, reuse.prefix_evictions = counted.images_encoded, counted.prefix_evictions
         return reuse
 
     def _counts(self, since: float | None, bound: float = 15.0) -> dict[str, Counts] | None:
+        """The workers' counts, once each has sent a heartbeat after wall time `since` (or the
+        bound passed); None without a deployment to ask, or when it does not answer."""
         if self.base_url is None:
             return None
         deadline = time.monotonic() + bound
         while True:
-            counts, oldest = cluster_counts(self.base_url, self.api_key)
+            try:
+                counts, oldest = cluster_counts(self.base_url, self.api_key)
+            except (httpx.HTTPError, ValueError, KeyError):
+                return None  # the rate's figures go without the deployment's counts
             if since is None or oldest >= since or time.monotonic() > deadline:
                 return counts
             time.sleep(0.2)
