@@ -260,17 +260,17 @@ class BudgetProfiler:
             self._image = reference_image(self.engine.processor)
         return self._image
 
-    def prefill_latency(self, tokens: int) -> float:
-        """One iteration prefilling `tokens` prompt tokens: one sequence, or several of at most
-        max_model_len each (no real request is longer)."""
-        if tokens in self.curves["prefill"]:
+    def prefill_latency(self, tokens: int, seqs: int = 1) -> float:
+        """One iteration prefilling `tokens` prompt tokens: `seqs` sequences, more when one would
+        be longer than max_model_len (no real request is). The curve holds one-sequence points."""
+        if seqs == 1 and tokens in self.curves["prefill"]:
             return self.curves["prefill"][tokens]
-        num_seqs = -(-tokens // self.engine.max_model_len)
+        num_seqs = max(seqs, -(-tokens // self.engine.max_model_len))
         lengths = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
         reqs = [self._fake_request(f"profile-prefill-{i}", n, 0) for i, n in enumerate(lengths)]
         chunks = list(zip(reqs, lengths, strict=True))
         seconds = self._with_blocks("prefill", chunks, lambda: self.engine.runner.forward(chunks, []))
-        if math.isfinite(seconds):
+        if math.isfinite(seconds) and seqs == 1:
             self.curves["prefill"][tokens] = seconds
         return seconds
 

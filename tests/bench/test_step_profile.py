@@ -1,0 +1,39 @@
+"""bench/step_profile.py: a step's ops grouped, on the tiny checkpoint (the figures themselves are
+docs/engine.md's, from small checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.bench import load_script
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_profile.py"
+
+
+def test_ops_fall_in_the_groups_the_table_names() -> None:
+    script = load_script(SCRIPT, "step_profile")
+    assert script.group_of("aten::mm") == "matmul"
+    assert script.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert script.group_of("aten::index_select") == "kv gather/scatter"
+    assert script.group_of("aten::rsqrt") == "norm"
+    assert script.group_of("aten::silu") == "element-wise"
+    assert script.group_of("aten::argmax") == "sampling"
+    assert script.group_of("aten::lift_fresh") == "other"
+
+
+def test_a_profile_of_prefill_and_decode_steps(tiny_model_dir: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--batches", "1,2", "--repeats", "1",
+         "--context", "32", "--prompt", "16"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    steps = {(s["phase"], s["batch"]): s for s in result["steps"]}
+    assert set(steps) == {("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)}
+    for s in steps.values():
+        assert s["step_s"] > 0 and s["groups_s"]["matmul"] > 0 and s["groups_s"]["attention"] > 0
+        assert "outside ops" in s["groups_s"] and len(s["top_ops_s"]) <= 8
