@@ -479,7 +479,11 @@ def validate(
         "TRIDENT_NUM_THREADS": str(thread_split(cpus, len(method_workers(method)))),
         "TRIDENT_CORE_BOARD": str(workdir / "cores"),
         "TRIDENT_HOST_CORES": str(cpus),
-        "TRIDENT_KV_CACHE_BYTES": str(16 << 20),  # the KV space the recorded runs (tests/data) had
+        # The KV space the recorded runs (tests/data) had; conversations, whose prompts grow turn by
+        # turn and whose prefixes stay cached, get the deployed default.
+        "TRIDENT_KV_CACHE_BYTES": str(
+            WorkerSettings.model_fields["kv_cache_bytes"].default if turns else 16 << 20
+        ),
     }
     deployment = DEPLOYMENTS[method]
 
