@@ -1,0 +1,39 @@
+"""bench/gpu_check.py's CPU mode: the GPU check's every step on the tiny checkpoint, so the script a
+GPU session runs first cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+
+
+def test_the_gpu_check_rehearses_every_step_on_the_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--skip-tests", "--models", str(tiny_model_dir.parent),
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result == json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["ok"], result
+    assert result["preset"] == "tiny-llava" and result["environment"]["device"] == "cpu"
+    assert result["machine"]["memory_gbps"] > 0 and result["machine"]["matmul_tflops"] > 0
+    engine = result["engine"]
+    assert set(engine["decode_ms"]) == {"1", "8", "32"} and all(v > 0 for v in engine["decode_ms"].values())
+    assert engine["decode_1_of_memory_roofline"] > 0 and engine["prefill_of_matmul_peak"] > 0
+    assert result["kv"]["bytes"] > 0 and result["kv"]["export_gbps"] > 0 and result["kv"]["import_gbps"] > 0
+
+
+def test_without_a_gpu_it_says_how_to_rehearse() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "--cpu" in run.stderr
