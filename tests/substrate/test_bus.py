@@ -157,8 +157,12 @@ def test_max_deliver_ends_in_a_dead_letter(nats_server: NatsServer, redis_server
         assert (failed.reason, failed.deliveries, failed.detail) == ("failed", 2, "handler raised ValueError")
         assert lost.reason == "max_deliver" and lost.deliveries == 2
         assert decode(lost.data, expect=PrefillTask).request.request_id == "orphan"
-        info = await bus.js.stream_info(bus.subjects.task_stream)
-        assert info.state.messages == 0  # neither is left clogging the work queue
+
+        async def queue_empty() -> bool:
+            # The watcher records the letter, tells the client, then removes the task: a moment after.
+            return (await bus.js.stream_info(bus.subjects.task_stream)).state.messages == 0
+
+        assert await eventually(queue_empty, timeout=5.0)  # neither is left clogging the work queue
         # Each client is told its request was given up, rather than left to wait out its deadline.
         poison, orphan = [await told[rid].get(timeout=5) for rid in ("poison", "orphan")]
         assert isinstance(poison, ErrorOutput) and "failed 2 times" in poison.message
