@@ -40,11 +40,11 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.kv_cache import layer_groups
 from common.engine.profiler import BudgetProfiler
+from common.models import resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 DECODE_BATCHES = (1, 8, 32)
@@ -132,13 +132,6 @@ def machine(device: torch.device, dtype: torch.dtype, cpu: bool) -> dict:
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     out["matmul_tflops"] = round(2 * n**3 / seconds(lambda: a @ b, device) / 1e12, 3)
     return out
-
-
-def checkpoint(preset: str, models: Path) -> Path:
-    path = models / preset
-    if not is_checkpoint_dir(path):
-        write_checkpoint(path, preset, seed=0)
-    return path
 
 
 def engine_steps(engine: Engine, measured: dict) -> dict:
@@ -230,7 +223,7 @@ def main() -> None:
 
     def load() -> dict:
         config = EngineConfig(device=device.type, prefix_caching=False, adapt_budgets=False)
-        engine.append(Engine(checkpoint(preset, args.models), config))
+        engine.append(Engine(resolve_model(preset, args.models), config))
         return {"kv_blocks": engine[0].blocks.num_blocks}
 
     step(results, "load", load)

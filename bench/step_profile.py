@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.profiler import BudgetProfiler
+from common.models import resolve_model
 from trident.bench.machine import single_thread_gflops
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,15 +56,6 @@ def group_of(op: str) -> str:
         if any(f in op for f in fragments):
             return group
     return "other"
-
-
-def model_dir(args: argparse.Namespace) -> Path:
-    if args.model:
-        return args.model
-    path = REPO / ".trident" / "models" / args.preset
-    if not is_checkpoint_dir(path):
-        write_checkpoint(path, args.preset, seed=0)
-    return path
 
 
 def counted_forwards(engine: Engine) -> list[int]:
@@ -102,8 +93,8 @@ def profiled(
     for event in prof.key_averages():
         ops[event.key] += event.self_cpu_time_total / 1e6 / steps
     groups: dict[str, float] = defaultdict(float)
-    for op, seconds in ops.items():
-        groups[group_of(op)] += seconds
+    for op, op_seconds in ops.items():
+        groups[group_of(op)] += op_seconds
     per_step = wall / steps
     groups["outside ops"] = max(0.0, seconds - sum(ops.values()))
     top = sorted(ops.items(), key=lambda kv: -kv[1])[:8]
@@ -127,7 +118,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     before = single_thread_gflops()
     engine = Engine(
-        model_dir(args),
+        resolve_model(args.model or args.preset, REPO / ".trident" / "models"),
         EngineConfig(
             num_threads=args.threads, prefix_caching=False, adapt_budgets=False, kv_cache_bytes=1 << 30
         ),
