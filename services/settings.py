@@ -131,6 +131,11 @@ class WorkerSettings(ServiceSettings):
         description="Bytes of image features an engine keeps by content hash; unset: 512 MiB on an "
         "encode-only instance (which holds no KV), 64 MiB on any other",
     )
+    decode_graphs: Literal["auto", "off", "eager"] = Field(
+        "auto",
+        description="Decode-only steps padded to fixed batch and context buckets and replayed from CUDA "
+        "graphs: auto (on CUDA devices; the CPU path stays as it is) | off | eager (padded, not captured)",
+    )
     transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
     prefetch: bool = Field(

@@ -16,6 +16,9 @@ class Policy(StrEnum):
     DECODE_FIRST = "decode-first"  # Sarathi: decodes, then chunked prefill; encodes unbudgeted, inline
 
 
+DECODE_GRAPH_MODES = ("auto", "off", "eager")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine instance runs. Budgets are normally found by the profiler (see profiler.py)."""
@@ -54,9 +57,18 @@ class EngineConfig:
     num_threads: int | None = None
     # None: float32 on CPU (exact parity with HF), bfloat16 on CUDA.
     dtype: str | None = None
+    # Decode-only steps padded to fixed buckets and replayed from CUDA graphs (decode_graphs.py):
+    # "auto" captures them on CUDA, where launching kernels from Python bounds a decode step, and
+    # leaves the CPU path as it is; "off" never pads; "eager" runs the padded step uncaptured on any
+    # device (its CPU tests; on a GPU, it tells a capture fault from a padding fault).
+    decode_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.roles:
             raise ValueError("an engine needs at least one role")
         if self.block_size <= 0 or self.token_budget <= 0 or self.image_budget <= 0:
             raise ValueError("block_size, token_budget and image_budget must be positive")
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ValueError(
+                f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}: {self.decode_graphs!r}"
+            )

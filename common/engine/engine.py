@@ -17,6 +17,7 @@ from PIL import Image
 from common.engine.admission import AdmissionError, check_fits
 from common.engine.block_manager import BlockManager, blocks_needed
 from common.engine.config import EngineConfig
+from common.engine.decode_graphs import DecodeGraphs
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.feature_cache import FeatureCache
 from common.engine.governor import BudgetGovernor, budget_share
@@ -83,7 +84,9 @@ class Engine:
             self.scheduler.image_unit = ref.num_tokens  # τe counts what an image costs: its tokens
         self.governor: BudgetGovernor | None = None  # set when a profile is applied
         self.on_step: Callable[[Batch, float], None] | None = None  # each step's batch and seconds
-        self.runner = ModelRunner(self.model, self.cache, self.blocks.table, self.features, self.device)
+        self.runner = ModelRunner(
+            self.model, self.cache, self.blocks.table, self.features, self.device, self._decode_graphs()
+        )
         # Every request this engine holds: scheduled (waiting, running) or handed off, its KV kept
         # until the next stage pulled it.
         self.requests: dict[str, Request] = {}
@@ -382,6 +385,12 @@ class Engine:
         """A single-turn user prompt with `num_images` images before the text, in the model's template."""
         content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
         return self.processor.chat_prompt([{"role": "user", "content": content}])
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        mode = self.config.decode_graphs
+        if self.cache is None or mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        return DecodeGraphs(self.model, self.cache, self.max_model_len, capture=mode == "auto")
 
     def _num_blocks(self) -> int:
         if self.device.type == "cuda":

@@ -6,6 +6,9 @@ Layout, one tensor for all layers so a group of layers is a slice:
 
 A token at position `pos` of a request lives in block `table[pos // block_size]`, slot
 `pos % block_size`; flattened, that is slot index `table[pos // bs] * bs + pos % bs`.
+
+One block past the last (`scratch_block`) belongs to no request: the padding rows of a captured
+decode step (decode_graphs.py) write their K/V there and read it back.
 """
 
 from __future__ import annotations
@@ -30,18 +33,19 @@ class KVSpec:
 
 
 class KVCache:
-    """Owns the cache tensor; the BlockManager decides which blocks belong to whom."""
+    """Owns the cache tensor; the BlockManager decides which of its `num_blocks` belong to whom."""
 
     def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks  # the extra block: never handed out
         self.kv = torch.zeros(
-            spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+            spec.num_layers, 2, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim,
             dtype=spec.dtype, device=device,
         )  # fmt: skip
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value slot views of one layer: each [num_blocks * block_size, kv_heads, head_dim]."""
+        """Key and value slot views of one layer: each [(num_blocks + 1) * block_size, kv_heads, head_dim]."""
         k, v = self.kv[index]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.attention import AttentionMetadata, PrefillSeq, varlen_kernel
+from common.engine.decode_graphs import DecodeGraphs
 from common.engine.feature_cache import FeatureCache
 from common.engine.kv_cache import KVCache
 from common.engine.request import Request
@@ -36,8 +37,10 @@ class ModelRunner:
         block_tables,
         features: FeatureCache,
         device: torch.device,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs  # decode-only steps padded to buckets (and captured, on CUDA)
         self.cache = cache
         self.block_tables = block_tables  # request id → list of block ids (the BlockManager's view)
         self.features = features
@@ -80,6 +83,10 @@ class ModelRunner:
     def forward(self, prefills: list[tuple[Request, int]], decodes: list[Request]) -> ForwardResult:
         if not prefills and not decodes:
             return ForwardResult([], None)
+        if not prefills and self.graphs is not None:
+            logits = self._decode_in_bucket(decodes)
+            if logits is not None:
+                return ForwardResult(list(decodes), logits)
         lm = self.model.language_model
         ids, positions, slots, splices, sample_rows, sampled = [], [], [], [], [], []
         seqs: list[PrefillSeq] = []
@@ -123,6 +130,26 @@ class ModelRunner:
         logits = lm.logits(hidden[torch.as_tensor(sample_rows, device=dev)]) if sampled else None
         return ForwardResult(sampled, logits)
 
+    def _decode_in_bucket(self, decodes: list[Request]) -> torch.Tensor | None:
+        """A decode-only step through `graphs`; None when it fits no bucket (it then runs eagerly)."""
+        tables = [self.block_tables(req.request_id) for req in decodes]
+        if not self.graphs.fits(len(decodes), max(len(t) for t in tables)):
+            return None
+        bs = self.block_size
+        last = [req.num_tokens - 1 for req in decodes]  # the position each row computes
+        if self.model.mrope:
+            rows = [r.positions(p, p + 1, True) for r, p in zip(decodes, last, strict=True)]
+            positions = torch.cat(rows, dim=-1)
+        else:
+            positions = torch.as_tensor(last)
+        return self.graphs.run(
+            ids=[req.output_token_ids[-1] for req in decodes],
+            positions=positions,
+            slots=[t[p // bs] * bs + p % bs for t, p in zip(tables, last, strict=True)],
+            tables=tables,
+            context=[req.num_tokens for req in decodes],
+        )
+
     def _image_splice(self, req: Request, start: int, n: int, offset: int):
         """Rows of this chunk that are image placeholders, and the feature rows that fill them.
 
@@ -153,7 +180,7 @@ class ModelRunner:
             valid = torch.arange(max(decode_ctx))[None, :] < torch.as_tensor(decode_ctx)[:, None]
             bias = torch.zeros(valid.shape, dtype=self.cache.spec.dtype).masked_fill_(~valid, float("-inf"))
             meta.decode_blocks = grid.to(dev)
-            meta.num_cache_blocks = self.cache.num_blocks
+            meta.block_size = self.block_size
             meta.decode_bias = bias[:, None, None, :].to(dev)
         kernel = varlen_kernel(dev, self.cache.spec.dtype)
         if kernel is not None:

@@ -91,6 +91,7 @@ def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
         device=s.device,
         num_threads=s.num_threads or None,
         adapt_budgets=s.adapt_budgets,
+        decode_graphs=s.decode_graphs,
     )
 
 

@@ -9,7 +9,9 @@
 - the vision stream: encodes overlapped with the LLM are simulated by a stream whose work lands
   only when another stream waits on it, so a forward that read features too early sees NaN.
 
-The tests marked `needs_flash` run the real kernel, and only on a GPU with flash-attn installed.
+The tests marked `needs_flash` run the real kernel, and only on a GPU with flash-attn installed;
+`needs_cuda` ones (CUDA-graph decode steps) on any GPU. The padded step those graphs capture is
+checked on CPU in test_decode_graphs.py and test_parity*.py.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from common.engine.sampling import SamplingParams
 from .conftest import make_image
 from .test_parity import QUESTIONS
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_flash = pytest.mark.skipif(
     not (torch.cuda.is_available() and flash_attn_varlen_func is not None),
     reason="needs a CUDA device and flash-attn",
@@ -480,3 +483,21 @@ def test_cuda_vision_stream_gives_the_serial_result(make_engine):
         assert x.sampled == y.sampled
         if x.logits is not None:  # a race reads stale or unwritten memory: far off, or NaN
             torch.testing.assert_close(x.logits, y.logits, atol=1e-2, rtol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_captured_decode_steps_give_the_uncaptured_padded_tokens(make_engine, batch):
+    """CUDA graphs replay exactly the padded step: greedy tokens equal to the same steps run
+    uncaptured, with a graph captured for each bucket used."""
+    kw = {"device": "cuda", "gpu_memory_fraction": 0.1}
+    got = []
+    for mode in ("auto", "eager"):
+        engine = make_engine(decode_graphs=mode, **kw)
+        prompts = [engine.chat_prompt(QUESTIONS[i % 4], 0) for i in range(batch)]
+        done = engine.generate(prompts, [[]] * batch, SamplingParams(max_tokens=16 + 4 * batch))
+        got.append([c.token_ids for c in done])
+        graphs = engine.runner.graphs
+        assert graphs.runs > 0 and graphs.capture == (mode == "auto")
+        assert all((step.graph is not None) == graphs.capture for step in graphs.steps.values())
+    assert got[0] == got[1]

@@ -36,6 +36,14 @@ def test_eight_mixed_requests_batched(make_engine, hf_generate, images, policy):
     check_mixed_batch(make_engine(policy=policy), hf_generate, QUESTIONS, images, stride=2)
 
 
+def test_decode_steps_padded_to_graph_buckets_keep_parity(make_engine, hf_generate, images):
+    """Decode-only steps padded as CUDA graphs run them (decode_graphs.py, uncaptured here): rows
+    that pad the batch and blocks that pad the context change no token."""
+    engine = make_engine(decode_graphs="eager")
+    check_mixed_batch(engine, hf_generate, QUESTIONS, images, stride=2)
+    assert engine.runner.graphs.runs > 0
+
+
 def test_chunked_prefill_splits_inside_an_image(make_engine, hf_generate, images):
     """A token budget of 16 is smaller than one image's 49 tokens, so chunks start and end inside it."""
     engine = make_engine(token_budget=16)

@@ -112,6 +112,14 @@ def test_eight_mixed_requests_batched(make_engine, hf_generate, sized_images):
     check_mixed_batch(make_engine(), hf_generate, QUESTIONS, sized_images, stride=3)
 
 
+def test_decode_steps_padded_to_graph_buckets_keep_parity(make_engine, hf_generate, sized_images):
+    """As CUDA graphs run decode steps (padded batch and context, uncaptured here); M-RoPE positions
+    ride in the [3, batch] buffer."""
+    engine = make_engine(decode_graphs="eager")
+    check_mixed_batch(engine, hf_generate, QUESTIONS, sized_images, stride=3)
+    assert engine.runner.graphs.runs > 0
+
+
 def test_chunked_prefill_splits_inside_an_image(make_engine, hf_generate, sized_images):
     """Chunks of 5 tokens start and end inside both images, whose M-RoPE positions are 3-D."""
     engine = make_engine(token_budget=5)
