@@ -72,7 +72,7 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block tables, padded
     decode_bias: torch.Tensor | None  # [num_decodes, 1, 1, max_context] 0 or -inf
-    num_cache_blocks: int = 0
+    block_size: int = 0  # the cache's, for reading decode_blocks
     # Set: the whole batch is one call of this varlen kernel (flash-attn's, or a test's stand-in).
     varlen_kernel: VarlenKernel | None = None
     cu_seqlens_q: torch.Tensor | None = None
@@ -95,6 +95,8 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.use_flash:
         return _flash(q, k_cache, v_cache, meta)
+    if not meta.prefills:  # decodes only: their output is the whole output, with no copy into it
+        return _decode_batch(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     for seq in meta.prefills:
         out[seq.q_start : seq.q_start + seq.q_len] = _prefill_one(q, k_cache, v_cache, seq)
@@ -126,7 +128,7 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     no GQA expansion of K and V."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    block_size = k_cache.shape[0] // meta.num_cache_blocks
+    block_size = meta.block_size
     blocks = meta.decode_blocks.reshape(-1)
     ks = gather_rows(k_cache.view(-1, block_size, kv_heads, dim), blocks)
     vs = gather_rows(v_cache.view(-1, block_size, kv_heads, dim), blocks)
