@@ -27,6 +27,13 @@ def test_the_gpu_check_rehearses_every_step_on_the_cpu(tiny_model_dir: Path, tmp
     engine = result["engine"]
     assert set(engine["decode_ms"]) == {"1", "8", "32"} and all(v > 0 for v in engine["decode_ms"].values())
     assert engine["decode_1_of_memory_roofline"] > 0 and engine["prefill_of_matmul_peak"] > 0
+    assert set(engine["decode_ms_eager"]) == {"1", "8", "32"}
+    graphs = result["decode_graphs"]  # on the CPU: the padded step uncaptured, against the eager path
+    assert not graphs["captured"] and graphs["buckets"] and graphs["tokens"] > 0
+    assert graphs["configured_vs_padded"] == 1.0 and graphs["configured_vs_eager"] == 1.0
+    kernels = result["decode_kernels"]  # on the CPU: aten ops of one padded decode step
+    assert kernels["what"] == "cpu aten ops" and kernels["count"] > kernels["per_layer"] > 0
+    assert kernels["sum_ms"] > 0 and kernels["top"][0]["count"] > 0
     assert result["kv"]["bytes"] > 0 and result["kv"]["export_gbps"] > 0 and result["kv"]["import_gbps"] > 0
 
 
