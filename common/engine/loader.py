@@ -201,7 +201,8 @@ def load_model(
     # Buffers (rotary inv_freq, CLIP position ids) were built on the meta device: rebuild them.
     if with_language:
         model.language_model.rotary.inv_freq = inv_freq.float()
-        model.language_model.fuse_projections()
+        if torch.device(device).type == "cuda":  # fewer kernels a step; on a CPU it does not pay
+            model.language_model.fuse_projections()
     if model.vision is not None and family in ("llava", "llava_next"):
         emb = model.vision.vision_tower.embeddings
         emb.position_ids = torch.arange(emb.num_positions).expand(1, -1)
