@@ -8,13 +8,13 @@ their owner); the decode task carries the tokens so far and where the KV blocks 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
 from common.protocol.codec import Message, Record
 from common.protocol.sampling import SamplingParams, TokenId
-from common.protocol.tensors import Dtype, InlineTensor, Shape, TensorRef
+from common.protocol.tensors import Dtype, InlineTensor, Shape, TensorRef, int8_kv_nbytes
 from common.roles import Role
 
 
@@ -100,7 +100,8 @@ class PrefillTask(StageTask):
 
 
 class KvGroup(Record):
-    """One group of layers' KV as a single contiguous buffer [layers, 2, blocks, block_size, heads, dim]."""
+    """One group of layers' KV as a single contiguous buffer [layers, 2, blocks, block_size, heads, dim]
+    (`shape`); with the location's `wire` "int8", that buffer packed as common/engine/kv_quant.py says."""
 
     layer_start: int = Field(ge=0)
     layer_end: int = Field(gt=0)
@@ -120,16 +121,23 @@ class KvLocation(Record):
     dtype: Dtype
     # M-RoPE (Qwen2-VL): every token after the prompt sits at its index plus this; 0 elsewhere.
     rope_delta: int = Field(0, ge=-(2**31), le=2**31)
+    # "native": each group's buffer in `dtype`; "int8": int8 values and per-block, per-head scales
+    # (common/engine/kv_quant.py), turned back into `dtype` by the decoder.
+    wire: Literal["native", "int8"] = "native"
 
     def refs(self) -> list[TensorRef]:
-        """One pullable reference per layer group, in layer order."""
+        """One pullable reference per layer group, in layer order, as the buffer travels."""
         return [
-            TensorRef(
-                owner=self.owner, address=self.address, handle=g.handle, shape=g.shape, dtype=self.dtype
-            )
+            TensorRef(owner=self.owner, address=self.address, handle=g.handle, **self.wire_form(g.shape))
             for g in self.groups
             if g.inline is None
         ]
+
+    def wire_form(self, shape: tuple[int, ...]) -> dict:
+        """The shape and dtype a group's buffer of `shape` travels as."""
+        if self.wire == "int8":
+            return {"shape": (int8_kv_nbytes(shape),), "dtype": "uint8"}
+        return {"shape": shape, "dtype": self.dtype}
 
 
 class DecodeTask(StageTask):

@@ -28,6 +28,18 @@ def nbytes_of(shape: tuple[int, ...], dtype: str) -> int:
     return math.prod(shape) * DTYPE_SIZES[dtype]
 
 
+def int8_kv_scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """INT8 KV on the wire (common/engine/kv_quant.py): one scale per (layer, key|value, block,
+    head) of a KV buffer [layers, 2, blocks, block_size, heads, dim]."""
+    layers, kv, blocks, _, heads, _ = shape
+    return (layers, kv, blocks, heads)
+
+
+def int8_kv_nbytes(shape: tuple[int, ...]) -> int:
+    """Bytes on the wire of an INT8 KV buffer of `shape`: one per value, four per float32 scale."""
+    return math.prod(shape) + 4 * math.prod(int8_kv_scales_shape(shape))
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a torch dtype."""
     name = str(dtype).removeprefix("torch.")

@@ -13,10 +13,11 @@ import asyncio
 import logging
 
 from common.bus import Task
-from common.engine import AdmissionError
+from common.engine import AdmissionError, kv_quant
 from common.engine.admission import check_fits, decode_room
 from common.engine.spec_prompt import spec_prompt
 from common.protocol import DecodeTask, PrefillTask, Release
+from common.protocol.tensors import torch_dtype
 from common.roles import Role
 from common.store import Stage
 from common.transfer import TransferError
@@ -88,6 +89,10 @@ class DecodeHandler(StageHandler):
         ctx.metrics.transferred("pd", seconds, sum(b.numel() * b.element_size() for b in buffers))
         outputs = list(spec.output_token_ids)
         try:
+            if msg.kv.wire == "int8":  # back into the cache's dtype (kv_quant.py)
+                dtype = torch_dtype(msg.kv.dtype)
+                groups = msg.kv.groups
+                buffers = [kv_quant.unpack(b, g.shape, dtype) for b, g in zip(buffers, groups, strict=True)]
             # Its images' identities too: its blocks are then keyed as the prefill instance keyed
             # them, and stay cached here for the conversation's next turn.
             none = [None] * len(spec.images)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from common.bus import Task
-from common.engine import Engine
+from common.engine import Engine, kv_quant
 from common.engine.admission import PREFILL_WAITING, prefill_room
 from common.engine.kv_cache import layer_groups
 from common.engine.request import Request
@@ -48,14 +48,19 @@ class PrefillHandler(StageHandler):
         self.ctx.ledger.mark(held, Stage.FIRST_TOKEN)
         self.ctx.metrics.ran(self.role, held.marks, Stage.PREFILL_STARTED)
 
-    def __init__(self, ctx: StageContext, *, prefetch: bool = True, kv_layer_group: int = 4) -> None:
+    def __init__(
+        self, ctx: StageContext, *, prefetch: bool = True, kv_layer_group: int = 4, kv_wire: str = "native"
+    ) -> None:
         super().__init__(ctx)
         self.prefetch = prefetch
         self.kv_layer_group = kv_layer_group
+        self.kv_wire = kv_wire
 
     @classmethod
     def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> PrefillHandler:
-        return cls(ctx, prefetch=settings.prefetch, kv_layer_group=settings.kv_layer_group)
+        return cls(
+            ctx, prefetch=settings.prefetch, kv_layer_group=settings.kv_layer_group, kv_wire=settings.kv_wire
+        )
 
     async def take(self, task: Task) -> None:
         ctx = self.ctx
@@ -84,26 +89,26 @@ class PrefillHandler(StageHandler):
 
     async def hand_on(self, held: Held) -> None:
         """Export the KV per group of layers, serve the buffers, and queue the decode task."""
-        ctx, rid, group = self.ctx, held.request_id, self.kv_layer_group
-        req, buffers = await ctx.engine.call(lambda: _export(ctx.engine.engine, rid, group))
+        ctx, rid, group, wire = self.ctx, held.request_id, self.kv_layer_group, self.kv_wire
+        req, shapes, buffers = await ctx.engine.call(lambda: _export(ctx.engine.engine, rid, group, wire))
         ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
         groups, handles = [], []
         spec = ctx.engine.engine.kv_spec
-        for layers, buf in zip(layer_groups(spec.num_layers, group), buffers, strict=True):
+        for layers, shape, buf in zip(layer_groups(spec.num_layers, group), shapes, buffers, strict=True):
             if buf.numel() * buf.element_size() <= ctx.transfer.config.inline_max_bytes:
                 # Rides inline in the decode task: nothing to pull, nothing to release.
-                kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, shape=buf.shape,
+                kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, shape=shape,
                                    inline=InlineTensor.from_tensor(buf))  # fmt: skip
             else:
                 handles.append(ctx.transfer.publish(buf))  # served until released: the ledger owns it
                 kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, handle=handles[-1],
-                                   shape=tuple(buf.shape))  # fmt: skip
+                                   shape=shape)  # fmt: skip
             groups.append(kv_group)
         ctx.ledger.keep_kv(held, tuple(handles), KV_TTL)  # before any await: a cancel releases them
         location = KvLocation(
             owner=ctx.instance_id, address=ctx.transfer.address, groups=tuple(groups),
             num_tokens=req.num_computed_tokens, block_size=spec.block_size, dtype=dtype_name(spec.dtype),
-            rope_delta=req.rope_delta,
+            rope_delta=req.rope_delta, wire=wire,
         )  # fmt: skip
         prefilled = held.spec.model_copy(
             update={
@@ -186,7 +191,14 @@ class PrefillHandler(StageHandler):
         await ctx.ledger.settle(spec.request_id)
 
 
-def _export(engine: Engine, rid: str, group: int) -> tuple[Request | None, list[torch.Tensor]]:
-    """On the engine thread: the handed-off request and its KV, one buffer per group of layers."""
+def _export(
+    engine: Engine, rid: str, group: int, wire: str
+) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor]]:
+    """On the engine thread: the handed-off request, and its KV by group of layers: each buffer's
+    shape, and the buffer as it travels (`wire` "int8": packed by kv_quant)."""
     req = engine.handed_off(rid)
-    return (req, engine.export_kv(rid, group)) if req is not None else (None, [])
+    if req is None:
+        return None, [], []
+    buffers = engine.export_kv(rid, group)
+    shapes = [tuple(b.shape) for b in buffers]
+    return req, shapes, [kv_quant.pack(b) for b in buffers] if wire == "int8" else buffers

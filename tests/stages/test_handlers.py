@@ -20,6 +20,7 @@ from common.protocol import (
     TokenDelta,
     dtype_name,
 )
+from common.protocol.tensors import int8_kv_nbytes, nbytes_of
 from common.roles import Role
 from common.store import Stage
 from services.worker.worker import StageWorker
@@ -181,3 +182,30 @@ async def test_a_hybrid_takes_a_requests_next_stage_once_its_earlier_one_lets_go
         assert await answer(stream) == hf_generate(prompt, [], 6)
         for rig in (ed, p):
             await rig.idle()
+
+
+async def test_prefill_sends_int8_kv_and_decode_answers_from_it(
+    tiny_model_dir, nats_server, redis_server, owner
+):
+    """`kv_wire=int8`: the decode task's KV travels packed — about a quarter of the float32 cache's
+    bytes — and the decoder turns it back into its cache's dtype and answers in full."""
+    async with (
+        stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
+        stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
+    ):
+        p.handlers[Role.PREFILL].kv_wire = "int8"
+        spec, _, _ = request(p, owner, "r-int8", num_images=0, max_tokens=10)
+        stream = await p.ctx.bus.events.outputs(spec.request_id)
+        await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
+        await p.take(Role.PREFILL)
+        decode = await d.take(Role.DECODE)
+        kv = decode.message.kv
+        assert kv.wire == "int8" and kv.dtype == "float32"
+        native = sum(nbytes_of(g.shape, kv.dtype) for g in kv.groups)
+        sent = sum(nbytes_of(r.shape, r.dtype) for r in kv.refs())
+        sent += sum(len(g.inline.data) for g in kv.groups if g.inline is not None)
+        assert sum(int8_kv_nbytes(g.shape) for g in kv.groups) == sent < 0.3 * native
+        assert len(await answer(stream)) == 10
+        for rig in (p, d):
+            await rig.idle()
+        assert len(p.ctx.transfer.handles) == 0  # decode's release freed what it pulled
