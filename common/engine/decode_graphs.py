@@ -11,7 +11,8 @@ A graph's shapes are fixed, so a step is padded to a bucket:
 - the batch to the next of `BATCH_BUCKETS`. A padding row decodes token 0 at position 0 into the
   cache's scratch block (`KVCache.scratch_block`, which no request owns), attending to that block
   alone; its logits are dropped.
-- the context to the next of `context_buckets` (in blocks). Each row's block table is padded with
+- the context to the next of `context_buckets` (in blocks, at most a quarter more than the
+  longest context). Each row's block table is padded with
   the scratch block, and a mask hides every key past the row's context.
 
 Graphs are captured on the first step of their bucket and share one memory pool: they never run
@@ -41,11 +42,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
 def context_buckets(max_blocks: int) -> list[int]:
-    """Context widths in blocks: 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and one and a half
-    times them, so padding reads at most half as much again as the context), ending at `max_blocks`."""
-    out, power = [], 1
+    """Context widths in blocks: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ... (each power of two
+    and 1¼, 1½, 1¾ times it, so padding reads at most a quarter more than the context), ending at
+    `max_blocks`. Graphs are captured only for the widths that steps use."""
+    out, power = set(), 1
     while power < max_blocks:
-        out += [power] if power < 2 else [power, power * 3 // 2]
+        out |= {power * k // 4 for k in (4, 5, 6, 7)}
         power *= 2
     return sorted({b for b in out if b < max_blocks} | {max_blocks})
 

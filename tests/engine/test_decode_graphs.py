@@ -14,14 +14,14 @@ from services.settings import WorkerSettings
 from services.worker.instance import engine_config
 
 
-def test_context_buckets_pad_by_at_most_half_and_end_at_the_longest_context():
+def test_context_buckets_pad_by_at_most_a_quarter_and_end_at_the_longest_context():
     assert context_buckets(1) == [1]
-    assert context_buckets(10) == [1, 2, 3, 4, 6, 8, 10]
+    assert context_buckets(11) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
     widths = context_buckets(256)
-    assert widths[-1] == 256 and widths == sorted(set(widths))
+    assert widths[-1] == 256 and widths == sorted(set(widths)) and len(widths) == 28
     for blocks in range(1, 257):
         width = bucket(blocks, widths)
-        assert blocks <= width <= max(2, blocks * 3 // 2 + 1), blocks
+        assert blocks <= width <= blocks * 5 // 4 + 1, blocks
     assert bucket(257, widths) is None
     assert bucket(5, BATCH_BUCKETS) == 8 and bucket(65, BATCH_BUCKETS) is None
 

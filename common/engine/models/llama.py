@@ -30,11 +30,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the weight dtype, as the reference implementation does.
-        # torch's rms_norm: on CPU the same numbers as x * rsqrt(mean(x²) + eps), to the bit; on CUDA
-        # one fused kernel where those four ops were four.
-        dtype = x.dtype
-        x = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * x.to(dtype)
+        # torch's rms_norm: in float32 the same numbers as x * rsqrt(mean(x²) + eps), to the bit; on
+        # CUDA one fused kernel where those were four.
+        if x.dtype != torch.float32:
+            # bf16/fp16 (the GPU's dtypes): one kernel, computing in float32 inside, where HF's recipe
+            # (upcast, normalise, round, scale) takes four; the last rounding moves, nothing more.
+            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * nn.functional.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 @dataclass(frozen=True)
