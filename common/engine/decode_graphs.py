@@ -17,7 +17,8 @@ A graph's shapes are fixed, so a step is padded to a bucket:
 
 Graphs are captured on the first step of their bucket and share one memory pool: they never run
 at once. A step that holds prefill work, or is longer or wider than the largest bucket, runs
-eagerly as before.
+eagerly as before. A capture that fails (an op this device, driver or torch cannot capture) is
+logged once and counted; from then on new buckets run uncaptured, so the request goes on.
 
 `DecodeGraphs(capture=False)` runs the same padded step without capturing it, on any device.
 That is how the CPU tests check its semantics — every family's greedy output token-identical to
@@ -27,6 +28,7 @@ padding fault.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +39,8 @@ from common.engine.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from common.engine.models import VisionLanguageModel
+
+log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -88,6 +92,7 @@ class DecodeGraphs:
         self.steps: dict[tuple[int, int], _Step] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.runs = 0  # steps run through a bucket, since start
+        self.capture_failures = 0
 
     def fits(self, batch: int, max_blocks: int) -> bool:
         return bucket(batch, self.batches) is not None and bucket(max_blocks, self.widths) is not None
@@ -128,7 +133,14 @@ class DecodeGraphs:
             context=torch.ones(batch, dtype=torch.long, device=dev),
         )
         if self.capture:
-            self._capture(step)
+            try:
+                self._capture(step)
+            except RuntimeError as exc:
+                log.warning(
+                    "capturing the decode step of bucket %s failed; new buckets run uncaptured: %s",
+                    (batch, width), exc,
+                )  # fmt: skip
+                self.capture, self.capture_failures, step.graph = False, self.capture_failures + 1, None
         self.steps[batch, width] = step
         return step
 

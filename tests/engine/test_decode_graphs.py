@@ -87,3 +87,25 @@ def test_steps_past_the_largest_bucket_run_eagerly(make_engine):
     assert got[0] == got[1]
     # The three ran together (eagerly) until the batch shrank; nothing ever ran in a bucket of 3+.
     assert all(batch <= 2 for batch, _ in padded.runner.graphs.steps)
+
+
+def test_a_failed_capture_leaves_decode_running_uncaptured(make_engine, monkeypatch, caplog):
+    """A device that cannot capture the step: the failure is logged and counted once, that bucket
+    and every later one run uncaptured, and the answers are the eager path's."""
+    engine = make_engine(decode_graphs="eager")
+    graphs = engine.runner.graphs
+    graphs.capture = True  # as on CUDA, with a capture that fails
+
+    def fail(step) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", fail)
+    plain = make_engine(decode_graphs="off")
+    got = []
+    for e in (engine, plain):
+        prompts = [e.chat_prompt(f"Question {i}: and then?", 0) for i in range(3)]
+        got.append([c.token_ids for c in e.generate(prompts, [[]] * 3, SamplingParams(max_tokens=24))])
+    assert got[0] == got[1]
+    assert graphs.capture_failures == 1 and not graphs.capture and len(graphs.steps) > 1
+    assert all(step.graph is None for step in graphs.steps.values())
+    assert "new buckets run uncaptured" in caplog.text
