@@ -47,6 +47,8 @@ class EngineStats:
     cached_blocks: int = 0  # KV blocks findable by their prefix key now
     prefix_evictions: int = 0  # cached blocks given up to an allocation, since start
     images_encoded: int = 0  # images the vision tower ran on, since start (feature-cache hits are not)
+    decode_bucket_steps: int = 0  # decode steps run padded to a bucket (replayed graphs on CUDA)
+    graph_capture_failures: int = 0  # buckets whose CUDA graph could not be captured
 
     def load(self) -> Load:
         """What a stage's pull rule reads (common/engine/admission.py)."""
@@ -74,6 +76,8 @@ class EngineStats:
             cached_blocks=e.blocks.num_cached,
             prefix_evictions=e.blocks.evictions,
             images_encoded=e.runner.images_encoded,
+            decode_bucket_steps=e.runner.graphs.runs if e.runner.graphs else 0,
+            graph_capture_failures=e.runner.graphs.capture_failures if e.runner.graphs else 0,
         )
 
 

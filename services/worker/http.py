@@ -54,6 +54,16 @@ class WorkerCollector:
             ),
             ("prefix_hit_tokens", stats.prefix_hit_tokens, "Prompt tokens found in the prefix cache"),
             ("prefix_evictions", stats.prefix_evictions, "Cached KV blocks given up to an allocation"),
+            (
+                "decode_bucket_steps",
+                stats.decode_bucket_steps,
+                "Decode steps run padded to a bucket (replayed from CUDA graphs on a GPU)",
+            ),
+            (
+                "graph_capture_failures",
+                stats.graph_capture_failures,
+                "Decode buckets whose CUDA graph could not be captured (they run uncaptured)",
+            ),
         ]:
             metric = CounterMetricFamily(f"trident_{name}", doc, labels=labels)
             metric.add_metric(values, value)

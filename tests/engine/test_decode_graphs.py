@@ -109,3 +109,14 @@ def test_a_failed_capture_leaves_decode_running_uncaptured(make_engine, monkeypa
     assert graphs.capture_failures == 1 and not graphs.capture and len(graphs.steps) > 1
     assert all(step.graph is None for step in graphs.steps.values())
     assert "new buckets run uncaptured" in caplog.text
+
+
+def test_worker_stats_count_bucket_steps_and_capture_failures(make_engine):
+    from services.worker.engine_loop import EngineStats
+
+    assert EngineStats.of(make_engine()).decode_bucket_steps == 0  # no graphs on the CPU by default
+    engine = make_engine(decode_graphs="eager")
+    engine.generate([engine.chat_prompt("Hi", 0)], [[]], SamplingParams(max_tokens=5))
+    stats = EngineStats.of(engine)
+    assert stats.decode_bucket_steps == engine.runner.graphs.runs == 4  # 5 tokens: 1 prefilled
+    assert stats.graph_capture_failures == 0
