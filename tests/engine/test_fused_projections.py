@@ -13,10 +13,13 @@ from tests.engine.conftest import engines, make_image
 PRESETS = ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.fixture(scope="module", params=PRESETS)
+def model_dir(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("fused") / request.param, request.param, seed=0)
+
+
 @pytest.mark.parametrize("decode_graphs", ["off", "eager"])
-def test_fused_projections_give_the_unfused_tokens(tmp_path_factory, preset, decode_graphs):
-    model_dir = write_checkpoint(tmp_path_factory.mktemp("fused") / preset, preset, seed=0)
+def test_fused_projections_give_the_unfused_tokens(model_dir, decode_graphs):
     with engines(model_dir) as build:
         # No prefix cache: the second pass computes every token again. Chunks cut through images.
         engine = build(token_budget=48, decode_graphs=decode_graphs, prefix_caching=False)
