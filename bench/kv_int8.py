@@ -124,12 +124,10 @@ def measure(preset: str, prompts: int, max_tokens: int, compare: str = "int8", g
         if way != "forced":
             with torch.inference_mode():
                 logits[way] = first_logits(decoder, ids)
-        whole = (
-            {r.request_id: r.output_token_ids[:1] + answers["native"][r.request_id] for r in reqs}
-            if answers
-            else None
-        )
-        answers[way] = decode(decoder, ids, forced=whole if way == "forced" else None)
+        forced = None
+        if way == "forced":  # along the native answer: the prefill's token, then the decoded ones
+            forced = {r.request_id: r.output_token_ids[:1] + answers["native"][r.request_id] for r in reqs}
+        answers[way] = decode(decoder, ids, forced)
     positions = prompts * (max_tokens - 1)  # the decoded ones; the prefill's first token is shared
     native, free = answers["native"], answers["free"]
     assert all(len(native[i]) == max_tokens - 1 for i in ids)
