@@ -53,8 +53,7 @@ from common.engine.config import EngineConfig
 from common.engine.decode_graphs import DecodeGraphs
 from common.engine.engine import Engine
 from common.engine.kv_cache import layer_groups
-from common.engine.profiler import BudgetProfiler
-from common.engine.request import Request
+from common.engine.profiler import BudgetProfiler, synthetic_request
 from common.engine.sampling import SamplingParams
 from common.models import resolve_model
 
@@ -220,10 +219,7 @@ def decode_kernels(engine: Engine, top: int = 8) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.device.type == "cuda"
-    vocab = engine.model.config.text_config.vocab_size
-    req = Request("gpu-check-kernels", torch.randint(0, vocab, (CONTEXT,)).tolist(), SamplingParams())
-    req.output_token_ids = [1]
-    req.num_computed_tokens = CONTEXT
+    req = synthetic_request(engine, "gpu-check-kernels", CONTEXT, 1)
     if engine.blocks.allocate(req.request_id, CONTEXT + 1) is None:
         return {"ok": False, "error": f"no room for {CONTEXT + 1} tokens of KV"}
     configured = engine.runner.graphs

@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from common.engine.request import ImageInput, Request
 from common.engine.sampling import SamplingParams
 from common.protocol import records
 from common.roles import Role
+
+if TYPE_CHECKING:
+    from common.engine.engine import Engine
 
 ALPHA = 0.5
 # Budgets are searched against this share of the latency limit. The profile keeps the least time
@@ -267,7 +271,7 @@ class BudgetProfiler:
             return self.curves["prefill"][tokens]
         num_seqs = max(seqs, -(-tokens // self.engine.max_model_len))
         lengths = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
-        reqs = [self._fake_request(f"profile-prefill-{i}", n, 0) for i, n in enumerate(lengths)]
+        reqs = [synthetic_request(self.engine, f"profile-prefill-{i}", n, 0) for i, n in enumerate(lengths)]
         chunks = list(zip(reqs, lengths, strict=True))
         seconds = self._with_blocks("prefill", chunks, lambda: self.engine.runner.forward(chunks, []))
         if math.isfinite(seconds) and seqs == 1:
@@ -284,17 +288,9 @@ class BudgetProfiler:
         return seconds
 
     def _time_decode(self, batch: int, context: int, repeats: int) -> float:
-        reqs = [self._fake_request(f"profile-decode-{i}", context, 1) for i in range(batch)]
+        reqs = [synthetic_request(self.engine, f"profile-decode-{i}", context, 1) for i in range(batch)]
         held = [(r, context + 1) for r in reqs]
         return self._with_blocks("decode", held, lambda: self.engine.runner.forward([], reqs), repeats)
-
-    def _fake_request(self, rid: str, prompt_len: int, outputs: int) -> Request:
-        vocab = self.engine.model.config.text_config.vocab_size
-        ids = torch.randint(0, vocab, (prompt_len + outputs,)).tolist()
-        req = Request(rid, ids[:prompt_len], SamplingParams())
-        req.output_token_ids = ids[prompt_len:]
-        req.num_computed_tokens = prompt_len + outputs - 1 if outputs else 0
-        return req
 
     def _with_blocks(
         self,
@@ -339,3 +335,15 @@ class BudgetProfiler:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def synthetic_request(engine: Engine, rid: str, prompt_len: int, outputs: int) -> Request:
+    """A text request of random tokens, as a step sees it: with `outputs` 0, a prompt of
+    `prompt_len` to prefill; else that prompt and `outputs` generated tokens, all computed but the
+    last (its next step is a decode at position prompt_len + outputs - 1)."""
+    vocab = engine.model.config.text_config.vocab_size
+    ids = torch.randint(0, vocab, (prompt_len + outputs,)).tolist()
+    req = Request(rid, ids[:prompt_len], SamplingParams())
+    req.output_token_ids = ids[prompt_len:]
+    req.num_computed_tokens = prompt_len + outputs - 1 if outputs else 0
+    return req
