@@ -21,7 +21,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,9 +30,6 @@ from common.engine.request import ImageInput, Request
 from common.engine.sampling import SamplingParams
 from common.protocol import records
 from common.roles import Role
-
-if TYPE_CHECKING:
-    from common.engine.engine import Engine
 
 ALPHA = 0.5
 # Budgets are searched against this share of the latency limit. The profile keeps the least time
@@ -337,7 +333,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def synthetic_request(engine: Engine, rid: str, prompt_len: int, outputs: int) -> Request:
+def synthetic_request(engine, rid: str, prompt_len: int, outputs: int) -> Request:
     """A text request of random tokens, as a step sees it: with `outputs` 0, a prompt of
     `prompt_len` to prefill; else that prompt and `outputs` generated tokens, all computed but the
     last (its next step is a decode at position prompt_len + outputs - 1)."""
