@@ -4,6 +4,10 @@ pull result, and the small request/reply headers of the pull protocol.
 Pull by handle: the owner `publish()`es a tensor and advertises (address, handle); a receiver
 `pull()`s it: it sends a request, the owner replies with a header (shape, dtype or an error) and
 then the bytes. The owner keeps a published tensor until `release()` or its TTL.
+
+A handle can also be `reserve()`d before its tensor exists and `fill()`ed later, from any thread (a
+prefill instance streams KV this way: each group of layers as the forward finishes it). A pull of a
+reserved handle waits at the owner until it is filled, or answers "not found" once it is released.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import hmac
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -48,10 +53,18 @@ class TransferConfig:
 
 @dataclass
 class _Entry:
-    tensor: torch.Tensor  # contiguous, CPU
-    bytes_view: torch.Tensor  # the same memory as uint8 [nbytes]
+    tensor: torch.Tensor | None  # contiguous, CPU; None while reserved, not yet filled
+    bytes_view: torch.Tensor | None  # the same memory as uint8 [nbytes]
     expires: float | None
     sliding: float | None = None  # each serve extends `expires` to now + this (a hot tensor stays)
+    waiters: list[Callable[[], None]] | None = None  # pulls of a reserved entry, woken when it is filled
+
+    @property
+    def ready(self) -> bool:
+        return self.tensor is not None
+
+
+WAITING = _Entry(None, None, None)  # `HandleTable.serve`: the entry is reserved; the pull is woken later
 
 
 class HandleTable:
@@ -63,10 +76,7 @@ class HandleTable:
         self._lock = threading.Lock()
 
     def put(self, tensor: torch.Tensor, handle: str | None, ttl: float | None, sliding: bool = False) -> str:
-        if tensor.device.type != "cpu":
-            tensor = tensor.to("cpu")  # CPU-only transports; a CUDA-aware UCX could send device memory
-        tensor = tensor.detach().contiguous()
-        dtype_name(tensor.dtype)  # refuse dtypes that cannot travel, at publish time
+        tensor = _servable(tensor)
         handle = handle or uuid.uuid4().hex
         expires = time.monotonic() + ttl if ttl else None
         entry = _Entry(tensor, as_bytes(tensor), expires, ttl if sliding and ttl else None)
@@ -76,16 +86,44 @@ class HandleTable:
                 heapq.heappush(self._expiry, (expires, handle))
         return handle
 
+    def reserve(self) -> str:
+        """A handle whose tensor comes later (`fill`); held, with no TTL, until filled and released."""
+        handle = uuid.uuid4().hex
+        with self._lock:
+            self._entries[handle] = _Entry(None, None, None, waiters=[])
+        return handle
+
+    def fill(self, handle: str, tensor: torch.Tensor) -> bool:
+        """Give a reserved handle its tensor and wake the pulls waiting for it. False (and nothing
+        kept) when the handle was released meanwhile, or is not a reserved one."""
+        tensor = _servable(tensor)
+        with self._lock:
+            entry = self._entries.get(handle)
+            if entry is None or entry.ready:
+                return False
+            entry.tensor, entry.bytes_view = tensor, as_bytes(tensor)
+            waiters, entry.waiters = entry.waiters or [], None
+        for wake in waiters:
+            wake()
+        return True
+
     def get(self, handle: str) -> _Entry | None:
         with self._lock:
             self._expire_locked()
             return self._entries.get(handle)
 
-    def serve(self, handle: str) -> _Entry | None:
-        """The entry a pull asked for; a sliding one lives `ttl` on from now."""
+    def serve(self, handle: str, wake: Callable[[], None] | None = None) -> _Entry | None:
+        """The entry a pull asked for; a sliding one lives `ttl` on from now. A reserved one, with
+        `wake`: WAITING, and `wake()` is called (from the filling or releasing thread) once it is
+        filled or released, to serve the pull then; without `wake`: None, as if not held."""
         with self._lock:
             self._expire_locked()
             entry = self._entries.get(handle)
+            if entry is not None and not entry.ready:
+                if wake is None:
+                    return None
+                entry.waiters.append(wake)
+                return WAITING
             if entry is not None and entry.sliding is not None:
                 entry.expires = time.monotonic() + entry.sliding
                 heapq.heappush(self._expiry, (entry.expires, handle))
@@ -96,7 +134,10 @@ class HandleTable:
 
     def pop(self, handle: str) -> bool:
         with self._lock:
-            return self._entries.pop(handle, None) is not None
+            entry = self._entries.pop(handle, None)
+        for wake in (entry.waiters or []) if entry is not None else []:
+            wake()  # a pull waiting for it is answered "not found"
+        return entry is not None
 
     def __len__(self) -> int:
         with self._lock:
@@ -164,19 +205,32 @@ class TransferBackend(abc.ABC):
         `sliding`: `ttl` from its last pull instead of from now."""
         return self.handles.put(tensor, handle, ttl, sliding)
 
+    def reserve(self) -> str:
+        """A handle to advertise now and `fill` later (from any thread); pulls wait for the fill."""
+        return self.handles.reserve()
+
+    def fill(self, handle: str, tensor: torch.Tensor) -> bool:
+        """Serve `tensor` under a reserved handle; False when it was released meanwhile."""
+        return self.handles.fill(handle, tensor)
+
     def release(self, handle: str) -> bool:
         """Stop serving a handle; a transfer already under way finishes. False if it was not held."""
         return self.handles.pop(handle)
 
-    def answer(self, request: dict) -> tuple[bytes, _Entry | None]:
+    def answer(
+        self, request: dict, wake: Callable[[], None] | None = None
+    ) -> tuple[bytes, _Entry | None] | None:
         """The owner's reply header to a pull request, and the entry whose bytes follow it (None:
-        nothing follows). A puller without the deployment's secret is refused whatever it asks."""
+        nothing follows). A puller without the deployment's secret is refused whatever it asks.
+        A reserved handle, with `wake`: None, and `wake()` is called when asking again will answer."""
         if self.config.secret and not hmac.compare_digest(
             str(request.get("k", "")).encode(), self.config.secret.encode()
         ):
             return pack_refusal(), None
         handle = str(request.get("h", ""))
-        entry = self.handles.serve(handle)
+        entry = self.handles.serve(handle, wake)
+        if entry is WAITING:
+            return None
         header, has_data = pack_reply(entry, handle, int(request.get("n", -1)))
         return header, entry if has_data else None
 
@@ -260,6 +314,14 @@ def check_out(out: torch.Tensor, nbytes: int) -> None:
     have = out.numel() * out.element_size()
     if have != nbytes:
         raise SizeMismatch(f"the destination holds {have} bytes; the tensor has {nbytes}")
+
+
+def _servable(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")  # CPU-only transports; a CUDA-aware UCX could send device memory
+    tensor = tensor.detach().contiguous()
+    dtype_name(tensor.dtype)  # refuse dtypes that cannot travel, at publish time
+    return tensor
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -227,6 +227,17 @@ class TcpBackend(TransferBackend):
         return await self._client.pull(address, handle, out, timeout or self.config.timeout)
 
     # -- server ----------------------------------------------------------------------------------------
+    async def _answer_when_ready(self, request: dict):
+        """`answer`, waiting while the handle is reserved and not yet filled. The puller's deadline
+        bounds the wait: a puller that gave up closes the connection, and the reply then fails."""
+        loop = asyncio.get_running_loop()
+        while True:
+            woken = loop.create_future()
+            reply = self.answer(request, lambda w=woken: loop.call_soon_threadsafe(_wake, w))
+            if reply is not None:
+                return reply
+            await woken
+
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
@@ -257,10 +268,15 @@ class TcpBackend(TransferBackend):
                     raw = bytearray(length)
                     if await _recv_exact(loop, conn, memoryview(raw)) < length:
                         return
-                    header, entry = self.answer(unpack(raw))
+                    header, entry = await self._answer_when_ready(unpack(raw))
                     await loop.sock_sendall(conn, _LEN.pack(len(header)) + header)
                     if entry is not None and entry.bytes_view.numel():
                         await loop.sock_sendall(conn, memoryview(entry.bytes_view.numpy()))
                 except (OSError, TransferError) as exc:
                     log.debug("transfer client went away: %r", exc)
                     return
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

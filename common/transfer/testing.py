@@ -78,9 +78,21 @@ class OwnerProcess:
         self.address, self.handles = parent.recv()
 
     def release(self, handle: str) -> bool:
+        return bool(self._ask("release", handle))
+
+    def reserve(self) -> str:
+        """A handle the owner advertises before it has the tensor (`fill` gives it one)."""
+        return str(self._ask("reserve", ""))
+
+    def fill(self, handle: str, spec: TensorSpec) -> bool:
+        """Fill a reserved handle with `spec`'s tensor, from a thread other than the serving loop's,
+        as a prefill engine's thread fills streamed KV."""
+        return bool(self._ask("fill", (handle, spec)))
+
+    def _ask(self, op: str, arg: object) -> object:
         assert self._conn is not None
-        self._conn.send(("release", handle))
-        return bool(self._conn.recv())
+        self._conn.send((op, arg))
+        return self._conn.recv()
 
     @property
     def pid(self) -> int | None:
@@ -141,6 +153,12 @@ async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -
                 return
             if op == "release":
                 await asyncio.to_thread(conn.send, backend.release(arg))
+            elif op == "reserve":
+                await asyncio.to_thread(conn.send, backend.reserve())
+            elif op == "fill":
+                handle, spec = arg
+                filled = await asyncio.to_thread(backend.fill, handle, make_tensor(spec))
+                await asyncio.to_thread(conn.send, filled)
     except EOFError:
         return  # the parent went away
     finally:

@@ -231,7 +231,10 @@ class UcxBackend(TransferBackend):
         except Exception as exc:
             log.debug("cannot reach a puller: %r", exc)
             return
-        header, entry = self.answer(message)
+        reply = self.answer(message, lambda: self._thread.call(lambda: self._serve(message)))
+        if reply is None:
+            return  # reserved, not yet filled: served again when it is
+        header, entry = reply
         sends = [frame(header)]
         if entry is not None and entry.bytes_view.numel():
             # The tensor stays referenced until its send completes, even if released meanwhile.
