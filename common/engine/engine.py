@@ -22,6 +22,7 @@ from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.feature_cache import FeatureCache
 from common.engine.governor import BudgetGovernor, budget_share
 from common.engine.kv_cache import KVCache, KVSpec, layer_groups, num_blocks_for
+from common.engine.kv_stream import KvSink, KvStreamer
 from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ModelRunner
@@ -84,6 +85,7 @@ class Engine:
             self.scheduler.image_unit = ref.num_tokens  # τe counts what an image costs: its tokens
         self.governor: BudgetGovernor | None = None  # set when a profile is applied
         self.on_step: Callable[[Batch, float], None] | None = None  # each step's batch and seconds
+        self.streamer: KvStreamer | None = None  # KV exported during the last prefill step (stream_kv)
         self.runner = ModelRunner(
             self.model, self.cache, self.blocks.table, self.features, self.device, self._decode_graphs()
         )
@@ -214,7 +216,13 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return outputs
-        result = self.runner.run(batch)
+        if self.streamer is not None:
+            self.streamer.prepare(self._prefills_leaving(batch))
+        try:
+            result = self.runner.run(batch)
+        finally:
+            if self.streamer is not None:
+                self.streamer.end()
         self._advance(batch)
         if result.sampled:
             params = [r.params for r in result.sampled]
@@ -228,6 +236,22 @@ class Engine:
         if self.on_step is not None:
             self.on_step(batch, seconds)
         return outputs
+
+    def stream_kv(self, sink: KvSink | None, group_size: int) -> None:
+        """Export the KV of each request that leaves for decode elsewhere while its last prefill
+        step runs, a group of `group_size` layers at a time, into `sink` (kv_stream.py); None: stop."""
+        if self.streamer is not None:
+            self.streamer.remove()
+            self.streamer = None
+        if sink is not None and self.cache is not None:
+            layers = self.model.language_model.layers
+            self.streamer = KvStreamer(layers, self.cache, self.blocks.table, group_size, sink)
+
+    def _prefills_leaving(self, batch: Batch) -> list[Request]:
+        """The requests whose prompt this step finishes and whose decode runs elsewhere."""
+        if Role.DECODE in self.config.roles:
+            return []
+        return [r for r, n in batch.prefills if r.num_computed_tokens + n == r.num_tokens]
 
     def _govern(self, batch: Batch, seconds: float) -> None:
         """Tell the governor how long this step took for the share of the budgets it used."""
