@@ -10,7 +10,10 @@
    one instance runs every stage and the batcher has the most to decide.
 2. Transfer (seed 002 Table 2), on the same workload: E+P+D as shipped, without feature prefetch
    (TRIDENT_PREFETCH=0: a prefill instance pulls an image's features only when it would run the
-   request), and with the KV cache sent as one transfer instead of groups of layers.
+   request), with the KV cache sent as one transfer instead of groups of layers, and with the KV
+   exported after the prefill step instead of streamed while it runs (TRIDENT_KV_STREAM=0).
+3. Overlap (seed 002 §3.3), with `--overlap LENGTHS` instead of the tables above: the share of the
+   P→D transfer hidden behind the prefill, by prompt length (trident/bench/kv_overlap.py says how).
 
 Every system runs alone on the machine, one after another, under the same requests
 (`trident bench compare` machinery); E+P+D as shipped is run once and appears in both tables. The
@@ -22,12 +25,15 @@ that sized them. The last line is one JSON object: each table's goodputs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from pathlib import Path
 
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.stats import SLO
+from trident.bench import kv_overlap
 from trident.bench.compare import PLANNER, Comparison, System, compare, table
+from trident.bench.machine import single_thread_gflops
 from trident.bench.sweep import LoadSpec, parse_rates
 from trident.cli.bench_serve import progress_reporter
 
@@ -36,7 +42,7 @@ ONE_TRANSFER = "1000000"  # layers per KV transfer: more than any model has, so 
 
 BATCHING = ["e+p+d", PLANNER, "e+p+d prefill-first", "e+p+d decode-first"]
 BATCHING_EPD = ["epd", "epd prefill-first", "epd decode-first"]
-TRANSFER = ["e+p+d", "e+p+d no prefetch", "e+p+d one KV transfer"]
+TRANSFER = ["e+p+d", "e+p+d no prefetch", "e+p+d one KV transfer", "e+p+d KV after prefill"]
 
 
 def epd_capped(cap: int) -> System:
@@ -52,6 +58,7 @@ def systems(with_epd: bool, epd_token_cap: int | None = None) -> list[System]:
         System("e+p+d decode-first", method="e+p+d", env={"TRIDENT_POLICY": "decode-first"}),
         System("e+p+d no prefetch", method="e+p+d", env={"TRIDENT_PREFETCH": "0"}),
         System("e+p+d one KV transfer", method="e+p+d", env={"TRIDENT_KV_LAYER_GROUP": ONE_TRANSFER}),
+        System("e+p+d KV after prefill", method="e+p+d", env={"TRIDENT_KV_STREAM": "0"}),
     ]
     if with_epd:
         chosen += [
@@ -89,11 +96,26 @@ def main() -> None:
         "--only", help="comma-separated system names to run (e.g. the EPD rows, added to an earlier run)"
     )
     ap.add_argument("--out", type=Path, default=Path(".trident/ablations"))
+    ap.add_argument(
+        "--overlap",
+        metavar="LENGTHS",
+        help="only the overlap table, at these prompt lengths (e.g. 128,512,2000)",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="with --overlap: runs per length")
     args = ap.parse_args()
 
     model = args.model or Path(".trident/models") / args.preset
     if args.model is None and not is_checkpoint_dir(model):
         write_checkpoint(model, args.preset, seed=0)
+    if args.overlap:
+        lengths = [int(x) for x in args.overlap.split(",")]
+        rate = single_thread_gflops()
+        rows = asyncio.run(
+            kv_overlap.measure(model, lengths, args.repeats, group=4, wire="native", backend="auto")
+        )
+        print(f"## overlap\n\n{kv_overlap.table(rows)}", flush=True)
+        print(json.dumps({"matmul_gflops": round(rate, 1), "overlap": rows}))
+        return
     slo = SLO(args.ttft_slo, args.tbt_slo)
     load = LoadSpec(
         rates=parse_rates(None, args.sweep),

@@ -46,7 +46,7 @@ INTERVALS = [
     ("ep_transfer", "ep_transfer_started", "ep_transfer_ended"),
     ("prefill_queue", "prefill_queued", "prefill_started"),
     ("prefill_exec", "prefill_started", "prefill_ended"),
-    ("pd_transfer", "pd_transfer_started", "pd_transfer_ended"),
+    ("pd_transfer", ("pd_transfer_started", "prefill_ended"), "pd_transfer_ended"),  # the exposed part
     ("decode", "pd_transfer_ended", "end"),
 ]
 
@@ -95,7 +95,12 @@ def breakdown(stages: list[dict[str, float]]) -> dict[str, float]:
     """p50 of each interval in ms, over the requests that passed through it."""
     out = {}
     for name, a, b in INTERVALS:
-        values = [(s[b] - s[a]) * 1000 for s in stages if a in s and b in s]
+        starts = (a,) if isinstance(a, str) else a  # several: the latest (KV pulled while it streamed)
+        values = [
+            (s[b] - max(s[k] for k in starts)) * 1000
+            for s in stages
+            if b in s and all(k in s for k in starts)
+        ]
         if values:
             out[name] = round(statistics.median(values), 3)
     return out

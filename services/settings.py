@@ -144,6 +144,12 @@ class WorkerSettings(ServiceSettings):
         "values with a float32 scale per layer, block and head: about half a bfloat16 cache's bytes, a "
         "quarter of a float32 one's; decoders of either setting read both)",
     )
+    kv_stream: bool = Field(
+        True,
+        description="A prefill instance streams each group of layers' KV as its last prefill step computes "
+        "it, and queues the decode task as that step starts, so decode pulls while prefill runs (002 "
+        "§3.3); off: KV is exported after the step. KV small enough to ride in the task never streams",
+    )
     prefetch: bool = Field(
         True,
         description="Fetch a prefill task's image features as soon as it arrives (002 §3.2); "

@@ -28,8 +28,15 @@ QUANTILE = 10  # percent: the unloaded cost of an interval that queueing can onl
 MIN_SAMPLES = 5
 
 
-def _interval(records: Sequence, start: str, end: str, quantile: float) -> float | None:
-    values = [r.stages[end] - r.stages[start] for r in records if start in r.stages and end in r.stages]
+def _interval(records: Sequence, start: str | tuple[str, ...], end: str, quantile: float) -> float | None:
+    """A quantile of `end - start` over the records that have both; a tuple `start` is the latest
+    of its marks (a P→D pull that began while its KV still streamed is exposed from the prefill's end)."""
+    starts = (start,) if isinstance(start, str) else start
+    values = [
+        r.stages[end] - max(r.stages[s] for s in starts)
+        for r in records
+        if end in r.stages and all(s in r.stages for s in starts)
+    ]
     values = [v for v in values if v >= 0]
     return quantile_of(values, quantile) if len(values) >= MIN_SAMPLES else None
 
@@ -77,7 +84,7 @@ def transfer_model(
         p
         for p in (
             _interval(records, "ep_transfer_started", "ep_transfer_ended", quantile),
-            _interval(records, "pd_transfer_started", "pd_transfer_ended", quantile),
+            _interval(records, ("pd_transfer_started", "prefill_ended"), "pd_transfer_ended", quantile),
         )
         if p is not None
     ]

@@ -124,6 +124,16 @@ class KvLocation(Record):
     # "native": each group's buffer in `dtype`; "int8": int8 values and per-block, per-head scales
     # (common/engine/kv_quant.py), turned back into `dtype` by the decoder.
     wire: Literal["native", "int8"] = "native"
+    # Set when the KV streams while the prefill still runs (services/prefill/kv_stream.py): the
+    # handle of the prefill's outcome, int64 [ended at prefill (0 | 1), *output token ids], served
+    # once its step is over. The groups' handles are served as the forward finishes each.
+    tail: str = ""
+
+    def tail_ref(self, num_outputs: int) -> TensorRef:
+        """The outcome's reference, for a request that comes with `num_outputs` tokens (one more
+        is made in the prefill)."""
+        return TensorRef(owner=self.owner, address=self.address, handle=self.tail,
+                         shape=(num_outputs + 2,), dtype="int64")  # fmt: skip
 
     def refs(self) -> list[TensorRef]:
         """One pullable reference per layer group, in layer order, as the buffer travels."""
@@ -149,15 +159,16 @@ class DecodeTask(StageTask):
     """
 
     KIND: ClassVar[str] = "task.decode"
-    VERSION: ClassVar[int] = 4  # v1 spread the request's fields over the task itself; v4: cached_tokens
+    # v1 spread the request's fields over the task itself; v4: cached_tokens; v5: kv.tail (streamed KV)
+    VERSION: ClassVar[int] = 5
     ROLE: ClassVar[Role] = Role.DECODE
     kv: KvLocation
     cached_tokens: int = Field(0, ge=0)  # of the prompt's, the prefill found in its prefix cache
 
     @model_validator(mode="after")
     def _prefilled(self) -> DecodeTask:
-        if not self.request.output_token_ids:
-            raise ValueError("a decode task's request needs its first output token")
+        if not self.request.output_token_ids and not self.kv.tail:
+            raise ValueError("a decode task's request needs its first output token (or its KV streamed)")
         if any(isinstance(img.pixels, InlineTensor) for img in self.request.images):
             raise ValueError("a decode task carries pixels only by reference, never inline")
         return self

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
+
 from common.bus import Task
 from common.engine import AdmissionError, kv_quant
 from common.engine.admission import check_fits, decode_room
@@ -57,9 +59,10 @@ class DecodeHandler(StageHandler):
             return
         if task.redelivered:
             # The decoder that had it may have died mid-generation: the KV this task points to
-            # covers only the tokens before the task, and the client has seen more. Resume from those.
+            # covers only the tokens before the task (and the first token, when it streamed), and
+            # the client has seen more. Resume from those.
             streamed = await ctx.streamed(rid, spec.output_token_ids)
-            if len(streamed) > len(spec.output_token_ids):
+            if len(streamed) > len(spec.output_token_ids) + bool(msg.kv.tail):
                 await self._release_at_owner(msg)
                 await self._back_to_prefill(held, streamed)
                 return
@@ -71,10 +74,8 @@ class DecodeHandler(StageHandler):
             ctx.ledger.check_live(held)
         ctx.ledger.mark(held, Stage.PD_TRANSFER_STARTED, decode_instance=ctx.instance_id)
         ctx.metrics.taken(self.role, task.stored, at=held.marks[Stage.PD_TRANSFER_STARTED])
-        buffers, refs = [], iter(msg.kv.refs())
         try:
-            for group in msg.kv.groups:  # one transfer per group of layers (002 §3.3)
-                buffers.append(group.inline.to_tensor() if group.inline else await ctx.pull(held, next(refs)))
+            buffers, outcome = await self._pull_kv(held, msg)
         except TransferError as exc:
             # The prefill instance is gone or dropped the KV (or released it to a decoder that
             # died): prefill the request again over its prompt and the tokens the client has seen.
@@ -88,6 +89,14 @@ class DecodeHandler(StageHandler):
         seconds = held.marks[Stage.PD_TRANSFER_ENDED] - held.marks[Stage.PD_TRANSFER_STARTED]
         ctx.metrics.transferred("pd", seconds, sum(b.numel() * b.element_size() for b in buffers))
         outputs = list(spec.output_token_ids)
+        if outcome is not None:  # streamed: the prefill's outcome comes last
+            ended, outputs = bool(outcome[0]), outcome[1:].tolist()
+            if ended:  # its first token ended it; the prefill instance said so to the client
+                await self._release_at_owner(msg)
+                await ctx.ledger.settle(rid)
+                return
+            held.sent = list(outputs)
+            held.spec = spec = spec.model_copy(update={"output_token_ids": tuple(outputs)})
         try:
             if msg.kv.wire == "int8":  # back into the cache's dtype (kv_quant.py)
                 dtype = torch_dtype(msg.kv.dtype)
@@ -111,6 +120,19 @@ class DecodeHandler(StageHandler):
         await self._release_at_owner(msg)
         ctx.ledger.mark(held, Stage.DECODE_STARTED)
         ctx.counters.decodes_admitted += 1
+
+    async def _pull_kv(self, held: Held, msg: DecodeTask) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Every group's buffer, pulled all at once (002 §3.3), and for streamed KV the prefill's
+        outcome too (int64 [ended, *outputs]); the first failure raises once all have ended."""
+        ctx, kv = self.ctx, msg.kv
+        refs = kv.refs() + ([kv.tail_ref(len(msg.request.output_token_ids))] if kv.tail else [])
+        pulled = await asyncio.gather(*(ctx.pull(held, ref) for ref in refs), return_exceptions=True)
+        for result in pulled:
+            if isinstance(result, BaseException):
+                raise result
+        by_handle = iter(pulled)
+        buffers = [g.inline.to_tensor() if g.inline else next(by_handle) for g in kv.groups]
+        return buffers, next(by_handle) if kv.tail else None
 
     async def _release_at_owner(self, msg: DecodeTask) -> None:
         """Tell the prefill instance that holds the request's KV to free it."""

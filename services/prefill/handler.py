@@ -10,6 +10,7 @@ are gone too, the request fails with a retryable error.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 
@@ -25,6 +26,7 @@ from common.roles import Role
 from common.store import Stage
 from common.store.features import FEATURE_TTL
 from common.transfer import TransferError
+from services.prefill.kv_stream import StreamedKv, StreamSink
 from services.settings import WorkerSettings
 from services.worker.context import StageContext
 from services.worker.ledger import Held
@@ -49,18 +51,35 @@ class PrefillHandler(StageHandler):
         self.ctx.metrics.ran(self.role, held.marks, Stage.PREFILL_STARTED)
 
     def __init__(
-        self, ctx: StageContext, *, prefetch: bool = True, kv_layer_group: int = 4, kv_wire: str = "native"
-    ) -> None:
+        self, ctx: StageContext, *, prefetch: bool = True, kv_layer_group: int = 4, kv_wire: str = "native",
+        kv_stream: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__(ctx)
         self.prefetch = prefetch
         self.kv_layer_group = kv_layer_group
         self.kv_wire = kv_wire
+        self.kv_stream = kv_stream  # read by the sink at each request's last prefill step
+        engine = ctx.engine.engine
+        sink = StreamSink(self, ctx.engine, dtype_name(engine.kv_spec.dtype))
+        ctx.engine.post(lambda: engine.stream_kv(sink, kv_layer_group))
 
     @classmethod
     def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> PrefillHandler:
         return cls(
-            ctx, prefetch=settings.prefetch, kv_layer_group=settings.kv_layer_group, kv_wire=settings.kv_wire
-        )
+            ctx, prefetch=settings.prefetch, kv_layer_group=settings.kv_layer_group, kv_wire=settings.kv_wire,
+            kv_stream=settings.kv_stream,
+        )  # fmt: skip
+
+    def finished(self, held: Held) -> None:
+        """A request whose first token ended it here: a decoder that has its streamed KV learns so."""
+        if held.kv_stream is not None:
+            outputs = list(held.sent)
+
+            def serve(queued: asyncio.Task) -> None:
+                if not queued.cancelled() and queued.exception() is None and queued.result() is not None:
+                    queued.result().finish(True, outputs)
+
+            held.kv_stream.add_done_callback(serve)
 
     async def take(self, task: Task) -> None:
         ctx = self.ctx
@@ -87,9 +106,57 @@ class PrefillHandler(StageHandler):
         ctx.counters.prefills += 1
         await ctx.admit(held, pixels, features)
 
+    def announce(self, stream: StreamedKv) -> None:
+        """On the event loop, while the request's last prefill step runs: queue its decode task,
+        pointing at the KV the step is streaming (kv_stream.py)."""
+        held = self.ctx.ledger.get(stream.request_id)
+        if held is None or not self.ctx.ledger.live(held) or not held.holds_task:
+            stream.release()  # cancelled meanwhile: nobody will pull it
+            return
+        self.ctx.ledger.keep_kv(held, stream.all_handles, KV_TTL)  # from now a cancel releases them
+        held.kv_stream = asyncio.create_task(self._queue_streamed(held, stream))
+
+    async def _queue_streamed(self, held: Held, stream: StreamedKv) -> StreamedKv | None:
+        """Queue the decode task of a streaming request and settle its prefill task: from then on
+        the decode task is the request's one task (a decoder that finds this instance dead sends
+        it back to prefill). None if it could not be queued: it is handed on after its step then."""
+        ctx, spec = self.ctx, self.ctx.engine.engine.kv_spec
+        starts = itertools.accumulate((shape[0] for shape in stream.shapes), initial=0)  # the groups' layers
+        groups = tuple(
+            KvGroup(layer_start=start, layer_end=start + shape[0], handle=handle, shape=shape)
+            for start, handle, shape in zip(starts, stream.handles, stream.shapes, strict=False)
+        )
+        location = KvLocation(
+            owner=ctx.instance_id, address=ctx.transfer.address, groups=groups, num_tokens=stream.num_tokens,
+            block_size=spec.block_size, dtype=dtype_name(spec.dtype), rope_delta=stream.rope_delta,
+            wire=stream.wire, tail=stream.tail,
+        )  # fmt: skip
+        request = held.spec.model_copy(
+            update={"prompt_token_ids": stream.prompt_token_ids, "output_token_ids": stream.output_token_ids}
+        )
+        task = DecodeTask(request=request, kv=location, cached_tokens=stream.cached_tokens)
+        try:
+            await ctx.dispatch.send(task, held.source)
+        except Exception as exc:
+            log.warning("decode task of %s not queued as its KV streamed (%r)", held.request_id, exc)
+            if ctx.ledger.get(held.request_id) is held:
+                ctx.ledger.withdraw_kv(held)
+            return None
+        await ctx.ledger.settle(held.request_id, keep_outputs=True)  # until its outcome is served
+        return stream
+
     async def hand_on(self, held: Held) -> None:
-        """Export the KV per group of layers, serve the buffers, and queue the decode task."""
+        """Export the KV per group of layers, serve the buffers, and queue the decode task; for a
+        request whose KV streamed, serve its outcome and let the engine's blocks go."""
         ctx, rid, group, wire = self.ctx, held.request_id, self.kv_layer_group, self.kv_wire
+        if held.kv_stream is not None:
+            if (stream := await held.kv_stream) is not None:
+                ctx.ledger.check_live(held)
+                ctx.ledger.leave_engine(held)  # the handles hold copies of the KV
+                stream.finish(False, held.sent)
+                held.sent = []  # the decoder answers for them once it has the outcome
+                return
+            held.kv_stream = None  # its decode task was not queued: hand it on as if unstreamed
         req, shapes, buffers = await ctx.engine.call(lambda: _export(ctx.engine.engine, rid, group, wire))
         ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
         groups, handles = [], []

@@ -105,6 +105,13 @@ class EngineLoop:
         self._loop = asyncio.get_running_loop()
         self._thread.start()
 
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop that awaits this engine's calls (set by `start`)."""
+        if self._loop is None:
+            raise RuntimeError("the engine loop has not started")
+        return self._loop
+
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread between steps and return its result (or raise its error)."""
         if self.failure is not None:

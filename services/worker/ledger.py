@@ -21,6 +21,7 @@ in the engine. Every handler re-checks `cancelled` after each pull, before anyth
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -68,6 +69,10 @@ class Held:
     in_engine: bool = False  # admitted into the engine: scheduled, or handed off with its blocks
     kv_handles: tuple[str, ...] = ()  # its KV, served for the next stage until released
     kv_expires: float = math.inf  # monotonic time after which nobody is coming for the KV
+    # Set while and after its KV streams out of the prefill step (services/prefill/kv_stream.py):
+    # the queueing of its decode task (its result: the stream, or None if not queued). The handles hold
+    # copies: the engine's blocks are not kept for them.
+    kv_stream: asyncio.Task | None = None
     cancelled: bool = False
     marks: dict[Stage, float] = field(default_factory=dict)  # the stage marks made here (wall clock)
     # Every output token the request has while it runs here: those it came with, then those made
@@ -172,15 +177,33 @@ class Ledger:
         held.kv_handles = handles
         held.kv_expires = self.clock() + ttl
 
-    async def settle(self, request_id: str) -> None:
+    def withdraw_kv(self, held: Held) -> None:
+        """Stop serving KV that no task points to (a streamed decode task was never queued); the
+        request's engine entry stays."""
+        for handle in held.kv_handles:
+            self.transfer.release(handle)
+        held.kv_handles = ()
+
+    def leave_engine(self, held: Held) -> None:
+        """Release the request's engine entry (and blocks) while its record stays: its KV was
+        streamed out, so the handles kept for decode no longer need the blocks."""
+        if held.in_engine:
+            held.in_engine = False
+            engine, rid = self.engine.engine, held.request_id
+            self.engine.post(lambda: engine.abort(rid))
+
+    async def settle(self, request_id: str, keep_outputs: bool = False) -> None:
         """The request left this instance (finished, failed, or handed on with its next task stored):
         ack its task and release what it holds, except KV kept for the next stage to pull. Its
-        outputs go too: whoever has it now answers for them (a finished one's are in `finals`)."""
+        outputs go too: whoever has it now answers for them (a finished one's are in `finals`).
+        `keep_outputs`: its next task went out before its step here is over (streamed KV), so this
+        instance still makes and answers for its next token."""
         held = self._held.get(request_id)
         if held is None:
             return
         task, held.task = held.task, None
-        held.sent = []
+        if not keep_outputs:
+            held.sent = []
         if not held.kv_handles:
             self._drop(held)
         if task is not None and not task.settled:
@@ -257,10 +280,12 @@ class Ledger:
         What the ledger holds is read before the engine's view is queued: requests released since
         then have their engine release queued after it, so the engine may only hold fewer."""
         recorded = set(self._held)
-        kept = {h.request_id for h in self._held.values() if h.kv_handles}
+        kept = {h.request_id for h in self._held.values() if h.kv_handles and h.kv_stream is None}
         for held in self._held.values():
             assert not held.cancelled, f"{held.request_id}: cancelled but still recorded"
-            assert held.holds_task or not held.sent, f"{held.request_id}: handed on but keeps its outputs"
+            assert held.holds_task or held.kv_stream is not None or not held.sent, (
+                f"{held.request_id}: handed on but keeps its outputs"
+            )
             missing = [h for h in held.kv_handles if h not in self.transfer.handles]
             assert not missing, f"{held.request_id}: kept KV handles {missing} are no longer served"
         in_engine, handed_off = await self.engine.call(lambda: engine_view(self.engine.engine))
@@ -283,10 +308,8 @@ class Ledger:
     def _release_kv(self, held: Held) -> None:
         for handle in held.kv_handles:
             self.transfer.release(handle)
-        if held.kv_handles and held.in_engine:
-            held.in_engine = False  # handed off: the engine's entry is only the kept blocks
-            engine, rid = self.engine.engine, held.request_id
-            self.engine.post(lambda: engine.abort(rid))
+        if held.kv_handles:
+            self.leave_engine(held)  # handed off: the engine's entry is only the kept blocks
         held.kv_handles = ()
 
 

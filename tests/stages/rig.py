@@ -43,6 +43,7 @@ class ServingThread:
         self._thread = threading.Thread(target=self._loop.run_forever, name="serving", daemon=True)
         self._open = threading.Event()
         self._open.set()
+        self._crashed = False
 
     def start(self) -> TransferBackend:
         self._thread.start()
@@ -56,9 +57,15 @@ class ServingThread:
     def thaw(self) -> None:
         self._open.set()
 
+    def crash(self) -> None:
+        """Stop serving at once, as a process that died: its connections drop, mid-pull or not."""
+        self._crashed = True
+        asyncio.run_coroutine_threadsafe(self.backend.close(), self._loop).result(10)
+
     def close(self) -> None:
         self.thaw()
-        asyncio.run_coroutine_threadsafe(self.backend.close(), self._loop).result(10)
+        if not self._crashed:
+            asyncio.run_coroutine_threadsafe(self.backend.close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 

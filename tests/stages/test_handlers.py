@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from common.bus import EventStream, Task
 from common.protocol import (
     DecodeTask,
@@ -75,14 +77,16 @@ async def answer(stream: EventStream, timeout: float = 30.0) -> list[int]:
     return [tokens[i] for i in range(expected)]
 
 
+@pytest.mark.parametrize("kv_stream", [True, False], ids=["streamed", "after-prefill"])
 async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
-    tiny_model_dir, nats_server, redis_server, owner, hf_generate
+    tiny_model_dir, nats_server, redis_server, owner, hf_generate, kv_stream
 ):
     async with (
         stage_rig(E, tiny_model_dir, nats_server, redis_server) as e,
         stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
         stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
     ):
+        p.handlers[Role.PREFILL].kv_stream = kv_stream
         spec, prompt, images = request(e, owner, "r-chain", num_images=2, max_tokens=12)
         stream = await e.ctx.bus.events.outputs(spec.request_id)
         await e.ctx.dispatch.send(EncodeTask(request=spec), "test")
@@ -107,6 +111,9 @@ async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
 
         decode = await d.take(Role.DECODE)
         assert isinstance(decode.message, DecodeTask) and decode.message.kv.owner == p.ctx.instance_id
+        # Streamed: the task went out as the last prefill step began, before the first token.
+        assert bool(decode.message.kv.tail) == kv_stream
+        assert len(decode.message.request.output_token_ids) == (0 if kv_stream else 1)
         assert await answer(stream) == hf_generate(prompt, images, 12)
         for rig in (e, p, d):
             await rig.idle()
@@ -118,6 +125,9 @@ async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
             Stage.EP_TRANSFER_STARTED, Stage.EP_TRANSFER_ENDED, Stage.PREFILL_STARTED, Stage.FIRST_TOKEN,
             Stage.DECODE_QUEUED, Stage.PD_TRANSFER_STARTED, Stage.PD_TRANSFER_ENDED, Stage.DECODE_STARTED,
         ]  # fmt: skip
+        if kv_stream:  # queued for decode, and pulled from, while the prefill still ran
+            path.remove(Stage.FIRST_TOKEN)
+            assert marks[Stage.DECODE_QUEUED] < marks[Stage.FIRST_TOKEN] <= marks[Stage.PD_TRANSFER_ENDED]
 
         assert [s for s in path if s in marks] == path
         assert [marks[s] for s in path] == sorted(marks[s] for s in path)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from common.bus import EventStream
 from common.protocol import ErrorOutput, FinalOutput, Message, PrefillTask, Resend, TokenDelta, Usage
 from common.roles import Role
@@ -69,32 +71,39 @@ async def test_the_decoder_says_a_request_again_until_its_window_has_passed(
         await stream.close()
 
 
+@pytest.mark.parametrize("kv_stream", [False, True], ids=["after-prefill", "streamed"])
 async def test_a_running_request_is_said_again_from_the_first_token_by_its_decoder(
-    tiny_model_dir, nats_server, redis_server, owner
+    tiny_model_dir, nats_server, redis_server, owner, kv_stream
 ):
     """Decode no longer restates the first token when it starts: had prefill's been lost, the
-    gateway's ask reaches the decoder, whose record begins with the tokens the task brought."""
+    gateway's ask reaches the decoder, whose record begins with the tokens the task brought — or,
+    when the KV streamed and the task went out before the first token, with the prefill's outcome."""
     async with (
         stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
         stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
     ):
+        p.handlers[Role.PREFILL].kv_stream = kv_stream
         rid = "r-first-again"
         spec, _, _ = request(p, owner, rid, num_images=0, max_tokens=200)
         spec = spec.model_copy(update={"sampling": spec.sampling.model_copy(update={"ignore_eos": True})})
+        stream = await d.ctx.bus.events.outputs(rid)
         await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
         await p.take(Role.PREFILL)
         decode = await d.fetch(Role.DECODE)
-        first = decode.message.request.output_token_ids
-        stream = await d.ctx.bus.events.outputs(rid)  # after prefill's delta: the decoder's only
+        assert bool(decode.message.kv.tail) == kv_stream
         await d.handlers[Role.DECODE].take(decode)
         await d.ctx.bus.events.resend(Resend(request_id=rid))  # while it decodes
         got: list[Message] = []
         async with asyncio.timeout(60):
             while not got or not isinstance(got[-1], FinalOutput):
                 got.append(await stream.get())
-        again = [m for m in got if isinstance(m, TokenDelta) and m.index == 0]
-        assert again and all(m.source == d.ctx.instance_id for m in got)
-        assert again[0].token_ids[: len(first)] == first
+        from_prefill = [m for m in got if m.source == p.ctx.instance_id]
+        assert [(m.index, len(m.token_ids)) for m in from_prefill] == [(0, 1)]  # its first token, once
+        first = from_prefill[0].token_ids
+        again = [
+            m for m in got if isinstance(m, TokenDelta) and m.index == 0 and m.source == d.ctx.instance_id
+        ]
+        assert again and again[0].token_ids[: len(first)] == first
         assert got[-1].num_outputs == 200
         for rig in (p, d):
             await rig.idle()
