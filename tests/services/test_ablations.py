@@ -1,6 +1,6 @@
 """The ablations' switches (bench/ablations.py) keep E+P+D's answers right: the two other batching
-policies, no feature prefetch, the KV cache sent as one transfer, and KV streamed during the prefill
-step or exported after it."""
+policies, no feature prefetch, the KV cache sent as one transfer, and every KV group streamed during
+the prefill step."""
 
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ VARIANTS = {
     # More layers than any model has: the whole KV cache in one transfer.
     "one-kv-transfer": {"TRIDENT_KV_LAYER_GROUP": "1000000"},
     # Nothing rides inline, so even the tiny model's KV streams while its prefill step runs (one
-    # layer a group: a transfer per layer), and the same with the KV exported after the step.
+    # layer a group: a transfer per layer). Exported after the step instead: tests/stages.
     "kv-streamed": {"TRIDENT_TRANSFER_INLINE_MAX_BYTES": "0", "TRIDENT_KV_LAYER_GROUP": "1"},
-    "kv-after-prefill": {"TRIDENT_TRANSFER_INLINE_MAX_BYTES": "0", "TRIDENT_KV_STREAM": "0"},
 }
 IMAGES = [1, 2, 0, 1, 2, 1]  # images per request of a burst
 

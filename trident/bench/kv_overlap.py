@@ -15,8 +15,9 @@ pulls every group at once. For each prompt, two runs:
 - streamed: the handles go out as the step begins; the exposed time E is from the step's end to
   the last byte landed (0 when it landed first).
 
-hidden = 1 - E / T. The decode task's trip through NATS is the same in both and left out. The last
-line is one JSON object: per length, the median T, E and hidden share and their spread.
+hidden = 1 - E / T (below 0 when streaming exposed more than T). The decode task's trip through
+NATS is the same in both and left out. The last line is one JSON object: per length, the median T,
+E and hidden share and their spread.
 """
 
 from __future__ import annotations
