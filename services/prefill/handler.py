@@ -10,7 +10,6 @@ are gone too, the request fails with a retryable error.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 
@@ -120,21 +119,18 @@ class PrefillHandler(StageHandler):
         """Queue the decode task of a streaming request and settle its prefill task: from then on
         the decode task is the request's one task (a decoder that finds this instance dead sends
         it back to prefill). None if it could not be queued: it is handed on after its step then."""
-        ctx, spec = self.ctx, self.ctx.engine.engine.kv_spec
-        starts = itertools.accumulate((shape[0] for shape in stream.shapes), initial=0)  # the groups' layers
-        groups = tuple(
-            KvGroup(layer_start=start, layer_end=start + shape[0], handle=handle, shape=shape)
-            for start, handle, shape in zip(starts, stream.handles, stream.shapes, strict=False)
-        )
-        location = KvLocation(
-            owner=ctx.instance_id, address=ctx.transfer.address, groups=groups, num_tokens=stream.num_tokens,
-            block_size=spec.block_size, dtype=dtype_name(spec.dtype), rope_delta=stream.rope_delta,
-            wire=stream.wire, tail=stream.tail,
+        ctx = self.ctx
+        # The groups as the engine streams them: as many layers each as the first one's buffer has.
+        layers = layer_groups(ctx.engine.engine.kv_spec.num_layers, stream.shapes[0][0])
+        groups = [
+            KvGroup(layer_start=g.start, layer_end=g.stop, handle=handle, shape=shape)
+            for g, handle, shape in zip(layers, stream.handles, stream.shapes, strict=True)
+        ]
+        task = self._decode_task(
+            held, groups, stream.prompt_token_ids, stream.output_token_ids, num_tokens=stream.num_tokens,
+            rope_delta=stream.rope_delta, cached_tokens=stream.cached_tokens, wire=stream.wire,
+            tail=stream.tail,
         )  # fmt: skip
-        request = held.spec.model_copy(
-            update={"prompt_token_ids": stream.prompt_token_ids, "output_token_ids": stream.output_token_ids}
-        )
-        task = DecodeTask(request=request, kv=location, cached_tokens=stream.cached_tokens)
         try:
             await ctx.dispatch.send(task, held.source)
         except Exception as exc:
@@ -172,20 +168,27 @@ class PrefillHandler(StageHandler):
                                    shape=shape)  # fmt: skip
             groups.append(kv_group)
         ctx.ledger.keep_kv(held, tuple(handles), KV_TTL)  # before any await: a cancel releases them
-        location = KvLocation(
-            owner=ctx.instance_id, address=ctx.transfer.address, groups=tuple(groups),
-            num_tokens=req.num_computed_tokens, block_size=spec.block_size, dtype=dtype_name(spec.dtype),
-            rope_delta=req.rope_delta, wire=wire,
+        task = self._decode_task(
+            held, groups, tuple(req.prompt_token_ids), tuple(req.output_token_ids),
+            num_tokens=req.num_computed_tokens, rope_delta=req.rope_delta,
+            cached_tokens=req.num_cached_tokens, wire=wire,
         )  # fmt: skip
-        prefilled = held.spec.model_copy(
-            update={
-                "prompt_token_ids": tuple(req.prompt_token_ids),
-                "output_token_ids": tuple(req.output_token_ids),
-            }
-        )
-        task = DecodeTask(request=prefilled, kv=location, cached_tokens=req.num_cached_tokens)
         await ctx.dispatch.send(task, held.source)
         await ctx.ledger.settle(rid)  # the KV stays until decode says it has it
+
+    def _decode_task(
+        self, held: Held, groups: list[KvGroup], prompt: tuple[int, ...], outputs: tuple[int, ...], *,
+        num_tokens: int, rope_delta: int, cached_tokens: int, wire: str, tail: str = "",
+    ) -> DecodeTask:  # fmt: skip
+        """The request's decode task, its KV served here in `groups` (`tail`: it is streaming)."""
+        ctx, spec = self.ctx, self.ctx.engine.engine.kv_spec
+        location = KvLocation(
+            owner=ctx.instance_id, address=ctx.transfer.address, groups=tuple(groups), num_tokens=num_tokens,
+            block_size=spec.block_size, dtype=dtype_name(spec.dtype), rope_delta=rope_delta, wire=wire,
+            tail=tail,
+        )  # fmt: skip
+        request = held.spec.model_copy(update={"prompt_token_ids": prompt, "output_token_ids": outputs})
+        return DecodeTask(request=request, kv=location, cached_tokens=cached_tokens)
 
     async def watch(self) -> None:
         """Decode has pulled a request's KV: free it here."""

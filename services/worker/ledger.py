@@ -306,11 +306,9 @@ class Ledger:
             self.engine.post(lambda: engine.abort(rid))
 
     def _release_kv(self, held: Held) -> None:
-        for handle in held.kv_handles:
-            self.transfer.release(handle)
         if held.kv_handles:
+            self.withdraw_kv(held)
             self.leave_engine(held)  # handed off: the engine's entry is only the kept blocks
-        held.kv_handles = ()
 
 
 def engine_view(engine: Engine) -> tuple[set[str], set[str]]:
