@@ -11,7 +11,7 @@
 2. Transfer (seed 002 Table 2), on the same workload: E+P+D as shipped, without feature prefetch
    (TRIDENT_PREFETCH=0: a prefill instance pulls an image's features only when it would run the
    request), with the KV cache sent as one transfer instead of groups of layers, and with the KV
-   exported after the prefill step instead of streamed while it runs (TRIDENT_KV_STREAM=0).
+   streamed while the prefill step runs instead of exported after it (TRIDENT_KV_STREAM=1).
 3. Overlap (seed 002 §3.3), with `--overlap LENGTHS` instead of the tables above: the share of the
    P→D transfer hidden behind the prefill, by prompt length (trident/bench/kv_overlap.py says how).
 
@@ -42,7 +42,7 @@ ONE_TRANSFER = "1000000"  # layers per KV transfer: more than any model has, so 
 
 BATCHING = ["e+p+d", PLANNER, "e+p+d prefill-first", "e+p+d decode-first"]
 BATCHING_EPD = ["epd", "epd prefill-first", "epd decode-first"]
-TRANSFER = ["e+p+d", "e+p+d no prefetch", "e+p+d one KV transfer", "e+p+d KV after prefill"]
+TRANSFER = ["e+p+d", "e+p+d no prefetch", "e+p+d one KV transfer", "e+p+d KV streamed"]
 
 
 def epd_capped(cap: int) -> System:
@@ -58,7 +58,7 @@ def systems(with_epd: bool, epd_token_cap: int | None = None) -> list[System]:
         System("e+p+d decode-first", method="e+p+d", env={"TRIDENT_POLICY": "decode-first"}),
         System("e+p+d no prefetch", method="e+p+d", env={"TRIDENT_PREFETCH": "0"}),
         System("e+p+d one KV transfer", method="e+p+d", env={"TRIDENT_KV_LAYER_GROUP": ONE_TRANSFER}),
-        System("e+p+d KV after prefill", method="e+p+d", env={"TRIDENT_KV_STREAM": "0"}),
+        System("e+p+d KV streamed", method="e+p+d", env={"TRIDENT_KV_STREAM": "1"}),
     ]
     if with_epd:
         chosen += [

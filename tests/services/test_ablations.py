@@ -23,7 +23,11 @@ VARIANTS = {
     "one-kv-transfer": {"TRIDENT_KV_LAYER_GROUP": "1000000"},
     # Nothing rides inline, so even the tiny model's KV streams while its prefill step runs (one
     # layer a group: a transfer per layer). Exported after the step instead: tests/stages.
-    "kv-streamed": {"TRIDENT_TRANSFER_INLINE_MAX_BYTES": "0", "TRIDENT_KV_LAYER_GROUP": "1"},
+    "kv-streamed": {
+        "TRIDENT_KV_STREAM": "1",
+        "TRIDENT_TRANSFER_INLINE_MAX_BYTES": "0",
+        "TRIDENT_KV_LAYER_GROUP": "1",
+    },
 }
 IMAGES = [1, 2, 0, 1, 2, 1]  # images per request of a burst
 

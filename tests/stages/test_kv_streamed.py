@@ -38,6 +38,7 @@ def held_after_forward(rig: StageRig):
 
 
 async def streamed_task(p: StageRig, d: StageRig, spec) -> tuple:
+    p.handlers[Role.PREFILL].kv_stream = True  # opt-in
     await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
     prefill = await p.fetch(Role.PREFILL)
     await p.handlers[Role.PREFILL].take(prefill)
