@@ -66,6 +66,7 @@ class Held:
     role: Role  # the stage it came for
     spec: RequestSpec
     task: Task | None = None  # acked when the request leaves; None once settled
+    task_seq: int | None = None  # the stream sequence of the task it came with, kept after settling
     in_engine: bool = False  # admitted into the engine: scheduled, or handed off with its blocks
     kv_handles: tuple[str, ...] = ()  # its KV, served for the next stage until released
     kv_expires: float = math.inf  # monotonic time after which nobody is coming for the KV
@@ -142,16 +143,19 @@ class Ledger:
 
     def begin(self, spec: RequestSpec, role: Role, task: Task | None = None) -> Held:
         """Record a request that arrived with `task`. A record that only keeps KV for a decoder is
-        replaced: the request came back, so nobody will pull that KV."""
+        replaced: the request came back, so nobody will pull that KV — unless `task` is the very
+        task that record came with, delivered again (NATS redelivers a task whose ack came late):
+        that is a duplicate, AlreadyHeld, like a second delivery while the first still runs."""
         rid = spec.request_id
         if rid in self._cancelled:
             raise Cancelled(rid)
+        seq = task.stream_seq if task is not None else None
         old = self._held.get(rid)
         if old is not None:
-            if old.holds_task:
+            if old.holds_task or (seq is not None and old.task_seq == seq):
                 raise AlreadyHeld(rid)
             self._drop(old)
-        held = self._held[rid] = Held(rid, role, spec, task, sent=list(spec.output_token_ids))
+        held = self._held[rid] = Held(rid, role, spec, task, seq, sent=list(spec.output_token_ids))
         self.changes += 1
         if self.on_begin is not None:
             self.on_begin()

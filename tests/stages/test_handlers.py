@@ -11,6 +11,7 @@ import pytest
 
 from common.bus import EventStream, Task
 from common.protocol import (
+    OUTPUT_KINDS,
     DecodeTask,
     EncodeTask,
     FinalOutput,
@@ -25,6 +26,7 @@ from common.protocol import (
 from common.protocol.tensors import int8_kv_nbytes, nbytes_of
 from common.roles import Role
 from common.store import Stage
+from services.worker.ledger import AlreadyHeld
 from services.worker.worker import StageWorker
 from tests.engine.conftest import make_image
 from tests.stages.rig import ServingThread, StageRig, stage_rig
@@ -162,6 +164,38 @@ async def test_decode_without_the_kv_sends_the_request_back_to_prefill(
         assert d.ctx.counters.kv_pull_failures == 1
         for rig in (p, d):
             await rig.idle()
+
+
+@pytest.mark.parametrize("kv_stream", [True, False], ids=["streamed", "after-prefill"])
+async def test_a_late_second_delivery_of_a_handed_on_prefill_task_is_a_duplicate(
+    tiny_model_dir, nats_server, redis_server, owner, kv_stream
+):
+    """NATS delivers a task again when its ack is late; the second delivery can be fetched before the
+    first is acked and taken after. It is the same task, not the request coming back: it must not
+    replace the record that keeps the KV for decode (that released the KV and aborted the engine
+    entry the first delivery's step still used)."""
+    async with (
+        stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
+        stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
+    ):
+        p.handlers[Role.PREFILL].kv_stream = kv_stream
+        spec, _, _ = request(p, owner, "r-late-ack", num_images=0)
+        outputs = await p.ctx.bus.events.subscribe(p.ctx.bus.subjects.output(spec.request_id), OUTPUT_KINDS)
+        await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
+        first = await p.fetch(Role.PREFILL)
+        second = await p.fetch(Role.PREFILL, timeout=30)  # redelivered once the ack wait passed
+        assert (second.stream_seq, second.deliveries) == (first.stream_seq, 2)
+        await p.handlers[Role.PREFILL].take(first)
+        decode = await d.fetch(Role.DECODE)  # handed on: the prefill task is settled, its KV kept
+        with pytest.raises(AlreadyHeld):
+            await p.handlers[Role.PREFILL].take(second)
+        await second.ack()  # as the worker does with a duplicate
+        await d.handlers[Role.DECODE].take(decode)
+        assert len(await answer(outputs)) == spec.sampling.max_tokens
+        assert d.ctx.counters.kv_pull_failures == 0
+        for rig in (p, d):
+            await rig.idle()
+        await outputs.close()
 
 
 async def test_a_hybrid_takes_a_requests_next_stage_once_its_earlier_one_lets_go(
