@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -9,6 +10,8 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.bus import BusConfig
+from common.planner.capacity import KINDS, Limits, parse_counts
+from common.planner.forecast import ForecastConfig
 from common.secrets import DeploymentSecrets, with_credentials
 
 
@@ -266,6 +269,32 @@ class PlannerSettings(ServiceSettings):
     planner_profiles: str = Field(
         "cluster", description="cluster (what instances publish) | paper:<model> | a ProfileSet JSON file"
     )
+    planner_budget: float = Field(
+        0.0,
+        ge=0,
+        description="Cores (or GPUs: planner_budget_unit) all instances may take together; capacity is "
+        "never recommended beyond it. 0: this host's cores (with gpus, 0 is refused)",
+    )
+    planner_budget_unit: Literal["cores", "gpus"] = "cores"
+    planner_instance_cost: float = Field(
+        1.0, gt=0, description="Cores (or GPUs) one instance takes, as the budget counts them"
+    )
+    planner_min_replicas: str = Field(
+        "", description="Per-kind minimum replicas, e.g. `d=1,ep=1` (kinds: e p d ep ed epd)"
+    )
+    planner_max_replicas: str = Field("", description="Per-kind maximum replicas, e.g. `e=2,d=8`")
+    planner_forecast_bin: float = Field(
+        10.0, gt=0, description="Seconds per point of the arrival-rate series"
+    )
+    planner_forecast_window: float = Field(300.0, gt=0, description="Seconds of arrivals the forecast fits")
+    planner_forecast_horizon: float = Field(
+        60.0, ge=0, description="Seconds ahead capacity is planned for (about a replica's start-up)"
+    )
+    planner_forecast_alpha: float = Field(0.5, gt=0, le=1, description="Holt's level smoothing")
+    planner_forecast_beta: float = Field(0.3, gt=0, le=1, description="Holt's trend smoothing")
+    planner_capacity_change: float = Field(
+        0.1, ge=0, description="Relative change of the forecast rate that re-sizes capacity between plans"
+    )
     planner_actuator: Literal["advisory", "launcher", "compose"] = "advisory"
     planner_compose_run: bool = Field(False, description="compose actuator: run the command, not just log it")
     planner_compose_file: Path = Field(
@@ -291,6 +320,37 @@ class PlannerSettings(ServiceSettings):
         if self.secrets_dir is not None and not self.planner_key:
             self.planner_key = DeploymentSecrets.read(self.secrets_dir).planner_key
         return self
+
+    @model_validator(mode="after")
+    def _limits(self) -> PlannerSettings:
+        self.capacity_limits()  # a bad count or budget stops the planner at start, saying which
+        return self
+
+    def capacity_limits(self) -> Limits:
+        """What capacity recommendations must fit (common/planner/capacity.py)."""
+        budget = self.planner_budget
+        if budget == 0:
+            if self.planner_budget_unit == "gpus":
+                raise ValueError(
+                    "TRIDENT_PLANNER_BUDGET: give the GPUs the deployment may use (0 is for cores)"
+                )
+            budget = float(os.cpu_count() or 1)
+        return Limits(
+            minimum=parse_counts(self.planner_min_replicas, "TRIDENT_PLANNER_MIN_REPLICAS"),
+            maximum=parse_counts(self.planner_max_replicas, "TRIDENT_PLANNER_MAX_REPLICAS"),
+            budget=budget,
+            cost=dict.fromkeys(KINDS, self.planner_instance_cost),
+            unit=self.planner_budget_unit,
+        )
+
+    def forecast_config(self) -> ForecastConfig:
+        return ForecastConfig(
+            bin_s=self.planner_forecast_bin,
+            window_s=max(self.planner_forecast_window, self.planner_forecast_bin),
+            horizon_s=self.planner_forecast_horizon,
+            alpha=self.planner_forecast_alpha,
+            beta=self.planner_forecast_beta,
+        )
 
     @property
     def write_keys(self) -> set[str]:

@@ -85,6 +85,12 @@ class Bus:
         self._consumers.append(consumer)
         return consumer
 
+    async def queued(self, role: Role) -> int:
+        """Tasks waiting for `role`'s shared consumer (not yet delivered to any puller). Raises
+        what nats-py raises while NATS is away."""
+        info = await self.js.consumer_info(self.subjects.task_stream, self.subjects.consumer(role))
+        return info.num_pending or 0
+
     @property
     def connected(self) -> bool:
         return self.nc.is_connected

@@ -34,6 +34,10 @@ RATE_TOLERANCE = 0.03  # relative precision of the goodput search
 Progress = Callable[[float, str], None]
 
 
+class NoSplit(ValueError):
+    """No deployment of that many instances is allowed."""
+
+
 @dataclass(frozen=True)
 class Workload:
     """Per-request means of what each stage must do (Algorithm 2's W divided by N_r)."""
@@ -241,9 +245,11 @@ def plan(
     correction: Correction | None = None,
     exhaustive: bool | None = None,
     progress: Progress | None = None,
+    allowed: Callable[[Deployment], bool] | None = None,
 ) -> PlanResult:
     """Algorithm 2: the best method and split of `instances` for this trace, SLOs and profiles.
-    `exhaustive` None means every split when instances ≤ 16, neighbouring splits otherwise."""
+    `exhaustive` None means every split when instances ≤ 16, neighbouring splits otherwise.
+    `allowed` keeps only the deployments it accepts (capacity.py's limits); NoSplit if none is."""
     started = time.monotonic()
     replay = sorted(trace, key=lambda e: e.arrival)[-MAX_REPLAY:]
     work = Workload.of(replay)
@@ -252,6 +258,12 @@ def plan(
     if exhaustive is None:
         exhaustive = instances <= EXHAUSTIVE_UP_TO
     candidates = every_split(instances) if exhaustive else neighbourhood(instances, split)
+    if allowed is not None:
+        candidates = [c for c in candidates if allowed(c)]
+        if not candidates and not exhaustive:  # the limits sit away from the partition: look wider
+            candidates = [c for c in every_split(instances) if allowed(c)]
+        if not candidates:
+            raise NoSplit(f"no split of {instances} instances is within the limits")
     bounds = {c.label: throughput_bound(c, costs) for c in candidates}
     # Most promising first, so the bound prunes as many as it can.
     candidates.sort(key=lambda c: (-bounds[c.label], c.label))

@@ -29,13 +29,11 @@ class QueueDepths:
 
     async def run(self) -> None:
         """Read the queues every `interval`; while NATS is away, the last figures stand."""
-        subjects = self.bus.subjects
         while True:
             raise_if_cancelled()
             for role in Role:
                 try:
-                    info = await self.bus.js.consumer_info(subjects.task_stream, subjects.consumer(role))
-                    self.depth[role] = info.num_pending or 0
+                    self.depth[role] = await self.bus.queued(role)
                     self.gauge.labels(role).set(self.depth[role])
                 except Exception as exc:
                     log.debug("queue depth of %s unknown now: %r", role, exc)

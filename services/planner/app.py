@@ -66,7 +66,18 @@ def create_app(settings: PlannerSettings | None = None) -> FastAPI:
     async def current_plan() -> dict:
         if planner.decision is None:
             raise APIError(404, f"no plan yet: {planner.status}", code="no_plan")
-        return {**planner.decision.to_dict(), "status": planner.status, "progress": _progress(planner)}
+        capacity = planner.capacity.to_dict() if planner.capacity else None
+        return {
+            **planner.decision.to_dict(), "capacity": capacity, "status": planner.status,
+            "progress": _progress(planner),
+        }  # fmt: skip
+
+    @app.get("/plan/capacity")
+    async def capacity() -> dict:
+        """The instances of each kind the forecast load needs (`desired`), and the forecast."""
+        if planner.capacity is None:
+            raise APIError(404, f"no capacity sized yet: {planner.status}", code="no_capacity")
+        return planner.capacity.to_dict()
 
     @app.get("/plan/chart.png")
     async def current_chart() -> Response:

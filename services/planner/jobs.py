@@ -60,9 +60,10 @@ def run_what_if(
 ) -> dict[str, Any]:
     """Plan for a validated job payload (services/planner/job_models.py builds it)."""
     from common.planner.algorithm import plan
+    from common.planner.capacity import Limits, recommend
     from common.planner.paper_profiles import profiles_from
     from common.planner.profiles import ProfileSet
-    from common.planner.sizing import size
+    from common.planner.sizing import OutOfReach
     from common.planner.trace import TraceEntry, summary
     from common.planner.workloads import generate
     from common.stats import SLO
@@ -80,7 +81,11 @@ def run_what_if(
     if rate is None:
         result = plan(trace, profiles, slo, instances, exhaustive=exhaustive, progress=progress)
     else:  # the fewest instances, up to `instances`, that serve the rate
-        sizing = size(trace, profiles, slo, rate, instances, exhaustive, progress)
+        limits = Limits(max_instances=instances)
+        capacity = recommend(trace, profiles, slo, rate, limits, exhaustive=exhaustive, progress=progress)
+        if capacity.short:
+            raise OutOfReach(capacity.short)
+        sizing = capacity.sizing
         result, instances = sizing.result, sizing.instances
     png = goodput_chart(result, f"what-if: {len(trace)} requests on {instances} instances")
     body = {"plan": result.to_dict(), "trace": summary(trace), "chart_png": base64.b64encode(png).decode()}

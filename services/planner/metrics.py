@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.planner.types import KIND_ROLES, METHOD_KINDS, PlanResult
 from common.protocol import Plan
+from services.planner.capacity import CapacityDecision
 
 
 @dataclass
@@ -22,6 +23,9 @@ class Metrics:
     window: Gauge
     distance: Gauge
     plans: Counter
+    desired: Gauge
+    forecast: Gauge
+    short: Gauge
 
     @classmethod
     def create(cls) -> Metrics:
@@ -59,12 +63,38 @@ class Metrics:
                 registry=r,
             ),
             Counter("trident_planner_plans", "Plans made, by what triggered them", ["trigger"], registry=r),
+            Gauge(
+                "trident_planner_desired_instances",
+                "Instances of each kind that serve the forecast load within the SLOs and limits",
+                ["kind"],
+                registry=r,
+            ),
+            Gauge(
+                "trident_planner_forecast_rate",
+                "Requests/s capacity is sized for (Holt forecast)",
+                registry=r,
+            ),
+            Gauge(
+                "trident_planner_capacity_short",
+                "1 when the most the budget and limits allow does not serve the forecast load",
+                registry=r,
+            ),
         )
         for kind in KIND_ROLES:
             m.replicas.labels(kind).set(0)
+            m.desired.labels(kind).set(0)
         for method in METHOD_KINDS:
             m.method.labels(method).set(0)
         return m
+
+    def record_capacity(self, sized: CapacityDecision) -> None:
+        self.forecast.set(sized.forecast.rate)
+        if sized.capacity is None:  # nothing fits the limits: the desired counts are left as they were
+            self.short.set(1)
+            return
+        for kind, n in sized.capacity.desired.items():
+            self.desired.labels(kind).set(n)
+        self.short.set(1 if sized.capacity.short else 0)
 
     def record(self, plan: Plan, result: PlanResult, duration: float, trigger: str) -> None:
         for kind in KIND_ROLES:

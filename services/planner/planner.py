@@ -27,17 +27,21 @@ from common.aio import raise_if_cancelled
 from common.bus import Bus
 from common.planner.algorithm import plan as make_plan
 from common.planner.calibrate import ServiceCalibration, calibrate_from_service, transfer_model
+from common.planner.capacity import recommend
 from common.planner.drift import current_deployment, measure_correction, workload_distance
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
 from common.planner.simulator import Correction
+from common.planner.sizing import OutOfReach
 from common.planner.trace import TraceEntry, from_records, summary
 from common.planner.types import Deployment, PlanResult
 from common.protocol import Plan, TraceRecord
+from common.roles import InstanceKind, Role
 from common.runtime import Runtime
 from common.stats import SLO
 from common.store import Store
 from services.planner.actuators import Actuator, make_actuator
+from services.planner.capacity import MIN_RATE, CapacityDecision, forecast_load, moved
 from services.planner.metrics import Metrics
 from services.settings import PlannerSettings
 
@@ -96,6 +100,9 @@ class Planner:
         self.planned_at = 0.0  # monotonic
         self._wake = asyncio.Event()
         self._requested: list[asyncio.Future[Decision]] = []  # POST /plan/replan callers
+        self.capacity: CapacityDecision | None = None
+        self._sized_at = 0.0  # monotonic
+        self._correction: Correction | None = None  # the last plan's, reused between plans
         # Connected in start(), inside uvicorn's event loop (its lifespan): None until then.
         self.runtime: Runtime | None = None
         self._actuator: Actuator | None = None
@@ -157,19 +164,79 @@ class Planner:
         await self.read_trace()
         requested, self._requested = self._requested, []
         trigger = "requested" if requested else self.due()
-        if trigger is None:
-            return None
-        try:
-            decision = await self.replan(trigger)
-        except NotPlanned as exc:
-            self.status = f"no plan: {exc}"
-            _settle(requested, error=NotPlanned(str(exc)))
-            return None
-        except BaseException as exc:
-            _settle(requested, error=exc)
-            raise
-        _settle(requested, decision)
+        decision = None
+        if trigger is not None:
+            try:
+                decision = await self.replan(trigger)
+            except NotPlanned as exc:
+                self.status = f"no plan: {exc}"
+                _settle(requested, error=NotPlanned(str(exc)))
+                return None
+            except BaseException as exc:
+                _settle(requested, error=exc)
+                raise
+            _settle(requested, decision)
+        if self.decision is not None:
+            await self.resize("plan" if decision is not None else None)
         return decision
+
+    # -- capacity ----------------------------------------------------------------------------------
+    async def resize(self, trigger: str | None) -> CapacityDecision | None:
+        """Size capacity for the forecast load when `trigger` says so, or the forecast moved, or a
+        plan interval has passed since the last sizing (services/planner/capacity.py)."""
+        s = self.settings
+        predicted = forecast_load(self.window, s.forecast_config())
+        last = self.capacity
+        if trigger is None:
+            if moved(last, predicted, s.planner_capacity_change):
+                trigger = (
+                    "first"
+                    if last is None
+                    else f"forecast {last.forecast.rate:.3g} → {predicted.rate:.3g} req/s"
+                )
+            elif time.monotonic() - self._sized_at >= s.planner_interval:
+                trigger = "interval"
+            else:
+                return None
+        started = time.monotonic()
+        registered = await self.store.registry.instances()
+        running: dict[str, int] = {}
+        for hb in registered:
+            if not hb.draining and (kind := InstanceKind.of(hb.roles)) is not None:
+                running[kind.value] = running.get(kind.value, 0) + 1
+        queued = await self._queued()
+        base, calibration = await self.profiles(registered)
+        profiles = calibration.apply(base) if calibration else base
+        rate = max(predicted.rate, MIN_RATE)
+        try:
+            capacity, error = await asyncio.to_thread(
+                recommend, from_records(self.window), profiles, self.slo, rate, s.capacity_limits(),
+                queued=queued, running=running, correction=self._correction,
+            ), None  # fmt: skip
+        except (OutOfReach, ValueError) as exc:
+            capacity, error = None, str(exc)
+        self.capacity = CapacityDecision(
+            time.time(), trigger, predicted, capacity, error,
+            {str(r): n for r, n in queued.items()}, running, time.monotonic() - started,
+        )  # fmt: skip
+        self._sized_at = time.monotonic()
+        self.metrics.record_capacity(self.capacity)
+        if capacity is not None:
+            log.info("capacity (%s): %.3g req/s forecast → %s%s", trigger, predicted.rate,
+                     capacity.deployment.label, f" ({capacity.short})" if capacity.short else "")  # fmt: skip
+        else:
+            log.warning("capacity (%s): none fits: %s", trigger, error)
+        return self.capacity
+
+    async def _queued(self) -> dict[Role, int]:
+        """Tasks waiting per stage; a stage whose queue cannot be read now counts as empty."""
+        out: dict[Role, int] = {}
+        for role in Role:
+            try:
+                out[role] = await self.bus.queued(role)
+            except Exception as exc:  # NATS away: the floor is left out this round
+                log.debug("queue of %s unknown now: %r", role, exc)
+        return out
 
     def request(self) -> asyncio.Future[Decision]:
         """Re-plan at the next round, now; the future gets the decision or NotPlanned."""
@@ -230,6 +297,7 @@ class Planner:
         correction = Correction()
         if current is not None:
             correction = await asyncio.to_thread(measure_correction, trace, current, profiles, self.slo)
+        self._correction = correction
         try:
             result = await asyncio.to_thread(
                 make_plan,

@@ -17,11 +17,13 @@ from typer.testing import CliRunner
 
 from common.bus import Bus, BusConfig
 from common.infra import free_port
+from common.planner.forecast import ForecastConfig
 from common.planner.trace import from_records, read_trace
 from common.planner.types import KIND_ROLES, METHOD_KINDS, Deployment, PlanResult
 from common.protocol import Plan, TraceRecord
 from common.secrets import DeploymentSecrets
 from common.store import Store, StoreConfig
+from services.planner.capacity import CapacityDecision, finish_lag, forecast_load, moved
 from services.planner.planner import Decision, Planner
 from services.settings import PlannerSettings
 from tests.deploy import running_cluster
@@ -71,6 +73,22 @@ def test_triggers() -> None:
     assert planner.due() == "interval"
 
 
+def test_capacity_is_resized_when_the_forecast_moves_and_lags_unfinished_requests() -> None:
+    records = [
+        TraceRecord(request_id=f"c{i}", arrival=100.0 + i, prompt_tokens=10, output_tokens=4,
+                    stages={"arrival": 100.0 + i, "finished": 100.0 + i + (8.0 if i % 10 == 0 else 1.0)})
+        for i in range(100)
+    ]  # fmt: skip
+    assert finish_lag(records) == pytest.approx(1.0)  # the p90 of how long they took
+    config = ForecastConfig(bin_s=5.0, window_s=60.0, horizon_s=10.0)
+    steady = forecast_load(records, config, now=200.0)
+    assert steady.rate == pytest.approx(1.0, rel=0.05)
+    sized = CapacityDecision(0.0, "first", steady, None)
+    assert not moved(sized, steady, 0.1)
+    assert moved(sized, forecast_load(records[::2], config, now=200.0), 0.1)  # half the load
+    assert moved(None, steady, 0.1)
+
+
 def planner_auth(cluster: Cluster) -> dict[str, str]:
     """The planner's writes take the deployment's planner key (its secrets folder)."""
     return {"Authorization": f"Bearer {DeploymentSecrets.read(cluster.workdir / 'secrets').planner_key}"}
@@ -99,6 +117,8 @@ def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]:
             TRIDENT_PLANNER_SHIFT_CHECK_INTERVAL="0.3",
             TRIDENT_PLANNER_INTERVAL="600",  # only the first plan and the ones asked for
             TRIDENT_PLANNER_PROFILES="cluster",
+            TRIDENT_PLANNER_BUDGET="6",  # cores capacity may ask for (this machine's 2 run no plan's 3)
+            TRIDENT_PLANNER_FORECAST_BIN="1",
             TRIDENT_TTFT_SLO="1.0",
             TRIDENT_TBT_SLO="0.2",
         )
@@ -176,6 +196,25 @@ async def test_a_plan_reaches_every_channel(cluster: Cluster, tmp_path: Path) ->
                 assert gauges[f'trident_planner_method{{method="{method}"}}'] == (method == event.method)
             assert gauges["trident_planner_predicted_goodput"] == pytest.approx(event.goodput)
             assert gauges["trident_planner_plan_duration_seconds"] > 0
+
+            # Capacity for the forecast load, sized after the plan: on GET /plan/capacity, in
+            # GET /plan and as the desired-instances gauges.
+            deadline = time.monotonic() + 30
+            while (reply := await http.get(cluster.planner_url + "/plan/capacity")).status_code == 404:
+                assert reply.json()["error"]["code"] == "no_capacity"
+                assert time.monotonic() < deadline, "no capacity sized after the plan"
+                await asyncio.sleep(0.2)
+            sized = reply.json()
+            assert sized["forecast"]["rate"] > 0 and sized["budget"] == 6 and sized["unit"] == "cores"
+            assert sized["error"] is None, sized
+            assert 3 <= sum(sized["desired"].values()) == sized["instances"] <= 6
+            assert sized["running"] == {"epd": 1} and set(sized["desired"]) == set(KIND_ROLES)
+            assert (await http.get(cluster.planner_url + "/plan")).json()["capacity"]["desired"]
+            gauges = _gauges((await http.get(cluster.planner_url + "/metrics")).text)
+            current = (await http.get(cluster.planner_url + "/plan/capacity")).json()["desired"]
+            for kind in KIND_ROLES:
+                assert gauges[f'trident_planner_desired_instances{{kind="{kind}"}}'] == current[kind]
+            assert gauges["trident_planner_forecast_rate"] > 0
 
             # The instance publishes its steps in service (every 5 s); the next plan fits its
             # curves to them and says what it fitted on.

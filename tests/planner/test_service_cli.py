@@ -97,11 +97,24 @@ def test_rate_finds_the_fewest_instances_that_serve_it(app: typer.Typer, trace_f
     assert tried[n] >= 60 and (n == 3 or tried[n - 1] < 60)  # one fewer falls short: the fewest
     one_fewer = _plan(app, "--trace", str(trace_file), "--instances", str(n - 1), "--json")
     assert json.loads(one_fewer.stdout.strip().splitlines()[-1])["goodput"] < 60
+    # The continuous planner's recommendation, from the same code: every kind's count.
+    capacity = body["capacity"]
+    assert capacity["instances"] == n and sum(capacity["desired"].values()) == n
+    assert {k: v for k, v in capacity["desired"].items() if v} == body["replicas"]
 
 
 def test_rate_out_of_reach_and_both_or_neither_are_errors(app: typer.Typer, trace_file: Path) -> None:
     far = _plan(app, "--trace", str(trace_file), "--rate", "1000", "--max-instances", "8")
-    assert far.exit_code == 1 and "8 instances serve at most" in far.output
+    assert far.exit_code == 1 and "needs more than fits within the limits" in far.output
+    poor = _plan(app, "--trace", str(trace_file), "--rate", "1000", "--budget", "4")
+    assert poor.exit_code == 1 and "within a budget of 4 cores" in poor.output
+    for bad in (
+        ["--min-replicas", "x=1"],
+        ["--max-replicas", "d=-2"],
+        ["--min-replicas", "d=3", "--max-replicas", "d=2"],
+    ):
+        refused = _plan(app, "--trace", str(trace_file), "--rate", "5", *bad)
+        assert refused.exit_code == 2 and "error:" in refused.output, (bad, refused.output)
     for args in ([], ["--rate", "5", "--instances", "4"]):
         both = _plan(app, "--trace", str(trace_file), *args)
         assert both.exit_code == 2 and "--instances" in both.output

@@ -36,6 +36,17 @@ def plan(
     max_instances: Annotated[
         int, typer.Option(min=3, help="With --rate: the most instances to consider.")
     ] = 64,
+    budget: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="With --rate: cores (or GPUs) all instances may take together."),
+    ] = None,
+    instance_cost: Annotated[
+        float, typer.Option(min=0.0, help="With --rate: cores (or GPUs) one instance takes of the budget.")
+    ] = 1.0,
+    min_replicas: Annotated[
+        str, typer.Option(help="With --rate: per-kind minimum, e.g. d=1,ep=1 (kinds: e p d ep ed epd).")
+    ] = "",
+    max_replicas: Annotated[str, typer.Option(help="With --rate: per-kind maximum, e.g. e=2,d=8.")] = "",
     profile: Annotated[
         str | None,
         typer.Option(
@@ -72,8 +83,9 @@ def plan(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from common.planner.algorithm import plan as make_plan
+    from common.planner.capacity import KINDS, Limits, parse_counts, recommend
     from common.planner.profiles import ProfileError
-    from common.planner.sizing import OutOfReach, size
+    from common.planner.sizing import OutOfReach
     from common.planner.trace import TraceError, read_trace
     from common.stats import SLO
 
@@ -82,6 +94,13 @@ def plan(
         entries = recorded.entries
         profiles, source = trace_profiles(recorded.meta, profile, calibration)
         slo = SLO(ttft_slo, tbt_slo, attainment)
+        limits = Limits(
+            minimum=parse_counts(min_replicas, "--min-replicas"),
+            maximum=parse_counts(max_replicas, "--max-replicas"),
+            budget=budget or None,
+            cost=dict.fromkeys(KINDS, instance_cost or 1.0),
+            max_instances=max_instances,
+        )
     except (TraceError, ProfileError, ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)  # one line, not wrapped to the terminal
         raise typer.Exit(2) from None
@@ -100,24 +119,36 @@ def plan(
         def progress(fraction: float, message: str) -> None:
             bar.update(task, completed=fraction, description=message)
 
+        capacity = None
         if rate is None:
             result = make_plan(entries, profiles, slo, instances, exhaustive=exhaustive, progress=progress)
-            sizing = None
-        else:
+        else:  # the continuous planner's code path (services/planner/capacity.py), at a given rate
             try:
-                sizing = size(entries, profiles, slo, rate, max_instances, exhaustive, progress)
+                capacity = recommend(
+                    entries, profiles, slo, rate, limits, exhaustive=exhaustive, progress=progress
+                )
             except (OutOfReach, ValueError) as exc:
                 typer.echo(f"error: {exc}", err=True)
                 raise typer.Exit(1) from None
-            result = sizing.result
+            if capacity.short:
+                typer.echo(f"error: {capacity.short}", err=True)
+                raise typer.Exit(1)
+            result = capacity.sizing.result
     result.inputs["profiles"] = source
     if as_json:
-        typer.echo(json.dumps((sizing or result).to_dict(), default=_plain))
+        body = (
+            result.to_dict()
+            if capacity is None
+            else {**capacity.sizing.to_dict(), "capacity": capacity.to_dict()}
+        )
+        typer.echo(json.dumps(body, default=_plain))
         return
     _print_table(result, len(entries), source)
-    if sizing is not None:
-        tried = ", ".join(f"{n}: {g:.3f}" for n, g in sorted(sizing.tried.items()))
-        typer.echo(f"instances: {sizing.instances}, the fewest whose best split serves {rate:g} req/s")
+    if capacity is not None:
+        tried = ", ".join(f"{n}: {g:.3f}" for n, g in sorted(capacity.sizing.tried.items()))
+        typer.echo(
+            f"instances: {capacity.sizing.instances}, the fewest whose best split serves {rate:g} req/s"
+        )
         typer.echo(f"best goodput (req/s) by instance count: {tried}")
 
 
