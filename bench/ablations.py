@@ -42,7 +42,7 @@ ONE_TRANSFER = "1000000"  # layers per KV transfer: more than any model has, so 
 
 BATCHING = ["e+p+d", PLANNER, "e+p+d prefill-first", "e+p+d decode-first"]
 BATCHING_EPD = ["epd", "epd prefill-first", "epd decode-first"]
-TRANSFER = ["e+p+d", "e+p+d no prefetch", "e+p+d one KV transfer", "e+p+d KV streamed"]
+TRANSFER = ["e+p+d", "e+p+d no prefetch", "e+p+d one KV transfer", "e+p+d KV after prefill"]
 
 
 def epd_capped(cap: int) -> System:
@@ -58,7 +58,7 @@ def systems(with_epd: bool, epd_token_cap: int | None = None) -> list[System]:
         System("e+p+d decode-first", method="e+p+d", env={"TRIDENT_POLICY": "decode-first"}),
         System("e+p+d no prefetch", method="e+p+d", env={"TRIDENT_PREFETCH": "0"}),
         System("e+p+d one KV transfer", method="e+p+d", env={"TRIDENT_KV_LAYER_GROUP": ONE_TRANSFER}),
-        System("e+p+d KV streamed", method="e+p+d", env={"TRIDENT_KV_STREAM": "1"}),
+        System("e+p+d KV after prefill", method="e+p+d", env={"TRIDENT_KV_STREAM": "0"}),
     ]
     if with_epd:
         chosen += [

@@ -148,11 +148,10 @@ class WorkerSettings(ServiceSettings):
         "quarter of a float32 one's; decoders of either setting read both)",
     )
     kv_stream: bool = Field(
-        False,
+        True,
         description="A prefill instance streams each group of layers' KV as its last prefill step computes "
         "it, and queues the decode task as that step starts, so decode pulls while prefill runs (002 "
-        "§3.3); off: KV is exported after the step. KV small enough to ride in the task never streams. "
-        "Opt-in while a soak's memory growth with it on is unexplained (docs/engine.md)",
+        "§3.3); off: KV is exported after the step. KV small enough to ride in the task never streams",
     )
     prefetch: bool = Field(
         True,

@@ -51,7 +51,7 @@ class PrefillHandler(StageHandler):
 
     def __init__(
         self, ctx: StageContext, *, prefetch: bool = True, kv_layer_group: int = 4, kv_wire: str = "native",
-        kv_stream: bool = False,
+        kv_stream: bool = True,
     ) -> None:  # fmt: skip
         super().__init__(ctx)
         self.prefetch = prefetch

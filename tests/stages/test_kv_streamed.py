@@ -38,7 +38,7 @@ def held_after_forward(rig: StageRig):
 
 
 async def streamed_task(p: StageRig, d: StageRig, spec) -> tuple:
-    p.handlers[Role.PREFILL].kv_stream = True  # opt-in
+    p.handlers[Role.PREFILL].kv_stream = True  # the default; said here, as the tests rely on it
     await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
     prefill = await p.fetch(Role.PREFILL)
     await p.handlers[Role.PREFILL].take(prefill)

@@ -9,7 +9,7 @@ own stream sink (services/prefill/kv_stream.py) and a real transfer backend; a p
 process stands for the decoder: it gets the handles as soon as the decode task would be queued and
 pulls every group at once. For each prompt, two runs:
 
-- after prefill (the default, `TRIDENT_KV_STREAM=0`): the step ends, the KV is exported and published, then
+- after prefill (`TRIDENT_KV_STREAM=0`): the step ends, the KV is exported and published, then
   pulled. Its transfer time T is from the step's end (its first token sampled: when decode could
   begin) to the last byte landed;
 - streamed: the handles go out as the step begins; the exposed time E is from the step's end to
