@@ -16,7 +16,23 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
-install: system-deps $(STAMP)
+# The Kubernetes manifests' offline checks (tests/kubernetes): kubernetes-validate and checkov in a
+# venv of their own (checkov pins much that the project also uses), and the @kubernetes-models npm
+# packages, which carry KEDA's and the Prometheus operator's CRD schemas compiled to validators.
+TOOLS := .venv-tools
+K8S_TOOLS := checkov==3.3.30 kubernetes-validate==1.37.0
+CRD_MODELS := @kubernetes-models/keda@0.4.2 @kubernetes-models/prometheus-operator@6.0.0
+TOOLS_STAMP := $(TOOLS)/.installed-$(subst ==,-,$(subst $(eval) ,_,$(K8S_TOOLS)))-keda0.4.2-po6.0.0
+
+$(TOOLS_STAMP):
+	rm -rf $(TOOLS)
+	$(PY) -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --quiet $(K8S_TOOLS)
+	@command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null)
+	npm install --silent --no-audit --no-fund --prefix $(TOOLS)/npm $(CRD_MODELS)
+	touch $(TOOLS_STAMP)
+
+install: system-deps $(STAMP) $(TOOLS_STAMP)
 
 # redis-server, and prometheus/promtool (the monitoring profile's tests), come from Debian; installed
 # only when missing.
@@ -64,4 +80,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(TOOLS) .pytest_cache build *.egg-info

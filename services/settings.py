@@ -23,6 +23,9 @@ class ServiceSettings(BaseSettings):
     model: Path = Field(Path(".trident/models/tiny-llava"), description="HF-format checkpoint directory")
     model_name: str = Field("", description="Name served in the API; default: the directory's name")
     nats_url: str = "nats://127.0.0.1:4222"
+    nats_stream_replicas: int = Field(
+        1, ge=1, le=5, description="Copies JetStream keeps of the task stream: 3 on a three-node NATS cluster"
+    )
     redis_url: str = "redis://127.0.0.1:6379/0"
     secrets_dir: Path | None = Field(
         None,
@@ -78,7 +81,10 @@ class ServiceSettings(BaseSettings):
         return self
 
     def bus_config(self, name: str) -> BusConfig:
-        return BusConfig(url=self.nats_url, prefix=self.namespace, name=name, ack_wait=self.task_ack_wait)
+        return BusConfig(
+            url=self.nats_url, prefix=self.namespace, name=name, ack_wait=self.task_ack_wait,
+            stream_replicas=self.nats_stream_replicas,
+        )  # fmt: skip
 
     @property
     def served_model_name(self) -> str:

@@ -45,6 +45,9 @@ class BusConfig:
     # depth): past it, a publish fails with QueueFull instead of the stream growing without bound.
     max_queued_tasks: int = 10_000
     extra_servers: tuple[str, ...] = field(default_factory=tuple)
+    # Copies JetStream keeps of the task stream (and its consumers): 3 on a three-node cluster, so
+    # losing a node loses no task; 1 on a single server.
+    stream_replicas: int = 1
 
     @property
     def keep_alive_period(self) -> float:
@@ -113,6 +116,7 @@ async def ensure_task_stream(js: JetStreamContext, config: BusConfig) -> None:
         max_msgs_per_subject=config.max_queued_tasks,
         max_msg_size=config.max_task_bytes,
         duplicate_window=config.duplicate_window,
+        num_replicas=config.stream_replicas,
     )
     await _declare(js, stream)
     for role in Role:

@@ -11,6 +11,7 @@ import typer
 from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters, write_checkpoint
 from trident.cli.bench import bench_app
 from trident.cli.generate import generate
+from trident.cli.kubernetes import kubernetes
 from trident.cli.plan import plan
 from trident.cli.top import top
 from trident.cli.up import down, follow_plan, up
@@ -77,4 +78,5 @@ app.command("down")(down)
 app.command("follow-plan")(follow_plan)
 app.command("plan")(plan)
 app.command("top")(top)
+app.command("kubernetes")(kubernetes)
 app.add_typer(bench_app, name="bench")

@@ -1,0 +1,1 @@
+"""Kubernetes manifests for a Trident deployment (render.py; `trident kubernetes`)."""

@@ -1,0 +1,110 @@
+"""Small builders for the Kubernetes objects Trident's manifests are made of (plain dicts, as
+`kubectl apply` reads them once written as YAML)."""
+
+from __future__ import annotations
+
+PART_OF = "trident"
+RUN_AS = 10001  # the image's `trident` user (Dockerfile)
+
+
+def labels(component: str, **extra: str) -> dict[str, str]:
+    return {"app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/component": component, **extra}
+
+
+def meta(name: str, namespace: str, component: str, **extra: str) -> dict:
+    return {"name": name, "namespace": namespace, "labels": labels(component, **extra)}
+
+
+def pod_security(user: int = RUN_AS) -> dict:
+    """Non-root, with a group that may read the mounted Secret and write the mounted volumes."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": user,
+        "runAsGroup": user,
+        "fsGroup": user,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security() -> dict:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def http_probe(path: str, port: str, period: int, failures: int, timeout: int = 3) -> dict:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def env(**values: str) -> list[dict]:
+    return [{"name": k, "value": str(v)} for k, v in values.items()]
+
+
+def secret_env(name: str, secret: str, key: str) -> dict:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def field_env(name: str, path: str) -> dict:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def service(name: str, namespace: str, component: str, selector: dict, ports: list[dict], *,
+            headless: bool = False, metrics: bool = False) -> dict:  # fmt: skip
+    extra = {"trident.dev/metrics": "true"} if metrics else {}
+    spec: dict = {"selector": selector, "ports": ports}
+    if headless:
+        spec |= {"clusterIP": "None", "publishNotReadyAddresses": True}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(name, namespace, component, **extra),
+        "spec": spec,
+    }
+
+
+def port(name: str, number: int) -> dict:
+    return {"name": name, "port": number, "targetPort": number, "protocol": "TCP"}
+
+
+def disruption_budget(
+    name: str, namespace: str, component: str, selector: dict, *,
+    max_unavailable: int | None = None, min_available: int | None = None,
+) -> dict:  # fmt: skip
+    spec: dict = {"selector": {"matchLabels": selector}}
+    if max_unavailable is not None:
+        spec["maxUnavailable"] = max_unavailable
+    if min_available is not None:
+        spec["minAvailable"] = min_available
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": meta(name, namespace, component),
+        "spec": spec,
+    }
+
+
+def network_policy(name: str, namespace: str, pods: dict, ingress: list[dict]) -> dict:
+    """Ingress to `pods` only as `ingress` allows (an empty list: none at all)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta(name, namespace, "network"),
+        "spec": {
+            "podSelector": {"matchLabels": pods} if pods else {},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def from_trident() -> dict:
+    """A peer that is one of Trident's own pods, in this namespace."""
+    return {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": PART_OF}}}
