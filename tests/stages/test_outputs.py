@@ -35,19 +35,22 @@ async def said_again(rig: StageRig, stream: EventStream, ask: Resend) -> list[Me
             return got
 
 
+@pytest.mark.parametrize("kv_stream", [False, True], ids=["after-prefill", "streamed"])
 async def test_the_decoder_says_a_request_again_until_its_window_has_passed(
-    tiny_model_dir, nats_server, redis_server, owner
+    tiny_model_dir, nats_server, redis_server, owner, kv_stream
 ):
     async with (
         stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
         stage_rig(D, tiny_model_dir, nats_server, redis_server, finals_window=WINDOW) as d,
     ):
+        p.handlers[Role.PREFILL].kv_stream = kv_stream
         rid = "r-said-again"
         stream = await p.ctx.bus.events.outputs(rid)
         _, decode = await prefilled(p, d, owner, rid)
         first = decode.message.request.output_token_ids
         (kept,) = list(p.ledger)  # handed on: it keeps the KV for decode, and no outputs
-        await p.until(lambda: not kept.holds_task, what="the prefill task settled")
+        # Streamed, the task settles as the step begins and the outputs go once the step is over.
+        await p.until(lambda: not kept.holds_task and not kept.sent, what="the request handed on")
         assert kept.kv_handles and kept.sent == []
         await p.outputs.say_again(Resend(request_id=rid))
         assert p.outputs.said_again == 0
