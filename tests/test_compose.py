@@ -152,6 +152,13 @@ def test_health_checks(compose: dict[str, Any]) -> None:
     assert "inspect ping" in compose["services"]["planner-jobs"]["healthcheck"]["test"][-1]
 
 
+def test_nats_monitoring_answers_inside_its_container_only(compose: dict[str, Any]) -> None:
+    """/connz, /subsz and /jsz list connections, subjects and streams: no other container may ask."""
+    conf = compose["configs"]["nats-conf"]["content"]
+    assert re.search(r"^http: 127\.0\.0\.1:8222$", conf, re.M) and "http_port" not in conf
+    assert "http://127.0.0.1:8222/healthz" in " ".join(compose["services"]["nats"]["healthcheck"]["test"])
+
+
 def test_services_and_profiles(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert {name for name, s in services.items() if not s.get("profiles")} == DEFAULT
