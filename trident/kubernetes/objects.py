@@ -105,6 +105,15 @@ def network_policy(name: str, namespace: str, pods: dict, ingress: list[dict]) -
     }
 
 
+def tcp(number: int) -> dict:
+    return {"port": number, "protocol": "TCP"}
+
+
+def allow(peer: dict, *ports: int) -> dict:
+    """An ingress rule: `peer` (a pod or namespace selector) on `ports`."""
+    return {"from": [peer], "ports": [tcp(p) for p in ports]}
+
+
 def from_trident() -> dict:
     """A peer that is one of Trident's own pods, in this namespace."""
     return {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": PART_OF}}}

@@ -38,6 +38,7 @@ from trident.kubernetes.objects import (
     pod_security,
     port,
     service,
+    tcp,
 )
 from trident.kubernetes.substrate import SECRET, nats, redis, spread
 
@@ -344,10 +345,6 @@ def policies(o: Options) -> list[dict]:
         ],
         network_policy("trident-planner-jobs", o.namespace, labels("planner-jobs"), []),
     ]  # fmt: skip
-
-
-def tcp(number: int) -> dict:
-    return {"port": number, "protocol": "TCP"}
 
 
 def service_monitor(o: Options) -> dict:

@@ -13,10 +13,12 @@ Redis runs as one StatefulSet replica. A replica with automatic failover is not 
 from __future__ import annotations
 
 from trident.kubernetes.objects import (
+    allow,
     container_security,
     disruption_budget,
     env,
     field_env,
+    from_trident,
     http_probe,
     labels,
     meta,
@@ -127,16 +129,7 @@ def nats(namespace: str, storage: str) -> list[dict]:
             "nats",
             namespace,
             select,
-            [
-                {
-                    "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "trident"}}}],
-                    "ports": [{"port": 4222, "protocol": "TCP"}],
-                },
-                {
-                    "from": [{"podSelector": {"matchLabels": select}}],
-                    "ports": [{"port": 6222, "protocol": "TCP"}],
-                },
-            ],
+            [allow(from_trident(), 4222), allow({"podSelector": {"matchLabels": select}}, 6222)],
         ),
     ]
 
@@ -186,17 +179,7 @@ def redis(namespace: str, storage: str) -> list[dict]:
     return [
         statefulset,
         service("redis", namespace, "redis", select, [port("redis", 6379)]),
-        network_policy(
-            "redis",
-            namespace,
-            select,
-            [
-                {
-                    "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "trident"}}}],
-                    "ports": [{"port": 6379, "protocol": "TCP"}],
-                },
-            ],
-        ),
+        network_policy("redis", namespace, select, [allow(from_trident(), 6379)]),
     ]
 
 
