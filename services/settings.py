@@ -300,6 +300,9 @@ class PlannerSettings(ServiceSettings):
     planner_capacity_change: float = Field(
         0.1, ge=0, description="Relative change of the forecast rate that re-sizes capacity between plans"
     )
+    planner_capacity_min_interval: float = Field(
+        30.0, ge=0, description="Fewest seconds between two sizings that a forecast change triggers"
+    )
     planner_actuator: Literal["advisory", "launcher", "compose"] = "advisory"
     planner_compose_run: bool = Field(False, description="compose actuator: run the command, not just log it")
     planner_compose_file: Path = Field(

@@ -2,7 +2,8 @@
 serve it within the limits (common/planner/capacity.py, the code `trident plan --rate` runs too).
 
 Sized after every plan, and between plans whenever the forecast rate has moved by more than
-TRIDENT_PLANNER_CAPACITY_CHANGE since the last sizing, or a plan interval has passed.
+TRIDENT_PLANNER_CAPACITY_CHANGE since the last sizing (at most once per
+TRIDENT_PLANNER_CAPACITY_MIN_INTERVAL), or a plan interval has passed.
 """
 
 from __future__ import annotations

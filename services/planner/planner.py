@@ -188,13 +188,16 @@ class Planner:
         predicted = forecast_load(self.window, s.forecast_config())
         last = self.capacity
         if trigger is None:
+            since = time.monotonic() - self._sized_at
+            if last is not None and since < s.planner_capacity_min_interval:
+                return None  # a noisy forecast does not keep the planner's core busy
             if moved(last, predicted, s.planner_capacity_change):
                 trigger = (
                     "first"
                     if last is None
                     else f"forecast {last.forecast.rate:.3g} → {predicted.rate:.3g} req/s"
                 )
-            elif time.monotonic() - self._sized_at >= s.planner_interval:
+            elif since >= s.planner_interval:
                 trigger = "interval"
             else:
                 return None
