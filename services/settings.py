@@ -10,8 +10,8 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.bus import BusConfig
-from common.planner.capacity import KINDS, Limits, parse_counts
 from common.planner.forecast import ForecastConfig
+from common.planner.limits import KINDS, Limits, parse_counts
 from common.secrets import DeploymentSecrets, with_credentials
 
 

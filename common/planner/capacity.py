@@ -15,90 +15,17 @@ replicas that would only share its cores.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from common.planner.algorithm import Progress
+from common.planner.limits import KINDS, PLANNED_METHODS, Limits, parse_counts
 from common.planner.profiles import ProfileSet
 from common.planner.simulator import Correction
-from common.planner.sizing import MIN_INSTANCES, OutOfReach, Sizing, size
-from common.planner.types import METHOD_KINDS, Deployment
+from common.planner.sizing import OutOfReach, Sizing, size
+from common.planner.types import Deployment
 from common.roles import InstanceKind, Role
 from common.stats import SLO
-
-KINDS = tuple(k.value for k in InstanceKind)
-PLANNED_METHODS = ("e+p+d", "ep+d", "ed+p")  # the ones Algorithm 2 splits (every_split)
-
-
-def parse_counts(text: str, what: str) -> dict[str, int]:
-    """`e=1,d=2` → {"e": 1, "d": 2}; a ValueError that names the bad part otherwise."""
-    out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        kind, sep, value = part.partition("=")
-        kind = kind.strip().lower()
-        if not sep or kind not in KINDS:
-            raise ValueError(f"{what}: {part!r} is not KIND=COUNT with KIND one of {', '.join(KINDS)}")
-        try:
-            out[kind] = int(value)
-        except ValueError:
-            raise ValueError(f"{what}: {value.strip()!r} in {part!r} is not a whole number") from None
-        if out[kind] < 0:
-            raise ValueError(f"{what}: {part!r} is negative")
-    return out
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a recommendation must fit: per-kind bounds and what all instances together may take."""
-
-    minimum: Mapping[str, int] = field(default_factory=dict)  # per kind, when its method runs it
-    maximum: Mapping[str, int] = field(default_factory=dict)  # per kind; absent: no bound
-    budget: float | None = None  # cores (or GPUs) for all instances; None: unbounded
-    cost: Mapping[str, float] = field(default_factory=dict)  # per instance of a kind; default 1
-    unit: str = "cores"
-    max_instances: int = 64  # search bound when nothing else bounds it
-
-    def __post_init__(self) -> None:
-        for kind, low in self.minimum.items():
-            if (high := self.maximum.get(kind)) is not None and high < low:
-                raise ValueError(f"limits: {kind} has minimum {low} above its maximum {high}")
-        if self.budget is not None and self.budget <= 0:
-            raise ValueError(f"limits: the budget must be above 0 {self.unit}")
-        if any(c <= 0 for c in self.cost.values()):
-            raise ValueError("limits: an instance's cost must be above 0")
-
-    def cost_of(self, deployment: Deployment) -> float:
-        return sum(n * self.cost.get(kind, 1.0) for kind, n in deployment.replicas)
-
-    def why_not(self, deployment: Deployment) -> str | None:
-        """Why the limits rule `deployment` out, or None if they allow it."""
-        for kind, n in deployment.replicas:
-            if n < self.minimum.get(kind, 0):
-                return f"{kind} below its minimum {self.minimum[kind]}"
-            if (high := self.maximum.get(kind)) is not None and n > high:
-                return f"{kind} above its maximum {high}"
-        if self.budget is not None and self.cost_of(deployment) > self.budget + 1e-9:
-            return f"{self.cost_of(deployment):g} {self.unit} exceed the budget of {self.budget:g}"
-        return None
-
-    def allows(self, deployment: Deployment) -> bool:
-        return self.why_not(deployment) is None
-
-    def instance_range(self) -> tuple[int, int]:
-        """The fewest and most instances any allowed deployment can have."""
-        lows, highs = [], []
-        for method, kinds in METHOD_KINDS.items():
-            if method not in PLANNED_METHODS:
-                continue
-            lows.append(sum(max(1, self.minimum.get(k, 0)) for k in kinds))
-            bounded = all(k in self.maximum for k in kinds)
-            highs.append(sum(self.maximum[k] for k in kinds) if bounded else self.max_instances)
-        most = min(max(highs), self.max_instances)
-        if self.budget is not None:
-            cheapest = min(self.cost.get(k, 1.0) for k in KINDS)
-            most = min(most, math.floor(self.budget / cheapest + 1e-9))
-        return max(MIN_INSTANCES, min(lows)), most
 
 
 @dataclass
@@ -191,3 +118,6 @@ def _floor(
             counts, have = trial.counts, have + 1
             held[str(kind)] = held.get(str(kind), 0) + 1
     return Deployment.of(deployment.method, **counts), held
+
+
+__all__ = ["KINDS", "PLANNED_METHODS", "Capacity", "Limits", "parse_counts", "recommend"]

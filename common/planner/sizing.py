@@ -12,12 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.planner.algorithm import NoSplit, Progress, plan
+from common.planner.limits import MIN_INSTANCES
 from common.planner.profiles import ProfileSet
 from common.planner.simulator import Correction
 from common.planner.types import Deployment, PlanResult
 from common.stats import SLO
-
-MIN_INSTANCES = 3  # one per stage
 
 
 class OutOfReach(ValueError):
