@@ -9,6 +9,7 @@ keeps its state file, and drains and exits 0 on SIGTERM. And what the user watch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -219,7 +220,9 @@ def test_trident_top_shows_the_deployment_live_in_a_terminal(epd):
         deadline = time.monotonic() + 30  # a bound: idle, it exits in well under a second
         while proc.poll() is None and time.monotonic() < deadline:
             if _read_terminal(main, 0.2) is None:
-                break
+                break  # it closed the terminal: what is left of its exit writes nothing
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the interpreter's teardown, bounded
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         if proc.poll() is None:
             proc.send_signal(signal.SIGABRT)  # faulthandler prints where each thread is
             stuck = ""
