@@ -372,7 +372,11 @@ def dashboard(o: Options) -> dict:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the NATS config, the dashboard) as literal blocks, as a person writes them."""
+    """Multi-line strings (the NATS config, the dashboard) as literal blocks, as a person writes them;
+    a selector used twice written out twice, not as a YAML alias."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
 
 
 def _text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
