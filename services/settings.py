@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.bus import BusConfig
 from common.planner.forecast import ForecastConfig
-from common.planner.limits import KINDS, Limits, parse_counts
+from common.planner.limits import Limits, parse_counts
 from common.secrets import DeploymentSecrets, with_credentials
 
 
@@ -347,7 +347,7 @@ class PlannerSettings(ServiceSettings):
             minimum=parse_counts(self.planner_min_replicas, "TRIDENT_PLANNER_MIN_REPLICAS"),
             maximum=parse_counts(self.planner_max_replicas, "TRIDENT_PLANNER_MAX_REPLICAS"),
             budget=budget,
-            cost=dict.fromkeys(KINDS, self.planner_instance_cost),
+            cost=self.planner_instance_cost,
             unit=self.planner_budget_unit,
         )
 

@@ -19,12 +19,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from common.planner.algorithm import Progress
-from common.planner.limits import KINDS, PLANNED_METHODS, Limits, parse_counts
+from common.planner.limits import KINDS, Limits
 from common.planner.profiles import ProfileSet
 from common.planner.simulator import Correction
 from common.planner.sizing import OutOfReach, Sizing, size
-from common.planner.types import Deployment
-from common.roles import InstanceKind, Role
+from common.planner.types import KIND_ROLES, Deployment
+from common.roles import Role
 from common.stats import SLO
 
 
@@ -108,9 +108,9 @@ def _floor(
     for role, waiting in queued.items():
         if waiting <= 0:
             continue
-        now = sum(n for kind, n in running.items() if role in InstanceKind(kind).roles)
-        kind = next(k for k in counts if role in InstanceKind(k).roles)
-        have = sum(n for k, n in counts.items() if role in InstanceKind(k).roles)
+        now = sum(n for kind, n in running.items() if role in KIND_ROLES[kind])
+        kind = next(k for k in counts if role in KIND_ROLES[k])
+        have = sum(n for k, n in counts.items() if role in KIND_ROLES[k])
         while have < now:
             trial = Deployment.of(deployment.method, **{**counts, kind: counts[kind] + 1})
             if not limits.allows(trial):
@@ -118,6 +118,3 @@ def _floor(
             counts, have = trial.counts, have + 1
             held[str(kind)] = held.get(str(kind), 0) + 1
     return Deployment.of(deployment.method, **counts), held
-
-
-__all__ = ["KINDS", "PLANNED_METHODS", "Capacity", "Limits", "parse_counts", "recommend"]

@@ -48,15 +48,17 @@ def workload_distance(recent: Sequence, planned_for: Sequence) -> float:
     return max(size, rate_shift)
 
 
+def kind_counts(role_sets: Iterable[Iterable[str]]) -> Counter[str]:
+    """Instances per kind, from their role sets; a set no kind has counts under ""."""
+    by_roles = {roles: kind for kind, roles in KIND_ROLES.items()}
+    return Counter(by_roles.get(frozenset(roles), "") for roles in role_sets)
+
+
 def current_deployment(role_sets: Iterable[Iterable[str]]) -> Deployment | None:
     """The deployment the live instances form (their role sets), or None if they form no single method."""
-    by_roles = {roles: kind for kind, roles in KIND_ROLES.items()}
-    kinds = Counter()
-    for roles in role_sets:
-        kind = by_roles.get(frozenset(roles))
-        if kind is None:
-            return None
-        kinds[kind] += 1
+    kinds = kind_counts(role_sets)
+    if "" in kinds:
+        return None
     for method, method_kinds in METHOD_KINDS.items():
         if set(kinds) == set(method_kinds):
             return Deployment.of(method, **kinds)

@@ -39,7 +39,7 @@ class Limits:
     minimum: Mapping[str, int] = field(default_factory=dict)  # per kind, when its method runs it
     maximum: Mapping[str, int] = field(default_factory=dict)  # per kind; absent: no bound
     budget: float | None = None  # cores (or GPUs) for all instances; None: unbounded
-    cost: Mapping[str, float] = field(default_factory=dict)  # per instance of a kind; default 1
+    cost: float = 1.0  # what one instance takes of the budget
     unit: str = "cores"
     max_instances: int = 64  # search bound when nothing else bounds it
 
@@ -49,25 +49,18 @@ class Limits:
                 raise ValueError(f"limits: {kind} has minimum {low} above its maximum {high}")
         if self.budget is not None and self.budget <= 0:
             raise ValueError(f"limits: the budget must be above 0 {self.unit}")
-        if any(c <= 0 for c in self.cost.values()):
+        if self.cost <= 0:
             raise ValueError("limits: an instance's cost must be above 0")
 
     def cost_of(self, deployment: Deployment) -> float:
-        return sum(n * self.cost.get(kind, 1.0) for kind, n in deployment.replicas)
-
-    def why_not(self, deployment: Deployment) -> str | None:
-        """Why the limits rule `deployment` out, or None if they allow it."""
-        for kind, n in deployment.replicas:
-            if n < self.minimum.get(kind, 0):
-                return f"{kind} below its minimum {self.minimum[kind]}"
-            if (high := self.maximum.get(kind)) is not None and n > high:
-                return f"{kind} above its maximum {high}"
-        if self.budget is not None and self.cost_of(deployment) > self.budget + 1e-9:
-            return f"{self.cost_of(deployment):g} {self.unit} exceed the budget of {self.budget:g}"
-        return None
+        return deployment.instances * self.cost
 
     def allows(self, deployment: Deployment) -> bool:
-        return self.why_not(deployment) is None
+        """Each kind within its bounds, and all instances within the budget."""
+        for kind, n in deployment.replicas:
+            if n < self.minimum.get(kind, 0) or n > self.maximum.get(kind, n):
+                return False
+        return self.budget is None or self.cost_of(deployment) <= self.budget + 1e-9
 
     def instance_range(self) -> tuple[int, int]:
         """The fewest and most instances any allowed deployment can have."""
@@ -80,6 +73,5 @@ class Limits:
             highs.append(sum(self.maximum[k] for k in kinds) if bounded else self.max_instances)
         most = min(max(highs), self.max_instances)
         if self.budget is not None:
-            cheapest = min(self.cost.get(k, 1.0) for k in KINDS)
-            most = min(most, math.floor(self.budget / cheapest + 1e-9))
+            most = min(most, math.floor(self.budget / self.cost + 1e-9))
         return max(MIN_INSTANCES, min(lows)), most

@@ -60,7 +60,8 @@ def run_what_if(
 ) -> dict[str, Any]:
     """Plan for a validated job payload (services/planner/job_models.py builds it)."""
     from common.planner.algorithm import plan
-    from common.planner.capacity import Limits, recommend
+    from common.planner.capacity import recommend
+    from common.planner.limits import Limits
     from common.planner.paper_profiles import profiles_from
     from common.planner.profiles import ProfileSet
     from common.planner.sizing import OutOfReach

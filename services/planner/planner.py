@@ -28,7 +28,7 @@ from common.bus import Bus
 from common.planner.algorithm import plan as make_plan
 from common.planner.calibrate import ServiceCalibration, calibrate_from_service, transfer_model
 from common.planner.capacity import recommend
-from common.planner.drift import current_deployment, measure_correction, workload_distance
+from common.planner.drift import current_deployment, kind_counts, measure_correction, workload_distance
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
 from common.planner.simulator import Correction
@@ -36,7 +36,7 @@ from common.planner.sizing import OutOfReach
 from common.planner.trace import TraceEntry, from_records, summary
 from common.planner.types import Deployment, PlanResult
 from common.protocol import Plan, TraceRecord
-from common.roles import InstanceKind, Role
+from common.roles import Role
 from common.runtime import Runtime
 from common.stats import SLO
 from common.store import Store
@@ -203,10 +203,8 @@ class Planner:
                 return None
         started = time.monotonic()
         registered = await self.store.registry.instances()
-        running: dict[str, int] = {}
-        for hb in registered:
-            if not hb.draining and (kind := InstanceKind.of(hb.roles)) is not None:
-                running[kind.value] = running.get(kind.value, 0) + 1
+        live = kind_counts(hb.roles for hb in registered if not hb.draining)
+        running = {str(kind): n for kind, n in live.items() if kind}
         queued = await self._queued()
         base, calibration = await self.profiles(registered)
         profiles = calibration.apply(base) if calibration else base

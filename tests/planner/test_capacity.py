@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from common.planner.algorithm import plan
-from common.planner.capacity import KINDS, Limits, parse_counts, recommend
+from common.planner.capacity import recommend
+from common.planner.limits import KINDS, Limits, parse_counts
 from common.planner.paper_profiles import paper_profiles
 from common.planner.workloads import generate
 from common.roles import Role
@@ -32,7 +33,7 @@ def test_a_budget_caps_the_recommendation_and_says_it_falls_short() -> None:
     assert c.deployment.instances == 4 and c.cost <= 4.0
     assert c.short is not None and "budget of 4 cores" in c.short and c.goodput < 60.0
     # Costlier instances: a budget of 8 runs four that take 2 cores each.
-    c = recommend(TRACE, PROFILES, SLO_, 60.0, Limits(budget=8.0, cost={k: 2.0 for k in KINDS}))
+    c = recommend(TRACE, PROFILES, SLO_, 60.0, Limits(budget=8.0, cost=2.0))
     assert c.deployment.instances == 4 and c.cost == 8.0
 
 

@@ -83,7 +83,8 @@ def plan(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from common.planner.algorithm import plan as make_plan
-    from common.planner.capacity import KINDS, Limits, parse_counts, recommend
+    from common.planner.capacity import recommend
+    from common.planner.limits import Limits, parse_counts
     from common.planner.profiles import ProfileError
     from common.planner.sizing import OutOfReach
     from common.planner.trace import TraceError, read_trace
@@ -98,7 +99,7 @@ def plan(
             minimum=parse_counts(min_replicas, "--min-replicas"),
             maximum=parse_counts(max_replicas, "--max-replicas"),
             budget=budget or None,
-            cost=dict.fromkeys(KINDS, instance_cost or 1.0),
+            cost=instance_cost or 1.0,
             max_instances=max_instances,
         )
     except (TraceError, ProfileError, ValueError, OSError) as exc:
