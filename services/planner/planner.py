@@ -102,7 +102,10 @@ class Planner:
         self._requested: list[asyncio.Future[Decision]] = []  # POST /plan/replan callers
         self.capacity: CapacityDecision | None = None
         self._sized_at = 0.0  # monotonic
-        self._correction: Correction | None = None  # the last plan's, reused between plans
+        # The last plan's model of the cluster, which capacity is sized with until the next plan:
+        # its stage profiles (calibrated from service) and its correction.
+        self._profiles: ProfileSet | None = None
+        self._correction: Correction | None = None
         # Connected in start(), inside uvicorn's event loop (its lifespan): None until then.
         self.runtime: Runtime | None = None
         self._actuator: Actuator | None = None
@@ -206,12 +209,10 @@ class Planner:
         live = kind_counts(hb.roles for hb in registered if not hb.draining)
         running = {str(kind): n for kind, n in live.items() if kind}
         queued = await self._queued()
-        base, calibration = await self.profiles(registered)
-        profiles = calibration.apply(base) if calibration else base
         rate = max(predicted.rate, MIN_RATE)
         try:
             capacity, error = await asyncio.to_thread(
-                recommend, from_records(self.window), profiles, self.slo, rate, s.capacity_limits(),
+                recommend, from_records(self.window), self._profiles, self.slo, rate, s.capacity_limits(),
                 queued=queued, running=running, correction=self._correction,
             ), None  # fmt: skip
         except (OutOfReach, ValueError) as exc:
@@ -298,7 +299,7 @@ class Planner:
         correction = Correction()
         if current is not None:
             correction = await asyncio.to_thread(measure_correction, trace, current, profiles, self.slo)
-        self._correction = correction
+        self._profiles, self._correction = profiles, correction
         try:
             result = await asyncio.to_thread(
                 make_plan,
