@@ -120,25 +120,23 @@ def common_env(o: Options) -> list[dict]:
     ]  # what peers dial: the pod's address
 
 
-def mounts(models: bool = True) -> tuple[list[dict], list[dict]]:
+def mounts(models_claim: str | None) -> tuple[list[dict], list[dict]]:
     """The secrets (read-only, the run-as group may read them), a writable /tmp on a read-only root
-    filesystem and, for those that load the model, the models volume."""
+    filesystem and, for those that load the model, the models volume (`models_claim`)."""
     volume_mounts = [{"name": "secrets", "mountPath": "/secrets", "readOnly": True},
                      {"name": "tmp", "mountPath": "/tmp"}]  # fmt: skip
     volumes = [{"name": "secrets", "secret": {"secretName": SECRET, "defaultMode": 0o440}},
                {"name": "tmp", "emptyDir": {}}]  # fmt: skip
-    if models:
+    if models_claim is not None:
         volume_mounts.append({"name": "models", "mountPath": "/models", "readOnly": True})
         volumes.append(
-            {"name": "models", "persistentVolumeClaim": {"claimName": "trident-models", "readOnly": True}}
+            {"name": "models", "persistentVolumeClaim": {"claimName": models_claim, "readOnly": True}}
         )
     return volume_mounts, volumes
 
 
 def pod(o: Options, select: dict, container: dict, grace: int, models: bool = True) -> dict:
-    volume_mounts, volumes = mounts(models)
-    if models:
-        volumes[-1]["persistentVolumeClaim"]["claimName"] = o.models_claim
+    volume_mounts, volumes = mounts(o.models_claim if models else None)
     container = {
         "imagePullPolicy": "Always",  # tags move: a restarted pod runs what the tag names now
         **container,

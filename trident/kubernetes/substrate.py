@@ -16,7 +16,6 @@ from trident.kubernetes.objects import (
     allow,
     container_security,
     disruption_budget,
-    env,
     field_env,
     from_trident,
     http_probe,
@@ -33,6 +32,7 @@ NATS_IMAGE = "nats:2.11-alpine"
 REDIS_IMAGE = "redis:7-alpine"
 NATS_NODES = 3
 SECRET = "trident-secrets"
+SERVER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
 
 
 def nats_config(namespace: str) -> str:
@@ -69,10 +69,7 @@ def nats(namespace: str, storage: str) -> list[dict]:
         "startupProbe": http_probe("/healthz", "monitor", 2, 60),
         # Lame-duck mode hands the clients to the other nodes before this one stops.
         "lifecycle": {"preStop": {"exec": {"command": ["nats-server", "--signal", "ldm=/tmp/nats.pid"]}}},
-        "resources": {
-            "requests": {"cpu": "250m", "memory": "256Mi"},
-            "limits": {"cpu": "1", "memory": "1Gi"},
-        },
+        "resources": SERVER_RESOURCES,
         "securityContext": container_security(),
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/nats", "readOnly": True},
@@ -86,32 +83,13 @@ def nats(namespace: str, storage: str) -> list[dict]:
         "metadata": meta("nats-config", namespace, "nats"),
         "data": {"nats.conf": nats_config(namespace) + "pid_file: /tmp/nats.pid\n"},
     }
-    statefulset = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": meta("nats", namespace, "nats"),
-        "spec": {
-            "serviceName": "nats-cluster",
-            "replicas": NATS_NODES,
-            "podManagementPolicy": "Parallel",  # the routes form the cluster whichever starts first
-            "selector": {"matchLabels": select},
-            "template": {
-                "metadata": {"labels": select},
-                "spec": {
-                    "automountServiceAccountToken": False,
-                    "securityContext": pod_security(),
-                    "terminationGracePeriodSeconds": 60,
-                    "topologySpreadConstraints": [spread(select)],
-                    "containers": [container],
-                    "volumes": [
-                        {"name": "config", "configMap": {"name": "nats-config"}},
-                        {"name": "tmp", "emptyDir": {}},
-                    ],
-                },
-            },
-            "volumeClaimTemplates": [claim("data", storage, "nats")],
-        },
-    }
+    statefulset = stateful_set(
+        "nats", namespace, "nats-cluster", NATS_NODES, container, storage,
+        parallel=True,  # the routes form the cluster whichever starts first
+        terminationGracePeriodSeconds=60,
+        topologySpreadConstraints=[spread(select)],
+        volumes=[{"name": "config", "configMap": {"name": "nats-config"}}, {"name": "tmp", "emptyDir": {}}],
+    )  # fmt: skip
     return [
         config,
         statefulset,
@@ -150,37 +128,48 @@ def redis(namespace: str, storage: str) -> list[dict]:
             "timeoutSeconds": 3,
         },
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 3},
-        "resources": {
-            "requests": {"cpu": "250m", "memory": "256Mi"},
-            "limits": {"cpu": "1", "memory": "1Gi"},
-        },
+        "resources": SERVER_RESOURCES,
         "securityContext": container_security(),
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }
-    statefulset = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": meta("redis", namespace, "redis"),
-        "spec": {
-            "serviceName": "redis",
-            "replicas": 1,
-            "selector": {"matchLabels": select},
-            "template": {
-                "metadata": {"labels": select},
-                "spec": {
-                    "automountServiceAccountToken": False,
-                    "securityContext": pod_security(),
-                    "containers": [container],
-                },
-            },
-            "volumeClaimTemplates": [claim("data", storage, "redis")],
-        },
-    }
+    statefulset = stateful_set("redis", namespace, "redis", 1, container, storage)
     return [
         statefulset,
         service("redis", namespace, "redis", select, [port("redis", 6379)]),
         network_policy("redis", namespace, select, [allow(from_trident(), 6379)]),
     ]
+
+
+def stateful_set(
+    name: str, namespace: str, service_name: str, replicas: int, container: dict, storage: str, *,
+    parallel: bool = False, **pod: object,
+) -> dict:  # fmt: skip
+    """A server's StatefulSet: non-root, no service-account token, its `data` on a volume of its own
+    per replica; `pod` adds to the pod's spec; `parallel` starts the replicas all at once."""
+    select = labels(name)
+    spec = {
+        "serviceName": service_name,
+        "replicas": replicas,
+        "selector": {"matchLabels": select},
+        "template": {
+            "metadata": {"labels": select},
+            "spec": {
+                "automountServiceAccountToken": False,
+                "securityContext": pod_security(),
+                "containers": [container],
+                **pod,
+            },
+        },
+        "volumeClaimTemplates": [claim("data", storage, name)],
+    }
+    if parallel:
+        spec["podManagementPolicy"] = "Parallel"
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta(name, namespace, name),
+        "spec": spec,
+    }
 
 
 def claim(name: str, size: str, component: str) -> dict:
@@ -200,4 +189,4 @@ def spread(select: dict) -> dict:
     }
 
 
-__all__ = ["NATS_NODES", "SECRET", "env", "nats", "redis", "spread"]
+__all__ = ["NATS_NODES", "SECRET", "nats", "redis", "spread"]
