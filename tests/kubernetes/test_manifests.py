@@ -36,7 +36,7 @@ def tool(name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory) -> dict[tuple[str, bool], list[dict]]:
+def rendered() -> dict[tuple[str, bool], list[dict]]:
     return {(m, g): render(Options(method=m, gpu=g)) for m, g in VARIANTS}
 
 
@@ -60,7 +60,7 @@ def test_the_objects_pass_the_kubernetes_schemas(written: Path) -> None:
     assert unknown == {"ScaledObject", "ServiceMonitor"}, unknown  # the custom resources: below
 
 
-def crd_check(objects: list[dict], tmp_path: Path) -> tuple[int, list[dict]]:
+def crd_check(objects: list[dict]) -> tuple[int, list[dict]]:
     """Run tests/kubernetes/crd_check.mjs where node resolves the packages (.venv-tools/npm)."""
     packages = TOOLS / "npm"
     if not (packages / "node_modules" / "@kubernetes-models").exists() or shutil.which("node") is None:
@@ -75,9 +75,9 @@ def crd_check(objects: list[dict], tmp_path: Path) -> tuple[int, list[dict]]:
     return run.returncode, lines
 
 
-def test_the_custom_resources_pass_their_crd_schemas(rendered, tmp_path: Path) -> None:
+def test_the_custom_resources_pass_their_crd_schemas(rendered) -> None:
     objects = [o for variant in rendered.values() for o in variant]
-    code, lines = crd_check(objects, tmp_path)
+    code, lines = crd_check(objects)
     assert code == 0 and all(line["valid"] for line in lines), [line for line in lines if not line["valid"]]
     scalers = sum(len(METHOD_KINDS[m]) for m, _ in VARIANTS)
     assert sum(line["kind"] == "ScaledObject" for line in lines) == scalers
@@ -85,7 +85,7 @@ def test_the_custom_resources_pass_their_crd_schemas(rendered, tmp_path: Path) -
     # The check can fail: a threshold that is not a string, as KEDA's schema says it must be.
     broken = json.loads(json.dumps(next(o for o in objects if o["kind"] == "ScaledObject")))
     broken["spec"]["triggers"][0]["metadata"]["threshold"] = 1
-    code, lines = crd_check([broken], tmp_path)
+    code, lines = crd_check([broken])
     assert code == 1 and "threshold" in lines[0]["error"]
 
 
