@@ -62,7 +62,10 @@ def new_secret() -> str:
 
 
 def with_credentials(url: str, user: str, password: str) -> str:
-    """`url` with `user[:password]@` added, unless it carries credentials already."""
+    """`url` with `user[:password]@` added, unless it carries credentials already. A list of URLs
+    (a NATS cluster's nodes, comma-separated) gets them in each."""
+    if "," in url and "://" in url.partition(",")[2]:
+        return ",".join(with_credentials(part.strip(), user, password) for part in url.split(","))
     parts = urlsplit(url)
     if "@" in parts.netloc:
         return url

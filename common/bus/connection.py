@@ -27,7 +27,8 @@ class BusConfig:
     many deliveries the task is dead-lettered instead of crashing worker after worker.
     """
 
-    url: str = "nats://127.0.0.1:4222"  # credentials ride in the URL: nats://token@host or user:pass@host
+    # Credentials ride in the URL: nats://token@host or user:pass@host; a cluster's nodes, comma-separated.
+    url: str = "nats://127.0.0.1:4222"
     name: str = "trident"
     prefix: str = "trident"
     ack_wait: float = 30.0
@@ -48,6 +49,11 @@ class BusConfig:
     # Copies JetStream keeps of the task stream (and its consumers): 3 on a three-node cluster, so
     # losing a node loses no task; 1 on a single server.
     stream_replicas: int = 1
+
+    @property
+    def servers(self) -> list[str]:
+        """The URL's servers: a cluster's nodes are listed comma-separated, nats://a:4222,nats://b:4222."""
+        return [part.strip() for part in self.url.split(",") if part.strip()]
 
     @property
     def keep_alive_period(self) -> float:
@@ -81,7 +87,7 @@ async def connect_nats(config: BusConfig, on_reconnect: Callable[[], None] | Non
         log.debug("NATS client error (%s): %r", config.name, exc)
 
     nc = await nats.connect(
-        servers=[config.url, *config.extra_servers],
+        servers=[*config.servers, *config.extra_servers],
         name=config.name,
         allow_reconnect=True,
         max_reconnect_attempts=-1,

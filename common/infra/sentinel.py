@@ -1,0 +1,102 @@
+"""redis-server in Sentinel mode: it watches a primary, and with its peers promotes a replica when
+the primary stops answering (common/infra/ha.py runs three of them beside a primary and a replica)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from common.infra.process import LocalServer
+from common.infra.redis_server import redis_server_binary
+
+# How long a primary may be silent before a sentinel calls it down, and how long a failover may take
+# before another sentinel tries again. Redis's defaults (30 s, 3 min) are for wide-area links; a
+# deployment's own network answers within milliseconds, and every second here is a second of stall.
+DOWN_AFTER_MS = 1000
+FAILOVER_TIMEOUT_MS = 5000
+
+
+class RedisSentinel(LocalServer):
+    """One sentinel monitoring `service` at `primary`; `quorum` of them must agree it is down.
+
+    The config file is the sentinel's own: it records there the primary it follows after a failover
+    and the peers it has met, so a restarted sentinel keeps what it learned. It is written once.
+    """
+
+    name = "sentinel"
+
+    def __init__(
+        self,
+        primary: tuple[str, int],
+        workdir: str | Path | None = None,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        service: str = "trident",
+        quorum: int = 2,
+    ) -> None:
+        super().__init__(workdir, port, host)
+        self.primary = primary
+        self.password = password
+        self.service = service
+        self.quorum = quorum
+        self.wrap: list[str] = []  # prepended to the command line, as NatsServer.wrap
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        conf = self.workdir / "sentinel.conf"
+        if not conf.exists():
+            conf.touch(mode=0o600)  # it holds the password
+            conf.write_text(self._config())
+        return [*self.wrap, redis_server_binary(), str(conf), "--sentinel"]
+
+    def _config(self) -> str:
+        name = self.service
+        lines = [
+            f"port {self.port}",
+            f"bind {self.host}",
+            "daemonize no",
+            'logfile ""',
+            f"dir {json.dumps(str(self.workdir))}",
+            f"sentinel monitor {name} {self.primary[0]} {self.primary[1]} {self.quorum}",
+            f"sentinel down-after-milliseconds {name} {DOWN_AFTER_MS}",
+            f"sentinel failover-timeout {name} {FAILOVER_TIMEOUT_MS}",
+            f"sentinel parallel-syncs {name} 1",
+        ]
+        if self.password:
+            secret = json.dumps(self.password)
+            # The primary's password, this sentinel's own, and the one it gives its peers.
+            lines += [f"sentinel auth-pass {name} {secret}", f"requirepass {secret}"]
+            lines.append(f"sentinel sentinel-pass {secret}")
+        return "\n".join(lines) + "\n"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(
+            host=self.host,
+            port=self.port,
+            password=self.password,
+            socket_timeout=1.0,
+            socket_connect_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+
+    def state(self) -> dict | None:
+        """What this sentinel knows of its primary (SENTINEL MASTER), or None if it does not answer."""
+        client = self.client()
+        try:
+            return client.sentinel_master(self.service)
+        except redis.RedisError:
+            return None
+        finally:
+            client.close()
+
+    def ready(self) -> bool:
+        return self.state() is not None

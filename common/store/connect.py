@@ -1,0 +1,127 @@
+"""Redis clients from a URL: one server, or whichever server the sentinels name the primary.
+
+    redis://[:password@]host:port/db            one server (rediss:// with TLS)
+    redis+sentinel://[:password@]h1:p1,h2:p2,h3:p3/service/db
+                                                the primary of `service`, asked of the sentinels
+                                                (the password is the primary's and the sentinels')
+
+A sentinel client finds the primary again after a failover: a command on a connection to the old
+primary fails (refused, or READONLY once it is demoted), the retry asks the sentinels again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+import redis.asyncio
+import redis.asyncio.sentinel
+import redis.sentinel
+from redis.asyncio import BlockingConnectionPool
+
+SENTINEL_SCHEME = "redis+sentinel"
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int
+    password: str | None
+
+    @property
+    def safe(self) -> str:
+        """The URL without its password."""
+        where = ",".join(f"{h}:{p}" for h, p in self.sentinels)
+        return f"{SENTINEL_SCHEME}://{where}/{self.service}/{self.db}"
+
+
+def sentinel_target(url: str) -> SentinelTarget | None:
+    """The sentinels, service and db a redis+sentinel:// URL names; None for any other URL."""
+    parts = urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        return None
+    auth, _, where = parts.netloc.rpartition("@")
+    password = unquote(auth.partition(":")[2]) or None if auth else None
+    sentinels = []
+    for item in where.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{SENTINEL_SCHEME} URL: {item!r} is not host:port")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"{SENTINEL_SCHEME} URL must end in /SERVICE or /SERVICE/DB, not {parts.path!r}")
+    return SentinelTarget(tuple(sentinels), path[0], int(path[1]) if len(path) == 2 else 0, password)
+
+
+def safe_url(url: str) -> str:
+    """`url` as it may be printed: no password."""
+    target = sentinel_target(url)
+    if target is not None:
+        return target.safe
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+
+
+def _sentinel_options(target: SentinelTarget, timeout: float) -> dict[str, Any]:
+    return {"password": target.password, "socket_timeout": timeout, "socket_connect_timeout": timeout}
+
+
+class _PrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
+    """Asks the sentinels for the primary at every connect attempt. redis-py's own class asks only
+    on a first connect; a reconnect after the primary died dialled the dead address until its
+    retries ran out, though the sentinels had long promoted a replica."""
+
+    async def _connect(self) -> None:
+        if self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super()._connect()
+
+
+class _BlockingSentinelPool(redis.asyncio.sentinel.SentinelConnectionPool, BlockingConnectionPool):
+    """The sentinel pool with BlockingConnectionPool's waiting for a free connection, as the
+    one-server client has (a burst of requests waits for a connection instead of failing)."""
+
+
+def async_client(url: str, timeout: float, max_connections: int, **options: Any) -> redis.asyncio.Redis:
+    """An asyncio client; `options` (retry, health checks) go to its connections."""
+    common = {"socket_timeout": timeout, "socket_connect_timeout": timeout, **options}
+    target = sentinel_target(url)
+    if target is None:
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout, **common
+        )
+        return redis.asyncio.Redis(connection_pool=pool)
+    sentinel = redis.asyncio.sentinel.Sentinel(
+        list(target.sentinels),
+        sentinel_kwargs=_sentinel_options(target, timeout),
+        password=target.password,
+        db=target.db,
+        **common,
+    )
+    return sentinel.master_for(
+        target.service,
+        connection_pool_class=_BlockingSentinelPool,
+        connection_class=_PrimaryConnection,
+        max_connections=max_connections,
+        timeout=timeout,
+    )
+
+
+def sync_client(url: str, timeout: float) -> redis.Redis:
+    """A blocking client, for the launcher and tools outside an event loop."""
+    target = sentinel_target(url)
+    if target is None:
+        return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    sentinel = redis.sentinel.Sentinel(
+        list(target.sentinels),
+        sentinel_kwargs=_sentinel_options(target, timeout),
+        password=target.password,
+        db=target.db,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+    )
+    return sentinel.master_for(target.service)
