@@ -48,6 +48,9 @@ _DURATION_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 # scheme://[user[:password]@]host[:port]; the host is what gets mapped.
 _URL_HOST = re.compile(r"(?P<prefix>[A-Za-z][A-Za-z0-9+.-]*://(?:[^@/\s]*@)?)(?P<host>[^:/\s@]+)(?::\d+)?")
 
+# A whole URL, up to the next blank or comma.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://(?:[^@/\s,]*@)?(?P<host>[^:/\s@,]+)[^\s,]*")
+
 
 def interpolate(value: str, env: Mapping[str, str]) -> str:
     """Expand `$VAR`, `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:?err}`, `${VAR:+alt}` and `$$`.
@@ -104,8 +107,12 @@ def parse_duration(text: str | int | float | None, default: float = DEFAULT_STOP
     return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
 
 
-def map_hosts(value: str, hosts: Mapping[str, str]) -> str:
-    """Rewrite URLs whose host is a compose service run locally: `nats://nats:4222` → `nats://127.0.0.1:N`."""
+def map_hosts(value: str, hosts: Mapping[str, str], urls: Mapping[str, str] | None = None) -> str:
+    """Rewrite URLs whose host is a compose service run locally: `nats://nats:4222` → `nats://127.0.0.1:N`.
+    A host in `urls` (a local group of servers) has its whole URL replaced, credentials included:
+    `redis://redis:6379/0` → `redis+sentinel://127.0.0.1:S1,.../trident/0`."""
+    if urls:
+        value = _URL.sub(lambda m: urls.get(m["host"], m.group(0)), value)
 
     def replace(match: re.Match[str]) -> str:
         local = hosts.get(match["host"])

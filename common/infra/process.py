@@ -170,6 +170,11 @@ class LocalServer:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     @property
+    def address(self) -> str:
+        """Where it listens, without credentials: what may be printed or logged."""
+        return f"{self.host}:{self.port}"
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -46,10 +46,6 @@ class RedisSentinel(LocalServer):
         self.quorum = quorum
         self.wrap: list[str] = []  # prepended to the command line, as NatsServer.wrap
 
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
     def argv(self) -> list[str]:
         conf = self.workdir / "sentinel.conf"
         if not conf.exists():

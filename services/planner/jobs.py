@@ -15,10 +15,12 @@ import os
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 from celery import Celery, Task
 from celery.signals import worker_init
 
+from common.store.connect import sentinel_target
 from services.settings import PlannerSettings
 
 TASK = "trident.planner.what_if"
@@ -26,12 +28,12 @@ RESULT_TTL = 24 * 3600  # seconds a finished job's result is kept
 
 
 def celery_app(settings: PlannerSettings) -> Celery:
-    url = settings.planner_jobs_url or settings.redis_url
-    prefix = {"global_keyprefix": f"{settings.namespace}:jobs:"}
+    url, options = celery_url(settings.planner_jobs_url or settings.redis_url)
+    options["global_keyprefix"] = f"{settings.namespace}:jobs:"
     app = Celery("trident-planner", broker=url, backend=url)
     app.conf.update(
-        broker_transport_options=prefix,
-        result_backend_transport_options=prefix,
+        broker_transport_options=options,
+        result_backend_transport_options=options,
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
@@ -43,6 +45,17 @@ def celery_app(settings: PlannerSettings) -> Celery:
         worker_hijack_root_logger=False,
     )
     return app
+
+
+def celery_url(url: str) -> tuple[str, dict[str, Any]]:
+    """Celery's spelling of a Redis URL, and the transport options it needs: a redis+sentinel://
+    URL (common/store/connect.py) becomes one sentinel:// URL per sentinel and the service's name."""
+    target = sentinel_target(url)
+    if target is None:
+        return url, {}
+    auth = f":{quote(target.password, safe='')}@" if target.password else ""
+    urls = ";".join(f"sentinel://{auth}{host}:{port}/{target.db}" for host, port in target.sentinels)
+    return urls, {"master_name": target.service, "sentinel_kwargs": {"password": target.password}}
 
 
 app = celery_app(PlannerSettings())

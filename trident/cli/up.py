@@ -137,6 +137,14 @@ def up(
             help="Apply the planner's plans: start and drain workers to match (the launcher actuator).",
         ),
     ] = False,
+    ha: Annotated[
+        bool,
+        typer.Option(
+            "--ha",
+            help="Run NATS as a three-node cluster (the task stream kept on all three) and Redis as "
+            "a primary with a replica and three sentinels, so losing any one of them loses nothing.",
+        ),
+    ] = False,
     warm: Annotated[
         bool,
         typer.Option(
@@ -175,7 +183,7 @@ def up(
         planner_port = DEFAULT_PLANNER_PORT if port_free(DEFAULT_PLANNER_PORT) else free_port()
     deployment = Deployment(
         compose, method, counts, model_dir, port, HOME, ready_timeout, typer.echo, planner_port, follow_plan,
-        starter=WarmStarter() if warm else None,
+        starter=WarmStarter() if warm else None, ha=ha,
     )  # fmt: skip
     raise typer.Exit(deployment.run())
 

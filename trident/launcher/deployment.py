@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import signal
 import time
 import urllib.error
@@ -18,7 +17,7 @@ from typing import Any
 import typer
 
 from common.compose import ComposeFile, Method
-from common.infra import InfraError, NatsServer, RedisServer
+from common.infra import InfraError, LocalServer, NatsServer
 from common.protocol import Plan
 from common.secrets import DeploymentSecrets
 from trident.launcher.follow import Change, PlanSource, change_for
@@ -26,6 +25,7 @@ from trident.launcher.processes import Child, Starter, stop_children
 from trident.launcher.signal_flag import SignalFlag
 from trident.launcher.specs import LocalSetup, plan, worker_spec
 from trident.launcher.state import StateFile, identity
+from trident.launcher.substrate import Substrate, start_substrate
 
 Echo = Callable[..., None]
 
@@ -77,6 +77,7 @@ class Deployment:
         planner_port: int = 0,
         follow_plan: bool = False,
         starter: Starter | None = None,
+        ha: bool = False,
     ) -> None:
         self.compose = compose
         self.method = method
@@ -99,7 +100,8 @@ class Deployment:
         self._killed: set[str] = set()
         self._next_follow = 0.0
         self.state = StateFile(home / "up.json")
-        self.servers: dict[str, NatsServer | RedisServer] = {}
+        self.ha = ha  # a NATS cluster and a Redis primary, replica and sentinels (substrate.py)
+        self.substrate = Substrate()
         # Made once per home and kept: NATS and Redis ask for them, and so does every transfer port.
         self.secrets_dir = home / "secrets"
         self.secrets = DeploymentSecrets.ensure(self.secrets_dir)
@@ -135,22 +137,18 @@ class Deployment:
         self._stop.set()
 
     # -- start-up --------------------------------------------------------------------------------
+    @property
+    def servers(self) -> dict[str, LocalServer]:
+        return self.substrate.servers
+
     def _start_servers(self) -> None:
-        for service, kind in self.compose.servers.items():
-            workdir = self.home / service
-            if kind == "nats":
-                # A fresh task stream, as a new nats container would have: no stale tasks from a past run.
-                shutil.rmtree(workdir / "jetstream", ignore_errors=True)
-            server: NatsServer | RedisServer = (
-                NatsServer(workdir=workdir, token=self.secrets.nats_token)
-                if kind == "nats"
-                else RedisServer(workdir=workdir, password=self.secrets.redis_password)
+        try:
+            self.substrate = start_substrate(
+                self.compose.servers, self.home, self.logs, self.secrets, self.ha, self.echo
             )
-            server.log_path = self.logs / f"{service}.log"
-            server.die_with_parent = True  # a SIGKILLed `trident up` leaves no server holding its port
-            self.servers[service] = server
-            server.start()
-            self.echo(f"{service}: {server.address} (log {server.log_path})")
+        except InfraError:
+            self._write_state()
+            raise
         self._write_state()
 
     def _start_children(self) -> None:
@@ -164,7 +162,9 @@ class Deployment:
         self.setup = LocalSetup(
             model=self.model,
             port=self.port,
-            hosts={name: f"{s.host}:{s.port}" for name, s in self.servers.items()},
+            hosts=self.substrate.hosts,
+            urls=self.substrate.urls,
+            substrate_env=self.substrate.env,
             cpus=len(os.sched_getaffinity(0)),
             user_env=os.environ,
             secrets_dir=self.secrets_dir.resolve(),
@@ -218,8 +218,8 @@ class Deployment:
     # -- while running ---------------------------------------------------------------------------
     def _supervise(self) -> int:
         if self.follow_plan:
-            redis_url = next(s.url for n, s in self.servers.items() if self.compose.servers[n] == "redis")
-            self._plans = PlanSource(redis_url, os.environ.get("TRIDENT_NAMESPACE") or "trident")
+            namespace = os.environ.get("TRIDENT_NAMESPACE") or "trident"
+            self._plans = PlanSource(self.substrate.redis_url, namespace)
         try:
             while not self._stop.wait(0.25):
                 for name, server in self.servers.items():
@@ -368,6 +368,7 @@ class Deployment:
                     **identity(s.pid, s.command),
                     "url": s.address,
                     "port": s.port,
+                    **({"monitor": s.monitor_port} if isinstance(s, NatsServer) else {}),
                     "log": str(s.log_path.resolve()),
                 }
                 for name, s in self.servers.items()

@@ -26,6 +26,9 @@ class LocalSetup:
     core_board: Path | None = None
     # Variables set on one service's processes over everything else (the planner's port and actuator).
     service_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # compose hostname -> the whole URL of a local group of servers (trident up --ha; substrate.py)
+    urls: Mapping[str, str] = field(default_factory=dict)
+    substrate_env: Mapping[str, str] = field(default_factory=dict)  # for every process (substrate.py)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ def _local_env(setup: LocalSetup) -> dict[str, str]:
     }
     if setup.secrets_dir is not None:
         env["TRIDENT_SECRETS_DIR"] = str(setup.secrets_dir)
+    env.update(setup.substrate_env)
     return env
 
 
@@ -106,7 +110,7 @@ def worker_spec(
 def _spec(
     service: Service, index: int, setup: LocalSetup, overrides: dict[str, str], gateway: bool = False
 ) -> ProcessSpec:
-    env = {key: map_hosts(value, setup.hosts) for key, value in service.environment.items()}
+    env = {key: map_hosts(value, setup.hosts, setup.urls) for key, value in service.environment.items()}
     env.update(overrides)
     env.update(setup.service_env.get(service.name, {}))
     return ProcessSpec(

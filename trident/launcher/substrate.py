@@ -1,0 +1,88 @@
+"""The servers `trident up` starts in place of compose's nats and redis services: one of each, or
+with `--ha` a three-node NATS cluster (the task stream kept three times) and a Redis primary with a
+replica behind three sentinels (common/infra/ha.py), all on loopback ports.
+
+The services are pointed at them by rewriting the URLs that name the compose hostnames: a single
+server by host and port (`nats://nats:4222` -> `nats://127.0.0.1:N`), a group by the whole URL
+(`redis://redis:6379/0` -> `redis+sentinel://127.0.0.1:S1,.../trident/0`). Credentials come from
+the deployment's secrets directory, as for the single servers.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.infra import LocalServer, NatsServer, RedisServer
+from common.infra.ha import NatsCluster, RedisGroup
+from common.secrets import DeploymentSecrets
+
+Echo = Callable[..., None]
+LOOPBACK = ["127.0.0.1"] * 3
+
+
+@dataclass
+class Substrate:
+    servers: dict[str, LocalServer] = field(default_factory=dict)  # by name, in the order started
+    hosts: dict[str, str] = field(default_factory=dict)  # compose hostname -> "host:port" (one server)
+    urls: dict[str, str] = field(default_factory=dict)  # compose hostname -> whole URL (a group)
+    redis_url: str = ""  # with the password: for the launcher's own reads (--follow-plan)
+    env: dict[str, str] = field(default_factory=dict)  # for every service: how to use the servers
+
+    def stop(self) -> None:
+        for server in reversed(list(self.servers.values())):
+            server.stop()
+
+
+def start_substrate(
+    kinds: dict[str, str], home: Path, logs: Path, secrets: DeploymentSecrets, ha: bool, echo: Echo
+) -> Substrate:
+    """Start a server (or a group) for each compose service in `kinds` (service -> "nats" | "redis").
+    What started is in the result even when a later start fails, so the caller can stop it."""
+    found = Substrate()
+    for service, kind in kinds.items():
+        workdir = home / service
+        if kind == "nats":
+            # A fresh task stream, as a new nats container would have: no stale tasks from a past run.
+            for store in [workdir / "jetstream", *workdir.glob("nats-*/jetstream")]:
+                shutil.rmtree(store, ignore_errors=True)
+        else:  # what sentinels learned in a past run names ports this one does not use
+            for old in workdir.glob("sentinel-*/sentinel.conf"):
+                old.unlink()
+        if not ha:
+            server: NatsServer | RedisServer = (
+                NatsServer(workdir=workdir, token=secrets.nats_token)
+                if kind == "nats"
+                else RedisServer(workdir=workdir, password=secrets.redis_password)
+            )
+            _prepare(found, service, server, logs)
+            server.start()
+            echo(f"{service}: {server.address} (log {server.log_path})")
+            found.hosts[service] = f"{server.host}:{server.port}"
+            if isinstance(server, RedisServer):
+                found.redis_url = server.url
+            continue
+        group = (
+            NatsCluster(workdir, LOOPBACK, secrets.nats_token)
+            if kind == "nats"
+            else RedisGroup(workdir, LOOPBACK, secrets.redis_password)
+        )
+        for server in group.servers:
+            _prepare(found, server.name, server, logs)
+        group.start()
+        for server in group.servers:
+            echo(f"{server.name}: {server.host}:{server.port} (log {server.log_path})")
+        found.urls[service] = group.address
+        if isinstance(group, NatsCluster):
+            found.env["TRIDENT_NATS_STREAM_REPLICAS"] = str(len(group.nodes))
+        if isinstance(group, RedisGroup):
+            found.redis_url = group.url
+    return found
+
+
+def _prepare(found: Substrate, name: str, server: LocalServer, logs: Path) -> None:
+    server.log_path = logs / f"{name}.log"
+    server.die_with_parent = True  # a SIGKILLed `trident up` leaves no server holding its port
+    found.servers[name] = server
