@@ -2,7 +2,8 @@
 
     python bench/faults.py [--faults kill-decoder,nats-outage,...] [--streams 4] [--tokens 128]
                            [--settle 8] [--outage 20] [--freeze 10] [--deadline 60]
-                           [--model DIR] [--workdir .trident/faults]
+                           [--model DIR] [--workdir .trident/faults] [--ha]
+    python bench/faults.py --ha --faults none,nats-node-kill,redis-primary-kill
 
 Runs `trident up` (E+P+D, two replicas of each stage, the tiny model by default) as a user would,
 and puts it under `--streams` greedy streaming clients that ask one chat after another (half of
@@ -17,6 +18,10 @@ the chats with an image). Each fault, one after another on the same deployment:
   meanwhile so it does not restart it);
 - freeze-decoder: SIGSTOP of a decoder holding streams for `--freeze` seconds, then SIGCONT; it
   finds it was taken for dead and leaves (exit 3), and is restarted;
+- nats-node-kill, redis-primary-kill (with `--ha`: a three-node NATS cluster, and a Redis primary
+  with a replica behind three sentinels): `kill -9` of the NATS node that leads the task stream, or
+  of the Redis primary; the others carry on (a new stream leader, the replica promoted) and
+  `trident up` restarts the dead one, which rejoins (the old primary as a replica);
 - none: no fault, the same load: what "normal" looks like.
 
 For each: requests accepted; completed with HF-identical greedy text; ended with a clear error;
@@ -50,14 +55,18 @@ WORKERS = {"encoder": "encode", "prefill": "prefill", "decoder": "decode"}  # fa
 REPLICAS = 2
 WARM = 4.0  # seconds of load before the fault, so streams are under way when it strikes
 # Single-process deaths and restarts: every request must complete with identical text.
+HA_FAULTS = {"nats-node-kill", "redis-primary-kill"}  # with --ha only
 MUST_COMPLETE = {
     *(f"{how}-{s}" for how in ("kill", "term") for s in [*WORKERS, "gateway"]),
     "nats-restart",
     "redis-restart",
+    *HA_FAULTS,
 }
-FAILOVER = {"kill-encoder", "kill-prefill", "kill-decoder"}  # a live replica takes over: stall ≤ 3 s
+# A live replica (of a stage, a NATS node, the Redis primary) takes over: stall ≤ 3 s.
+FAILOVER = {"kill-encoder", "kill-prefill", "kill-decoder", *HA_FAULTS}
 STALL_GOAL = 3.0
-ALL_FAULTS = ["none", *sorted(MUST_COMPLETE), "nats-outage", "freeze-decoder"]
+ALL_FAULTS = ["none", *sorted(MUST_COMPLETE - HA_FAULTS), "nats-outage", "freeze-decoder"]
+SINGLE_SERVER = {"nats-restart", "redis-restart", "nats-outage"}  # not with --ha
 
 
 # -- the faults --------------------------------------------------------------------------------------
@@ -96,6 +105,10 @@ def faults(outage_s: float, freeze_s: float) -> dict[str, Fault]:
         found[f"{how}-gateway"] = Fault(f"{how}-gateway", signal_service("gateway", signum))
     found["nats-restart"] = Fault("nats-restart", signal_service("nats", signal.SIGKILL))
     found["redis-restart"] = Fault("redis-restart", signal_service("redis", signal.SIGKILL))
+    found["nats-node-kill"] = Fault("nats-node-kill", lambda d: os.kill(d.stream_leader(), signal.SIGKILL))
+    found["redis-primary-kill"] = Fault(
+        "redis-primary-kill", lambda d: os.kill(d.redis_primary(), signal.SIGKILL)
+    )
     found["nats-outage"] = Fault("nats-outage", outage, hold=outage_s)
     found["freeze-decoder"] = Fault("freeze-decoder", freeze, hold=freeze_s)
     return found
@@ -175,13 +188,19 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=60.0, help="seconds after which a request is hung")
     parser.add_argument("--model", type=Path, default=None, help="checkpoint dir; default: the tiny model")
     parser.add_argument("--workdir", type=Path, default=Path(".trident/faults"))
+    parser.add_argument(
+        "--ha", action="store_true", help="trident up --ha: a NATS cluster, Redis behind sentinels"
+    )
     args = parser.parse_args()
 
     table_of = faults(args.outage, args.freeze)
     chosen = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in chosen if f not in table_of]
     if unknown:
-        parser.error(f"unknown faults {unknown}; known: {', '.join(ALL_FAULTS)}")
+        parser.error(f"unknown faults {unknown}; known: {', '.join([*ALL_FAULTS, *sorted(HA_FAULTS)])}")
+    wrong = sorted(set(chosen) & (SINGLE_SERVER if args.ha else HA_FAULTS))
+    if wrong:
+        parser.error(f"{wrong} need {'a single NATS and Redis (no --ha)' if args.ha else '--ha'}")
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = model_or_tiny(args.model, args.workdir)
     asked = chats()
@@ -193,7 +212,7 @@ def main() -> None:
 
     scale = {service: REPLICAS for service in STAGES}
     env = {"TRIDENT_REQUEST_TIMEOUT": str(args.deadline + 15)}
-    d = LocalUp(model.resolve(), args.workdir.resolve(), scale, env)
+    d = LocalUp(model.resolve(), args.workdir.resolve(), scale, env, ha=args.ha)
     rows: list[dict] = []
     try:
         d.wait_whole(300)
@@ -211,7 +230,7 @@ def main() -> None:
     print(table(rows))
     met = all(not row["missed"] for row in rows)
     print(json.dumps({"matmul_gflops": round(rate, 1), "streams": args.streams, "tokens": args.tokens,
-                      "goals_met": met, "faults": rows}))  # fmt: skip
+                      "ha": args.ha, "goals_met": met, "faults": rows}))  # fmt: skip
 
 
 if __name__ == "__main__":

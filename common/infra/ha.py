@@ -17,7 +17,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -123,7 +123,7 @@ class NatsCluster(_Group):
         for node in self.nodes:
             if not node.running:
                 continue
-            meta = _jsz(node).get("meta_cluster") or {}
+            meta = _jsz(f"http://{node.host}:{node.monitor_port}").get("meta_cluster") or {}
             peers = meta.get("replicas") or []
             if not meta.get("leader") or len(peers) != len(self.nodes) - 1:
                 return False
@@ -132,10 +132,26 @@ class NatsCluster(_Group):
             leaders.add(meta["leader"])
         return len(leaders) == 1
 
+    def stream_leader(self) -> NatsServer | None:
+        """The node that leads the task stream (the first stream its peers report), if any."""
+        name = stream_leader(f"http://{n.host}:{n.monitor_port}" for n in self.nodes if n.running)
+        return next((n for n in self.nodes if n.name == name), None)
 
-def _jsz(node: NatsServer) -> dict:
+
+def stream_leader(monitors: Iterable[str]) -> str | None:
+    """The name of the node leading a replicated stream, asked of nodes' monitoring URLs in turn."""
+    for monitor in monitors:
+        for account in _jsz(monitor, "?streams=true").get("account_details") or []:
+            for stream in account.get("stream_detail") or []:
+                leader = (stream.get("cluster") or {}).get("leader")
+                if leader:
+                    return leader
+    return None
+
+
+def _jsz(monitor: str, query: str = "") -> dict:
     try:
-        with urllib.request.urlopen(f"http://{node.host}:{node.monitor_port}/jsz", timeout=1.0) as resp:
+        with urllib.request.urlopen(f"{monitor}/jsz{query}", timeout=1.0) as resp:
             return json.loads(resp.read() or b"{}")
     except (OSError, urllib.error.URLError, ValueError):
         return {}

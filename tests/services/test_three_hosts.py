@@ -60,3 +60,25 @@ def test_answers_across_three_namespaces_equal_hf(tiny_model_dir, hf_tiny, tmp_p
 
 def _metric(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}\S* (\S+)$", text, re.M))
+
+
+def test_losing_a_nats_node_or_the_redis_primary_loses_no_stream(tiny_model_dir, tmp_path):
+    """A NATS node, a Redis node and a sentinel on each "host" (ha_hosts_driver.py); under a
+    streaming load, `kill -9` of the node leading the task stream, then of the Redis primary: every
+    request still ends with HF's text, and the sentinels promote the replica."""
+    tag, net = f"ha{os.getpid() % 10000}", 100 + (os.getpid() + 7) % 100
+    with netns.Namespaces(tag, net) as spaces:
+        spec = {"workdir": str(tmp_path), "model": str(tiny_model_dir), "names": spaces.names,
+                "address": spaces.address}  # fmt: skip
+        argv = [sys.executable, "-m", "tests.services.ha_hosts_driver", json.dumps(spec)]
+        done = subprocess.run(
+            spaces.run_in("infra", argv), cwd=REPO, capture_output=True, text=True, timeout=360
+        )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    phases = json.loads(done.stdout.strip().splitlines()[-1])["phases"]
+    for fault, phase in phases.items():
+        assert phase["statuses"], f"{fault}: no request ran"
+        assert set(phase["statuses"]) == {"identical"}, (fault, phase)
+    assert phases["nats-node"]["killed"].startswith("nats-")
+    assert phases["redis-primary"]["killed"] == "redis-1"
+    assert phases["redis-primary"]["promoted"] == "redis-2"

@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 
 from common.compose import load_compose
 from common.infra import free_port
+from common.infra.ha import stream_leader
 from common.models import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +36,9 @@ def model_or_tiny(model: Path | None, workdir: Path) -> Path:
 class LocalUp:
     """`trident up` as a child process, read through its state file and its gateway."""
 
-    def __init__(self, model: Path, workdir: Path, scale: dict[str, int], env: dict[str, str]) -> None:
+    def __init__(
+        self, model: Path, workdir: Path, scale: dict[str, int], env: dict[str, str], ha: bool = False
+    ) -> None:
         self.workdir = workdir
         self.scale = scale
         # Each scaled service's roles, as compose.yaml gives them (TRIDENT_ROLES).
@@ -45,7 +49,7 @@ class LocalUp:
         argv = [
             str(Path(sys.executable).with_name("trident")), "up", "-f", str(COMPOSE),
             "--model", str(model), "--port", str(self.port), "--planner-port", str(free_port()),
-            *(f"--scale={service}={n}" for service, n in scale.items()),
+            *(f"--scale={service}={n}" for service, n in scale.items()), *(["--ha"] if ha else []),
         ]  # fmt: skip
         env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
         self.log = open(workdir / "up.log", "w")  # noqa: SIM115 - closed in stop()
@@ -91,6 +95,33 @@ class LocalUp:
         if service in state.get("servers", {}):
             return int(state["servers"][service]["pid"])
         return next(int(p["pid"]) for p in state["processes"] if p["service"] == service)
+
+    def stream_leader(self) -> int:
+        """With --ha: the pid of the NATS node that leads the task stream."""
+        nodes = {n: s for n, s in self.state()["servers"].items() if "monitor" in s}
+        leader = stream_leader(f"http://127.0.0.1:{node['monitor']}" for node in nodes.values())
+        if leader not in nodes:
+            raise RuntimeError("no NATS node names a leader of the task stream")
+        return int(nodes[leader]["pid"])
+
+    def redis_primary(self) -> int:
+        """With --ha: the pid of the Redis node the sentinels name the primary."""
+        state = self.state()
+        password = (Path(state["secrets"]) / "redis-password").read_text().strip()
+        nodes = {int(s["port"]): int(s["pid"]) for n, s in state["servers"].items() if n.startswith("redis-")}
+        for name, server in state["servers"].items():
+            if not name.startswith("sentinel-"):
+                continue
+            client = redis.Redis(port=int(server["port"]), password=password, socket_timeout=2)
+            try:
+                found = client.sentinel_get_master_addr_by_name("trident")
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+            if found and int(found[1]) in nodes:
+                return nodes[int(found[1])]
+        raise RuntimeError("no sentinel names a Redis primary")
 
     def processes(self) -> dict[str, int]:
         """Every server's and service's pid, by name (nats, redis, gateway-1, decode-1, ...)."""
