@@ -262,3 +262,39 @@ def test_running_md_documents_every_variable_and_flag() -> None:
         app.command()(command)
         flags = [opt for param in typer.main.get_command(app).params for opt in param.opts]
         assert [f for f in flags if f"`{f}" not in doc] == [], command.__name__
+
+
+@pytest.fixture(scope="module")
+def ha(compose: dict[str, Any]) -> dict[str, Any]:
+    return merge(compose, _load("compose.ha.yaml"))
+
+
+def test_ha_override(validator: jsonschema.Draft7Validator, ha: dict[str, Any]) -> None:
+    """compose.ha.yaml: three NATS nodes routed with the token, Redis with a replica and three
+    sentinels, every Trident service pointed at all of them, and still nothing published."""
+    assert _errors(validator, _load("compose.ha.yaml")) == []
+    assert _errors(validator, ha) == []
+    services = ha["services"]
+    nodes = ["nats", "nats-2", "nats-3"]
+    assert all(
+        services[n]["configs"] == [{"source": "nats-cluster-conf", "target": "/etc/nats/nats.conf"}]
+        for n in nodes
+    )
+    conf = ha["configs"]["nats-cluster-conf"]["content"]
+    assert all(f"route:$$NATS_TOKEN@{n}:6222" in conf for n in nodes)
+    assert "user: route" in conf and "http: 127.0.0.1:8222" in conf
+    sentinels = [f"sentinel-{i}" for i in (1, 2, 3)]
+    assert {services[s]["environment"]["NODE"] for s in sentinels} == set(sentinels)
+    assert services["redis-replica"]["environment"] == {"NODE": "redis-replica", "PRIMARY": "redis"}
+    for name in (*APP, *PLANNER):
+        env = services[name]["environment"]
+        assert env["TRIDENT_NATS_URL"] == ",".join(f"nats://{n}:4222" for n in nodes)
+        assert (
+            env["TRIDENT_REDIS_URL"]
+            == "redis+sentinel://" + ",".join(f"{s}:26379" for s in sentinels) + "/trident/0"
+        )
+        assert env["TRIDENT_NATS_STREAM_REPLICAS"] == "3"
+        assert env["TRIDENT_SECRETS_DIR"] == "/secrets"  # merged over compose.yaml's, not replacing it
+        assert {*nodes, "redis", "redis-replica", *sentinels} <= set(services[name]["depends_on"])
+    published = {name for name, s in services.items() if s.get("ports") and not s.get("profiles")}
+    assert published == {"gateway"}

@@ -83,9 +83,11 @@ class NatsCluster(_Group):
         ports: Sequence[int] | None = None,
         wrap: Wrap | None = None,
     ) -> None:
-        client, route, monitor = _ports(hosts, ports), _ports(hosts, None), _ports(hosts, None)
+        client = _ports(hosts, ports)
         if ports is not None:  # fixed client ports: the others next to them, as on another host
             route, monitor = [p + 1 for p in client], [p + 2 for p in client]
+        else:
+            route, monitor = _ports(hosts, None), _ports(hosts, None)
         routes = [f"{h}:{p}" for h, p in zip(hosts, route, strict=True)]
         self.nodes = [
             NatsServer(

@@ -77,6 +77,8 @@ def test_losing_a_nats_node_or_the_redis_primary_loses_no_stream(tiny_model_dir,
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     phases = json.loads(done.stdout.strip().splitlines()[-1])["phases"]
     for fault, phase in phases.items():
+        print(f"{fault}: killed {phase['killed']}, {len(phase['statuses'])} requests, "
+              f"longest stall {phase['stall_s']:.2f} s")  # fmt: skip
         assert phase["statuses"], f"{fault}: no request ran"
         assert set(phase["statuses"]) == {"identical"}, (fault, phase)
     assert phases["nats-node"]["killed"].startswith("nats-")
