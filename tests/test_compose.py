@@ -281,7 +281,9 @@ def test_ha_override(validator: jsonschema.Draft7Validator, ha: dict[str, Any]) 
         for n in nodes
     )
     conf = ha["configs"]["nats-cluster-conf"]["content"]
-    assert all(f"route:$$NATS_TOKEN@{n}:6222" in conf for n in nodes)
+    assert 'include "routes.conf"' in conf
+    command = ha["x-nats-node"]["command"][-1]
+    assert "nats-route://route:%s@%s:6222" in command and "for n in nats nats-2 nats-3;" in command
     assert "user: route" in conf and "http: 127.0.0.1:8222" in conf
     sentinels = [f"sentinel-{i}" for i in (1, 2, 3)]
     assert {services[s]["environment"]["NODE"] for s in sentinels} == set(sentinels)
