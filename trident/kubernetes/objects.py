@@ -5,6 +5,7 @@ from __future__ import annotations
 
 PART_OF = "trident"
 RUN_AS = 10001  # the image's `trident` user (Dockerfile)
+SECRET = "trident-secrets"  # the deployment's Secret: NATS token, Redis password, transfer secret
 
 
 def labels(component: str, **extra: str) -> dict[str, str]:
@@ -117,3 +118,54 @@ def allow(peer: dict, *ports: int) -> dict:
 def from_trident() -> dict:
     """A peer that is one of Trident's own pods, in this namespace."""
     return {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": PART_OF}}}
+
+
+def stateful_set(
+    name: str, namespace: str, service_name: str, replicas: int, container: dict, storage: str | None, *,
+    parallel: bool = False, **pod: object,
+) -> dict:  # fmt: skip
+    """A server's StatefulSet: non-root, no service-account token, its `data` on a volume of its own
+    per replica of `storage` (None: none; `pod` then names a `data` volume); `pod` adds to the
+    pod's spec; `parallel` starts the replicas all at once."""
+    select = labels(name)
+    spec = {
+        "serviceName": service_name,
+        "replicas": replicas,
+        "selector": {"matchLabels": select},
+        "template": {
+            "metadata": {"labels": select},
+            "spec": {
+                "automountServiceAccountToken": False,
+                "securityContext": pod_security(),
+                "containers": [container],
+                **pod,
+            },
+        },
+    }
+    if storage is not None:
+        spec["volumeClaimTemplates"] = [claim("data", storage, name)]
+    if parallel:
+        spec["podManagementPolicy"] = "Parallel"
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta(name, namespace, name),
+        "spec": spec,
+    }
+
+
+def claim(name: str, size: str, component: str) -> dict:
+    return {
+        "metadata": {"name": name, "labels": labels(component)},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}},
+    }
+
+
+def spread(select: dict) -> dict:
+    """One of each per node where the nodes allow: losing a node loses one NATS node, not two."""
+    return {
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": select},
+    }

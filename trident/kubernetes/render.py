@@ -26,6 +26,7 @@ from common.planner.types import METHOD_KINDS
 from common.roles import InstanceKind, in_path_order
 from common.secrets import NAMES, new_secret
 from trident.kubernetes.objects import (
+    SECRET,
     container_security,
     disruption_budget,
     env,
@@ -38,9 +39,11 @@ from trident.kubernetes.objects import (
     pod_security,
     port,
     service,
+    spread,
     tcp,
 )
-from trident.kubernetes.substrate import SECRET, nats, redis, spread
+from trident.kubernetes.redis_ha import redis_url
+from trident.kubernetes.substrate import nats, redis
 
 # The what-if jobs worker answers a ping over its broker once it consumes jobs.
 PING = "python -m celery --app=services.planner.jobs inspect ping --timeout=5 -d celery@$HOSTNAME"
@@ -106,7 +109,7 @@ def common_env(o: Options) -> list[dict]:
     values = env(
         TRIDENT_MODEL=f"/models/{o.model}",
         TRIDENT_NATS_URL="nats://nats:4222",
-        TRIDENT_REDIS_URL="redis://redis:6379/0",
+        TRIDENT_REDIS_URL=redis_url(o.namespace),
         TRIDENT_SECRETS_DIR="/secrets",
         TRIDENT_BIND_HOST="0.0.0.0",
         TRIDENT_NATS_STREAM_REPLICAS="3",

@@ -6,13 +6,13 @@ and learn the other nodes from the server. The token comes from the deployment's
 environment (nats-server reads `$NATS_TOKEN` in its config), and the monitoring port (8222) is
 reachable by the kubelet's probes only: the NetworkPolicies admit no pod to it.
 
-Redis runs as one StatefulSet replica. A replica with automatic failover is not rendered yet
-(docs/running.md, "Kubernetes", says what losing it costs).
+Redis runs as a primary, a replica and three sentinels (redis_ha.py).
 """
 
 from __future__ import annotations
 
 from trident.kubernetes.objects import (
+    SECRET,
     allow,
     container_security,
     disruption_budget,
@@ -22,32 +22,46 @@ from trident.kubernetes.objects import (
     labels,
     meta,
     network_policy,
-    pod_security,
     port,
     secret_env,
     service,
+    spread,
+    stateful_set,
 )
+from trident.kubernetes.redis_ha import redis
 
 NATS_IMAGE = "nats:2.11-alpine"
-REDIS_IMAGE = "redis:7-alpine"
 NATS_NODES = 3
-SECRET = "trident-secrets"
 SERVER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
 
 
-def nats_config(namespace: str) -> str:
-    routes = ", ".join(f"nats://nats-{i}.nats-cluster.{namespace}.svc:6222" for i in range(NATS_NODES))
-    return f"""server_name: $POD_NAME
+def nats_config() -> str:
+    """The config every node shares. Routes authenticate with the token too; since NATS expands
+    no variable inside a URL, the node's start writes them (token and all) to routes.conf beside
+    a copy of this file (`nats_start`)."""
+    return """server_name: $POD_NAME
 port: 4222
 http_port: 8222
-authorization {{ token: $NATS_TOKEN }}
-jetstream {{ store_dir: /data }}
-cluster {{
+authorization { token: $NATS_TOKEN }
+jetstream { store_dir: /data }
+cluster {
   name: trident
   port: 6222
-  routes: [{routes}]
-}}
+  authorization { user: route, password: $NATS_TOKEN }
+  include "routes.conf"
+}
 """
+
+
+def nats_start(namespace: str) -> str:
+    """The node's command: its config and routes in /tmp (mode 0600), then nats-server."""
+    hosts = " ".join(f"nats-{i}.nats-cluster.{namespace}.svc" for i in range(NATS_NODES))
+    each = f"""for h in {hosts}; do printf '"nats-route://route:%s@%s:6222"\\n' "$NATS_TOKEN" "$h"; done"""
+    return (
+        "umask 077 && cp /etc/nats/nats.conf /tmp/nats.conf && "
+        f"""printf 'routes: [\\n%s]\\n' "$({each})" > /tmp/routes.conf && """
+        "exec nats-server -c /tmp/nats.conf"
+    )
 
 
 def nats(namespace: str, storage: str) -> list[dict]:
@@ -56,7 +70,7 @@ def nats(namespace: str, storage: str) -> list[dict]:
         "name": "nats",
         "image": NATS_IMAGE,
         "imagePullPolicy": "Always",
-        "command": ["nats-server", "-c", "/etc/nats/nats.conf"],
+        "command": ["sh", "-c", nats_start(namespace)],
         "env": [field_env("POD_NAME", "metadata.name"), secret_env("NATS_TOKEN", SECRET, "nats-token")],
         "ports": [
             {"name": "client", "containerPort": 4222},
@@ -81,7 +95,7 @@ def nats(namespace: str, storage: str) -> list[dict]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": meta("nats-config", namespace, "nats"),
-        "data": {"nats.conf": nats_config(namespace) + "pid_file: /tmp/nats.pid\n"},
+        "data": {"nats.conf": nats_config() + "pid_file: /tmp/nats.pid\n"},
     }
     statefulset = stateful_set(
         "nats", namespace, "nats-cluster", NATS_NODES, container, storage,
@@ -112,81 +126,4 @@ def nats(namespace: str, storage: str) -> list[dict]:
     ]
 
 
-def redis(namespace: str, storage: str) -> list[dict]:
-    select = labels("redis")
-    script = 'exec redis-server --save "" --appendonly no --requirepass "$REDIS_PASSWORD"'
-    container = {
-        "name": "redis",
-        "image": REDIS_IMAGE,
-        "imagePullPolicy": "Always",
-        "command": ["sh", "-c", script],
-        "env": [secret_env("REDIS_PASSWORD", SECRET, "redis-password")],
-        "ports": [{"name": "redis", "containerPort": 6379}],
-        "readinessProbe": {
-            "exec": {"command": ["sh", "-c", 'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli ping']},
-            "periodSeconds": 5,
-            "timeoutSeconds": 3,
-        },
-        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 3},
-        "resources": SERVER_RESOURCES,
-        "securityContext": container_security(),
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-    }
-    statefulset = stateful_set("redis", namespace, "redis", 1, container, storage)
-    return [
-        statefulset,
-        service("redis", namespace, "redis", select, [port("redis", 6379)]),
-        network_policy("redis", namespace, select, [allow(from_trident(), 6379)]),
-    ]
-
-
-def stateful_set(
-    name: str, namespace: str, service_name: str, replicas: int, container: dict, storage: str, *,
-    parallel: bool = False, **pod: object,
-) -> dict:  # fmt: skip
-    """A server's StatefulSet: non-root, no service-account token, its `data` on a volume of its own
-    per replica; `pod` adds to the pod's spec; `parallel` starts the replicas all at once."""
-    select = labels(name)
-    spec = {
-        "serviceName": service_name,
-        "replicas": replicas,
-        "selector": {"matchLabels": select},
-        "template": {
-            "metadata": {"labels": select},
-            "spec": {
-                "automountServiceAccountToken": False,
-                "securityContext": pod_security(),
-                "containers": [container],
-                **pod,
-            },
-        },
-        "volumeClaimTemplates": [claim("data", storage, name)],
-    }
-    if parallel:
-        spec["podManagementPolicy"] = "Parallel"
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": meta(name, namespace, name),
-        "spec": spec,
-    }
-
-
-def claim(name: str, size: str, component: str) -> dict:
-    return {
-        "metadata": {"name": name, "labels": labels(component)},
-        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}},
-    }
-
-
-def spread(select: dict) -> dict:
-    """One of each per node where the nodes allow: losing a node loses one NATS node, not two."""
-    return {
-        "maxSkew": 1,
-        "topologyKey": "kubernetes.io/hostname",
-        "whenUnsatisfiable": "ScheduleAnyway",
-        "labelSelector": {"matchLabels": select},
-    }
-
-
-__all__ = ["NATS_NODES", "SECRET", "nats", "redis", "spread"]
+__all__ = ["NATS_NODES", "nats", "redis"]

@@ -1,0 +1,159 @@
+"""Redis for a Trident deployment on Kubernetes: a primary and a replica (StatefulSet `redis`) and
+three sentinels (StatefulSet `redis-sentinel`) that promote the replica once the primary has been
+silent for a second. The services reach the primary through the sentinels
+(TRIDENT_REDIS_URL=redis+sentinel://..., common/store/connect.py).
+
+Every pod decides whom to follow when it starts, by asking the sentinels:
+- a Redis pod replicates the primary they name. With no sentinel answering (the first start),
+  redis-0 is the primary and redis-1 its replica. If they still name the pod itself, it died as
+  the primary and they have not noticed yet: it waits (up to 10 s) for them to promote the
+  replica, rather than come back as an empty primary (no persistence) the replica would copy.
+- a sentinel watches the primary the others name (redis-0 when none answers); what it learns
+  later it writes into its own config, kept while the pod lives.
+Everyone is named by its stable DNS name (`redis-1.redis.<ns>.svc`), announced as such, so an
+address survives a pod's restart on another IP.
+"""
+
+from __future__ import annotations
+
+from trident.kubernetes.objects import (
+    SECRET,
+    allow,
+    container_security,
+    disruption_budget,
+    field_env,
+    from_trident,
+    labels,
+    network_policy,
+    port,
+    secret_env,
+    service,
+    spread,
+    stateful_set,
+)
+
+REDIS_IMAGE = "redis:7-alpine"
+DATA_NODES = 2  # a primary and a replica
+SENTINELS = 3
+QUORUM = 2
+MONITORED = "trident"  # the name the sentinels know the primary by, and the URL's service
+RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
+SENTINEL_RESOURCES = {
+    "requests": {"cpu": "50m", "memory": "32Mi"},
+    "limits": {"cpu": "250m", "memory": "128Mi"},
+}
+
+
+def dns(pod: str, headless: str, namespace: str) -> str:
+    return f"{pod}.{headless}.{namespace}.svc"
+
+
+def redis_url(namespace: str) -> str:
+    """The services' TRIDENT_REDIS_URL: the sentinels, and the primary's name among them."""
+    hosts = ",".join(
+        f"{dns(f'redis-sentinel-{i}', 'redis-sentinel', namespace)}:26379" for i in range(SENTINELS)
+    )
+    return f"redis+sentinel://{hosts}/{MONITORED}/0"
+
+
+def _ask(namespace: str) -> str:
+    """A shell function printing the primary's host as the first sentinel that answers names it."""
+    hosts = " ".join(dns(f"redis-sentinel-{i}", "redis-sentinel", namespace) for i in range(SENTINELS))
+    return (
+        f'ask() {{ for s in {hosts}; do REDISCLI_AUTH="$REDIS_PASSWORD" timeout 2 redis-cli -h "$s" '
+        f"-p 26379 --raw SENTINEL get-master-addr-by-name {MONITORED} 2>/dev/null | head -1 | grep . "
+        "&& return; done; }\n"
+    )
+
+
+def node_script(namespace: str) -> str:
+    first = dns("redis-0", "redis", namespace)
+    return (
+        _ask(namespace)
+        + f"""SELF="$POD_NAME.redis.{namespace}.svc"
+M="$(ask)"
+if [ -n "$M" ]; then
+  for i in $(seq 50); do [ "$M" != "$SELF" ] && break; sleep 0.2; M="$(ask)"; done
+  [ "$M" = "$SELF" ] && M=""
+elif [ "$POD_NAME" != "redis-0" ]; then
+  M="{first}"
+fi
+set -- --save "" --appendonly no --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \\
+  --replica-announce-ip "$SELF" --repl-diskless-sync-delay 0
+[ -n "$M" ] && set -- "$@" --replicaof "$M" 6379
+exec redis-server "$@"
+"""
+    )
+
+
+def sentinel_script(namespace: str) -> str:
+    first = dns("redis-0", "redis", namespace)
+    name = MONITORED
+    return (
+        _ask(namespace)
+        + f"""CONF=/data/sentinel.conf
+if [ ! -f "$CONF" ]; then
+  M="$(ask)"
+  [ -n "$M" ] || M="{first}"
+  cat > "$CONF" <<EOF
+port 26379
+sentinel resolve-hostnames yes
+sentinel announce-hostnames yes
+sentinel announce-ip $POD_NAME.redis-sentinel.{namespace}.svc
+sentinel monitor {name} $M 6379 {QUORUM}
+sentinel down-after-milliseconds {name} 1000
+sentinel failover-timeout {name} 5000
+sentinel parallel-syncs {name} 1
+sentinel auth-pass {name} $REDIS_PASSWORD
+sentinel sentinel-pass $REDIS_PASSWORD
+requirepass $REDIS_PASSWORD
+EOF
+fi
+exec redis-server "$CONF" --sentinel
+"""
+    )
+
+
+def _container(name: str, script: str, number: int, resources: dict, secret: str) -> dict:
+    ping = f'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli -p {number} ping | grep -q PONG'
+    return {
+        "name": name,
+        "image": REDIS_IMAGE,
+        "imagePullPolicy": "Always",
+        "command": ["sh", "-c", script],
+        "env": [
+            field_env("POD_NAME", "metadata.name"),
+            secret_env("REDIS_PASSWORD", secret, "redis-password"),
+        ],
+        "ports": [{"name": name, "containerPort": number}],
+        "readinessProbe": {"exec": {"command": ["sh", "-c", ping]}, "periodSeconds": 5, "timeoutSeconds": 3},
+        "livenessProbe": {"tcpSocket": {"port": name}, "periodSeconds": 10, "failureThreshold": 3},
+        "resources": resources,
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+
+
+def redis(namespace: str, storage: str, secret: str = SECRET) -> list[dict]:
+    """The Redis pods, the sentinels, their Services, disruption budgets and NetworkPolicies."""
+    nodes, sentinels = labels("redis"), labels("redis-sentinel")
+    node = _container("redis", node_script(namespace), 6379, RESOURCES, secret)
+    watch = _container("sentinel", sentinel_script(namespace), 26379, SENTINEL_RESOURCES, secret)
+    watch["name"] = "redis-sentinel"
+    watch["ports"][0]["name"] = "sentinel"
+    watch["livenessProbe"]["tcpSocket"]["port"] = "sentinel"
+    scratch = [{"name": "data", "emptyDir": {}}]  # what a sentinel learned; re-asked on a new pod
+    return [
+        stateful_set("redis", namespace, "redis", DATA_NODES, node, storage, parallel=True,
+                     topologySpreadConstraints=[spread(nodes)]),
+        stateful_set("redis-sentinel", namespace, "redis-sentinel", SENTINELS, watch, None, parallel=True,
+                     topologySpreadConstraints=[spread(sentinels)], volumes=scratch),
+        service("redis", namespace, "redis", nodes, [port("redis", 6379)], headless=True),
+        service("redis-sentinel", namespace, "redis-sentinel", sentinels, [port("sentinel", 26379)],
+                headless=True),
+        disruption_budget("redis", namespace, "redis", nodes, max_unavailable=1),
+        disruption_budget("redis-sentinel", namespace, "redis-sentinel", sentinels, max_unavailable=1),
+        # Trident's pods (the services, the replica, the sentinels) only.
+        network_policy("redis", namespace, nodes, [allow(from_trident(), 6379)]),
+        network_policy("redis-sentinel", namespace, sentinels, [allow(from_trident(), 26379)]),
+    ]  # fmt: skip
