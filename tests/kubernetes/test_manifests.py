@@ -182,7 +182,9 @@ def test_every_instance_kind_holds_the_invariants(rendered, method: str, gpu: bo
     conf = next(c for c in by_kind["ConfigMap"] if c["metadata"]["name"] == "nats-config")["data"][
         "nats.conf"
     ]
-    assert "jetstream" in conf and conf.count("nats-cluster") == 3 and "$NATS_TOKEN" in conf
+    assert "jetstream" in conf and 'include "routes.conf"' in conf and "$NATS_TOKEN" in conf
+    start = nats["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert start.count(".nats-cluster.") == 3 and "nats-route://route:%s@" in start
     planner_env = {e["name"]: e.get("value") for e in containers(deployments["trident-planner"])[0]["env"]}
     assert planner_env["TRIDENT_PLANNER_BUDGET_UNIT"] == ("gpus" if gpu else "cores")
     # Metrics: the ServiceMonitor finds every worker's, the gateway's and the planner's Service.
