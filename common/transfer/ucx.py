@@ -20,6 +20,7 @@ back.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 import logging
 import os
@@ -66,6 +67,13 @@ log = logging.getLogger(__name__)
 _ABORT_GRACE = 2.0
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class UcxBackend(TransferBackend):
     scheme = "ucx"
 
@@ -78,6 +86,10 @@ class UcxBackend(TransferBackend):
         self._api = ucx_api
         self._array = Array
         ucx_config = {} if "UCX_TLS" in os.environ else {"TLS": self.config.ucx_tls}
+        if "UCX_NET_DEVICES" not in os.environ and is_loopback(self.config.host):
+            # Bound to loopback, as the TCP server is: UCX's TCP transport otherwise listens on
+            # every interface, reachable from other machines on a deployment meant to be local.
+            ucx_config["NET_DEVICES"] = "lo"
         self._thread = UcxThread(ucx_config, self._on_start, self._periodic, self.config.probe_interval)
         self._peers = Peers(ucx_api, Array, self._thread, self.config.probe_interval, self._settle)
         self._tcp = TcpClient(self)
