@@ -152,7 +152,7 @@ async def sampler(d: LocalUp, samples: list[dict], stop: asyncio.Event) -> None:
 
 
 def held_anywhere(d: LocalUp) -> float:
-    workers = httpx.get(d.url + "/v1/cluster", timeout=5).json()["instances"]
+    workers = d.cluster()
     held = sum(metric(w["http_address"], "trident_held_requests") for w in workers)
     return held + metric(d.url, "trident_gateway_in_flight")
 

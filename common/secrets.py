@@ -53,6 +53,12 @@ class DeploymentSecrets:
         return cls(*values)
 
 
+def operator_header(folder: Path) -> dict[str, str]:
+    """The Authorization header that carries a deployment's operator key (its `planner-key`): the
+    planner's writes take it, and the gateway's /v1/cluster shows the instances' addresses to it."""
+    return {"Authorization": f"Bearer {DeploymentSecrets.read(folder).planner_key}"}
+
+
 def new_secret() -> str:
     """192 random bits as a letter and 48 hex digits. nats-server reads the token from its
     environment into its config and parses it as a value: a token_urlsafe that began with digits and

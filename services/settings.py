@@ -38,6 +38,14 @@ class ServiceSettings(BaseSettings):
     )
     # The gateway's API and the planner's write endpoints ask for one of them; empty: open.
     api_keys: str = Field("", description="Comma-separated Bearer keys; empty disables auth")
+    # The operator's key: the planner's writes take it, and the gateway's /v1/cluster shows the
+    # instances' addresses only to it.
+    planner_key: str = Field(
+        "",
+        description="The operator's Bearer key: the planner's writes take it besides TRIDENT_API_KEYS, and "
+        "the gateway's /v1/cluster shows instances' addresses only to it; default: the secrets folder's "
+        "planner-key",
+    )
 
     @property
     def api_key_set(self) -> set[str]:
@@ -78,6 +86,7 @@ class ServiceSettings(BaseSettings):
             self.nats_url = with_credentials(self.nats_url, found.nats_token, "")
             self.redis_url = with_credentials(self.redis_url, "", found.redis_password)
             self.transfer_secret = self.transfer_secret or found.transfer_secret
+            self.planner_key = self.planner_key or found.planner_key
         return self
 
     def bus_config(self, name: str) -> BusConfig:
@@ -308,11 +317,6 @@ class PlannerSettings(ServiceSettings):
     planner_compose_file: Path = Field(
         Path("compose.yaml"), description="The file the compose actuator scales"
     )
-    planner_key: str = Field(
-        "",
-        description="Bearer key the planner's writes take besides TRIDENT_API_KEYS; default: the "
-        "secrets folder's planner-key",
-    )
     planner_open_writes: bool = Field(
         False,
         description="Let POST /plan/replan and /plan/jobs through without a key when no key is configured "
@@ -322,12 +326,6 @@ class PlannerSettings(ServiceSettings):
     planner_job_time_limit: float = Field(
         600.0, gt=0, description="Seconds a what-if job may run before its worker kills it"
     )
-
-    @model_validator(mode="after")
-    def _planner_key(self) -> PlannerSettings:
-        if self.secrets_dir is not None and not self.planner_key:
-            self.planner_key = DeploymentSecrets.read(self.secrets_dir).planner_key
-        return self
 
     @model_validator(mode="after")
     def _limits(self) -> PlannerSettings:

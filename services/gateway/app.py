@@ -12,10 +12,15 @@ from common.errors import Unavailable, install_error_handlers
 from common.roles import Role
 from services.gateway import serve
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
-from services.gateway.door import Admission, ApiKeys, BodyReader, BodyRules
+from services.gateway.door import Admission, ApiKeys, BodyReader, BodyRules, bearer, is_key
 from services.gateway.routing import live_roles
 from services.gateway.state import Gateway
 from services.settings import GatewaySettings
+
+ADDRESSES_HIDDEN = (
+    "hidden: the instances' http_address and transfer_address are shown to the deployment's planner key "
+    "(Authorization: Bearer <planner-key>, from the secrets folder or TRIDENT_PLANNER_KEY)"
+)
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -38,7 +43,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     s = gw.settings
     rules = BodyRules(s.max_body_bytes, s.body_timeout_floor, s.body_timeout_per_mb)
     app.add_middleware(BodyReader, rules=rules)
-    app.add_middleware(ApiKeys, keys=gw.api_keys)
+    app.add_middleware(ApiKeys, keys=gw.api_keys, operator=gw.settings.planner_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -66,13 +71,20 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     @app.get("/v1/cluster")
-    async def cluster() -> dict:
+    async def cluster(request: Request) -> dict:
         try:
             instances = [hb.model_dump() for hb in await gw.store.registry.instances()]
             plan = await gw.store.planning.current_plan()
         except Exception as exc:
             raise Unavailable(f"the instance registry cannot be read ({type(exc).__name__})") from exc
-        return {"instances": instances, "plan": plan.model_dump() if plan else None}
+        body: dict = {"instances": instances, "plan": plan.model_dump() if plan else None}
+        operator = gw.settings.planner_key
+        if operator and not is_key(bearer(request.headers.raw), operator):
+            # Where each instance listens is the operator's to know, not every API client's.
+            for instance in instances:
+                instance["http_address"] = instance["transfer_address"] = ""
+            body["addresses"] = ADDRESSES_HIDDEN
+        return body
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):

@@ -40,7 +40,7 @@ class Door:
         # One request in flight at most: a slow body that took the place would turn the next away.
         self.admission = Admission(echo, limit=lambda: 1, full=lambda: None, on_change=lambda n: None)
         reader = BodyReader(self.admission, BodyRules(max_bytes=1 << 20, floor_s=FLOOR, per_mb_s=1.0))
-        self.app = ApiKeys(reader, keys={"k1"})
+        self.app = ApiKeys(reader, keys={"k1"}, operator="op-key")
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +100,21 @@ def test_a_wrong_key_is_401_and_the_unread_body_cannot_follow(door):
         sock.sendall(request("/v1/completions", b"{", length=1000, key="nope"))
         reply, _ = until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 401") and b"connection: close" in reply.lower()
+
+
+def test_the_operator_key_opens_the_cluster_view_and_nothing_else(door):
+    _, addr = door
+
+    def status(path: str, key: str) -> bytes:
+        with socket.create_connection(addr) as sock:
+            sock.sendall(request(path, b"{}", key=key))
+            return sock.recv(65536)[:12]
+
+    assert status("/v1/cluster", "op-key") == b"HTTP/1.1 200"
+    assert status("/v1/cluster", "k1") == b"HTTP/1.1 200"
+    assert status("/v1/completions", "op-key") == b"HTTP/1.1 401"
+    assert status("/v1/cluster", "op") == b"HTTP/1.1 401"
+    assert status("/v1/cluster", "\u00ff\u00e9") == b"HTTP/1.1 401"  # any bytes: refused, not a crash
 
 
 def test_a_connection_slow_with_its_headers_or_idle_is_closed(door):

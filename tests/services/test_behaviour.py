@@ -23,7 +23,7 @@ def metric(base_url: str, name: str) -> float:
 
 
 def instances(cluster, role: str) -> list[dict]:
-    found = httpx.get(cluster.url + "/v1/cluster", timeout=5).json()["instances"]
+    found = cluster.instances()
     return [i for i in found if role in i["roles"]]
 
 

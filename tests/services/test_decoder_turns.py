@@ -5,7 +5,6 @@ instance runs and no KV moves — with HF's answer on the whole conversation."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from tests.deploy import running_cluster
@@ -84,5 +83,5 @@ def test_the_next_turn_continues_on_the_decoder_that_holds_the_history(continuin
 
 
 def test_the_cluster_view_says_which_decoders_continue_turns(continuing_decoder):
-    found = httpx.get(continuing_decoder.url + "/v1/cluster", timeout=5).json()["instances"]
+    found = continuing_decoder.instances()
     assert [i.get("prefills_up_to") for i in found if "decode" in i["roles"]] == [256]

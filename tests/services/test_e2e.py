@@ -96,7 +96,7 @@ def test_the_trace_has_each_outcome_and_instances_publish_their_profiles(cluster
         assert trace.ttft >= trace.stages["first_token"] - trace.stages["arrival"] - 0.05
 
     profiles = {p.profile_id: p for p in read_store(cluster, lambda s: s.planning.profiles())}
-    instances = httpx.get(cluster.url + "/v1/cluster", timeout=5).json()["instances"]
+    instances = cluster.instances()
     assert instances and len(profiles) == len({tuple(i["roles"]) for i in instances})
     for inst in instances:
         profile = profiles[inst["profile_id"]]

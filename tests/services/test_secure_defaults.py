@@ -115,3 +115,17 @@ def test_the_planners_writes_take_the_deployments_planner_key(up):
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", path
     key = {"Authorization": f"Bearer {secrets_of(up).planner_key}"}
     assert httpx.post(planner + "/plan/replan", headers=key, timeout=10).status_code == 202
+
+
+def test_the_cluster_view_shows_where_instances_listen_to_the_operator_only(up):
+    """Regression: GET /v1/cluster listed every instance's HTTP and transfer address to anyone who
+    reached the gateway. They are shown under the deployment's planner key, blank to others."""
+    anyone = httpx.get(up.url + "/v1/cluster", timeout=5).json()
+    assert anyone["instances"] and "planner key" in anyone["addresses"]
+    assert all(i["http_address"] == i["transfer_address"] == "" for i in anyone["instances"])
+    assert all(i["instance_id"] and i["roles"] for i in anyone["instances"])  # the rest stays
+    wrong = httpx.get(up.url + "/v1/cluster", headers={"Authorization": "Bearer nope"}, timeout=5).json()
+    assert all(i["http_address"] == "" for i in wrong["instances"])
+    operator = up.cluster()  # under the planner key
+    assert all(i["http_address"].startswith("http://127.0.0.1:") for i in operator)
+    assert all(i["transfer_address"] for i in operator)

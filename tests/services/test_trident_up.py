@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from common.infra import free_port
+from common.secrets import operator_header
 from tests.engine.conftest import make_image
 from tests.services.conftest import data_url
 from tests.services.test_e2e import user_message
@@ -73,7 +74,8 @@ def deployment(tiny_model_dir, tmp_path_factory):
         def ready():
             assert proc.poll() is None, "".join(printed)
             try:
-                found = httpx.get(url + "/v1/cluster", timeout=2).json()["instances"]
+                operator = operator_header(home / ".trident" / "secrets")
+                found = httpx.get(url + "/v1/cluster", headers=operator, timeout=2).json()["instances"]
                 up = httpx.get(planner + "/ready", timeout=2).status_code == 200
             except (httpx.HTTPError, ValueError, KeyError):
                 return None

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from common.infra import NatsServer, RedisServer, free_port
-from common.secrets import DeploymentSecrets
+from common.secrets import DeploymentSecrets, operator_header
 
 
 def main(spec: dict) -> dict:
@@ -74,7 +74,8 @@ def main(spec: dict) -> dict:
                     reply = http.post(url + "/v1/chat/completions", json=body)
                     reply.raise_for_status()
                     answers.append(reply.json()["choices"][0]["message"]["content"])
-                instances = http.get(url + "/v1/cluster").json()["instances"]
+                operator = operator_header(workdir / "secrets")
+                instances = http.get(url + "/v1/cluster", headers=operator).json()["instances"]
                 decoder = next(i for i in instances if i["roles"] == ["decode"])
                 metrics = http.get(decoder["http_address"] + "/metrics").text
             return {"answers": answers, "instances": instances, "decoder_metrics": metrics, "gateway": url}

@@ -24,7 +24,7 @@ from common.bus.subjects import Subjects
 from common.compose import ComposeFile, Method, load_compose
 from common.infra import NatsServer, RedisServer, free_port
 from common.roles import Role
-from common.secrets import DeploymentSecrets
+from common.secrets import DeploymentSecrets, operator_header
 from trident.launcher.processes import Child, Process, Starter
 from trident.launcher.specs import (
     LocalSetup,
@@ -102,6 +102,16 @@ class Cluster:
         )
         self.children: dict[str, Child] = {}
         self.procs = Processes(self.children)
+
+    @property
+    def operator(self) -> dict[str, str]:
+        """The header under which the gateway's /v1/cluster shows where each instance listens."""
+        assert self.setup.secrets_dir is not None
+        return operator_header(self.setup.secrets_dir)
+
+    def instances(self) -> list[dict]:
+        """Every registered instance, addresses included, as /v1/cluster shows the operator."""
+        return httpx.get(self.url + "/v1/cluster", headers=self.operator, timeout=5).json()["instances"]
 
     # -- starting ---------------------------------------------------------------------------------
     def start_method(self, method: str, scale: Mapping[str, int] | None = None) -> None:

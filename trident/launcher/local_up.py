@@ -22,6 +22,7 @@ from common.compose import load_compose
 from common.infra import free_port
 from common.infra.ha import stream_leader
 from common.models import resolve_model
+from common.secrets import operator_header
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
@@ -63,9 +64,13 @@ class LocalUp:
         except (OSError, ValueError):
             return {}
 
+    def cluster(self) -> list[dict]:
+        """Every registered instance, addresses included (the operator's view of /v1/cluster)."""
+        operator = operator_header(Path(self.state()["secrets"]))
+        return httpx.get(self.url + "/v1/cluster", headers=operator, timeout=5).json()["instances"]
+
     def instances(self, role: str) -> list[dict]:
-        found = httpx.get(self.url + "/v1/cluster", timeout=5).json()["instances"]
-        return [i for i in found if role in i["roles"]]
+        return [i for i in self.cluster() if role in i["roles"]]
 
     def whole(self) -> bool:
         """The gateway is ready and as many of each stage are registered as were asked for."""
