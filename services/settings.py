@@ -313,6 +313,11 @@ class PlannerSettings(ServiceSettings):
         30.0, ge=0, description="Fewest seconds between two sizings that a forecast change triggers"
     )
     planner_actuator: Literal["advisory", "launcher", "compose"] = "advisory"
+    planner_follow_capacity: bool = Field(
+        False,
+        description="Hand each capacity recommendation that differs from what runs to the actuator, so "
+        "instances are added and removed to match it; off: only plans (a split of what runs) are",
+    )
     planner_compose_run: bool = Field(False, description="compose actuator: run the command, not just log it")
     planner_compose_file: Path = Field(
         Path("compose.yaml"), description="The file the compose actuator scales"

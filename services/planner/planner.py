@@ -27,7 +27,7 @@ from common.aio import raise_if_cancelled
 from common.bus import Bus
 from common.planner.algorithm import plan as make_plan
 from common.planner.calibrate import ServiceCalibration, calibrate_from_service, transfer_model
-from common.planner.capacity import recommend
+from common.planner.capacity import Capacity, recommend
 from common.planner.drift import current_deployment, kind_counts, measure_correction, workload_distance
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
@@ -226,9 +226,33 @@ class Planner:
         if capacity is not None:
             log.info("capacity (%s): %.3g req/s forecast → %s%s", trigger, predicted.rate,
                      capacity.deployment.label, f" ({capacity.short})" if capacity.short else "")  # fmt: skip
+            if s.planner_follow_capacity:
+                await self._follow(capacity, running)
         else:
             log.warning("capacity (%s): none fits: %s", trigger, error)
         return self.capacity
+
+    async def _follow(self, capacity: Capacity, running: dict[str, int]) -> None:
+        """Hand a recommendation that differs from what runs to the actuator, as a plan of its own
+        (the next split then divides the instances it brought). The launcher and compose actuators
+        add the new replicas first and drain the old ones once those registered."""
+        wanted = capacity.deployment
+        running = {kind: n for kind, n in running.items() if n}
+        current = await self.store.planning.current_plan()
+        if running == wanted.counts or (
+            current is not None and (current.method, current.replicas) == (wanted.method, wanted.counts)
+        ):
+            return  # it runs, or is on its way
+        reason = f"capacity: {capacity.rate:.3g} req/s forecast needs {wanted.label}"
+        if capacity.short:
+            reason += f" ({capacity.short})"
+        plan = await self.store.planning.put_plan(wanted.method, wanted.counts, capacity.goodput, reason)
+        await self.bus.events.plan(plan)
+        log.info("plan %d (%s)", plan.decision_id, reason)
+        try:
+            await self.actuator.apply(plan)
+        except Exception:  # the plan stands; applying it is the actuator's business
+            log.exception("the %s actuator failed on plan %d", self.actuator.name, plan.decision_id)
 
     async def _queued(self) -> dict[Role, int]:
         """Tasks waiting per stage; a stage whose queue cannot be read now counts as empty."""
