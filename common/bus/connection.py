@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit
 
 import nats
 from nats.aio.client import Client as NATS
@@ -86,8 +87,11 @@ async def connect_nats(config: BusConfig, on_reconnect: Callable[[], None] | Non
         # Connection-refused noise during a restart is expected; anything else is worth a line.
         log.debug("NATS client error (%s): %r", config.name, exc)
 
+    servers = [*config.servers, *config.extra_servers]
     nc = await nats.connect(
-        servers=[*config.servers, *config.extra_servers],
+        servers=servers,
+        # Given outright, so they also reach the nodes a cluster tells the client of (bare host:port).
+        **credentials(servers),
         name=config.name,
         allow_reconnect=True,
         max_reconnect_attempts=-1,
@@ -102,6 +106,18 @@ async def connect_nats(config: BusConfig, on_reconnect: Callable[[], None] | Non
     )
     client.append(nc)
     return nc
+
+
+def credentials(servers: list[str]) -> dict[str, str]:
+    """The token, or user and password, the first of `servers` to carry any carries in its URL."""
+    for server in servers:
+        parts = urlsplit(server)
+        if parts.username is None:
+            continue
+        if parts.password is None:
+            return {"token": unquote(parts.username)}
+        return {"user": unquote(parts.username), "password": unquote(parts.password)}
+    return {}
 
 
 async def ensure_task_stream(js: JetStreamContext, config: BusConfig) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.bus import BusConfig
+from common.bus.connection import credentials
 from common.compose import map_hosts
 from common.secrets import with_credentials
 from common.store.connect import SentinelTarget, safe_url, sentinel_target
@@ -69,3 +70,11 @@ def test_trident_up_replaces_a_grouped_server_s_whole_url() -> None:
     assert map_hosts("redis://:secret@redis:6379/0", {}, urls) == urls["redis"]
     assert map_hosts("nats://nats:4222", {}, urls) == urls["nats"]
     assert map_hosts("http://gateway:8000/ready", {}, urls) == "http://gateway:8000/ready"
+
+
+def test_the_credentials_reach_every_node_the_cluster_names() -> None:
+    """nats-py sends a URL's credentials to that server only; the nodes a cluster announces come
+    bare, and a client that moved to one was refused (`authentication error` in nats-server's log)."""
+    assert credentials(["nats://a:1", "nats://t%40k@b:2"]) == {"token": "t@k"}
+    assert credentials(["nats://u:p%2Fw@a:1"]) == {"user": "u", "password": "p/w"}
+    assert credentials(["nats://a:1"]) == {}
