@@ -22,6 +22,20 @@ def redis_server_binary() -> str:
     return found
 
 
+def probe_client(host: str, port: int, password: str | None, decode: bool = False) -> redis.Redis:
+    """A client for one probe: a second at most, no retries (the caller's loop is the retry, and
+    must see each refusal at once)."""
+    return redis.Redis(
+        host=host,
+        port=port,
+        password=password,
+        socket_timeout=1.0,
+        socket_connect_timeout=1.0,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=decode,
+    )
+
+
 class RedisServer(LocalServer):
     """redis-server on a loopback port with an optional password.
 
@@ -98,16 +112,9 @@ class RedisServer(LocalServer):
         return found.get("role") == "slave" and found.get("master_link_status") == "up"
 
     def _client(self) -> redis.Redis:
-        return redis.Redis(
-            host=self.host,
-            port=self.port,
-            password=self.password,
-            socket_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),
-        )
+        return probe_client(self.host, self.port, self.password)
 
     def ready(self) -> bool:
-        # No client-side retries: the readiness loop is the retry, and it must see each refusal at once.
         client = self._client()
         try:
             return bool(client.ping())

@@ -7,11 +7,9 @@ import json
 from pathlib import Path
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from common.infra.process import LocalServer
-from common.infra.redis_server import redis_server_binary
+from common.infra.redis_server import probe_client, redis_server_binary
 
 # How long a primary may be silent before a sentinel calls it down, and how long a failover may take
 # before another sentinel tries again. Redis's defaults (30 s, 3 min) are for wide-area links; a
@@ -74,15 +72,7 @@ class RedisSentinel(LocalServer):
         return "\n".join(lines) + "\n"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(
-            host=self.host,
-            port=self.port,
-            password=self.password,
-            socket_timeout=1.0,
-            socket_connect_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-        )
+        return probe_client(self.host, self.port, self.password, decode=True)
 
     def state(self) -> dict | None:
         """What this sentinel knows of its primary (SENTINEL MASTER), or None if it does not answer."""

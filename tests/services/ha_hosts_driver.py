@@ -18,7 +18,7 @@ from pathlib import Path
 
 from common.infra.ha import NatsCluster, RedisGroup
 from common.secrets import DeploymentSecrets
-from tests.services.three_hosts_driver import _wait_ready
+from tests.services.three_hosts_driver import _wait_ready, stop_all
 from trident.bench.client import image_data_url
 from trident.bench.fault_load import StreamingLoad
 from trident.bench.oracle import Chat, hf_greedy
@@ -98,13 +98,7 @@ def main(spec: dict) -> dict:
             phases["redis-primary"]["promoted"] = redis.primary_node().name
             return {"phases": phases}
         finally:
-            for proc in running.values():
-                proc.terminate()
-            for proc in running.values():
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_all(running)
 
 
 if __name__ == "__main__":

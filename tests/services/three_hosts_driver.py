@@ -80,13 +80,18 @@ def main(spec: dict) -> dict:
                 metrics = http.get(decoder["http_address"] + "/metrics").text
             return {"answers": answers, "instances": instances, "decoder_metrics": metrics, "gateway": url}
         finally:
-            for proc in running.values():
-                proc.terminate()
-            for proc in running.values():
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_all(running)
+
+
+def stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGTERM to each (they drain), then SIGKILL to any still there after 30 s."""
+    for proc in procs.values():
+        proc.terminate()
+    for proc in procs.values():
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _wait_ready(url: str, procs: dict, workdir: Path, timeout: float = 120.0) -> None:

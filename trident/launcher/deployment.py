@@ -143,13 +143,11 @@ class Deployment:
 
     def _start_servers(self) -> None:
         try:
-            self.substrate = start_substrate(
-                self.compose.servers, self.home, self.logs, self.secrets, self.ha, self.echo
+            start_substrate(
+                self.substrate, self.compose.servers, self.home, self.logs, self.secrets, self.ha, self.echo
             )
-        except InfraError:
-            self._write_state()
-            raise
-        self._write_state()
+        finally:
+            self._write_state()  # `trident down` must find what started, even if the rest did not
 
     def _start_children(self) -> None:
         planner_env: dict[str, str] = {}

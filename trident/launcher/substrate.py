@@ -37,11 +37,17 @@ class Substrate:
 
 
 def start_substrate(
-    kinds: dict[str, str], home: Path, logs: Path, secrets: DeploymentSecrets, ha: bool, echo: Echo
-) -> Substrate:
-    """Start a server (or a group) for each compose service in `kinds` (service -> "nats" | "redis").
-    What started is in the result even when a later start fails, so the caller can stop it."""
-    found = Substrate()
+    found: Substrate,
+    kinds: dict[str, str],
+    home: Path,
+    logs: Path,
+    secrets: DeploymentSecrets,
+    ha: bool,
+    echo: Echo,
+) -> None:
+    """Start a server (or a group) for each compose service in `kinds` (service -> "nats" | "redis")
+    into `found`, which holds every server before it starts: when a later start fails, the caller
+    stops what did."""
     for service, kind in kinds.items():
         workdir = home / service
         if kind == "nats":
@@ -79,7 +85,6 @@ def start_substrate(
             found.env["TRIDENT_NATS_STREAM_REPLICAS"] = str(len(group.nodes))
         if isinstance(group, RedisGroup):
             found.redis_url = group.url
-    return found
 
 
 def _prepare(found: Substrate, name: str, server: LocalServer, logs: Path) -> None:
