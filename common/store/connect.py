@@ -124,4 +124,4 @@ def sync_client(url: str, timeout: float) -> redis.Redis:
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
     )
-    return sentinel.master_for(target.service)
+    return sentinel.master_for(target.service)  # its reconnects ask the sentinels (test_ha.py)

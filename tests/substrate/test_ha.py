@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from common.bus import Bus, BusConfig
 from common.infra.ha import NatsCluster, RedisGroup
 from common.store import Store, StoreConfig
-from common.store.connect import safe_url, sentinel_target
+from common.store.connect import safe_url, sentinel_target, sync_client
 from tests.substrate.helpers import prefill_task, run
 from tests.substrate.test_bus_restart import take
 
@@ -75,6 +76,9 @@ def test_a_store_follows_the_primary_the_sentinels_promote(tmp_path: Path) -> No
         first = group.primary_node()
         assert first is group.nodes[0]
 
+        blocking = sync_client(group.url, timeout=1.0)  # the launcher's kind of client
+        assert blocking.get("ha:none") is None  # connected to the first primary
+
         async def main() -> None:
             store = await Store.connect(StoreConfig(url=group.url, prefix="ha"))
             await store.redis.set("ha:before", "kept")
@@ -88,6 +92,16 @@ def test_a_store_follows_the_primary_the_sentinels_promote(tmp_path: Path) -> No
             await store.close()
 
         run(main())
+        # The blocking client's connection died with the primary; its next reconnect finds the new one.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert blocking.get("ha:before") == b"kept"
+                break
+            except redis.RedisError:
+                assert time.monotonic() < deadline, "the blocking client never found the promoted primary"
+                time.sleep(0.2)
+        blocking.close()
         promoted = group.primary_node()
         assert promoted is group.nodes[1]
         first.start()  # empty (no persistence): it must come back as the new primary's replica
