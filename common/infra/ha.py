@@ -216,6 +216,8 @@ class RedisGroup(_Group):
         for node in self.nodes:
             node.start(timeout)
         for sentinel in self.sentinels:
+            # What a sentinel of an earlier group in this folder learned names its servers, not ours.
+            (sentinel.workdir / "sentinel.conf").unlink(missing_ok=True)
             sentinel.start(timeout)
         _wait("sentinels that know each other and the replicas", self.settled, timeout, self.servers)
         for node in self.nodes:  # from now on a restart asks the sentinels whom to follow

@@ -91,6 +91,12 @@ class RedisServer(LocalServer):
         # A replica's first copy starts at once (Redis waits 5 s for more replicas to share it);
         # a primary lost in those 5 s would leave replicas with nothing.
         argv += ["--repl-diskless-sync-delay", "0"]
+        if not self.appendonly:
+            # No file, ever: a replica loads its copy straight from the socket, and a copy written by
+            # an older version is removed. One left behind was loaded by the next deployment in
+            # this folder, with the last one's task claims in it: tasks taken for claimed were dropped.
+            argv += ["--repl-diskless-load", "swapdb"]
+            (self.workdir / "dump.rdb").unlink(missing_ok=True)
         if self.password:  # from a file only its owner reads, not the command line `ps` shows
             conf = self.workdir / "auth.conf"
             conf.touch(mode=0o600)

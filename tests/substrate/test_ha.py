@@ -111,6 +111,14 @@ def test_a_store_follows_the_primary_the_sentinels_promote(tmp_path: Path) -> No
         while not first.replicating() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert first.replicating() and group.primary_node() is promoted
+    # The next deployment in the same folder starts empty: no copy of this one's data on disk.
+    assert not list(tmp_path.glob("*/dump.rdb"))
+    with RedisGroup(tmp_path, LOOPBACK, password="s3cret") as again:
+        client = again.nodes[0]._client()
+        try:
+            assert client.dbsize() == 0
+        finally:
+            client.close()
 
 
 def _wait_replicated(group: RedisGroup, key: str, timeout: float = 10.0) -> None:

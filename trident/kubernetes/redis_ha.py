@@ -78,8 +78,9 @@ if [ -n "$M" ]; then
 elif [ "$POD_NAME" != "redis-0" ]; then
   M="{first}"
 fi
+rm -f /data/dump.rdb
 set -- --save "" --appendonly no --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \\
-  --replica-announce-ip "$SELF" --repl-diskless-sync-delay 0
+  --replica-announce-ip "$SELF" --repl-diskless-sync-delay 0 --repl-diskless-load swapdb
 [ -n "$M" ] && set -- "$@" --replicaof "$M" 6379
 exec redis-server "$@"
 """

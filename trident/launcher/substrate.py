@@ -54,9 +54,6 @@ def start_substrate(
             # A fresh task stream, as a new nats container would have: no stale tasks from a past run.
             for store in [workdir / "jetstream", *workdir.glob("nats-*/jetstream")]:
                 shutil.rmtree(store, ignore_errors=True)
-        else:  # what sentinels learned in a past run names ports this one does not use
-            for old in workdir.glob("sentinel-*/sentinel.conf"):
-                old.unlink()
         if not ha:
             server: NatsServer | RedisServer = (
                 NatsServer(workdir=workdir, token=secrets.nats_token)
