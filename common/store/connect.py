@@ -31,12 +31,6 @@ class SentinelTarget:
     db: int
     password: str | None
 
-    @property
-    def safe(self) -> str:
-        """The URL without its password."""
-        where = ",".join(f"{h}:{p}" for h, p in self.sentinels)
-        return f"{SENTINEL_SCHEME}://{where}/{self.service}/{self.db}"
-
 
 def sentinel_target(url: str) -> SentinelTarget | None:
     """The sentinels, service and db a redis+sentinel:// URL names; None for any other URL."""
@@ -55,15 +49,6 @@ def sentinel_target(url: str) -> SentinelTarget | None:
     if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
         raise ValueError(f"{SENTINEL_SCHEME} URL must end in /SERVICE or /SERVICE/DB, not {parts.path!r}")
     return SentinelTarget(tuple(sentinels), path[0], int(path[1]) if len(path) == 2 else 0, password)
-
-
-def safe_url(url: str) -> str:
-    """`url` as it may be printed: no password."""
-    target = sentinel_target(url)
-    if target is not None:
-        return target.safe
-    parts = urlsplit(url)
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 def _sentinel_options(target: SentinelTarget, timeout: float) -> dict[str, Any]:
