@@ -115,6 +115,8 @@ def test_rate_out_of_reach_and_both_or_neither_are_errors(app: typer.Typer, trac
     ):
         refused = _plan(app, "--trace", str(trace_file), "--rate", "5", *bad)
         assert refused.exit_code == 2 and "error:" in refused.output, (bad, refused.output)
+    free = _plan(app, "--trace", str(trace_file), "--rate", "5", "--instance-cost", "0")
+    assert free.exit_code == 2 and "--instance-cost" in free.output  # not silently 1
     for args in ([], ["--rate", "5", "--instances", "4"]):
         both = _plan(app, "--trace", str(trace_file), *args)
         assert both.exit_code == 2 and "--instances" in both.output

@@ -38,10 +38,14 @@ def plan(
     ] = 64,
     budget: Annotated[
         float | None,
-        typer.Option(min=0.0, help="With --rate: cores (or GPUs) all instances may take together."),
+        typer.Option(
+            min=0.0,
+            help="With --rate: cores (or GPUs) all instances may take together; 0 or unset: no budget.",
+        ),
     ] = None,
     instance_cost: Annotated[
-        float, typer.Option(min=0.0, help="With --rate: cores (or GPUs) one instance takes of the budget.")
+        float,
+        typer.Option(help="With --rate: cores (or GPUs) one instance takes of the budget; above 0."),
     ] = 1.0,
     min_replicas: Annotated[
         str, typer.Option(help="With --rate: per-kind minimum, e.g. d=1,ep=1 (kinds: e p d ep ed epd).")
@@ -90,6 +94,10 @@ def plan(
     from common.planner.trace import TraceError, read_trace
     from common.stats import SLO
 
+    if instance_cost <= 0:
+        raise typer.BadParameter(
+            f"{instance_cost:g}: one instance takes more than 0", param_hint="--instance-cost"
+        )
     try:
         recorded = read_trace(trace)
         entries = recorded.entries
@@ -99,7 +107,7 @@ def plan(
             minimum=parse_counts(min_replicas, "--min-replicas"),
             maximum=parse_counts(max_replicas, "--max-replicas"),
             budget=budget or None,
-            cost=instance_cost or 1.0,
+            cost=instance_cost,
             max_instances=max_instances,
         )
     except (TraceError, ProfileError, ValueError, OSError) as exc:
