@@ -46,6 +46,13 @@ def _wait(what: str, check: Callable[[], bool], timeout: float, servers: Sequenc
     raise InfraError(f"{what} not within {timeout:.0f} s:\n{tails}")
 
 
+def _place(servers: Sequence[LocalServer], prefix: str, wrap: Wrap | None) -> None:
+    """Name the i-th server `<prefix>-<i+1>` and put it on its host."""
+    for i, server in enumerate(servers):
+        server.name = f"{prefix}-{i + 1}"
+        server.wrap = wrap(i) if wrap else []
+
+
 class _Group:
     """Start, stop and context-manager plumbing shared by the two groups."""
 
@@ -100,11 +107,8 @@ class NatsCluster(_Group):
             )
             for i, host in enumerate(hosts)
         ]
-        for i, node in enumerate(self.nodes):
-            node.name = f"nats-{i + 1}"
-            node.wrap = wrap(i) if wrap else []
+        _place(self.nodes, "nats", wrap)
         self.servers = list(self.nodes)
-        self.token = token
 
     @property
     def url(self) -> str:
@@ -125,7 +129,7 @@ class NatsCluster(_Group):
         for node in self.nodes:
             if not node.running:
                 continue
-            meta = _jsz(f"http://{node.host}:{node.monitor_port}").get("meta_cluster") or {}
+            meta = _jsz(node.monitor_url).get("meta_cluster") or {}
             peers = meta.get("replicas") or []
             if not meta.get("leader") or len(peers) != len(self.nodes) - 1:
                 return False
@@ -136,7 +140,7 @@ class NatsCluster(_Group):
 
     def stream_leader(self) -> NatsServer | None:
         """The node that leads the task stream (the first stream its peers report), if any."""
-        name = stream_leader(f"http://{n.host}:{n.monitor_port}" for n in self.nodes if n.running)
+        name = stream_leader(n.monitor_url for n in self.nodes if n.running)
         return next((n for n in self.nodes if n.name == name), None)
 
 
@@ -189,14 +193,10 @@ class RedisGroup(_Group):
             RedisSentinel(first, workdir / f"sentinel-{i + 1}", watch[i], h, password, service, quorum)
             for i, h in enumerate(hosts)
         ]
-        for i, node in enumerate(self.nodes):
-            node.name = f"redis-{i + 1}"
-            node.wrap = wrap(i) if wrap else []
-            if i:
-                node.primary = lambda: first
-        for i, sentinel in enumerate(self.sentinels):
-            sentinel.name = f"sentinel-{i + 1}"
-            sentinel.wrap = wrap(i) if wrap else []
+        for node in self.nodes[1:]:
+            node.primary = lambda: first
+        _place(self.nodes, "redis", wrap)
+        _place(self.sentinels, "sentinel", wrap)
         self.servers = [*self.nodes, *self.sentinels]
 
     @property

@@ -93,8 +93,6 @@ class NatsServer(LocalServer):
         self.fixed_monitor_port = monitor_port  # 0: a free one at each start
         self.monitor_port = monitor_port
         self.cluster = cluster
-        # Prepended to the command line: `ip netns exec NAME` runs the server on another "host".
-        self.wrap: list[str] = []
 
     @property
     def address(self) -> str:
@@ -116,10 +114,14 @@ class NatsServer(LocalServer):
         conf = self.workdir / "nats.conf"
         conf.touch(mode=0o600)  # it may hold the token
         conf.write_text(self._config())
-        return [*self.wrap, nats_server_binary(), "-c", str(conf)]
+        return [nats_server_binary(), "-c", str(conf)]
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.host}:{self.monitor_port}"
 
     def ready(self) -> bool:
-        url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
+        url = f"{self.monitor_url}/healthz?js-enabled-only=true"
         try:
             with urllib.request.urlopen(url, timeout=1.0) as resp:
                 return resp.status == 200 and json.loads(resp.read() or b"{}").get("status") == "ok"

@@ -120,6 +120,8 @@ class LocalServer:
         # With it, the server gets SIGTERM when the process that started it dies (see die_with_parent).
         self.die_with_parent = False
         self.command: list[str] = []  # the argv of the last start, as /proc shows it before any retitling
+        # Prepended to `argv()` at each start: `ip netns exec NAME` runs the server on another "host".
+        self.wrap: list[str] = []
         self._proc: subprocess.Popen[bytes] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -210,7 +212,7 @@ class LocalServer:
         with open(self.log_path, "ab") as logf:
             # A session of its own keeps the server out of the terminal's process group, so Ctrl-C reaches
             # the parent alone and the parent stops the server in order.
-            self.command = self.argv()
+            self.command = [*self.wrap, *self.argv()]
             self._proc = subprocess.Popen(
                 self.command,
                 stdout=logf,

@@ -60,7 +60,6 @@ class RedisServer(LocalServer):
         # group (common/infra/ha.py) answers from its sentinels, so a restarted primary comes back
         # as a replica of the one they promoted instead of an empty primary its replicas copy.
         self.primary: Callable[[], tuple[str, int] | None] = lambda: None
-        self.wrap: list[str] = []  # prepended to the command line, as NatsServer.wrap
 
     @property
     def address(self) -> str:
@@ -75,7 +74,6 @@ class RedisServer(LocalServer):
 
     def argv(self) -> list[str]:
         argv = [
-            *self.wrap,
             redis_server_binary(),
             "--port", str(self.port),
             "--bind", self.host,
@@ -103,7 +101,7 @@ class RedisServer(LocalServer):
             secret = json.dumps(self.password)
             # masterauth too: a replica, or a primary demoted to one, authenticates to its primary.
             conf.write_text(f"requirepass {secret}\nmasterauth {secret}\n")
-            argv.insert(len(self.wrap) + 1, str(conf))
+            argv.insert(1, str(conf))
         return argv
 
     def replicating(self) -> bool:

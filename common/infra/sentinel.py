@@ -42,14 +42,13 @@ class RedisSentinel(LocalServer):
         self.password = password
         self.service = service
         self.quorum = quorum
-        self.wrap: list[str] = []  # prepended to the command line, as NatsServer.wrap
 
     def argv(self) -> list[str]:
         conf = self.workdir / "sentinel.conf"
         if not conf.exists():
             conf.touch(mode=0o600)  # it holds the password
             conf.write_text(self._config())
-        return [*self.wrap, redis_server_binary(), str(conf), "--sentinel"]
+        return [redis_server_binary(), str(conf), "--sentinel"]
 
     def _config(self) -> str:
         name = self.service

@@ -343,8 +343,7 @@ class Deployment:
         gateway = [c for c in self.children if c.spec.gateway]
         stop_children(gateway, self._force.is_set, killed)
         stop_children([c for c in self.children if not c.spec.gateway], self._force.is_set, killed)
-        for server in reversed(list(self.servers.values())):
-            server.stop()
+        self.substrate.stop()
         self.state.remove()
         if self.children or self.servers:
             self.echo("stopped")
