@@ -12,7 +12,7 @@ from common.errors import Unavailable, install_error_handlers
 from common.roles import Role
 from services.gateway import serve
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
-from services.gateway.door import Admission, ApiKeys, BodyReader, BodyRules, bearer, is_key
+from services.gateway.door import Admission, ApiKeys, BodyReader, BodyRules
 from services.gateway.routing import live_roles
 from services.gateway.state import Gateway
 from services.settings import GatewaySettings
@@ -78,8 +78,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         except Exception as exc:
             raise Unavailable(f"the instance registry cannot be read ({type(exc).__name__})") from exc
         body: dict = {"instances": instances, "plan": plan.model_dump() if plan else None}
-        operator = gw.settings.planner_key
-        if operator and not is_key(bearer(request.headers.raw), operator):
+        if gw.settings.planner_key and not request.state.operator:  # the door checked the key
             # Where each instance listens is the operator's to know, not every API client's.
             for instance in instances:
                 instance["http_address"] = instance["transfer_address"] = ""

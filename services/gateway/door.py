@@ -62,18 +62,19 @@ class ApiKeys:
         self.operator = operator
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope.setdefault("state", {})["arrived"] = (
-                time.perf_counter()
-            )  # a request's TTFT counts from here
-        if self.keys and _guarded(scope):
-            given = bearer(scope["headers"])
-            operator = scope["path"] in OPERATOR_PATHS and is_key(given, self.operator)
-            if given not in self.keys and not operator:
-                # Its body is not read: closing the connection keeps the client from trickling it in.
-                wrong = APIError(401, "missing or invalid API key", code="invalid_api_key")
-                await refuse(scope, receive, send, wrong, close=True)
-                return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["arrived"] = time.perf_counter()  # a request's TTFT counts from here
+        given = bearer(scope["headers"])
+        # The operator's key came: its paths show it more than others (app.py: /v1/cluster).
+        state["operator"] = scope["path"] in OPERATOR_PATHS and is_key(given, self.operator)
+        if self.keys and _guarded(scope) and given not in self.keys and not state["operator"]:
+            # Its body is not read: closing the connection keeps the client from trickling it in.
+            wrong = APIError(401, "missing or invalid API key", code="invalid_api_key")
+            await refuse(scope, receive, send, wrong, close=True)
+            return
         await self.app(scope, receive, send)
 
 
