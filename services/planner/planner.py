@@ -249,6 +249,9 @@ class Planner:
         plan = await self.store.planning.put_plan(wanted.method, wanted.counts, capacity.goodput, reason)
         await self.bus.events.plan(plan)
         log.info("plan %d (%s)", plan.decision_id, reason)
+        await self._apply(plan)
+
+    async def _apply(self, plan: Plan) -> None:
         try:
             await self.actuator.apply(plan)
         except Exception:  # the plan stands; applying it is the actuator's business
@@ -367,10 +370,7 @@ class Planner:
             decision_plan.decision_id, trigger, result.deployment.label, result.goodput,
             100 * result.attainment, duration,
         )  # fmt: skip
-        try:
-            await self.actuator.apply(decision_plan)
-        except Exception:  # the plan stands; applying it is the actuator's business
-            log.exception("the %s actuator failed on plan %d", self.actuator.name, decision_plan.decision_id)
+        await self._apply(decision_plan)
         return self.decision
 
     async def profiles(self, registered: list | None = None) -> tuple[ProfileSet, ServiceCalibration | None]:
