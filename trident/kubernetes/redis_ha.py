@@ -115,7 +115,7 @@ exec redis-server "$CONF" --sentinel
     )
 
 
-def _container(name: str, script: str, number: int, resources: dict, secret: str) -> dict:
+def _container(name: str, port_name: str, script: str, number: int, resources: dict, secret: str) -> dict:
     ping = f'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli -p {number} ping | grep -q PONG'
     return {
         "name": name,
@@ -126,9 +126,9 @@ def _container(name: str, script: str, number: int, resources: dict, secret: str
             field_env("POD_NAME", "metadata.name"),
             secret_env("REDIS_PASSWORD", secret, "redis-password"),
         ],
-        "ports": [{"name": name, "containerPort": number}],
+        "ports": [{"name": port_name, "containerPort": number}],
         "readinessProbe": {"exec": {"command": ["sh", "-c", ping]}, "periodSeconds": 5, "timeoutSeconds": 3},
-        "livenessProbe": {"tcpSocket": {"port": name}, "periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": {"tcpSocket": {"port": port_name}, "periodSeconds": 10, "failureThreshold": 3},
         "resources": resources,
         "securityContext": container_security(),
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
@@ -138,11 +138,10 @@ def _container(name: str, script: str, number: int, resources: dict, secret: str
 def redis(namespace: str, storage: str, secret: str = SECRET) -> list[dict]:
     """The Redis pods, the sentinels, their Services, disruption budgets and NetworkPolicies."""
     nodes, sentinels = labels("redis"), labels("redis-sentinel")
-    node = _container("redis", node_script(namespace), 6379, RESOURCES, secret)
-    watch = _container("sentinel", sentinel_script(namespace), 26379, SENTINEL_RESOURCES, secret)
-    watch["name"] = "redis-sentinel"
-    watch["ports"][0]["name"] = "sentinel"
-    watch["livenessProbe"]["tcpSocket"]["port"] = "sentinel"
+    node = _container("redis", "redis", node_script(namespace), 6379, RESOURCES, secret)
+    watch = _container(
+        "redis-sentinel", "sentinel", sentinel_script(namespace), 26379, SENTINEL_RESOURCES, secret
+    )
     scratch = [{"name": "data", "emptyDir": {}}]  # what a sentinel learned; re-asked on a new pod
     return [
         stateful_set("redis", namespace, "redis", DATA_NODES, node, storage, parallel=True,
