@@ -18,7 +18,7 @@ from pathlib import Path
 
 from common.infra.ha import NatsCluster, RedisGroup
 from common.secrets import DeploymentSecrets
-from tests.services.three_hosts_driver import _wait_ready, stop_all
+from tests.services.three_hosts_driver import _wait_ready, start_services, stop_all
 from trident.bench.client import image_data_url
 from trident.bench.fault_load import StreamingLoad
 from trident.bench.oracle import Chat, hf_greedy
@@ -39,8 +39,8 @@ def main(spec: dict) -> dict:
     chats = [
         Chat("Tell me a story about a lighthouse."),
         Chat("What is here?", (image_data_url(3, (64, 48)),)),
+        Chat("List some things to do on a rainy day."),
     ]
-    chats.append(Chat("List some things to do on a rainy day."))
     expected = hf_greedy(Path(spec["model"]), chats, TOKENS)
     with (
         NatsCluster(workdir / "nats", hosts, secrets.nats_token, ports=[4222] * 3, wrap=wrap) as nats,
@@ -60,23 +60,9 @@ def main(spec: dict) -> dict:
             "TRIDENT_KV_CACHE_BYTES": str(16 << 20),
             "TRIDENT_PROFILE_REPEATS": "1",
         }
-        procs = {
-            "gateway": (["services.gateway"], "infra", {}),
-            "worker-ep": (["services.worker"], "ep", {"TRIDENT_ROLES": "encode,prefill"}),
-            "decode": (["services.worker"], "d", {"TRIDENT_ROLES": "decode"}),
-        }
         running: dict[str, subprocess.Popen] = {}
         try:
-            for name, (module, host, extra) in procs.items():
-                env = {
-                    **base,
-                    **extra,
-                    "TRIDENT_BIND_HOST": address[host],
-                    "TRIDENT_ADVERTISE_HOST": address[host],
-                }
-                argv = [*wrap(HOSTS.index(host)), sys.executable, "-m", *module]
-                log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-                running[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            start_services(running, base, address, names, workdir)
             url = f"http://{address['infra']}:{port}"
             _wait_ready(url, running, workdir, timeout=180)
             load = StreamingLoad(url, "tiny-llava", chats, expected, TOKENS, 3, deadline=60.0)

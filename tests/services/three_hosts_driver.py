@@ -46,25 +46,9 @@ def main(spec: dict) -> dict:
             # UCX over TCP only: no shared memory or cross-memory attach between the "hosts".
             "UCX_TLS": "tcp,self",
         }
-        python = [sys.executable, "-m"]
-        procs = {
-            "gateway": ([*python, "services.gateway"], "infra", {}),
-            "worker-ep": ([*python, "services.worker"], "ep", {"TRIDENT_ROLES": "encode,prefill"}),
-            "decode": ([*python, "services.worker"], "d", {"TRIDENT_ROLES": "decode"}),
-        }
-        running = {}
+        running: dict[str, subprocess.Popen] = {}
         try:
-            for name, (argv, role, extra) in procs.items():
-                env = {
-                    **base,
-                    **extra,
-                    "TRIDENT_BIND_HOST": address[role],
-                    "TRIDENT_ADVERTISE_HOST": address[role],
-                }
-                if role != "infra":
-                    argv = ["ip", "netns", "exec", names[role], *argv]
-                log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-                running[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            start_services(running, base, address, names, workdir)
             url = f"http://{host}:{port}"
             _wait_ready(url, running, workdir)
             with httpx.Client(timeout=120, trust_env=False) as http:
@@ -81,6 +65,27 @@ def main(spec: dict) -> dict:
             return {"answers": answers, "instances": instances, "decoder_metrics": metrics, "gateway": url}
         finally:
             stop_all(running)
+
+
+SERVICES = {  # name: (module, host, environment of its own)
+    "gateway": ("services.gateway", "infra", {}),
+    "worker-ep": ("services.worker", "ep", {"TRIDENT_ROLES": "encode,prefill"}),
+    "decode": ("services.worker", "d", {"TRIDENT_ROLES": "decode"}),
+}
+
+
+def start_services(
+    running: dict[str, subprocess.Popen], base: dict, address: dict, names: dict, workdir: Path
+) -> None:
+    """The gateway here (infra), the EP worker and the decoder on their own hosts, each bound to its
+    host's one address, logging to `workdir/<name>.log`; into `running` as each starts."""
+    for name, (module, host, extra) in SERVICES.items():
+        env = {**base, **extra, "TRIDENT_BIND_HOST": address[host], "TRIDENT_ADVERTISE_HOST": address[host]}
+        argv = [sys.executable, "-m", module]
+        if host != "infra":
+            argv = ["ip", "netns", "exec", names[host], *argv]
+        log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        running[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def stop_all(procs: dict[str, subprocess.Popen]) -> None:
