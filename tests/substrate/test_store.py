@@ -134,6 +134,35 @@ def test_recorders_trace_with_the_outcome_or_after_the_grace_without(redis_serve
     run(main())
 
 
+def test_a_backlog_of_writes_keeps_each_requests_order(redis_server: RedisServer) -> None:
+    """Writes queued for many requests at once are made several requests at a time; each
+    request's own still land in the order queued: its record before its marks, its end before the
+    outcome that traces it. Every request is traced once, with its outcome."""
+
+    async def main() -> None:
+        store = await Store.connect(StoreConfig(url=redis_server.url))
+        recorder = StageRecorder(store, trace_grace=60)
+        rids = [f"r{i}" for i in range(300)]
+        for i, rid in enumerate(rids):  # all queued before the recorder runs: one backlog
+            recorder.create(rid, arrival=time.time(), prompt_tokens=5, max_tokens=3)
+            recorder.mark(rid, Stage.FIRST_TOKEN, at=1000.0 + i)
+            recorder.finish(rid, 3, "length")
+            recorder.outcome(rid, 0.1, 0.01, True)
+            recorder.mark(rid, Stage.FIRST_TOKEN, at=2000.0 + i)  # a later write of the same field wins
+        task = asyncio.create_task(recorder.run())
+        await recorder.flush(timeout=30)
+        task.cancel()
+        traces = {t.request_id: t for _, t in await store.requests.trace(count=1000)}
+        assert sorted(traces) == sorted(rids) and recorder.failures == 0
+        assert all(t.ttft == 0.1 and t.slo_met is True for t in traces.values())
+        for i, rid in enumerate(rids):
+            record = await store.requests.get(rid)
+            assert record is not None and record.stages[Stage.FIRST_TOKEN.value] == 2000.0 + i
+        await store.close()
+
+    run(main())
+
+
 def test_the_recorder_stops_on_a_cancel_that_lands_as_a_write_arrives(redis_server: RedisServer) -> None:
     """A task group stops its children with one cancel each. One that lands in the same loop turn
     as a queued write must still end the recorder, or the group (and a draining worker) waits forever."""
