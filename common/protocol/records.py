@@ -110,6 +110,14 @@ class StepStats(Message):
     token_budget: int = Field(0, ge=0)
     budget_scale: float = Field(1.0, gt=0)
     steps: tuple[Step, ...] = ()
+    # Counters of the instance's host (services/worker/cpu_use.py), which the planner differences
+    # between two reports: its cores' busy core-seconds (`host_cpu_seconds`) and this instance's
+    # own CPU seconds (`process_cpu_seconds`); `host` tells hosts apart (the kernel's boot id,
+    # "": not measured), `host_cores` the cores its workers' steps share (0: on a GPU).
+    host: str = ""
+    host_cores: int = Field(0, ge=0)
+    host_cpu_seconds: float = Field(0.0, ge=0)
+    process_cpu_seconds: float = Field(0.0, ge=0)
 
 
 class DeadLetter(Message):

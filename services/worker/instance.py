@@ -158,8 +158,9 @@ class WorkerInstance:
             settings.check_integrity,
         )  # fmt: skip
         self.step_publisher = StepPublisher(
-            self.instance_id, self.roles, profile_id, self.steps, self.loop, runtime.store
-        )
+            self.instance_id, self.roles, profile_id, self.steps, self.loop, runtime.store,
+            self._shared_cores(),
+        )  # fmt: skip
         runtime.on_fence(self._fenced)
         # Where prefixes live, for gateways routing by them: what a prefill instance caches.
         routed = [h for h in self.handlers.values() if h.routed_by_prefix]
@@ -267,6 +268,11 @@ class WorkerInstance:
         )
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _shared_cores(self) -> int:
+        """The cores this worker's steps share with the host's other workers (0: on a GPU)."""
+        s = self.settings
+        return (s.host_cores or len(os.sched_getaffinity(0))) if s.device == "cpu" else 0
 
     def _core_board(self, stages: Stages) -> CoreBoard | None:
         s = self.settings

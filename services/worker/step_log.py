@@ -15,6 +15,7 @@ from collections import deque
 from common.engine.scheduler import Batch
 from common.protocol import StepStats
 from common.protocol.records import Step
+from services.worker.cpu_use import CpuUse
 
 KEPT = 512  # steps in the window
 PUBLISH_EVERY = 5.0  # seconds
@@ -45,9 +46,13 @@ class StepLog:
         return len(self._steps)
 
     def stats(
-        self, instance_id: str, roles, profile_id: str, budgets: tuple[int, int], scale: float
-    ) -> StepStats:
+        self, instance_id: str, roles, profile_id: str, budgets: tuple[int, int], scale: float,
+        cpu: CpuUse | None = None,
+    ) -> StepStats:  # fmt: skip
+        busy, own = cpu.counters() if cpu is not None else (0.0, 0.0)
         return StepStats(
             instance_id=instance_id, roles=tuple(sorted(roles)), profile_id=profile_id, time=time.time(),
             image_budget=budgets[0], token_budget=budgets[1], budget_scale=scale, steps=tuple(self._steps),
+            host=cpu.host if cpu is not None and busy else "", host_cores=cpu.cores if cpu is not None else 0,
+            host_cpu_seconds=round(busy, 3), process_cpu_seconds=round(own, 3),
         )  # fmt: skip

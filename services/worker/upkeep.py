@@ -13,6 +13,7 @@ from common.aio import raise_if_cancelled
 from common.bus import Bus
 from common.roles import Role
 from common.store import Store
+from services.worker.cpu_use import CpuUse
 from services.worker.engine_loop import EngineLoop
 from services.worker.ledger import Ledger
 from services.worker.step_log import PUBLISH_EVERY, REPUBLISH_EVERY, StepLog
@@ -104,6 +105,7 @@ class StepPublisher:
         steps: StepLog,
         engine: EngineLoop,
         store: Store,
+        cores: int = 0,
     ) -> None:
         self.instance_id = instance_id
         self.roles = roles
@@ -111,6 +113,7 @@ class StepPublisher:
         self.steps = steps
         self.engine = engine
         self.store = store
+        self.cpu = CpuUse(cores)
 
     async def run(self) -> None:
         published, published_at = -1, 0.0
@@ -127,6 +130,7 @@ class StepPublisher:
                 self.profile_id,
                 (s.image_budget, s.token_budget),
                 s.budget_scale,
+                self.cpu,
             )
             try:
                 await self.store.planning.put_steps(stats)
