@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.planner.host_cpu import HostCpu
 from common.planner.profiles import ProfileSet, StageCurves, TransferModel, scale_profiles
-from common.planner.simulator import simulate
+from common.planner.simulator import BACKGROUND_FLOOR, simulate
 from common.roles import InstanceKind, Role, StepKind
 from common.stats import quantile
 
@@ -200,8 +201,9 @@ def fit_step_gap(entries: Sequence, deployment, profiles: ProfileSet, slo, round
 
 
 def calibrate_from_service(
-    stats: Sequence, profiles: ProfileSet, served: Sequence = (), deployment=None, slo=None
-) -> ServiceCalibration:
+    stats: Sequence, profiles: ProfileSet, served: Sequence = (), deployment=None, slo=None,
+    host_cpu: HostCpu | None = None,
+) -> ServiceCalibration:  # fmt: skip
     """How a deployment's planner calibrates `profiles`: the stage curves and jitter fitted to the
     steps its instances ran in service (`service_factors`); and, given the requests it served
     (TraceEntry with the measured `tbt_p90`) and the deployment that served them, two things more:
@@ -211,8 +213,16 @@ def calibrate_from_service(
       sharing, `ProfileSet.host_cores`): counted in the curves too, the contention is counted
       twice. So the steps are fitted again, each less the stretch a replay of the same requests
       gives steps of its kind (`SimResult.sharing`);
-    - the time between steps that holds no core (`fit_step_gap`, on the profiles so fitted)."""
-    calibration = service_factors(stats, profiles)
+    - the time between steps that holds no core (`fit_step_gap`, on the profiles so fitted).
+
+    With `host_cpu` (measure_host_cpu), what requests cost on the shared cores outside the
+    instances is taken out of the steps' times and charged by the simulator at each rate instead."""
+    background, per_request = (host_cpu.busy, host_cpu.per_request) if host_cpu else (0.0, 0.0)
+    if host_cpu is not None:
+        transfer = dataclasses.replace(profiles.transfer, host_cpu=per_request)
+        profiles = dataclasses.replace(profiles, transfer=transfer)
+    calibration = service_factors(stats, profiles, background=background)
+    calibration = dataclasses.replace(calibration, host_cpu=per_request)
     if deployment is None or not served:
         return calibration
     sharing: dict[str, float] = {}
@@ -227,7 +237,8 @@ def calibrate_from_service(
         if all(abs(v - sharing.get(k, 1.0)) < 0.005 for k, v in step.items()):
             break
         sharing = step
-        calibration = service_factors(stats, profiles, sharing)
+        calibration = service_factors(stats, profiles, sharing, background)
+        calibration = dataclasses.replace(calibration, host_cpu=per_request)
     fitted = fit_step_gap(served, deployment, calibration.apply(profiles), slo)
     return dataclasses.replace(calibration, step_gap=fitted.transfer.step_gap)
 
@@ -261,11 +272,14 @@ class ServiceCalibration:
     # calibration recorded before may carry it).
     thread_exponent: dict[str, float] = dataclasses.field(default_factory=dict)
     interference: dict[str, float] = dataclasses.field(default_factory=dict)
+    host_cpu: float = 0.0  # CPU s per request outside the instances (measure_host_cpu; 0: none)
 
     def apply(self, profiles: ProfileSet) -> ProfileSet:
         transfer = profiles.transfer
         if self.step_gap:
             transfer = dataclasses.replace(transfer, step_gap=self.step_gap)
+        if self.host_cpu:
+            transfer = dataclasses.replace(transfer, host_cpu=self.host_cpu)
         return scale_profiles(
             profiles, self.factors, transfer, jitter=max(profiles.jitter, self.jitter),
             thread_exponent=self.thread_exponent or None, interference=self.interference or None,
@@ -276,7 +290,7 @@ class ServiceCalibration:
 
 
 def service_factors(
-    stats: Sequence, profiles: ProfileSet, sharing: dict[str, float] | None = None
+    stats: Sequence, profiles: ProfileSet, sharing: dict[str, float] | None = None, background: float = 0.0
 ) -> ServiceCalibration:
     """Fit the profile's stage curves to the steps instances ran in service (StepStats records):
     each stage's factor is the time its steps took over the time the curve predicts for the same
@@ -292,7 +306,8 @@ def service_factors(
     ran with and how many other steps ran beside them, and the profile the threads it was measured
     with, each step's time is first brought to its own share of the cores and to the profile's
     threads, by the exponent fitted on them (`fit_host_effects`), which the simulator then applies
-    to the threads its instances have (`ProfileSet.thread_exponent`)."""
+    to the threads its instances have (`ProfileSet.thread_exponent`). `background`: the host's
+    cores busy outside the instances meanwhile (`HostCpu.busy`), not theirs to share."""
     sharing = {k: round(v, 4) for k, v in (sharing or {}).items()}
     sums: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in StepKind}
     counts = dict.fromkeys(sums, 0)
@@ -321,7 +336,8 @@ def service_factors(
             if known:
                 # Its own share of the cores, as the simulator shares them out: the threads running
                 # (the others' at a share each) over the cores.
-                seconds /= max(1.0, (threads + overlap * profiles.threads) / profiles.host_cores)
+                cores = max(profiles.host_cores - background, BACKGROUND_FLOOR * profiles.host_cores)
+                seconds /= max(1.0, (threads + overlap * profiles.threads) / cores)
             else:
                 seconds /= sharing.get(step.kind, 1.0)
             steps.append((step.kind, shape, seconds, predicted, relative, overlap if known else None))

@@ -62,7 +62,10 @@ class TransferModel:
     - `latency` + bytes / `bandwidth`: pulling features (E→P) or KV (P→D) once pulled;
     - `step_gap`: between two of an instance's steps, time its engine does not step and that
       holds no core (the worker publishing tokens, waiting on its event loop, the broker, the
-      GIL): every token's gap holds it, the cores are free meanwhile.
+      GIL): every token's gap holds it, the cores are free meanwhile;
+    - `host_cpu`: CPU seconds each request costs on the cores the instances share, outside them
+      (the gateway, the broker, the store; common/planner/host_cpu.py): at a rate of r req/s,
+      r × host_cpu of those cores are not the instances'.
     """
 
     latency: float = 2e-3  # s
@@ -71,6 +74,7 @@ class TransferModel:
     dispatch: float = 0.0  # s
     dispatch_per_image: float = 0.0  # s: fetching, decoding, preprocessing and hashing an image
     step_gap: float = 0.0  # s
+    host_cpu: float = 0.0  # CPU s per request
 
     def time(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth

@@ -42,6 +42,9 @@ _ENCODED = np.empty(0)  # stands in for an image's features once it has been enc
 # replayed here: how much an instance pulls, and which instances take the host's idle cores.
 PULL_RULES = {Role.ENCODE: encode_room, Role.PREFILL: prefill_room, Role.DECODE: decode_room}
 IDLE_CORE_ROLES = frozenset({Role.ENCODE, Role.PREFILL})
+# A load whose cost outside the instances would take all of the host's cores still leaves them this
+# share: they crawl, and the requests miss their SLOs, rather than never end.
+BACKGROUND_FLOOR = 0.05
 
 
 @dataclass
@@ -230,6 +233,12 @@ class Simulation:
         self._turn = 0
         self._stretch: dict[str, list[float]] = {}  # by iteration kind: [elapsed, unshared] seconds
         self.split = thread_split(self.host_cores, len(self.instances))  # each worker's own threads
+        # The cores the instances have: the host's, less what requests cost outside them at the
+        # trace's rate (TransferModel.host_cpu), never under BACKGROUND_FLOOR of them.
+        arrivals = [e.arrival for e in self.trace]
+        span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
+        background = self.transfer.host_cpu * (len(arrivals) - 1) / span if span > 0 else 0.0
+        self.cores = max(self.host_cores - background, BACKGROUND_FLOOR * self.host_cores)
 
     # -- the event loop --------------------------------------------------------------------------
 
@@ -411,7 +420,7 @@ class Simulation:
             total = sum(i.threads for i in running)
         else:
             total = len(running)
-        contention = min(1.0, self.host_cores / total) if total else 1.0
+        contention = min(1.0, self.cores / total) if total else 1.0
         for inst in running:
             elapsed = self.now - inst.since
             inst.work = max(0.0, inst.work - elapsed * inst.speed)

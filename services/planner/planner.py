@@ -29,6 +29,7 @@ from common.planner.algorithm import plan as make_plan
 from common.planner.calibrate import ServiceCalibration, calibrate_from_service, transfer_model
 from common.planner.capacity import Capacity, recommend
 from common.planner.drift import current_deployment, kind_counts, measure_correction, workload_distance
+from common.planner.host_cpu import measure_host_cpu
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
 from common.planner.simulator import Correction
@@ -84,6 +85,9 @@ def load_profiles(source: str, published: list, trace: Sequence[TraceRecord] = (
     return profiles_from(source)
 
 
+CPU_WINDOW = 60.0  # s: the host CPU a request costs is measured over at least this long
+
+
 class Planner:
     def __init__(self, settings: PlannerSettings) -> None:
         self.settings = settings
@@ -104,6 +108,7 @@ class Planner:
         self._sized_at = 0.0  # monotonic
         # The last plan's model of the cluster, which capacity is sized with until the next plan:
         # its stage profiles (calibrated from service) and its correction.
+        self._step_reads: deque[tuple[float, list]] = deque()  # (monotonic, StepStats): host CPU
         self._profiles: ProfileSet | None = None
         self._correction: Correction | None = None
         # Connected in start(), inside uvicorn's event loop (its lifespan): None until then.
@@ -390,10 +395,26 @@ class Planner:
         # The gaps between tokens the gateway measured fit the workers' time between steps too,
         # replayed on the deployment that served them (when the live instances form one).
         current = current_deployment([hb.roles for hb in registered if not hb.draining])
+        # What requests cost on the workers' cores outside them, since a read at least
+        # CPU_WINDOW ago; on one host, its cores are shared.
+        host_cpu = measure_host_cpu(self._earlier_steps(steps), steps, self.window)
+        if host_cpu is not None and host_cpu.cores and not profiles.host_cores:
+            profiles = dataclasses.replace(profiles, host_cores=host_cpu.cores)
         calibration = await asyncio.to_thread(
-            calibrate_from_service, steps, profiles, from_records(self.window), current, self.slo
+            calibrate_from_service, steps, profiles, from_records(self.window), current, self.slo, host_cpu
         )
         return profiles, calibration
+
+    def _earlier_steps(self, steps: list) -> list:
+        """The latest read of the instances' steps at least CPU_WINDOW before this one (else the
+        oldest kept); this one is kept for the reads after it."""
+        now = time.monotonic()
+        reads = self._step_reads
+        while len(reads) > 1 and now - reads[1][0] >= CPU_WINDOW:
+            reads.popleft()
+        earlier = reads[0][1] if reads else []
+        reads.append((now, steps))
+        return earlier
 
     async def export(self) -> tuple[list[TraceEntry], dict]:
         """The requests in the planning window as a trace, and a header that lets `trident plan

@@ -103,6 +103,24 @@ def test_instances_follow_the_live_deployment() -> None:
     assert planner._instances(None, live=5) == 3
 
 
+def test_host_cpu_is_measured_since_a_read_at_least_a_window_ago(monkeypatch) -> None:
+    """Each plan's read of the instances' steps is kept; the cost outside the engines is measured
+    against the latest read at least CPU_WINDOW old (the oldest kept while none is)."""
+    from services.planner import planner as module
+
+    now = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    planner = Planner(PlannerSettings())
+    assert planner._earlier_steps(["a"]) == []  # the first read: nothing before it
+    now[0] += 20
+    assert planner._earlier_steps(["b"]) == ["a"]  # none a window old yet: the oldest
+    now[0] += 50  # "a" 70 s old, "b" 50 s
+    assert planner._earlier_steps(["c"]) == ["a"]
+    now[0] += 15  # "b" 65 s old: the latest a window old; "a" is let go
+    assert planner._earlier_steps(["d"]) == ["b"]
+    assert [read for _, read in planner._step_reads] == [["b"], ["c"], ["d"]]
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]:
     # One EPD instance starts fastest; the planner partitions N = 3 all the same.
@@ -224,6 +242,9 @@ async def test_a_plan_reaches_every_channel(cluster: Cluster, tmp_path: Path) ->
                 await asyncio.sleep(0.2)
             (instance,) = [i["instance_id"] for i in cluster_view["instances"] if i.get("kind") == "worker"]
             assert [p.instance_id for p in published] == [instance] and published[0].steps
+            # With counters of its host's cores and its own, for the cost outside the engines.
+            assert published[0].host and published[0].host_cores > 0
+            assert published[0].host_cpu_seconds >= published[0].process_cpu_seconds > 0
 
             # Asked for, a new decision comes at once under the next id, on every channel again.
             again = await http.post(

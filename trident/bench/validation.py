@@ -33,6 +33,7 @@ from PIL import Image
 
 from common.engine.loader import load_config
 from common.planner.calibrate import calibrate_from_service, fit_dispatch, transfer_model
+from common.planner.host_cpu import HostCpu, measure_host_cpu
 from common.planner.profiles import ProfileSet, TransferModel, scale_profiles
 from common.planner.simulator import simulate
 from common.planner.trace import (
@@ -202,8 +203,13 @@ def attach(measured: Sequence[Measured], records: Sequence) -> None:
     by_id = {r.request_id: r for r in records}
     for m in measured:
         record = by_id.get(m.request_id)
-        if record is None or getattr(record, "ttft", None) is None:
-            raise RuntimeError(f"no measured trace record for {m.request_id}")
+        if record is None:
+            raise RuntimeError(f"no trace record for {m.request_id}")
+        if getattr(record, "ttft", None) is None:
+            raise RuntimeError(
+                f"the trace record of {m.request_id} has no gateway-measured TTFT "
+                f"(finish reason {record.finish_reason!r}, stages {sorted(record.stages)})"
+            )
         m.ttft, m.tbt_p90 = record.ttft, record.tbt_p90 or 0.0
         start = record.stages.get("arrival", record.arrival)
         m.stages = {k: round(v - start, 6) for k, v in record.stages.items()}
@@ -265,6 +271,16 @@ def summarise(entries: Sequence[TraceEntry], slo: SLO) -> dict[str, float]:
         "tbt_p90": round(float(np.median(tbt)), 5) if tbt else 0.0,
         "attainment": round(float(np.mean(met)), 4) if met else 1.0,
     }
+
+
+async def published_steps(redis_url: str, namespace: str = "trident") -> list:
+    """Each instance's latest StepStats (and nothing else: the bench's own CPU is on the cores
+    the calibration measures)."""
+    store = await Store.connect(StoreConfig(url=redis_url, prefix=namespace))
+    try:
+        return await store.planning.steps()
+    finally:
+        await store.close()
 
 
 async def cluster_inputs(redis_url: str, namespace: str = "trident") -> tuple[list, list, list]:
@@ -331,12 +347,16 @@ def calibrated_profiles(
     loaded: Sequence[Measured],
     deployment: Deployment,
     slo: SLO,
+    steps_before: Sequence[StepStats] = (),
 ) -> tuple[ProfileSet, dict]:
     """`calibrate` on what a live deployment published: the instances' profiles, their steps in
-    service, and the stage marks of the unloaded requests (hops and pulls, medians). Returns the
-    profiles and what the calibration found and was found from (to calibrate it again offline)."""
+    service, and the stage marks of the unloaded requests (hops and pulls, medians); with
+    `steps_before` (their steps read before the calibration load), what the load cost outside
+    them (`measure_host_cpu`). Returns the profiles and what the calibration found and was found
+    from (to calibrate it again offline)."""
     base = ProfileSet.from_records(profile_records)
     transfer = transfer_model(trace_records, base.transfer, quantile=50)
+    host_cpu = measure_host_cpu(steps_before, step_records, trace_records)
 
     kept = {
         "base_profiles": base.to_dict(),
@@ -344,10 +364,12 @@ def calibrated_profiles(
         "step_stats": [st.model_dump(mode="json") for st in step_records],
         "quiet": [entry_json(e) for e in measured_entries(quiet)],
         "loaded": [entry_json(e) for e in measured_entries(loaded)],
+        "host_cpu": host_cpu.to_dict() if host_cpu else None,
     }
     profiles, found = calibrate(
-        base, step_records, transfer, measured_entries(quiet), measured_entries(loaded), deployment, slo
-    )
+        base, step_records, transfer, measured_entries(quiet), measured_entries(loaded), deployment, slo,
+        host_cpu=host_cpu,
+    )  # fmt: skip
     return profiles, {**found, **kept}
 
 
@@ -360,6 +382,7 @@ def calibrate(
     deployment: Deployment,
     slo: SLO,
     host_cores: int | None = None,
+    host_cpu: HostCpu | None = None,
 ) -> tuple[ProfileSet, dict]:
     """What the planner service does, plus the fixed costs its stage curves cannot see: the curves
     fitted to the steps the instances ran in service and the spread of steps of one shape
@@ -367,9 +390,10 @@ def calibrate(
     that holds no core, from the gaps between tokens the client saw under the calibration load
     (`fit_step_gap` on `loaded`, as the planner fits it on its window); then the gateway's
     dispatch, from what the unloaded requests' TTFT has beyond a replay with all of that
-    (`fit_dispatch` on `quiet`); the instances share `host_cores` (default: this machine's)."""
+    (`fit_dispatch` on `quiet`); the instances share `host_cores` (default: this machine's), less
+    what requests cost outside them (`host_cpu`, as the planner measures it; None: not charged)."""
     base = dataclasses.replace(base, transfer=transfer, host_cores=host_cores or os.cpu_count() or 1)
-    service = calibrate_from_service(step_records, base, loaded, deployment, slo)
+    service = calibrate_from_service(step_records, base, loaded, deployment, slo, host_cpu)
     profiles = service.apply(base)
     profiles = dataclasses.replace(profiles, transfer=fit_dispatch(quiet, deployment, profiles, slo))
     found = {
@@ -395,6 +419,7 @@ def recalibrate(calibration: dict, method: str) -> tuple[ProfileSet, dict]:
         DEPLOYMENTS[method],
         slo,
         calibration["host_cores"],  # the recorded machine's
+        HostCpu(**calibration["host_cpu"]) if calibration.get("host_cpu") else None,  # runs before: none
     )
 
 
@@ -409,7 +434,7 @@ DEPLOYMENTS = {
 }
 
 
-def _traced(redis_url: str, measured: list[Measured], timeout: float = 10.0) -> None:
+def _traced(redis_url: str, measured: list[Measured], timeout: float = 60.0) -> None:
     """Wait until every request's trace record (with the gateway's latencies) is in Redis."""
     deadline = time.monotonic() + timeout
     while True:
@@ -428,7 +453,7 @@ def _published_since(redis_url: str, since: float, instances: int, timeout: floa
     (every 5 s after they step, every 15 s when idle)."""
     deadline = time.monotonic() + timeout
     while True:
-        _, _, steps = asyncio.run(cluster_inputs(redis_url))
+        steps = asyncio.run(published_steps(redis_url))
         if len([s for s in steps if s.time > since]) >= instances:
             return steps
         if time.monotonic() > deadline:
@@ -478,6 +503,9 @@ def validate(
         # the workers that encode or prefill take the cores the others leave idle.
         "TRIDENT_NUM_THREADS": str(thread_split(cpus, len(method_workers(method)))),
         "TRIDENT_CORE_BOARD": str(workdir / "cores"),
+        # The client lets an idle connection go after 5 s (httpx's default); a gateway that closed
+        # it at 5 s too would meet a request sent on it meanwhile, which fails unretried.
+        "TRIDENT_KEEP_ALIVE_TIMEOUT": "30",
         "TRIDENT_HOST_CORES": str(cpus),
         # The KV space the recorded runs (tests/data) had; conversations, whose prompts grow turn by
         # turn and whose prefixes stay cached, get the deployed default.
@@ -505,7 +533,9 @@ def validate(
             send(cluster.url, model, quiet, tokens_per_image, seed=999, one_at_a_time=True)
         )
         _traced(cluster.redis.url, unloaded)
-        # Then a load, so that the steps the instances publish are steps in service.
+        # Then a load, so that the steps the instances publish are steps in service; the workers'
+        # CPU counters before it and after it give what the load cost outside them.
+        before = _published_since(cluster.redis.url, time.time(), len(method_workers(method)))
         middle = calibration_rate or sorted(rates)[len(rates) // 2]
         loaded = asyncio.run(
             send(
@@ -516,11 +546,11 @@ def validate(
                 seed=998,
             )
         )
-        _traced(cluster.redis.url, loaded)
         steps = _published_since(cluster.redis.url, time.time(), len(method_workers(method)))
+        _traced(cluster.redis.url, loaded)
         profile_records, records, _ = asyncio.run(cluster_inputs(cluster.redis.url))
         profiles, found = calibrated_profiles(
-            profile_records, steps, records, unloaded, loaded, deployment, slo
+            profile_records, steps, records, unloaded, loaded, deployment, slo, before
         )
         measured: dict[float, list[list[Measured]]] = {rate: [] for rate in rates}
         # Each run's content from a seed of its own (past the calibration's 998 and 999): an image
