@@ -2,14 +2,16 @@
 
     python bench/planner_validation.py [--presets small-llava] [--methods e+p+d,ep+d,ed+p]
                                        [--rates 1,2,3,4,5] [--requests 30] [--repeats 3]
-                                       [--calibration-load N] [--out .trident/validation]
+                                       [--calibration-load N] [--calibration-rate R] [--shape mix]
+                                       [--out .trident/validation]
                                        [--turns T --system-prompt-tokens K --think-time S --image-prob P]
     python bench/planner_validation.py --replay .trident/validation [--recalibrate] [--sensitivity 1.05]
 
 For each preset and method a real deployment (one instance per kind, nats-server, redis-server) is
 started and calibrated as the planner service calibrates itself (trident/bench/validation.py: the
 instances' steps in service under a calibration load, and the fixed costs from unloaded
-requests). Then a 50 % text / 50 % one-image workload is sent at each rate, the whole sweep
+requests). Then a 50 % text / 50 % one-image workload (`--shape mix`; `--shape text` is its
+text-only half) is sent at each rate, the whole sweep
 `--repeats` times over with requests of the same sizes (each run's images its own). With
 `--turns` (or a shared system prompt) the requests are instead turns of conversations that resend
 their history, and each is replayed with the cached tokens its trace record reports (issue 26:
@@ -45,6 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
+from common.planner.workloads import SHAPES
 from common.stats import SLO
 from trident.bench.repeat import Repeats
 from trident.bench.validation import Comparison, Run, replay_folder, save, summary, validate
@@ -72,6 +75,15 @@ def main() -> None:
         help="requests at the middle rate whose steps the calibration fits, before measuring "
         "(default: --requests)",
     )
+    ap.add_argument(
+        "--calibration-rate", type=float,
+        help="the calibration load's rate (default: the middle of --rates); below capacity, as a "
+        "deployment's planner calibrates on the load it serves",
+    )  # fmt: skip
+    ap.add_argument(
+        "--shape", default="mix", choices=sorted(SHAPES),
+        help="the requests' shape (common/planner/workloads.py): mix is half text, half one image",
+    )  # fmt: skip
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument(
         "--turns", type=int, default=1,
@@ -163,7 +175,7 @@ def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
                 calibration, comparisons = validate(
                     model, method, rates, args.requests, workdir, slo, repeats=args.repeats,
                     max_output=args.max_output, calibration_load=args.calibration_load,
-                    turns=turns(args),
+                    calibration_rate=args.calibration_rate, shape=args.shape, turns=turns(args),
                 )  # fmt: skip
                 save(
                     args.out / f"{preset}-{method.replace('+', '-')}",

@@ -181,6 +181,15 @@ SHAPES: dict[str, WorkloadShape] = {
             LogNormal(63.1, 0.6, 4, 1024),
             fixed(64),
         ),
+        WorkloadShape(
+            "text",
+            "mix's text-only half: the same prompts and outputs, no image",
+            "as mix",
+            fixed(0),
+            fixed((1280, 720)),
+            LogNormal(63.1, 0.6, 4, 1024),
+            fixed(64),
+        ),
     )
 }
 
