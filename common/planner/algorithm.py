@@ -254,10 +254,13 @@ def plan(
     replay = sorted(trace, key=lambda e: e.arrival)[-MAX_REPLAY:]
     work = Workload.of(replay)
     costs = stage_costs(work, profiles.curves, slo)
-    split = partition(instances, costs)
+    # Two instances split only as EP+D or ED+P (no E+P+D partition); one does not split at all.
+    split = partition(instances, costs) if instances >= 3 else None
     if exhaustive is None:
         exhaustive = instances <= EXHAUSTIVE_UP_TO
-    candidates = every_split(instances) if exhaustive else neighbourhood(instances, split)
+    candidates = every_split(instances) if exhaustive or split is None else neighbourhood(instances, split)
+    if not candidates:
+        raise NoSplit(f"{instances} instance cannot be split into stages: a plan needs at least 2")
     if allowed is not None:
         candidates = [c for c in candidates if allowed(c)]
         if not candidates and not exhaustive:  # the limits sit away from the partition: look wider
@@ -294,7 +297,7 @@ def plan(
         "replayed": len(replay),
         "workload": dataclasses.asdict(work),
         "stage_seconds_per_request": dataclasses.asdict(costs),
-        "partition": {"e": split[0], "p": split[1], "d": split[2]},
+        "partition": {"e": split[0], "p": split[1], "d": split[2]} if split else None,
         "budgets": {kind: {"image_budget": e, "token_budget": t} for kind, (e, t) in tau.items()},
         "slo": dataclasses.asdict(slo),
         "instances": instances,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from common.planner.types import METHOD_KINDS, Deployment
 from common.roles import InstanceKind
 
-MIN_INSTANCES = 3  # one per stage: the fewest Algorithm 2 splits (sizing.py)
+MIN_INSTANCES = 2  # the fewest Algorithm 2 splits: EP+D or ED+P (sizing.py)
 KINDS = tuple(k.value for k in InstanceKind)
 PLANNED_METHODS = ("e+p+d", "ep+d", "ed+p")  # the ones Algorithm 2 splits (every_split)
 

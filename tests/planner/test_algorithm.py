@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.planner.algorithm import (
+    NoSplit,
     StageCosts,
     Workload,
     every_split,
@@ -90,3 +91,15 @@ def test_the_plan_says_how_close_the_runner_up_was() -> None:
     assert runner.goodput == simulated[1]  # the second best simulated, whatever its label
     assert result.margin == pytest.approx((result.goodput - runner.goodput) / result.goodput)
     assert result.to_dict()["runner_up"]["margin"] == result.margin
+
+
+def test_two_instances_split_as_the_hybrids_and_one_does_not_split() -> None:
+    """`trident up --method ep+d` runs two workers: the planner picks between EP+D and ED+P for
+    them (there is no E+P+D partition of two) rather than refuse to plan."""
+    trace = generate("textcaps", rate=2, num_requests=40, seed=3)
+    result = plan(trace, PROFILES, SLO(ttft=4, tbt=0.08), 2)
+    labels = {c.deployment.label for c in result.candidates}
+    assert labels == {"1EP1D", "1ED1P"} and result.deployment.label in labels
+    assert result.goodput > 0 and result.inputs["partition"] is None
+    with pytest.raises(NoSplit, match="at least 2"):
+        plan(trace, PROFILES, SLO(ttft=4, tbt=0.08), 1)

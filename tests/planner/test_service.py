@@ -135,7 +135,7 @@ def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]:
             TRIDENT_PLANNER_SHIFT_CHECK_INTERVAL="0.3",
             TRIDENT_PLANNER_INTERVAL="600",  # only the first plan and the ones asked for
             TRIDENT_PLANNER_PROFILES="cluster",
-            TRIDENT_PLANNER_BUDGET="6",  # cores capacity may ask for (this machine's 2 run no plan's 3)
+            TRIDENT_PLANNER_BUDGET="6",  # cores capacity may ask for (this machine's 2 run two instances)
             TRIDENT_PLANNER_FORECAST_BIN="1",
             TRIDENT_TTFT_SLO="1.0",
             TRIDENT_TBT_SLO="0.2",
@@ -225,7 +225,7 @@ async def test_a_plan_reaches_every_channel(cluster: Cluster, tmp_path: Path) ->
             sized = reply.json()
             assert sized["forecast"]["rate"] > 0 and sized["budget"] == 6 and sized["unit"] == "cores"
             assert sized["error"] is None, sized
-            assert 3 <= sum(sized["desired"].values()) == sized["instances"] <= 6
+            assert 2 <= sum(sized["desired"].values()) == sized["instances"] <= 6
             assert sized["running"] == {"epd": 1} and set(sized["desired"]) == set(KIND_ROLES)
             assert (await http.get(cluster.planner_url + "/plan")).json()["capacity"]["desired"]
             gauges = _gauges((await http.get(cluster.planner_url + "/metrics")).text)
