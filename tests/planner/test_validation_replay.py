@@ -11,11 +11,16 @@ runs 9 and 10 also keep each request's stage marks. Each is held to the issue's 
 the measured medians, on goodput, the pick, and TTFT p90 and TBT p90 at the rates each deployment
 runs at.
 
-docs/planner.md, "Validation", has the three runs, and where the figures still miss the 20 % goal."""
+tests/data/planner_validation/run12: tiny-llava (EP+D, text only and half one image), where what a
+request costs outside the engines decides capacity; held to the issue's 20 % on goodput, and the
+text run shown to miss by more without that cost.
+
+docs/planner.md, "Validation", has the runs, and where the figures still miss the 20 % goal."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -75,3 +80,33 @@ def test_slower_steps_lengthen_every_prediction() -> None:
         for name in ("ttft_p50", "ttft_p90", "tbt_p90"):
             assert s.predicted[name] >= b.predicted[name], (b.rate, name, b.predicted, s.predicted)
     assert slower[0].predicted["ttft_p50"] >= 1.08 * base[0].predicted["ttft_p50"]
+
+
+# tiny-llava, EP+D, one repeat each of text only and of half one image (docs/planner.md, run 12):
+# there the CPU a request costs outside the engines is most of its cost.
+TINY = ("planner_validation/run12/tiny-llava-ep-d-text", "planner_validation/run12/tiny-llava-ep-d-mix")
+
+
+def _tiny_goodput(folder: Path) -> dict:
+    run = replay_folder(folder, recalibrated=True)
+    slo = json.loads((folder / "calibration.json").read_text())["slo"]
+    (found,) = summary([run], SLO(**slo))["goodput"].values()
+    return found
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_llava_capacity_holds_with_the_cost_outside_the_engines(name: str) -> None:
+    """The issue's goal, 20 %, on the predicted capacity of a model whose steps take a millisecond."""
+    found = _tiny_goodput(DATA / name)
+    assert abs(found["error"]) <= 0.20, found
+
+
+def test_without_that_cost_tiny_llava_capacity_is_overpredicted(tmp_path: Path) -> None:
+    """The same text run with the cost left out, as the model was before: +55 %."""
+    folder = tmp_path / "text"
+    shutil.copytree(DATA / TINY[0], folder)
+    calibration = json.loads((folder / "calibration.json").read_text())
+    calibration["host_cpu"] = None
+    (folder / "calibration.json").write_text(json.dumps(calibration))
+    found = _tiny_goodput(folder)
+    assert found["error"] > 0.35, found
