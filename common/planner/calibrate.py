@@ -16,7 +16,7 @@ import numpy as np
 
 from common.planner.host_cpu import HostCpu
 from common.planner.profiles import ProfileSet, StageCurves, TransferModel, scale_profiles
-from common.planner.simulator import BACKGROUND_FLOOR, simulate
+from common.planner.simulator import cores_left, simulate
 from common.roles import InstanceKind, Role, StepKind
 from common.stats import quantile
 
@@ -222,9 +222,8 @@ def calibrate_from_service(
         transfer = dataclasses.replace(profiles.transfer, host_cpu=per_request)
         profiles = dataclasses.replace(profiles, transfer=transfer)
     calibration = service_factors(stats, profiles, background=background)
-    calibration = dataclasses.replace(calibration, host_cpu=per_request)
     if deployment is None or not served:
-        return calibration
+        return dataclasses.replace(calibration, host_cpu=per_request)
     sharing: dict[str, float] = {}
     # Steps that say their threads and neighbours are each taken to their own share of the cores
     # (`service_factors`); a replay's stretch is for older records.
@@ -238,9 +237,8 @@ def calibrate_from_service(
             break
         sharing = step
         calibration = service_factors(stats, profiles, sharing, background)
-        calibration = dataclasses.replace(calibration, host_cpu=per_request)
     fitted = fit_step_gap(served, deployment, calibration.apply(profiles), slo)
-    return dataclasses.replace(calibration, step_gap=fitted.transfer.step_gap)
+    return dataclasses.replace(calibration, step_gap=fitted.transfer.step_gap, host_cpu=per_request)
 
 
 SERVICE_MIN_STEPS = 20  # steps of a stage before its factor is trusted
@@ -336,7 +334,7 @@ def service_factors(
             if known:
                 # Its own share of the cores, as the simulator shares them out: the threads running
                 # (the others' at a share each) over the cores.
-                cores = max(profiles.host_cores - background, BACKGROUND_FLOOR * profiles.host_cores)
+                cores = cores_left(profiles.host_cores, background)
                 seconds /= max(1.0, (threads + overlap * profiles.threads) / cores)
             else:
                 seconds /= sharing.get(step.kind, 1.0)

@@ -32,6 +32,7 @@ from common.engine.request import ImageInput, Request, Status
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Batch, Scheduler
 from common.planner.profiles import ProfileSet, StageCurves
+from common.planner.trace import rate
 from common.planner.types import KIND_ROLES, Deployment
 from common.roles import PULL_ORDER, Role
 from common.stats import SLO, quantile, request_tbt, slo_met
@@ -45,6 +46,12 @@ IDLE_CORE_ROLES = frozenset({Role.ENCODE, Role.PREFILL})
 # A load whose cost outside the instances would take all of the host's cores still leaves them this
 # share: they crawl, and the requests miss their SLOs, rather than never end.
 BACKGROUND_FLOOR = 0.05
+
+
+def cores_left(host_cores: float, background: float) -> float:
+    """The host's cores the instances share while `background` of them are busy outside them
+    (the simulator's, and the calibration's to take out of the steps' times: the same rule)."""
+    return max(host_cores - background, BACKGROUND_FLOOR * host_cores)
 
 
 @dataclass
@@ -235,10 +242,7 @@ class Simulation:
         self.split = thread_split(self.host_cores, len(self.instances))  # each worker's own threads
         # The cores the instances have: the host's, less what requests cost outside them at the
         # trace's rate (TransferModel.host_cpu), never under BACKGROUND_FLOOR of them.
-        arrivals = [e.arrival for e in self.trace]
-        span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
-        background = self.transfer.host_cpu * (len(arrivals) - 1) / span if span > 0 else 0.0
-        self.cores = max(self.host_cores - background, BACKGROUND_FLOOR * self.host_cores)
+        self.cores = cores_left(self.host_cores, self.transfer.host_cpu * rate(self.trace))
 
     # -- the event loop --------------------------------------------------------------------------
 
