@@ -269,17 +269,20 @@ class WorkerInstance:
 
     # -- internals ---------------------------------------------------------------------------------
 
+    def _host_cores(self) -> int:
+        """The host's cores the core board shares out (TRIDENT_HOST_CORES, or this process's CPUs)."""
+        return self.settings.host_cores or len(os.sched_getaffinity(0))
+
     def _shared_cores(self) -> int:
         """The cores this worker's steps share with the host's other workers (0: on a GPU)."""
-        s = self.settings
-        return (s.host_cores or len(os.sched_getaffinity(0))) if s.device == "cpu" else 0
+        return self._host_cores() if self.settings.device == "cpu" else 0
 
     def _core_board(self, stages: Stages) -> CoreBoard | None:
         s = self.settings
         if not s.core_board:
             return None
         greedy = any(stages[role].takes_idle_cores for role in self.roles)
-        return CoreBoard(s.core_board, s.host_cores or len(os.sched_getaffinity(0)), greedy)
+        return CoreBoard(s.core_board, self._host_cores(), greedy)
 
     def _on_step(self, batch: Batch, seconds: float) -> None:  # on the engine thread
         self.metrics.step(batch.kind, seconds)
