@@ -18,7 +18,8 @@ import statistics
 import time
 
 from common.infra import RedisServer
-from common.store import Store, StoreConfig, recorder
+from common.store import Store, StoreConfig
+from common.store.recorder import BATCH, WRITERS, StageRecorder
 from common.store.requests import Stage
 
 WRITES_PER_REQUEST = 5
@@ -26,9 +27,8 @@ WRITES_PER_REQUEST = 5
 
 async def rate(url: str, requests: int, writers: int, batch: int, prefix: str) -> float:
     """Writes per second for a backlog of `requests` requests' writes."""
-    recorder.WRITERS, recorder.BATCH = writers, batch
     store = await Store.connect(StoreConfig(url=url, prefix=prefix))
-    rec = recorder.StageRecorder(store, trace_grace=600)
+    rec = StageRecorder(store, trace_grace=600, writers=writers, batch=batch)
     for i in range(requests):
         rid = f"r{i}"
         rec.create(rid, arrival=time.time(), prompt_tokens=5, max_tokens=3)
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    writers, batch = recorder.WRITERS, recorder.BATCH
+    writers, batch = WRITERS, BATCH
     one, many = [], []
     with RedisServer() as redis_server:
         for k in range(args.repeats):

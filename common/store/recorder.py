@@ -37,9 +37,14 @@ WRITERS = 16  # requests whose writes are made at once (each holds a pooled conn
 
 
 class StageRecorder:
-    def __init__(self, store: Store, trace_grace: float = TRACE_GRACE) -> None:
+    def __init__(
+        self, store: Store, trace_grace: float = TRACE_GRACE, writers: int = WRITERS, batch: int = BATCH
+    ) -> None:
+        """`writers`, `batch`: WRITERS and BATCH (bench/recorder.py compares 1 and 1, one at a time)."""
         self.store = store
         self.trace_grace = trace_grace
+        self.writers = writers
+        self.batch = batch
         self._queue: asyncio.Queue[tuple] = asyncio.Queue()
         self._unreported: deque[tuple[float, str]] = deque()  # (due, request id), due ascending
         self.failures = 0
@@ -75,7 +80,7 @@ class StageRecorder:
                 await self._trace_unreported(time.monotonic())
                 continue
             batch = [item]
-            while len(batch) < BATCH and not self._queue.empty():
+            while len(batch) < self.batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             await self._write_all(batch)
             for _ in batch:
@@ -106,7 +111,7 @@ class StageRecorder:
                 for item in group:
                     await self._write(item)
 
-        await asyncio.gather(*(writer() for _ in range(min(WRITERS, len(by_request)))))
+        await asyncio.gather(*(writer() for _ in range(min(self.writers, len(by_request)))))
 
     async def _write(self, item: tuple) -> None:
         requests = self.store.requests
