@@ -15,6 +15,7 @@ from nats.js.errors import BadRequestError
 
 from common.bus.subjects import Subjects
 from common.roles import Role
+from common.tls import Tls
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ class BusConfig:
     # Copies JetStream keeps of the task stream (and its consumers): 3 on a three-node cluster, so
     # losing a node loses no task; 1 on a single server.
     stream_replicas: int = 1
+    # The deployment's certificates: the connection is TLS, and the server must show a certificate
+    # its CA signed (and is shown ours).
+    tls: Tls | None = None
 
     @property
     def servers(self) -> list[str]:
@@ -103,9 +107,15 @@ async def connect_nats(config: BusConfig, on_reconnect: Callable[[], None] | Non
         # Pings detect a dead server that did not close the socket (a SIGKILLed container).
         ping_interval=5,
         max_outstanding_pings=2,
+        **(tls_options(config.tls) if config.tls is not None else {}),
     )
     client.append(nc)
     return nc
+
+
+def tls_options(tls: Tls) -> dict[str, object]:
+    """nats-py's TLS options: the server starts the handshake before anything else (common/infra)."""
+    return {"tls": tls.client_context(), "tls_handshake_first": True}
 
 
 def credentials(servers: list[str]) -> dict[str, str]:

@@ -26,6 +26,7 @@ from common.infra.nats_server import ClusterNode, NatsServer
 from common.infra.process import InfraError, LocalServer, free_port
 from common.infra.redis_server import RedisServer
 from common.infra.sentinel import FAILOVER_TIMEOUT_MS, RedisSentinel
+from common.tls import Tls
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class NatsCluster(_Group):
         token: str | None = None,
         ports: Sequence[int] | None = None,
         wrap: Wrap | None = None,
+        tls: Tls | None = None,
     ) -> None:
         client = _ports(hosts, ports)
         if ports is not None:  # fixed client ports: the others next to them, as on another host
@@ -104,6 +106,7 @@ class NatsCluster(_Group):
                 token=token,
                 monitor_port=monitor[i],
                 cluster=ClusterNode(f"nats-{i + 1}", route[i], tuple(r for r in routes if r != routes[i])),
+                tls=tls,
             )
             for i, host in enumerate(hosts)
         ]
@@ -176,6 +179,7 @@ class RedisGroup(_Group):
         wrap: Wrap | None = None,
         service: str = "trident",
         replicas: int = 1,
+        tls: Tls | None = None,
     ) -> None:
         if not 0 < replicas < len(hosts):
             raise ValueError(f"{len(hosts)} hosts hold a primary and 1 to {len(hosts) - 1} replicas")
@@ -184,13 +188,13 @@ class RedisGroup(_Group):
         self.service = service
         self.password = password
         self.nodes = [
-            RedisServer(workdir=workdir / f"redis-{i + 1}", port=data[i], host=h, password=password)
+            RedisServer(workdir=workdir / f"redis-{i + 1}", port=data[i], host=h, password=password, tls=tls)
             for i, h in enumerate(hosts[: replicas + 1])
         ]
         first = (self.nodes[0].host, self.nodes[0].port)
         quorum = len(hosts) // 2 + 1
         self.sentinels = [
-            RedisSentinel(first, workdir / f"sentinel-{i + 1}", watch[i], h, password, service, quorum)
+            RedisSentinel(first, workdir / f"sentinel-{i + 1}", watch[i], h, password, service, quorum, tls)
             for i, h in enumerate(hosts)
         ]
         for node in self.nodes[1:]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from common.infra.process import InfraError, LocalServer, free_port
+from common.tls import Tls
 
 # NATS's default max_payload is 1 MB; an inline image (3x336x336 fp32 = 1.35 MB) must fit in a task.
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
@@ -44,7 +45,7 @@ class ClusterNode:
     peers: tuple[str, ...]  # "host:port" of the other nodes' route listeners
     name: str = "trident"
 
-    def config(self, host: str, secret: str | None) -> list[str]:
+    def config(self, host: str, secret: str | None, tls: Tls | None = None) -> list[str]:
         auth = f"route:{quote(secret, safe='')}@" if secret else ""
         routes = ", ".join(json.dumps(f"nats-route://{auth}{peer}") for peer in self.peers)
         block = [
@@ -56,13 +57,26 @@ class ClusterNode:
         ]
         if secret:
             block.append(f"  authorization {{ user: route, password: {json.dumps(secret)} }}")
+        if tls is not None:
+            block.append(f"  {tls_block(tls, client=False)}")
         return [*block, "}"]
+
+
+def tls_block(tls: Tls, client: bool = True) -> str:
+    """Mutual TLS: a peer without a certificate the deployment's CA signed fails the handshake.
+    `handshake_first`: the handshake comes before NATS's INFO, so a stranger reads not even that."""
+    files = ", ".join(
+        f"{k}: {json.dumps(v)}"
+        for k, v in [("cert_file", tls.cert), ("key_file", tls.key), ("ca_file", tls.ca)]
+    )
+    return f"tls {{ {files}, verify: true, timeout: 5{', handshake_first: true' if client else ''} }}"
 
 
 class NatsServer(LocalServer):
     """nats-server with JetStream, a store directory, a raised max_payload and optional auth.
 
-    Auth is a token, or a user and password, never both. The monitoring port serves /healthz,
+    Auth is a token, or a user and password, never both; with `tls`, clients (and a cluster's
+    routes) must also show a certificate the deployment's CA signed. The monitoring port serves /healthz,
     which answers 200 only once JetStream has loaded its store: that is the readiness probe.
     """
 
@@ -79,6 +93,7 @@ class NatsServer(LocalServer):
         password: str | None = None,
         cluster: ClusterNode | None = None,
         monitor_port: int = 0,
+        tls: Tls | None = None,
     ) -> None:
         if token and (user or password):
             raise ValueError("NATS auth is a token or a user/password, not both")
@@ -93,6 +108,7 @@ class NatsServer(LocalServer):
         self.fixed_monitor_port = monitor_port  # 0: a free one at each start
         self.monitor_port = monitor_port
         self.cluster = cluster
+        self.tls = tls
 
     @property
     def address(self) -> str:
@@ -137,7 +153,9 @@ class NatsServer(LocalServer):
             f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))} }}",
         ]
         if self.cluster is not None:
-            lines += self.cluster.config(self.host, self.token or self.password)
+            lines += self.cluster.config(self.host, self.token or self.password, self.tls)
+        if self.tls is not None:
+            lines.append(tls_block(self.tls))
         if self.token:
             lines.append(f"authorization {{ token: {json.dumps(self.token)} }}")
         elif self.user:

@@ -12,6 +12,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from common.infra.process import InfraError, LocalServer
+from common.tls import Tls
 
 
 def redis_server_binary() -> str:
@@ -22,7 +23,9 @@ def redis_server_binary() -> str:
     return found
 
 
-def probe_client(host: str, port: int, password: str | None, decode: bool = False) -> redis.Redis:
+def probe_client(
+    host: str, port: int, password: str | None, decode: bool = False, tls: Tls | None = None
+) -> redis.Redis:
     """A client for one probe: a second at most, no retries (the caller's loop is the retry, and
     must see each refusal at once)."""
     return redis.Redis(
@@ -33,7 +36,24 @@ def probe_client(host: str, port: int, password: str | None, decode: bool = Fals
         socket_connect_timeout=1.0,
         retry=Retry(NoBackoff(), 0),
         decode_responses=decode,
+        **({"ssl": True, **tls.redis_options()} if tls is not None else {}),
     )
+
+
+def tls_argv(port: int, tls: Tls | None) -> list[str]:
+    """The port to listen on: plain, or (with `tls`) TLS only, every client and replication link
+    showing a certificate the deployment's CA signed."""
+    if tls is None:
+        return ["--port", str(port)]
+    return [
+        "--port", "0",
+        "--tls-port", str(port),
+        "--tls-cert-file", tls.cert,
+        "--tls-key-file", tls.key,
+        "--tls-ca-cert-file", tls.ca,
+        "--tls-auth-clients", "yes",
+        "--tls-replication", "yes",
+    ]  # fmt: skip
 
 
 class RedisServer(LocalServer):
@@ -52,9 +72,11 @@ class RedisServer(LocalServer):
         host: str = "127.0.0.1",
         password: str | None = None,
         appendonly: bool = False,
+        tls: Tls | None = None,
     ) -> None:
         super().__init__(workdir, port, host)
         self.password = password
+        self.tls = tls
         self.appendonly = appendonly
         # Asked at each start: the primary to replicate, or None to start as a primary. A replica
         # group (common/infra/ha.py) answers from its sentinels, so a restarted primary comes back
@@ -64,18 +86,22 @@ class RedisServer(LocalServer):
     @property
     def address(self) -> str:
         """The URL without the password: what may be printed or logged."""
-        return f"redis://{self.host}:{self.port}/0"
+        return f"{self.scheme}://{self.host}:{self.port}/0"
+
+    @property
+    def scheme(self) -> str:
+        return "redis" if self.tls is None else "rediss"
 
     @property
     def url(self) -> str:
         """Client URL with the password in it, as `redis.asyncio.from_url` takes it."""
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}{self.host}:{self.port}/0"
+        return f"{self.scheme}://{auth}{self.host}:{self.port}/0"
 
     def argv(self) -> list[str]:
         argv = [
             redis_server_binary(),
-            "--port", str(self.port),
+            *tls_argv(self.port, self.tls),
             "--bind", self.host,
             "--dir", str(self.workdir),
             "--save", "",
@@ -116,7 +142,7 @@ class RedisServer(LocalServer):
         return found.get("role") == "slave" and found.get("master_link_status") == "up"
 
     def _client(self) -> redis.Redis:
-        return probe_client(self.host, self.port, self.password)
+        return probe_client(self.host, self.port, self.password, tls=self.tls)
 
     def ready(self) -> bool:
         client = self._client()

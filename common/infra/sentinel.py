@@ -10,6 +10,7 @@ import redis
 
 from common.infra.process import LocalServer
 from common.infra.redis_server import probe_client, redis_server_binary
+from common.tls import Tls
 
 # How long a primary may be silent before a sentinel calls it down, and how long a failover may take
 # before another sentinel tries again. Redis's defaults (30 s, 3 min) are for wide-area links; a
@@ -36,12 +37,14 @@ class RedisSentinel(LocalServer):
         password: str | None = None,
         service: str = "trident",
         quorum: int = 2,
+        tls: Tls | None = None,
     ) -> None:
         super().__init__(workdir, port, host)
         self.primary = primary
         self.password = password
         self.service = service
         self.quorum = quorum
+        self.tls = tls
 
     def argv(self) -> list[str]:
         conf = self.workdir / "sentinel.conf"
@@ -52,8 +55,13 @@ class RedisSentinel(LocalServer):
 
     def _config(self) -> str:
         name = self.service
+        if self.tls is None:
+            listen = [f"port {self.port}"]
+        else:  # TLS only, to its clients, its peers and the servers it watches
+            listen = ["port 0", f"tls-port {self.port}", "tls-auth-clients yes", "tls-replication yes"]
+            listen += [f"tls-{what} {json.dumps(path)}" for what, path in self._tls_files()]
         lines = [
-            f"port {self.port}",
+            *listen,
             f"bind {self.host}",
             "daemonize no",
             'logfile ""',
@@ -70,8 +78,12 @@ class RedisSentinel(LocalServer):
             lines.append(f"sentinel sentinel-pass {secret}")
         return "\n".join(lines) + "\n"
 
+    def _tls_files(self) -> list[tuple[str, str]]:
+        assert self.tls is not None
+        return [("cert-file", self.tls.cert), ("key-file", self.tls.key), ("ca-cert-file", self.tls.ca)]
+
     def client(self) -> redis.Redis:
-        return probe_client(self.host, self.port, self.password, decode=True)
+        return probe_client(self.host, self.port, self.password, decode=True, tls=self.tls)
 
     def state(self) -> dict | None:
         """What this sentinel knows of its primary (SENTINEL MASTER), or None if it does not answer."""

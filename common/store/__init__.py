@@ -26,6 +26,7 @@ from common.store.keys import Keys
 from common.store.planning import DeadLetters, Planning
 from common.store.registry import Heartbeater, Registry
 from common.store.requests import RequestLog, RequestRecord, Stage
+from common.tls import Tls
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class StoreConfig:
     # Connections at once; past them a command waits (up to socket_timeout) for a free one instead
     # of failing, as a burst of a thousand requests ending together would otherwise make it.
     max_connections: int = 64
+    tls: Tls | None = None  # the deployment's certificates: TLS to Redis (and its sentinels)
 
 
 class Store:
@@ -67,6 +69,7 @@ class Store:
             config.url,
             config.socket_timeout,
             config.max_connections,
+            tls=config.tls,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
             health_check_interval=5,

@@ -5,6 +5,9 @@
                                                 the primary of `service`, asked of the sentinels
                                                 (the password is the primary's and the sentinels')
 
+With the deployment's TLS (`tls`), every connection, to the sentinels too, is TLS with our
+certificate shown, and a redis:// URL is taken as rediss://.
+
 A sentinel client finds the primary again after a failover: a command on a connection to the old
 primary fails (refused, or READONLY once it is demoted), the retry asks the sentinels again.
 """
@@ -20,6 +23,9 @@ import redis.asyncio
 import redis.asyncio.sentinel
 import redis.sentinel
 from redis.asyncio import BlockingConnectionPool
+from redis.asyncio.connection import SSLConnection
+
+from common.tls import Tls
 
 SENTINEL_SCHEME = "redis+sentinel"
 
@@ -51,8 +57,22 @@ def sentinel_target(url: str) -> SentinelTarget | None:
     return SentinelTarget(tuple(sentinels), path[0], int(path[1]) if len(path) == 2 else 0, password)
 
 
-def _sentinel_options(target: SentinelTarget, timeout: float) -> dict[str, Any]:
-    return {"password": target.password, "socket_timeout": timeout, "socket_connect_timeout": timeout}
+def _sentinel_options(target: SentinelTarget, timeout: float, tls: Tls | None) -> dict[str, Any]:
+    return {
+        "password": target.password, "socket_timeout": timeout, "socket_connect_timeout": timeout,
+        **_tls_options(tls),
+    }  # fmt: skip
+
+
+def _tls_options(tls: Tls | None) -> dict[str, Any]:
+    return {} if tls is None else {"ssl": True, **tls.redis_options()}
+
+
+def _with_tls(url: str, tls: Tls | None) -> str:
+    """One server's URL, as rediss:// when the deployment speaks TLS."""
+    if tls is not None and url.startswith("redis://"):
+        return "rediss://" + url.removeprefix("redis://")
+    return url
 
 
 class _PrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
@@ -66,47 +86,59 @@ class _PrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
         await super()._connect()
 
 
+class _PrimarySSLConnection(_PrimaryConnection, SSLConnection):
+    """The same, over TLS."""
+
+
 class _BlockingSentinelPool(redis.asyncio.sentinel.SentinelConnectionPool, BlockingConnectionPool):
     """The sentinel pool with BlockingConnectionPool's waiting for a free connection, as the
     one-server client has (a burst of requests waits for a connection instead of failing)."""
 
 
-def async_client(url: str, timeout: float, max_connections: int, **options: Any) -> redis.asyncio.Redis:
+def async_client(
+    url: str, timeout: float, max_connections: int, tls: Tls | None = None, **options: Any
+) -> redis.asyncio.Redis:
     """An asyncio client; `options` (retry, health checks) go to its connections."""
     common = {"socket_timeout": timeout, "socket_connect_timeout": timeout, **options}
     target = sentinel_target(url)
     if target is None:
         pool = BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout, **common
-        )
+            _with_tls(url, tls), max_connections=max_connections, timeout=timeout,
+            **common, **(tls.redis_options() if tls is not None else {}),
+        )  # fmt: skip
         return redis.asyncio.Redis(connection_pool=pool)
     sentinel = redis.asyncio.sentinel.Sentinel(
         list(target.sentinels),
-        sentinel_kwargs=_sentinel_options(target, timeout),
+        sentinel_kwargs=_sentinel_options(target, timeout, tls),
         password=target.password,
         db=target.db,
         **common,
+        **(tls.redis_options() if tls is not None else {}),
     )
     return sentinel.master_for(
         target.service,
         connection_pool_class=_BlockingSentinelPool,
-        connection_class=_PrimaryConnection,
+        connection_class=_PrimaryConnection if tls is None else _PrimarySSLConnection,
         max_connections=max_connections,
         timeout=timeout,
     )
 
 
-def sync_client(url: str, timeout: float) -> redis.Redis:
+def sync_client(url: str, timeout: float, tls: Tls | None = None) -> redis.Redis:
     """A blocking client, for the launcher and tools outside an event loop."""
     target = sentinel_target(url)
     if target is None:
-        return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        return redis.Redis.from_url(
+            _with_tls(url, tls), socket_timeout=timeout, socket_connect_timeout=timeout,
+            **(tls.redis_options() if tls is not None else {}),
+        )  # fmt: skip
     sentinel = redis.sentinel.Sentinel(
         list(target.sentinels),
-        sentinel_kwargs=_sentinel_options(target, timeout),
+        sentinel_kwargs=_sentinel_options(target, timeout, tls),
         password=target.password,
         db=target.db,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
+        **_tls_options(tls),
     )
     return sentinel.master_for(target.service)  # its reconnects ask the sentinels (test_ha.py)

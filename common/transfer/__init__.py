@@ -49,9 +49,16 @@ def ucx_available() -> bool:
 
 
 def create_backend(config: TransferConfig | None = None) -> TransferBackend:
-    """The configured backend; "auto" picks UCX when it loads and TCP otherwise."""
+    """The configured backend; "auto" picks UCX when it loads and TCP otherwise, and TCP (over TLS)
+    whenever the deployment speaks TLS: UCX carries its bytes unencrypted."""
     config = config or TransferConfig()
-    if config.backend == "tcp" or (config.backend == "auto" and not ucx_available()):
+    if config.tls is not None and config.backend == "ucx":
+        raise ValueError(
+            "the UCX transfer backend has no encryption and the deployment speaks TLS "
+            "(TRIDENT_TLS_DIR): use TRIDENT_TRANSFER=tcp or auto, which moves tensors over TLS"
+        )
+    auto_tcp = config.tls is not None or not ucx_available()
+    if config.backend == "tcp" or (config.backend == "auto" and auto_tcp):
         return TcpBackend(config)
     from common.transfer.ucx import UcxBackend
 

@@ -27,6 +27,7 @@ import msgpack
 import torch
 
 from common.protocol.tensors import dtype_name, nbytes_of
+from common.tls import Tls
 from common.transfer.errors import SizeMismatch, TransferError
 from common.transfer.pool import BufferPool, PoolBuffer
 
@@ -49,6 +50,9 @@ class TransferConfig:
     inline_max_bytes: int = 256 * 1024  # smaller tensors ride inside the NATS message
     # Sent with every pull, and asked of every puller: a client without it gets nothing. Empty: open.
     secret: str = ""
+    # The deployment's certificates: TCP transfers go over mutual TLS (UCX has no encryption, so
+    # "auto" then picks TCP, and "ucx" is refused).
+    tls: Tls | None = None
 
 
 @dataclass

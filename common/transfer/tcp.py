@@ -1,9 +1,10 @@
-"""Plain TCP transfer: the fallback where ucxx is missing, with the same interface and errors.
+"""TCP transfer: the fallback where ucxx is missing, and the backend whenever the deployment
+speaks TLS, with the same interface and errors.
 
 Frames: a request is `u32 length + msgpack`; a reply is `u32 length + msgpack header`, then the
-raw bytes when the header says ok. Both sides move tensor memory straight between the socket and
-the tensor (`sock_sendall` / `sock_recv_into` on memoryviews), with no intermediate copy.
-Connections are persistent: a client keeps idle ones per owner and reuses them.
+raw bytes when the header says ok. Plain connections move tensor memory with no intermediate copy;
+TLS ones copy once out of the transport (tcp_channel.py). Connections are persistent: a client
+keeps idle ones per owner and reuses them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import struct
 from collections import defaultdict
 
@@ -34,12 +36,12 @@ from common.transfer.errors import (
     TransferTimeout,
     error_from_code,
 )
+from common.transfer.tcp_channel import Channel, accepted, connected, tune
 
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 _MAX_HEADER = 64 * 1024
-_SOCK_BUF = 4 * 1024 * 1024
 _MAX_IDLE_PER_PEER = 8
 
 
@@ -52,31 +54,15 @@ def parse_tcp_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _tune(sock: socket.socket) -> None:
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
-
-
-async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> int:
-    """Fill `view` from the socket; returns the bytes read (short only at EOF)."""
-    got = 0
-    while got < len(view):
-        n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            break
-        got += n
-    return got
-
-
 class TcpClient:
     """Pulls over TCP; also used by the UCX backend for owners that only speak TCP."""
 
     def __init__(self, backend: TransferBackend) -> None:
         self._backend = backend
-        self._idle: dict[tuple[str, int], list[socket.socket]] = defaultdict(list)
+        self._idle: dict[tuple[str, int], list[Channel]] = defaultdict(list)
         self._closed = False
+        tls = backend.config.tls
+        self._tls: ssl.SSLContext | None = tls.client_context() if tls is not None else None
 
     async def pull(self, address: str, handle: str, out: torch.Tensor | None, timeout: float) -> Pulled:
         peer = parse_tcp_address(address)
@@ -89,47 +75,44 @@ class TcpClient:
     async def _pull(self, peer: tuple[str, int], handle: str, out: torch.Tensor | None) -> Pulled:
         if self._closed:
             raise TransferClosed("transfer backend closed")
-        loop = asyncio.get_running_loop()
         request = pack_request(handle, out_nbytes(out), k=self._backend.config.secret)
         # A reused connection may have died idle (owner restarted): retry once on a fresh one,
         # which is safe because nothing of the reply has arrived yet.
         for attempt in range(2):
-            sock, reused = await self._checkout(peer)
+            chan, reused = await self._checkout(peer)
             try:
-                await loop.sock_sendall(sock, _LEN.pack(len(request)) + request)
-                header = await self._read_header(loop, sock)
+                await chan.send(_LEN.pack(len(request)) + request)
+                header = await self._read_header(chan)
             except (OSError, PeerLost) as exc:
-                sock.close()
+                chan.close()
                 if reused and attempt == 0:
                     continue
                 raise PeerLost(f"connection to {peer[0]}:{peer[1]} lost: {exc}") from None
             except BaseException:
-                sock.close()
+                chan.close()
                 raise
             break
         try:
-            pulled = await self._read_body(loop, sock, header, out)
+            pulled = await self._read_body(chan, header, out)
         except BaseException:
-            sock.close()  # a half-read reply leaves the stream unusable
+            chan.close()  # a half-read reply leaves the stream unusable
             raise
-        self._checkin(peer, sock)
+        self._checkin(peer, chan)
         return pulled
 
-    async def _read_header(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict:
+    async def _read_header(self, chan: Channel) -> dict:
         raw_len = bytearray(4)
-        if await _recv_exact(loop, sock, memoryview(raw_len)) < 4:
+        if await chan.recv_into(memoryview(raw_len)) < 4:
             raise PeerLost("owner closed the connection")
         (length,) = _LEN.unpack(raw_len)
         if length > _MAX_HEADER:
             raise TransferError(f"reply header of {length} bytes is not a header")
         raw = bytearray(length)
-        if await _recv_exact(loop, sock, memoryview(raw)) < length:
+        if await chan.recv_into(memoryview(raw)) < length:
             raise PeerLost("owner closed the connection mid-header")
         return unpack(raw)
 
-    async def _read_body(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, header: dict, out: torch.Tensor | None
-    ) -> Pulled:
+    async def _read_body(self, chan: Channel, header: dict, out: torch.Tensor | None) -> Pulled:
         if not header.get("ok"):
             raise error_from_code(str(header.get("e")), str(header.get("m", "")))
         shape, dtype = tuple(header["s"]), header["d"]
@@ -137,7 +120,7 @@ class TcpClient:
         try:
             view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
             try:
-                got = await _recv_exact(loop, sock, view)
+                got = await chan.recv_into(view)
             except OSError as exc:
                 raise PeerLost(f"connection lost mid-transfer: {exc}") from None
             if got < len(view):
@@ -148,7 +131,7 @@ class TcpClient:
             raise
         return Pulled(tensor, buf)
 
-    async def _checkout(self, peer: tuple[str, int]) -> tuple[socket.socket, bool]:
+    async def _checkout(self, peer: tuple[str, int]) -> tuple[Channel, bool]:
         idle = self._idle.get(peer)
         if idle:
             return idle.pop(), True
@@ -159,25 +142,25 @@ class TcpClient:
         except OSError as exc:
             raise PeerUnreachable(f"cannot resolve {peer[0]}:{peer[1]}: {exc}") from None
         try:
-            _tune(sock)
+            tune(sock)
             await loop.sock_connect(sock, infos[0][4])
-        except OSError as exc:
+            return await connected(sock, self._tls), False
+        except OSError as exc:  # ssl.SSLError is one: a handshake the owner refused
             sock.close()
             raise PeerUnreachable(f"cannot connect to {peer[0]}:{peer[1]}: {exc}") from None
-        return sock, False
 
-    def _checkin(self, peer: tuple[str, int], sock: socket.socket) -> None:
+    def _checkin(self, peer: tuple[str, int], chan: Channel) -> None:
         idle = self._idle[peer]
         if self._closed or len(idle) >= _MAX_IDLE_PER_PEER:
-            sock.close()
+            chan.close()
         else:
-            idle.append(sock)
+            idle.append(chan)
 
     def close(self) -> None:
         self._closed = True
-        for socks in self._idle.values():
-            for s in socks:
-                s.close()
+        for chans in self._idle.values():
+            for chan in chans:
+                chan.close()
         self._idle.clear()
 
 
@@ -193,6 +176,8 @@ class TcpBackend(TransferBackend):
         self._accept_task: asyncio.Task[None] | None = None
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self._port = 0
+        tls = self.config.tls
+        self._tls: ssl.SSLContext | None = tls.server_context() if tls is not None else None
 
     @property
     def address(self) -> str:
@@ -243,7 +228,7 @@ class TcpBackend(TransferBackend):
         assert self._listener is not None
         while True:
             conn, _ = await loop.sock_accept(self._listener)
-            _tune(conn)
+            tune(conn)
             task = asyncio.create_task(self._serve(conn), name="tcp-transfer-conn")
             self._conn_tasks.add(task)
             task.add_done_callback(self._conn_done)
@@ -255,26 +240,34 @@ class TcpBackend(TransferBackend):
 
     async def _serve(self, conn: socket.socket) -> None:
         """Answer pull requests on one connection until the client hangs up."""
-        loop = asyncio.get_running_loop()
-        with conn:
+        try:
+            chan = await accepted(conn, self._tls)
+        except OSError as exc:  # a client without the deployment's certificate, among others
+            conn.close()
+            log.debug("transfer handshake refused: %r", exc)
+            return
+        try:
             while True:
                 raw_len = bytearray(4)
                 try:
-                    if await _recv_exact(loop, conn, memoryview(raw_len)) < 4:
+                    if await chan.recv_into(memoryview(raw_len)) < 4:
                         return
                     (length,) = _LEN.unpack(raw_len)
                     if length > _MAX_HEADER:
                         return  # not our protocol; drop the connection
                     raw = bytearray(length)
-                    if await _recv_exact(loop, conn, memoryview(raw)) < length:
+                    if await chan.recv_into(memoryview(raw)) < length:
                         return
                     header, entry = await self._answer_when_ready(unpack(raw))
-                    await loop.sock_sendall(conn, _LEN.pack(len(header)) + header)
+                    parts = [_LEN.pack(len(header)) + header]
                     if entry is not None and entry.bytes_view.numel():
-                        await loop.sock_sendall(conn, memoryview(entry.bytes_view.numpy()))
+                        parts.append(memoryview(entry.bytes_view.numpy()))
+                    await chan.send(*parts)
                 except (OSError, TransferError) as exc:
                     log.debug("transfer client went away: %r", exc)
                     return
+        finally:
+            chan.close()
 
 
 def _wake(future: asyncio.Future) -> None:

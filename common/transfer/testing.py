@@ -137,12 +137,14 @@ def _owner_main(backend: str, specs: list[TensorSpec], env: dict[str, str], conn
 
 
 async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -> None:
+    from common.tls import tls_from_env
     from common.transfer import TransferConfig, create_backend
 
     # From the owner's env (OwnerProcess(env=...)).
     secret = os.environ.get("TRIDENT_TRANSFER_SECRET", "")
     host = os.environ.get("TRIDENT_BIND_HOST", "127.0.0.1")
-    backend = create_backend(TransferConfig(backend=backend_name, secret=secret, host=host))  # type: ignore[arg-type]
+    config = TransferConfig(backend=backend_name, secret=secret, host=host, tls=tls_from_env())  # type: ignore[arg-type]
+    backend = create_backend(config)
     await backend.start()
     handles = [backend.publish(make_tensor(s)) for s in specs]
     await asyncio.to_thread(conn.send, (backend.address, handles))
