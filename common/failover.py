@@ -31,6 +31,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
@@ -43,6 +44,7 @@ from common.bus.tasks import FAILOVER_HEADER
 from common.protocol import Fence, Heartbeat
 from common.roles import Role
 from common.store import Store
+from common.tls import Tls
 
 log = logging.getLogger(__name__)
 TICK = 0.25  # seconds between judgements
@@ -62,10 +64,14 @@ class Probe(enum.Enum):
     SILENT = "silent"  # the connection hangs or breaks: frozen, or its host cut off
 
 
-async def probe(http_address: str, instance_id: str, timeout: float = PROBE_TIMEOUT) -> Probe:
-    """Ask a silent instance's `/health` whether it is still there."""
+async def probe(
+    http_address: str, instance_id: str, timeout: float = PROBE_TIMEOUT, tls: Tls | None = None
+) -> Probe:
+    """Ask a silent instance's `/health` whether it is still there (with `tls`, showing our
+    certificate: a worker's HTTP then answers members only)."""
+    verify: ssl.SSLContext | bool = tls.client_context() if tls is not None else True
     try:
-        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False, verify=verify) as http:
             resp = await http.get(http_address + "/health")
     except httpx.ConnectError:  # refused, unreachable, or its name no longer resolves
         return Probe.GONE
@@ -84,7 +90,9 @@ class Reaper:
     def __init__(
         self, bus: Bus, store: Store, me: str, after: float = 1.5,
         on_fence: Callable[[str], None] | None = None, unresponsive_after: float = 5.0,
+        tls: Tls | None = None,
     ) -> None:  # fmt: skip
+        self.tls = tls
         self.bus = bus
         self.store = store
         self.me = me
@@ -167,7 +175,7 @@ class Reaper:
             self._fenced(self.me)
 
     async def _reap(self, instance_id: str, beat: Heartbeat, silent: float) -> None:
-        found = await probe(beat.http_address, instance_id) if beat.http_address else Probe.GONE
+        found = await probe(beat.http_address, instance_id, tls=self.tls) if beat.http_address else Probe.GONE
         if found is Probe.ANSWERS:
             # Starved of CPU, or its loop held up: slow, not dead. Taking it for dead would cost
             # a restart and every request it holds a re-prefill; it gets another allowance.

@@ -13,6 +13,7 @@ from common.bus import BusConfig
 from common.planner.forecast import ForecastConfig
 from common.planner.limits import Limits, parse_counts
 from common.secrets import DeploymentSecrets, with_credentials
+from common.tls import Tls
 
 
 class ServiceSettings(BaseSettings):
@@ -33,6 +34,11 @@ class ServiceSettings(BaseSettings):
         "planner-key)",
     )
     transfer_secret: str = Field("", description="Asked of every bulk-transfer pull; empty: none")
+    tls_dir: Path | None = Field(
+        None,
+        description="Folder of the deployment's TLS files (ca.pem, cert.pem, key.pem; `trident certs` "
+        "writes them): NATS, Redis, bulk transfers and the workers' HTTP then speak mutual TLS; empty: plain",
+    )
     transfer_inline_max_bytes: int = Field(
         256 * 1024, ge=0, description="Tensors up to this size ride inside the NATS message, not by handle"
     )
@@ -78,6 +84,16 @@ class ServiceSettings(BaseSettings):
         description="Seconds of silence after which one whose /health hangs (frozen) is taken for dead",
     )
 
+    @property
+    def tls(self) -> Tls | None:
+        return Tls(self.tls_dir.resolve()) if self.tls_dir is not None else None
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ServiceSettings:
+        if self.tls_dir is not None:
+            Tls.at(self.tls_dir)  # a missing or mismatched file is named at start, not at a first connect
+        return self
+
     @model_validator(mode="after")
     def _apply_secrets(self) -> ServiceSettings:
         """Credentials from `secrets_dir` go into the URLs, unless the URLs carry their own."""
@@ -92,7 +108,7 @@ class ServiceSettings(BaseSettings):
     def bus_config(self, name: str) -> BusConfig:
         return BusConfig(
             url=self.nats_url, prefix=self.namespace, name=name, ack_wait=self.task_ack_wait,
-            stream_replicas=self.nats_stream_replicas,
+            stream_replicas=self.nats_stream_replicas, tls=self.tls,
         )  # fmt: skip
 
     @property

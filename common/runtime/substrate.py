@@ -27,6 +27,7 @@ from common.protocol import Heartbeat
 from common.runtime.supervisor import Loop, LoopFailure, Supervisor
 from common.store import Heartbeater, Store, StoreConfig
 from common.store.recorder import StageRecorder
+from common.tls import Tls
 from common.transfer import TransferBackend, TransferConfig, create_backend
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class SubstrateSettings(Protocol):
 
     redis_url: str
     namespace: str
+    tls: Tls | None
     heartbeat_interval: float
     failover_after: float
     unresponsive_after: float
@@ -77,8 +79,9 @@ class Runtime:
         self.dispatch = Dispatcher(bus.tasks, self.record, bus, store.registry, sender=instance_id)
         self.loops = Supervisor(instance_id)
         self.reaper = Reaper(
-            bus, store, instance_id, settings.failover_after, self._fenced, settings.unresponsive_after
-        )
+            bus, store, instance_id, settings.failover_after, self._fenced, settings.unresponsive_after,
+            tls=settings.tls,
+        )  # fmt: skip
         self.heartbeats = Heartbeater(
             store.registry if registered else None,
             self._beat,
@@ -103,7 +106,9 @@ class Runtime:
         """Redis, NATS and (given its config) the transfer endpoint, each connected once. With
         `registered` the heartbeats are written to the registry too (workers); `dead_letters`
         records tasks that ran out of deliveries."""
-        store = await Store.connect(StoreConfig(url=settings.redis_url, prefix=settings.namespace))
+        store = await Store.connect(
+            StoreConfig(url=settings.redis_url, prefix=settings.namespace, tls=settings.tls)
+        )
         try:
             bus = await Bus.connect(settings.bus_config(instance_id), store if dead_letters else None)
         except BaseException:

@@ -112,6 +112,7 @@ class Links:
             advertise_host=host,
             secret=s.transfer_secret,
             inline_max_bytes=s.transfer_inline_max_bytes,
+            tls=s.tls,
         )
         runtime = await Runtime.connect(s, instance_id, transfer=transfer)
         return cls(runtime, s.max_queued_tasks, queued)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from celery import Celery, Task
 from celery.signals import worker_init
 
 from common.store.connect import sentinel_target
+from common.tls import Tls
 from services.settings import PlannerSettings
 
 TASK = "trident.planner.what_if"
@@ -28,9 +30,13 @@ RESULT_TTL = 24 * 3600  # seconds a finished job's result is kept
 
 
 def celery_app(settings: PlannerSettings) -> Celery:
-    url, options = celery_url(settings.planner_jobs_url or settings.redis_url)
+    url, options = celery_url(settings.planner_jobs_url or settings.redis_url, settings.tls)
     options["global_keyprefix"] = f"{settings.namespace}:jobs:"
     app = Celery("trident-planner", broker=url, backend=url)
+    if settings.tls is not None:  # TLS to Redis (and its sentinels), with the deployment's certificate
+        app.conf.update(
+            broker_use_ssl=celery_tls(settings.tls), redis_backend_use_ssl=celery_tls(settings.tls)
+        )
     app.conf.update(
         broker_transport_options=options,
         result_backend_transport_options=options,
@@ -47,15 +53,27 @@ def celery_app(settings: PlannerSettings) -> Celery:
     return app
 
 
-def celery_url(url: str) -> tuple[str, dict[str, Any]]:
+def celery_url(url: str, tls: Tls | None = None) -> tuple[str, dict[str, Any]]:
     """Celery's spelling of a Redis URL, and the transport options it needs: a redis+sentinel://
-    URL (common/store/connect.py) becomes one sentinel:// URL per sentinel and the service's name."""
+    URL (common/store/connect.py) becomes one sentinel:// URL per sentinel and the service's name
+    (with `tls`, the sentinels are asked over TLS too)."""
     target = sentinel_target(url)
     if target is None:
         return url, {}
     auth = f":{quote(target.password, safe='')}@" if target.password else ""
     urls = ";".join(f"sentinel://{auth}{host}:{port}/{target.db}" for host, port in target.sentinels)
-    return urls, {"master_name": target.service, "sentinel_kwargs": {"password": target.password}}
+    sentinels: dict[str, Any] = {"password": target.password}
+    if tls is not None:
+        sentinels |= {"ssl": True, **tls.redis_options()}
+    return urls, {"master_name": target.service, "sentinel_kwargs": sentinels}
+
+
+def celery_tls(tls: Tls) -> dict[str, Any]:
+    """Celery's and kombu's TLS settings for Redis (a redis:// URL stays as it is beside them)."""
+    return {
+        "ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": tls.ca, "ssl_certfile": tls.cert,
+        "ssl_keyfile": tls.key, "ssl_check_hostname": False,
+    }  # fmt: skip
 
 
 app = celery_app(PlannerSettings())

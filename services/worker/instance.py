@@ -103,6 +103,7 @@ def transfer_config(s: WorkerSettings) -> TransferConfig:
         advertise_host=host,
         secret=s.transfer_secret,
         inline_max_bytes=s.transfer_inline_max_bytes,
+        tls=s.tls,
     )
 
 

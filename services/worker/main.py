@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Iterator
 
@@ -15,6 +16,7 @@ import uvicorn
 
 from common.roles import parse_roles
 from common.runtime import EXIT_LOOP_FAILED
+from common.tls import Tls
 from services.settings import WorkerSettings
 from services.worker.http import make_app
 from services.worker.instance import Stages, WorkerInstance, advertise_host, engine_roles
@@ -42,6 +44,19 @@ class HttpServer(uvicorn.Server):
         yield
 
 
+def https_options(tls: Tls | None) -> dict[str, object]:
+    """uvicorn's TLS: with the deployment's certificates, only a client showing one the CA signed
+    is answered (its health, readiness and metrics included: probes run with the certificate)."""
+    if tls is None:
+        return {}
+    return {
+        "ssl_certfile": tls.cert,
+        "ssl_keyfile": tls.key,
+        "ssl_ca_certs": tls.ca,
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+    }
+
+
 FENCED_EXIT = 3  # taken for dead while it lived (frozen, cut off): restart it as a new instance
 
 
@@ -49,9 +64,12 @@ async def serve(settings: WorkerSettings, stages: Stages) -> int:
     """Run a worker until it stops; returns the process's exit status: 0 after a drain,
     FENCED_EXIT when taken for dead, EXIT_LOOP_FAILED when one of its loops failed."""
     sock = bind(settings.bind_host, settings.http_port)
-    http_address = f"http://{advertise_host(settings.advertise_host)}:{sock.getsockname()[1]}"
+    scheme = "http" if settings.tls is None else "https"
+    http_address = f"{scheme}://{advertise_host(settings.advertise_host)}:{sock.getsockname()[1]}"
     worker = await WorkerInstance.build(settings, stages, http_address)
-    server = HttpServer(uvicorn.Config(make_app(worker), log_level="warning", lifespan="off"))
+    server = HttpServer(
+        uvicorn.Config(make_app(worker), log_level="warning", lifespan="off", **https_options(settings.tls))
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.drain)

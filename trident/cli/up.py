@@ -145,6 +145,15 @@ def up(
             "a primary with a replica and three sentinels, so losing any one of them loses nothing.",
         ),
     ] = False,
+    tls: Annotated[
+        bool,
+        typer.Option(
+            "--tls",
+            help="Mutual TLS on every channel between the deployment's processes (NATS, Redis, bulk "
+            "transfers, the workers' HTTP), from a private CA made for this run under "
+            ".trident/secrets/tls. The gateway's API stays plain HTTP on loopback.",
+        ),
+    ] = False,
     warm: Annotated[
         bool,
         typer.Option(
@@ -183,7 +192,7 @@ def up(
         planner_port = DEFAULT_PLANNER_PORT if port_free(DEFAULT_PLANNER_PORT) else free_port()
     deployment = Deployment(
         compose, method, counts, model_dir, port, HOME, ready_timeout, typer.echo, planner_port, follow_plan,
-        starter=WarmStarter() if warm else None, ha=ha,
+        starter=WarmStarter() if warm else None, ha=ha, tls=tls,
     )  # fmt: skip
     raise typer.Exit(deployment.run())
 

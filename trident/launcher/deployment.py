@@ -16,6 +16,7 @@ from typing import Any
 
 import typer
 
+from common.certs import issue
 from common.compose import ComposeFile, Method
 from common.infra import InfraError, LocalServer, NatsServer
 from common.protocol import Plan
@@ -78,6 +79,7 @@ class Deployment:
         follow_plan: bool = False,
         starter: Starter | None = None,
         ha: bool = False,
+        tls: bool = False,
     ) -> None:
         self.compose = compose
         self.method = method
@@ -105,6 +107,8 @@ class Deployment:
         # Made once per home and kept: NATS and Redis ask for them, and so does every transfer port.
         self.secrets_dir = home / "secrets"
         self.secrets = DeploymentSecrets.ensure(self.secrets_dir)
+        # A private CA of this run's own, and the certificate every process shows (common/certs.py).
+        self.tls = issue(self.secrets_dir / "tls") if tls else None
         self.children: list[Child] = []
         self._stop = SignalFlag()  # set by SIGINT/SIGTERM: no threading.Event (see signal_flag.py)
         self._force = SignalFlag()
@@ -144,8 +148,9 @@ class Deployment:
     def _start_servers(self) -> None:
         try:
             start_substrate(
-                self.substrate, self.compose.servers, self.home, self.logs, self.secrets, self.ha, self.echo
-            )
+                self.substrate, self.compose.servers, self.home, self.logs, self.secrets, self.ha, self.echo,
+                self.tls,
+            )  # fmt: skip
         finally:
             self._write_state()  # `trident down` must find what started, even if the rest did not
 
@@ -217,7 +222,7 @@ class Deployment:
     def _supervise(self) -> int:
         if self.follow_plan:
             namespace = os.environ.get("TRIDENT_NAMESPACE") or "trident"
-            self._plans = PlanSource(self.substrate.redis_url, namespace)
+            self._plans = PlanSource(self.substrate.redis_url, namespace, self.tls)
         try:
             while not self._stop.wait(0.25):
                 for name, server in self.servers.items():

@@ -24,6 +24,7 @@ from common.compose import ComposeFile, Method, plan_scale
 from common.protocol import Plan, ProtocolError, decode
 from common.store.connect import sync_client
 from common.store.keys import Keys
+from common.tls import Tls
 from trident.launcher.processes import Child
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 class PlanSource:
     """The plan to apply and the live instances, read from Redis with a short-timeout sync client."""
 
-    def __init__(self, redis_url: str, namespace: str) -> None:
-        self._r = sync_client(redis_url, timeout=1.0)
+    def __init__(self, redis_url: str, namespace: str, tls: Tls | None = None) -> None:
+        self._r = sync_client(redis_url, timeout=1.0, tls=tls)
         self._keys = Keys(namespace)
         self.error: str | None = None  # the last read failure, reported once per outage
 

@@ -23,6 +23,7 @@ from common.infra import free_port
 from common.infra.ha import stream_leader
 from common.models import resolve_model
 from common.secrets import operator_header
+from common.tls import Tls
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
@@ -38,7 +39,13 @@ class LocalUp:
     """`trident up` as a child process, read through its state file and its gateway."""
 
     def __init__(
-        self, model: Path, workdir: Path, scale: dict[str, int], env: dict[str, str], ha: bool = False
+        self,
+        model: Path,
+        workdir: Path,
+        scale: dict[str, int],
+        env: dict[str, str],
+        ha: bool = False,
+        tls: bool = False,
     ) -> None:
         self.workdir = workdir
         self.scale = scale
@@ -51,6 +58,7 @@ class LocalUp:
             str(Path(sys.executable).with_name("trident")), "up", "-f", str(COMPOSE),
             "--model", str(model), "--port", str(self.port), "--planner-port", str(free_port()),
             *(f"--scale={service}={n}" for service, n in scale.items()), *(["--ha"] if ha else []),
+            *(["--tls"] if tls else []),
         ]  # fmt: skip
         env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
         self.log = open(workdir / "up.log", "w")  # noqa: SIM115 - closed in stop()
@@ -68,6 +76,12 @@ class LocalUp:
         """Every registered instance, addresses included (the operator's view of /v1/cluster)."""
         operator = operator_header(Path(self.state()["secrets"]))
         return httpx.get(self.url + "/v1/cluster", headers=operator, timeout=5).json()["instances"]
+
+    @property
+    def tls(self) -> Tls | None:
+        """With --tls: the certificate the deployment's processes show (a member's)."""
+        folder = Path(self.state()["secrets"]) / "tls"
+        return Tls.at(folder) if (folder / "ca.pem").exists() else None
 
     def instances(self, role: str) -> list[dict]:
         return [i for i in self.cluster() if role in i["roles"]]
@@ -136,7 +150,7 @@ class LocalUp:
         """The pid of an instance of `role`, one that holds requests if there is one."""
         found = self.instances(role)
         for inst in found:
-            if _held(inst["http_address"]) > 0:
+            if metric(inst["http_address"], "trident_held_requests", self.tls) > 0:
                 return _pid(inst)
         return _pid(found[0])
 
@@ -161,13 +175,11 @@ def _pid(instance: dict) -> int:
     return int(instance["instance_id"].rsplit("-", 1)[1])
 
 
-def _held(http_address: str) -> float:
-    return metric(http_address, "trident_held_requests")
-
-
-def metric(base_url: str, name: str) -> float:
-    """The sum of a Prometheus metric's samples on one service (0 when it has none)."""
-    text = httpx.get(base_url + "/metrics", timeout=5).text
+def metric(base_url: str, name: str, tls: Tls | None = None) -> float:
+    """The sum of a Prometheus metric's samples on one service (0 when it has none); `tls`: the
+    deployment's, which a worker's HTTPS asks for."""
+    verify = tls.client_context() if tls is not None else True
+    text = httpx.get(base_url + "/metrics", timeout=5, verify=verify).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 

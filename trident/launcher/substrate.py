@@ -5,7 +5,9 @@ replica behind three sentinels (common/infra/ha.py), all on loopback ports.
 The services are pointed at them by rewriting the URLs that name the compose hostnames: a single
 server by host and port (`nats://nats:4222` -> `nats://127.0.0.1:N`), a group by the whole URL
 (`redis://redis:6379/0` -> `redis+sentinel://127.0.0.1:S1,.../trident/0`). Credentials come from
-the deployment's secrets directory, as for the single servers.
+the deployment's secrets directory, as for the single servers. With the deployment's TLS (`--tls`),
+every server takes members only (mutual TLS), and every service is told the folder
+(TRIDENT_TLS_DIR).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from common.infra import LocalServer, NatsServer, RedisServer
 from common.infra.ha import NatsCluster, RedisGroup
 from common.secrets import DeploymentSecrets
+from common.tls import Tls
 
 Echo = Callable[..., None]
 LOOPBACK = ["127.0.0.1"] * 3
@@ -44,10 +47,13 @@ def start_substrate(
     secrets: DeploymentSecrets,
     ha: bool,
     echo: Echo,
+    tls: Tls | None = None,
 ) -> None:
     """Start a server (or a group) for each compose service in `kinds` (service -> "nats" | "redis")
     into `found`, which holds every server before it starts: when a later start fails, the caller
     stops what did."""
+    if tls is not None:
+        found.env["TRIDENT_TLS_DIR"] = str(tls.folder.resolve())
     for service, kind in kinds.items():
         workdir = home / service
         if kind == "nats":
@@ -56,9 +62,9 @@ def start_substrate(
                 shutil.rmtree(store, ignore_errors=True)
         if not ha:
             server: NatsServer | RedisServer = (
-                NatsServer(workdir=workdir, token=secrets.nats_token)
+                NatsServer(workdir=workdir, token=secrets.nats_token, tls=tls)
                 if kind == "nats"
-                else RedisServer(workdir=workdir, password=secrets.redis_password)
+                else RedisServer(workdir=workdir, password=secrets.redis_password, tls=tls)
             )
             _prepare(found, service, server, logs)
             server.start()
@@ -68,9 +74,9 @@ def start_substrate(
                 found.redis_url = server.url
             continue
         group = (
-            NatsCluster(workdir, LOOPBACK, secrets.nats_token)
+            NatsCluster(workdir, LOOPBACK, secrets.nats_token, tls=tls)
             if kind == "nats"
-            else RedisGroup(workdir, LOOPBACK, secrets.redis_password)
+            else RedisGroup(workdir, LOOPBACK, secrets.redis_password, tls=tls)
         )
         for server in group.servers:
             _prepare(found, server.name, server, logs)
