@@ -25,6 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from common.tls import Tls
 
 VALID_DAYS = 825
+MEMBER_NAME = "trident-member"  # a name every certificate carries, for clients that check one (Prometheus)
 _NO_USE = dict.fromkeys(
     ["digital_signature", "content_commitment", "key_encipherment", "data_encipherment", "key_agreement",
      "key_cert_sign", "crl_sign", "encipher_only", "decipher_only"],
@@ -85,7 +86,7 @@ def issue(folder: str | os.PathLike[str], hosts: Iterable[str] = (), name: str =
 
 def _names(hosts: Iterable[str]) -> list[x509.GeneralName]:
     names: list[x509.GeneralName] = []
-    for host in dict.fromkeys(["localhost", "127.0.0.1", "::1", *hosts]):
+    for host in dict.fromkeys([MEMBER_NAME, "localhost", "127.0.0.1", "::1", *hosts]):
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:

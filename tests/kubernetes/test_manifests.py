@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cryptography import x509
 from typer.testing import CliRunner
 
 from common.planner.types import METHOD_KINDS
 from common.roles import InstanceKind
+from common.tls import Tls
 from trident.cli.app import app
 from trident.kubernetes.render import DRAIN_TIMEOUT, Options, render, to_yaml
 
@@ -81,7 +83,8 @@ def test_the_custom_resources_pass_their_crd_schemas(rendered) -> None:
     assert code == 0 and all(line["valid"] for line in lines), [line for line in lines if not line["valid"]]
     scalers = sum(len(METHOD_KINDS[m]) for m, _ in VARIANTS)
     assert sum(line["kind"] == "ScaledObject" for line in lines) == scalers
-    assert sum(line["kind"] == "ServiceMonitor" for line in lines) == len(VARIANTS)
+    # Two per variant: the gateway's and planner's over HTTP, the workers' over mutual TLS.
+    assert sum(line["kind"] == "ServiceMonitor" for line in lines) == 2 * len(VARIANTS)
     # The check can fail: a threshold that is not a string, as KEDA's schema says it must be.
     broken = json.loads(json.dumps(next(o for o in objects if o["kind"] == "ScaledObject")))
     broken["spec"]["triggers"][0]["metadata"]["threshold"] = 1
@@ -140,9 +143,11 @@ def test_every_instance_kind_holds_the_invariants(rendered, method: str, gpu: bo
         assert frozenset(roles) == {r.value for r in InstanceKind(kind).roles}
         (worker,) = containers(d)
         assert {"name": "TRIDENT_ROLES", "value": ",".join(roles)} in worker["env"]
-        # Probes, and a drain that the grace period outlasts.
-        assert worker["readinessProbe"]["httpGet"]["path"] == "/ready"
-        assert worker["livenessProbe"]["httpGet"]["path"] == "/health"
+        # Probes that show the deployment's certificate (the kubelet's httpGet cannot), and a drain
+        # that the grace period outlasts.
+        probe = ["python", "-m", "services.worker.probe"]
+        assert worker["readinessProbe"]["exec"]["command"] == [*probe, "/ready"]
+        assert worker["livenessProbe"]["exec"]["command"] == [*probe, "/health"]
         assert "kill -TERM 1" in " ".join(worker["lifecycle"]["preStop"]["exec"]["command"])
         assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > DRAIN_TIMEOUT
         assert {"name": "TRIDENT_DRAIN_TIMEOUT", "value": str(DRAIN_TIMEOUT)} in worker["env"]
@@ -163,6 +168,8 @@ def test_every_instance_kind_holds_the_invariants(rendered, method: str, gpu: bo
                 assert "value" in e or "valueFrom" in e
                 assert not re.fullmatch(r"[a-z][0-9a-f]{48}", str(e.get("value", ""))), (name, e["name"])
             assert {"name": "TRIDENT_NATS_STREAM_REPLICAS", "value": "3"} in c["env"]
+            assert {"name": "TRIDENT_TLS_DIR", "value": "/tls"} in c["env"]
+            assert {"name": "tls", "mountPath": "/tls", "readOnly": True} in c["volumeMounts"]
         # A disruption budget selects its pods.
         select = d["spec"]["selector"]["matchLabels"]
         assert [
@@ -183,15 +190,34 @@ def test_every_instance_kind_holds_the_invariants(rendered, method: str, gpu: bo
         "nats.conf"
     ]
     assert "jetstream" in conf and 'include "routes.conf"' in conf and "$NATS_TOKEN" in conf
+    # Mutual TLS for clients (handshake first) and routes; Redis and its sentinels TLS only.
+    assert conf.count('ca_file: "/tls/ca.pem", verify: true') == 2 and "handshake_first: true" in conf
+    for server in by_kind["StatefulSet"]:
+        (c,) = containers(server)
+        assert {"name": "tls", "mountPath": "/tls", "readOnly": True} in c["volumeMounts"]
+        if server["metadata"]["name"].startswith("redis"):
+            script = c["command"][-1]
+            assert (
+                "tls-port" in script and "tls-auth-clients yes" in script and "tls-replication yes" in script
+            )
+            assert "redis-cli --tls --cert /tls/cert.pem" in c["readinessProbe"]["exec"]["command"][-1]
     start = nats["spec"]["template"]["spec"]["containers"][0]["command"][-1]
     assert start.count(".nats-cluster.") == 3 and "nats-route://route:%s@" in start
     planner_env = {e["name"]: e.get("value") for e in containers(deployments["trident-planner"])[0]["env"]}
     assert planner_env["TRIDENT_PLANNER_BUDGET_UNIT"] == ("gpus" if gpu else "cores")
-    # Metrics: the ServiceMonitor finds every worker's, the gateway's and the planner's Service.
-    monitored = [
-        s for s in by_kind["Service"] if s["metadata"]["labels"].get("trident.dev/metrics") == "true"
-    ]
-    assert len(monitored) == len(workers) + 2
+    # Metrics: one ServiceMonitor finds the gateway's and the planner's Service, the other every
+    # worker's, which it scrapes over HTTPS with the deployment's certificate.
+    labelled = [s["metadata"]["labels"].get("trident.dev/metrics") for s in by_kind["Service"]]
+    assert labelled.count("true") == 2 and labelled.count("tls") == len(workers)
+    monitors = {
+        m["spec"]["selector"]["matchLabels"]["trident.dev/metrics"]: m for m in by_kind["ServiceMonitor"]
+    }
+    (endpoint,) = monitors["tls"]["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"]["keySecret"] == {
+        "name": "trident-tls",
+        "key": "key.pem",
+    }
+    assert "tlsConfig" not in monitors["true"]["spec"]["endpoints"][0]
     dashboard = next(c for c in by_kind["ConfigMap"] if c["metadata"]["name"] == "trident-dashboard")
     assert json.loads(dashboard["data"]["trident.json"])["panels"]
 
@@ -217,10 +243,42 @@ def test_the_command_writes_files_secrets_and_refuses_bad_options(tmp_path: Path
     done = runner.invoke(app, ["kubernetes", "--method", "ed+p", "--secrets", "--out", str(tmp_path)])
     assert done.exit_code == 0, done.output
     objects = list(yaml.safe_load_all((tmp_path / "trident.yaml").read_text()))
-    (secret,) = [o for o in objects if o["kind"] == "Secret"]
+    secret, tls = [o for o in objects if o["kind"] == "Secret"]
     assert set(secret["stringData"]) == {"nats-token", "redis-password", "transfer-secret", "planner-key"}
     assert len(set(secret["stringData"].values())) == 4
+    # A fresh CA and certificate, good for the names the NATS routes dial; no CA key among them.
+    assert tls["metadata"]["name"] == "trident-tls" and set(tls["stringData"]) == {
+        "ca.pem",
+        "cert.pem",
+        "key.pem",
+    }
+    cert = x509.load_pem_x509_certificate(tls["stringData"]["cert.pem"].encode())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "*.nats-cluster.trident.svc" in names.get_values_for_type(x509.DNSName)
+    folder = tmp_path / "tls"
+    folder.mkdir()
+    for name, text in tls["stringData"].items():
+        (folder / name).write_text(text)
+    Tls.at(folder).server_context()  # the key matches the certificate, which the CA signed
     assert "trident.yaml" in (tmp_path / "kustomization.yaml").read_text()
     assert not [o for o in render(Options(method="ed+p")) if o["kind"] == "Secret"]  # only when asked
     bad = runner.invoke(app, ["kubernetes", "--method", "nope"])
     assert bad.exit_code == 2 and "unknown method 'nope'" in bad.output
+
+
+def test_without_tls_the_manifests_are_plain_and_still_valid(tmp_path: Path) -> None:
+    objects = render(Options(method="ep+d", tls=False))
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    text = to_yaml(objects)
+    assert "/tls" not in text and "TRIDENT_TLS_DIR" not in text and "tls-port" not in text
+    worker = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "trident-ep")
+    assert containers(worker)[0]["readinessProbe"]["httpGet"]["path"] == "/ready"
+    (tmp_path / "trident.yaml").write_text(text)
+    run = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", str(tmp_path / "trident.yaml")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    code, lines = crd_check([o for o in objects if o["kind"] in ("ScaledObject", "ServiceMonitor")])
+    assert code == 0 and len([line for line in lines if line["kind"] == "ServiceMonitor"]) == 1

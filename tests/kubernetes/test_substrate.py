@@ -9,6 +9,9 @@ import stat
 import subprocess
 from pathlib import Path
 
+import pytest
+
+from common.certs import issue
 from common.infra.nats_server import nats_server_binary
 from common.store.connect import sentinel_target
 from trident.kubernetes.redis_ha import SENTINELS, node_script, sentinel_script
@@ -16,10 +19,15 @@ from trident.kubernetes.render import Options, render
 from trident.kubernetes.substrate import nats_config, nats_start
 
 
-def test_a_nats_node_writes_routes_that_carry_the_token_and_its_config_parses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_nats_node_writes_routes_that_carry_the_token_and_its_config_parses(
+    tmp_path: Path, tls: bool
+) -> None:
     etc, run = tmp_path / "etc", tmp_path / "run"
     etc.mkdir(), run.mkdir()
-    (etc / "nats.conf").write_text(nats_config() + f"pid_file: {run}/nats.pid\n")
+    certs = issue(tmp_path / "tls")  # where the pod mounts the Secret trident-tls
+    config = nats_config(tls).replace("/tls/", f"{certs.folder}/")
+    (etc / "nats.conf").write_text(config + f"pid_file: {run}/nats.pid\n")
     script = nats_start("ns1").replace("/tmp/", "RUN/").replace("/etc/nats/", f"{etc}/")
     script = script.replace("RUN/", f"{run}/")  # tmp_path is under /tmp itself
     script = script.replace("exec nats-server", f"exec {nats_server_binary()} -t")  # -t: check, then exit
@@ -31,6 +39,7 @@ def test_a_nats_node_writes_routes_that_carry_the_token_and_its_config_parses(tm
     assert "nats-2.nats-cluster.ns1.svc:6222" in routes
     assert stat.S_IMODE((run / "routes.conf").stat().st_mode) == 0o600
     assert "authorization { user: route, password: $NATS_TOKEN }" in nats_config()
+    assert ("verify: true" in config) == tls
 
 
 def test_redis_runs_a_primary_a_replica_and_three_sentinels_the_services_ask() -> None:
@@ -56,14 +65,15 @@ def test_redis_runs_a_primary_a_replica_and_three_sentinels_the_services_ask() -
             ]
 
 
-def test_a_redis_pod_follows_the_sentinels_and_waits_for_them_when_they_name_itself() -> None:
-    script = node_script("ns1")
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_redis_pod_follows_the_sentinels_and_waits_for_them_when_they_name_itself(tls: bool) -> None:
+    script = node_script("ns1", tls)
     # No sentinel answers: redis-0 starts as the primary, the others as its replicas.
     assert 'elif [ "$POD_NAME" != "redis-0" ]; then\n  M="redis-0.redis.ns1.svc"' in script
     # Named itself: it waits for the promotion, up to 50 x 0.2 s, before starting as a primary.
     assert 'for i in $(seq 50); do [ "$M" != "$SELF" ] && break; sleep 0.2; M="$(ask)"; done' in script
     assert '--replicaof "$M" 6379' in script and "--masterauth" in script
-    watch = sentinel_script("ns1")
+    watch = sentinel_script("ns1", tls)
     assert "sentinel monitor trident $M 6379 2" in watch and 'if [ ! -f "$CONF" ]' in watch
     for text in (script, watch):
         assert "redis-sentinel-2.redis-sentinel.ns1.svc" in text

@@ -2,7 +2,8 @@
 veth links (common/infra/netns.py) — nats, redis and the gateway on one, encoder+prefill on a
 second, the decoder on a third — each process bound to its namespace's one address. Every tensor
 goes by handle (none inline in NATS) and UCX may use TCP only, so the KV cache crosses to the
-decoder over the network, with the UCX and the TCP backends alike; the answers are HF's."""
+decoder over the network, with the UCX and the TCP backends alike, and with every channel between
+the hosts over mutual TLS; the answers are HF's."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ WHY_NOT = netns.problem()
 pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""), pytest.mark.timeout(400)]
 
 
-@pytest.mark.parametrize("transfer", ["ucx", "tcp"])
+@pytest.mark.parametrize("transfer", ["ucx", "tcp", "tls"])
 def test_answers_across_three_namespaces_equal_hf(tiny_model_dir, hf_tiny, tmp_path, transfer):
     tag, net = f"tr{os.getpid() % 10000}{transfer[0]}", 100 + (os.getpid() + len(transfer)) % 100
     with netns.Namespaces(tag, net) as spaces:
@@ -45,10 +46,11 @@ def test_answers_across_three_namespaces_equal_hf(tiny_model_dir, hf_tiny, tmp_p
     # Only the namespaces' own addresses: each instance is reached at its namespace's address.
     where = {tuple(i["roles"]): i for i in found["instances"]}
     ep, d = where[("encode", "prefill")], where[("decode",)]
-    assert ep["http_address"].startswith(f"http://{spaces.address['ep']}:")
-    assert d["http_address"].startswith(f"http://{spaces.address['d']}:")
+    scheme = "https" if transfer == "tls" else "http"  # with TLS, the workers' HTTP asks for the certificate
+    assert ep["http_address"].startswith(f"{scheme}://{spaces.address['ep']}:")
+    assert d["http_address"].startswith(f"{scheme}://{spaces.address['d']}:")
     assert found["gateway"].startswith(f"http://{spaces.address['infra']}:")
-    if transfer == "tcp":
+    if transfer in ("tcp", "tls"):
         assert ep["transfer_address"].startswith(f"tcp://{spaces.address['ep']}:")
     else:
         assert ep["transfer_address"].startswith("ucx://")

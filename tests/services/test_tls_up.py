@@ -7,6 +7,9 @@ probe without the deployment's certificate with nothing at all."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -87,6 +90,21 @@ def test_every_peer_port_reads_nothing_to_a_stranger(up, stranger):
         await nc.close()
 
     asyncio.run(member())
+
+
+def test_the_probe_command_shows_the_certificate(up):
+    """Kubernetes probes a worker with `python -m services.worker.probe` (its httpGet cannot show a
+    certificate): with the deployment's TLS folder it passes, without it it fails."""
+    folder = str(up.tls.folder)
+    for inst in up.cluster():
+        port = inst["http_address"].rpartition(":")[2]
+        env = {**os.environ, "TRIDENT_HTTP_PORT": port, "TRIDENT_TLS_DIR": folder}
+        for path in ("/ready", "/health"):
+            command = [sys.executable, "-m", "services.worker.probe", path]
+            assert subprocess.run(command, env=env, timeout=30).returncode == 0, (inst["instance_id"], path)
+        env.pop("TRIDENT_TLS_DIR")
+        refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+        assert refused.returncode == 1 and refused.stderr
 
 
 def test_what_if_jobs_run_over_tls(up):

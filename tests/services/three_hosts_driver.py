@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from common.certs import issue
 from common.infra import NatsServer, RedisServer, free_port
 from common.secrets import DeploymentSecrets, operator_header
 
@@ -25,9 +26,11 @@ def main(spec: dict) -> dict:
     workdir, address, names = Path(spec["workdir"]), spec["address"], spec["names"]
     secrets = DeploymentSecrets.ensure(workdir / "secrets")
     host = address["infra"]
+    # "tls": the TCP backend, and every channel between the hosts over mutual TLS.
+    tls = issue(workdir / "tls", address.values()) if spec["transfer"] == "tls" else None
     with (
-        NatsServer(workdir=workdir / "nats", host=host, token=secrets.nats_token) as nats,
-        RedisServer(workdir=workdir / "redis", host=host, password=secrets.redis_password) as redis,
+        NatsServer(workdir=workdir / "nats", host=host, token=secrets.nats_token, tls=tls) as nats,
+        RedisServer(workdir=workdir / "redis", host=host, password=secrets.redis_password, tls=tls) as redis,
     ):
         port = free_port(host)
         base = {
@@ -36,7 +39,8 @@ def main(spec: dict) -> dict:
             "TRIDENT_NATS_URL": nats.address,
             "TRIDENT_REDIS_URL": redis.address,
             "TRIDENT_SECRETS_DIR": str(workdir / "secrets"),
-            "TRIDENT_TRANSFER": spec["transfer"],
+            "TRIDENT_TRANSFER": "tcp" if tls is not None else spec["transfer"],
+            **({"TRIDENT_TLS_DIR": str(tls.folder)} if tls is not None else {}),
             "TRIDENT_PORT": str(port),
             "TRIDENT_NUM_THREADS": "1",
             "TRIDENT_KV_CACHE_BYTES": str(16 << 20),
@@ -51,7 +55,8 @@ def main(spec: dict) -> dict:
             start_services(running, base, address, names, workdir)
             url = f"http://{host}:{port}"
             _wait_ready(url, running, workdir)
-            with httpx.Client(timeout=120, trust_env=False) as http:
+            verify = tls.client_context() if tls is not None else True
+            with httpx.Client(timeout=120, trust_env=False, verify=verify) as http:
                 answers = []
                 for messages in spec["messages"]:
                     body = {"model": "tiny-llava", "messages": messages, "max_tokens": 16, "temperature": 0}

@@ -10,6 +10,7 @@ import typer
 
 from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters, write_checkpoint
 from trident.cli.bench import bench_app
+from trident.cli.certs import certs
 from trident.cli.generate import generate
 from trident.cli.kubernetes import kubernetes
 from trident.cli.plan import plan
@@ -78,5 +79,6 @@ app.command("down")(down)
 app.command("follow-plan")(follow_plan)
 app.command("plan")(plan)
 app.command("top")(top)
+app.command("certs")(certs)
 app.command("kubernetes")(kubernetes)
 app.add_typer(bench_app, name="bench")

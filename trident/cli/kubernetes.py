@@ -37,9 +37,21 @@ def kubernetes(
     monitoring_namespace: Annotated[
         str, typer.Option(help="Namespace Prometheus scrapes from.")
     ] = "monitoring",
+    tls: Annotated[
+        bool,
+        typer.Option(
+            "--tls/--no-tls",
+            help="Mutual TLS between Trident's pods (NATS, Redis, transfers, the workers' HTTP) from the "
+            "Secret trident-tls (ca.pem, cert.pem, key.pem: --secrets adds one, or `trident certs`).",
+        ),
+    ] = True,
     secrets: Annotated[
         bool,
-        typer.Option("--secrets", help="Add a Secret with fresh random values (keep the output private)."),
+        typer.Option(
+            "--secrets",
+            help="Add Secrets with fresh random values, and with --tls a fresh CA and certificate "
+            "(keep the output private).",
+        ),
     ] = False,
     out: Annotated[
         Path | None, typer.Option(help="Write DIR/trident.yaml and DIR/kustomization.yaml instead of stdout.")
@@ -48,23 +60,23 @@ def kubernetes(
     """Render the Kubernetes manifests of a deployment: per instance kind a Deployment, Service,
     PodDisruptionBudget and KEDA ScaledObject; the gateway, planner, NATS cluster and Redis;
     NetworkPolicies, a ServiceMonitor and the Grafana dashboard (docs/running.md, "Kubernetes")."""
-    from trident.kubernetes.render import Options, render, secret, to_yaml
+    from trident.kubernetes.render import Options, render, secret, tls_secret, to_yaml
 
     try:
         options = Options(
             method=method, gpu=gpu, namespace=namespace,
             image=image or ("trident:gpu" if gpu else "trident:cpu"),
             model=model, models_claim=models_claim, cpu=cpu, memory=memory, max_replicas=max_replicas,
-            budget=budget, prometheus=prometheus, monitoring_namespace=monitoring_namespace,
+            budget=budget, prometheus=prometheus, monitoring_namespace=monitoring_namespace, tls=tls,
         )  # fmt: skip
         objects = render(options)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     if secrets:
-        objects.insert(1, secret(namespace))
+        objects[1:1] = [secret(namespace), *([tls_secret(namespace)] if tls else [])]
     text = to_yaml(objects)
-    flags = f"--method {method}{' --gpu' if gpu else ''}"
+    flags = f"--method {method}{' --gpu' if gpu else ''}{'' if tls else ' --no-tls'}"
     header = f"# trident kubernetes {flags}: generated, edit the options instead\n"
     if out is None:
         typer.echo(header + text, nl=False)

@@ -6,6 +6,8 @@ from __future__ import annotations
 PART_OF = "trident"
 RUN_AS = 10001  # the image's `trident` user (Dockerfile)
 SECRET = "trident-secrets"  # the deployment's Secret: NATS token, Redis password, transfer secret
+TLS_SECRET = "trident-tls"  # the deployment's CA and certificate (ca.pem, cert.pem, key.pem)
+TLS_DIR = "/tls"  # where every pod mounts it (TRIDENT_TLS_DIR)
 
 
 def labels(component: str, **extra: str) -> dict[str, str]:
@@ -45,6 +47,21 @@ def http_probe(path: str, port: str, period: int, failures: int, timeout: int = 
     }
 
 
+def exec_probe(command: list[str], period: int, failures: int, timeout: int = 3) -> dict:
+    return {
+        "exec": {"command": command},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def tls_volume() -> tuple[dict, dict]:
+    """The TLS Secret as files (the run-as group may read them), and where it is mounted."""
+    volume = {"name": "tls", "secret": {"secretName": TLS_SECRET, "defaultMode": 0o440}}
+    return volume, {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}
+
+
 def env(**values: str) -> list[dict]:
     return [{"name": k, "value": str(v)} for k, v in values.items()]
 
@@ -58,8 +75,10 @@ def field_env(name: str, path: str) -> dict:
 
 
 def service(name: str, namespace: str, component: str, selector: dict, ports: list[dict], *,
-            headless: bool = False, metrics: bool = False) -> dict:  # fmt: skip
-    extra = {"trident.dev/metrics": "true"} if metrics else {}
+            headless: bool = False, metrics: bool = False, metrics_tls: bool = False) -> dict:  # fmt: skip
+    """`metrics`: scraped by the ServiceMonitor; `metrics_tls`: by the one that shows the deployment's
+    certificate (a worker's HTTP with TLS on)."""
+    extra = {"trident.dev/metrics": "tls" if metrics_tls else "true"} if metrics else {}
     spec: dict = {"selector": selector, "ports": ports}
     if headless:
         spec |= {"clusterIP": "None", "publishNotReadyAddresses": True}

@@ -11,13 +11,16 @@ Every pod decides whom to follow when it starts, by asking the sentinels:
 - a sentinel watches the primary the others name (redis-0 when none answers); what it learns
   later it writes into its own config, kept while the pod lives.
 Everyone is named by its stable DNS name (`redis-1.redis.<ns>.svc`), announced as such, so an
-address survives a pod's restart on another IP.
+address survives a pod's restart on another IP. With TLS every port speaks TLS only, asks every
+client (services, replicas, sentinels, redis-cli in the scripts and probes) for the deployment's
+certificate, and replication runs over it.
 """
 
 from __future__ import annotations
 
 from trident.kubernetes.objects import (
     SECRET,
+    TLS_DIR,
     allow,
     container_security,
     disruption_budget,
@@ -30,6 +33,7 @@ from trident.kubernetes.objects import (
     service,
     spread,
     stateful_set,
+    tls_volume,
 )
 
 REDIS_IMAGE = "redis:7-alpine"
@@ -56,20 +60,39 @@ def redis_url(namespace: str) -> str:
     return f"redis+sentinel://{hosts}/{MONITORED}/0"
 
 
-def _ask(namespace: str) -> str:
+def cli_tls(tls: bool) -> str:
+    """redis-cli's options: the deployment's certificate, when the servers ask for it."""
+    return (
+        f"--tls --cert {TLS_DIR}/cert.pem --key {TLS_DIR}/key.pem --cacert {TLS_DIR}/ca.pem " if tls else ""
+    )
+
+
+def server_tls(port: int) -> list[str]:
+    """A server's TLS settings, as config lines (`--` before each makes them arguments)."""
+    files = [
+        f"tls-cert-file {TLS_DIR}/cert.pem",
+        f"tls-key-file {TLS_DIR}/key.pem",
+        f"tls-ca-cert-file {TLS_DIR}/ca.pem",
+    ]
+    return ["port 0", f"tls-port {port}", *files, "tls-auth-clients yes", "tls-replication yes"]
+
+
+def _ask(namespace: str, tls: bool) -> str:
     """A shell function printing the primary's host as the first sentinel that answers names it."""
     hosts = " ".join(dns(f"redis-sentinel-{i}", "redis-sentinel", namespace) for i in range(SENTINELS))
+    cli = f"redis-cli {cli_tls(tls)}"
     return (
-        f'ask() {{ for s in {hosts}; do REDISCLI_AUTH="$REDIS_PASSWORD" timeout 2 redis-cli -h "$s" '
+        f'ask() {{ for s in {hosts}; do REDISCLI_AUTH="$REDIS_PASSWORD" timeout 2 {cli}-h "$s" '
         f"-p 26379 --raw SENTINEL get-master-addr-by-name {MONITORED} 2>/dev/null | head -1 | grep . "
         "&& return; done; }\n"
     )
 
 
-def node_script(namespace: str) -> str:
+def node_script(namespace: str, tls: bool = False) -> str:
     first = dns("redis-0", "redis", namespace)
+    listen = " ".join(f"--{line}" for line in server_tls(6379)) if tls else "--port 6379"
     return (
-        _ask(namespace)
+        _ask(namespace, tls)
         + f"""SELF="$POD_NAME.redis.{namespace}.svc"
 M="$(ask)"
 if [ -n "$M" ]; then
@@ -79,7 +102,7 @@ elif [ "$POD_NAME" != "redis-0" ]; then
   M="{first}"
 fi
 rm -f /data/dump.rdb
-set -- --save "" --appendonly no --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \\
+set -- {listen} --save "" --appendonly no --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \\
   --replica-announce-ip "$SELF" --repl-diskless-sync-delay 0 --repl-diskless-load swapdb
 [ -n "$M" ] && set -- "$@" --replicaof "$M" 6379
 exec redis-server "$@"
@@ -87,17 +110,18 @@ exec redis-server "$@"
     )
 
 
-def sentinel_script(namespace: str) -> str:
+def sentinel_script(namespace: str, tls: bool = False) -> str:
     first = dns("redis-0", "redis", namespace)
     name = MONITORED
+    listen = "\n".join(server_tls(26379)) if tls else "port 26379"
     return (
-        _ask(namespace)
+        _ask(namespace, tls)
         + f"""CONF=/data/sentinel.conf
 if [ ! -f "$CONF" ]; then
   M="$(ask)"
   [ -n "$M" ] || M="{first}"
   cat > "$CONF" <<EOF
-port 26379
+{listen}
 sentinel resolve-hostnames yes
 sentinel announce-hostnames yes
 sentinel announce-ip $POD_NAME.redis-sentinel.{namespace}.svc
@@ -115,8 +139,10 @@ exec redis-server "$CONF" --sentinel
     )
 
 
-def _container(name: str, port_name: str, script: str, number: int, resources: dict, secret: str) -> dict:
-    ping = f'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli -p {number} ping | grep -q PONG'
+def _container(
+    name: str, port_name: str, script: str, number: int, resources: dict, secret: str, tls: bool
+) -> dict:
+    ping = f'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli {cli_tls(tls)}-p {number} ping | grep -q PONG'
     return {
         "name": name,
         "image": REDIS_IMAGE,
@@ -131,21 +157,22 @@ def _container(name: str, port_name: str, script: str, number: int, resources: d
         "livenessProbe": {"tcpSocket": {"port": port_name}, "periodSeconds": 10, "failureThreshold": 3},
         "resources": resources,
         "securityContext": container_security(),
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}, *([tls_volume()[1]] if tls else [])],
     }
 
 
-def redis(namespace: str, storage: str, secret: str = SECRET) -> list[dict]:
+def redis(namespace: str, storage: str, secret: str = SECRET, tls: bool = False) -> list[dict]:
     """The Redis pods, the sentinels, their Services, disruption budgets and NetworkPolicies."""
     nodes, sentinels = labels("redis"), labels("redis-sentinel")
-    node = _container("redis", "redis", node_script(namespace), 6379, RESOURCES, secret)
+    node = _container("redis", "redis", node_script(namespace, tls), 6379, RESOURCES, secret, tls)
     watch = _container(
-        "redis-sentinel", "sentinel", sentinel_script(namespace), 26379, SENTINEL_RESOURCES, secret
+        "redis-sentinel", "sentinel", sentinel_script(namespace, tls), 26379, SENTINEL_RESOURCES, secret, tls
     )
-    scratch = [{"name": "data", "emptyDir": {}}]  # what a sentinel learned; re-asked on a new pod
+    tls_files = [tls_volume()[0]] if tls else []
+    scratch = [{"name": "data", "emptyDir": {}}, *tls_files]  # what a sentinel learned; re-asked on a new pod
     return [
         stateful_set("redis", namespace, "redis", DATA_NODES, node, storage, parallel=True,
-                     topologySpreadConstraints=[spread(nodes)]),
+                     topologySpreadConstraints=[spread(nodes)], **({"volumes": tls_files} if tls else {})),
         stateful_set("redis-sentinel", namespace, "redis-sentinel", SENTINELS, watch, None, parallel=True,
                      topologySpreadConstraints=[spread(sentinels)], volumes=scratch),
         service("redis", namespace, "redis", nodes, [port("redis", 6379)], headless=True),

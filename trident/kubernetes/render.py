@@ -17,19 +17,25 @@ and Redis (substrate.py), NetworkPolicies, a ServiceMonitor and the Grafana dash
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from common.certs import MEMBER_NAME, issue
 from common.planner.types import METHOD_KINDS
 from common.roles import InstanceKind, in_path_order
 from common.secrets import NAMES, new_secret
+from common.tls import FILES as TLS_FILES
 from trident.kubernetes.objects import (
     SECRET,
+    TLS_DIR,
+    TLS_SECRET,
     container_security,
     disruption_budget,
     env,
+    exec_probe,
     field_env,
     from_trident,
     http_probe,
@@ -41,6 +47,7 @@ from trident.kubernetes.objects import (
     service,
     spread,
     tcp,
+    tls_volume,
 )
 from trident.kubernetes.redis_ha import redis_url
 from trident.kubernetes.substrate import nats, redis
@@ -68,6 +75,9 @@ class Options:
     storage: str = "10Gi"
     ttft_slo: float = 2.0
     tbt_slo: float = 0.2
+    # Mutual TLS on every channel between Trident's pods (NATS, Redis, transfers, the workers' HTTP)
+    # from the Secret trident-tls; the gateway's API stays HTTP for an ingress to terminate.
+    tls: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_KINDS:
@@ -78,11 +88,11 @@ class Options:
 
 def render(o: Options) -> list[dict]:
     """Every object of a deployment, in the order `kubectl apply` should create them."""
-    objects = [namespace(o), *nats(o.namespace, o.storage), *redis(o.namespace, o.storage)]
+    objects = [namespace(o), *nats(o.namespace, o.storage, o.tls), *redis(o.namespace, o.storage, tls=o.tls)]
     objects += gateway(o) + planner(o)
     for kind in METHOD_KINDS[o.method]:
         objects += instance(o, InstanceKind(kind))
-    objects += [*policies(o), service_monitor(o), dashboard(o)]
+    objects += [*policies(o), *service_monitors(o), dashboard(o)]
     return objects
 
 
@@ -94,6 +104,29 @@ def secret(namespace: str) -> dict:
         "metadata": meta(SECRET, namespace, "secrets"),
         "type": "Opaque",
         "stringData": {name: new_secret() for name in NAMES},
+    }
+
+
+def cluster_names(namespace: str) -> list[str]:
+    """The names peers dial inside the cluster, for the certificate: NATS routes check the name they
+    dial (Trident's own processes check only the CA's signature)."""
+    return [
+        "nats", f"nats.{namespace}.svc", f"*.nats-cluster.{namespace}.svc", f"*.redis.{namespace}.svc",
+        f"*.redis-sentinel.{namespace}.svc",
+    ]  # fmt: skip
+
+
+def tls_secret(namespace: str) -> dict:
+    """A fresh CA and the certificate every pod shows (common/certs.py; the CA's key is not kept)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tls = issue(Path(folder), cluster_names(namespace))
+        files = {name: Path(getattr(tls, name.removesuffix(".pem"))).read_text() for name in TLS_FILES}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta(TLS_SECRET, namespace, "secrets"),
+        "type": "Opaque",
+        "stringData": files,
     }
 
 
@@ -116,6 +149,7 @@ def common_env(o: Options) -> list[dict]:
         TRIDENT_TTFT_SLO=o.ttft_slo,
         TRIDENT_TBT_SLO=o.tbt_slo,
         HOME="/tmp",
+        **({"TRIDENT_TLS_DIR": TLS_DIR} if o.tls else {}),
     )
     return [
         *values,
@@ -123,13 +157,17 @@ def common_env(o: Options) -> list[dict]:
     ]  # what peers dial: the pod's address
 
 
-def mounts(models_claim: str | None) -> tuple[list[dict], list[dict]]:
-    """The secrets (read-only, the run-as group may read them), a writable /tmp on a read-only root
-    filesystem and, for those that load the model, the models volume (`models_claim`)."""
+def mounts(models_claim: str | None, tls: bool) -> tuple[list[dict], list[dict]]:
+    """The secrets (read-only, the run-as group may read them), the TLS files, a writable /tmp on a
+    read-only root filesystem and, for those that load the model, the models volume (`models_claim`)."""
     volume_mounts = [{"name": "secrets", "mountPath": "/secrets", "readOnly": True},
                      {"name": "tmp", "mountPath": "/tmp"}]  # fmt: skip
     volumes = [{"name": "secrets", "secret": {"secretName": SECRET, "defaultMode": 0o440}},
                {"name": "tmp", "emptyDir": {}}]  # fmt: skip
+    if tls:
+        volume, mount = tls_volume()
+        volumes.append(volume)
+        volume_mounts.append(mount)
     if models_claim is not None:
         volume_mounts.append({"name": "models", "mountPath": "/models", "readOnly": True})
         volumes.append(
@@ -139,7 +177,7 @@ def mounts(models_claim: str | None) -> tuple[list[dict], list[dict]]:
 
 
 def pod(o: Options, select: dict, container: dict, grace: int, models: bool = True) -> dict:
-    volume_mounts, volumes = mounts(o.models_claim if models else None)
+    volume_mounts, volumes = mounts(o.models_claim if models else None, o.tls)
     container = {
         "imagePullPolicy": "Always",  # tags move: a restarted pod runs what the tag names now
         **container,
@@ -197,9 +235,7 @@ def instance(o: Options, kind: InstanceKind) -> list[dict]:
         "command": ["python", "-m", "services.worker"],
         "env": common_env(o) + worker_env,
         "ports": [{"name": "http", "containerPort": 9000}],
-        "readinessProbe": http_probe("/ready", "http", 5, 2),
-        "livenessProbe": http_probe("/health", "http", 10, 3),
-        "startupProbe": http_probe("/health", "http", 5, 120),  # loading and profiling: up to 10 min
+        **worker_probes(o.tls),
         # SIGTERM drains: stop pulling, finish what is held (up to the drain timeout), deregister.
         # The hook starts it and waits for the process to end, inside the grace period below.
         "lifecycle": {
@@ -241,10 +277,37 @@ def instance(o: Options, kind: InstanceKind) -> list[dict]:
     }  # fmt: skip
     return [
         deployment(o, name, "worker", select, 1, template),
-        service(name, o.namespace, "worker", select, [port("http", 9000)], headless=True, metrics=True),
+        service(
+            name,
+            o.namespace,
+            "worker",
+            select,
+            [port("http", 9000)],
+            headless=True,
+            metrics=True,
+            metrics_tls=o.tls,
+        ),
         disruption_budget(name, o.namespace, "worker", select, max_unavailable=1),
         scaler,
     ]
+
+
+def worker_probes(tls: bool) -> dict:
+    """Readiness, liveness and start-up (loading and profiling: up to 10 min). With TLS the worker's
+    HTTP answers only the deployment's certificate, which the kubelet's httpGet cannot show: the
+    probes are a command in the container that does (services/worker/probe.py)."""
+    if not tls:
+        return {
+            "readinessProbe": http_probe("/ready", "http", 5, 2),
+            "livenessProbe": http_probe("/health", "http", 10, 3),
+            "startupProbe": http_probe("/health", "http", 5, 120),
+        }
+    probe = ["python", "-m", "services.worker.probe"]
+    return {
+        "readinessProbe": exec_probe([*probe, "/ready"], 5, 2),
+        "livenessProbe": exec_probe([*probe, "/health"], 10, 3),
+        "startupProbe": exec_probe([*probe, "/health"], 5, 120),
+    }
 
 
 def gateway(o: Options) -> list[dict]:
@@ -348,17 +411,33 @@ def policies(o: Options) -> list[dict]:
     ]  # fmt: skip
 
 
-def service_monitor(o: Options) -> dict:
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
-        "metadata": meta("trident", o.namespace, "monitoring"),
-        "spec": {
-            "selector": {"matchLabels": {"trident.dev/metrics": "true"}},
-            "namespaceSelector": {"matchNames": [o.namespace]},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
-        },
-    }
+def service_monitors(o: Options) -> list[dict]:
+    """The gateway's and planner's metrics over HTTP; with TLS, the workers' over HTTPS by a
+    monitor that shows the deployment's certificate (and checks theirs by the CA and a fixed name)."""
+
+    def monitor(name: str, label: str, endpoint: dict) -> dict:
+        return {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "ServiceMonitor",
+            "metadata": meta(name, o.namespace, "monitoring"),
+            "spec": {
+                "selector": {"matchLabels": {"trident.dev/metrics": label}},
+                "namespaceSelector": {"matchNames": [o.namespace]},
+                "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s", **endpoint}],
+            },
+        }
+
+    monitors = [monitor("trident", "true", {})]
+    if o.tls:
+        key = {"name": TLS_SECRET}
+        tls_config = {
+            "ca": {"secret": {**key, "key": "ca.pem"}},
+            "cert": {"secret": {**key, "key": "cert.pem"}},
+            "keySecret": {**key, "key": "key.pem"},
+            "serverName": MEMBER_NAME,
+        }
+        monitors.append(monitor("trident-workers", "tls", {"scheme": "https", "tlsConfig": tls_config}))
+    return monitors
 
 
 def dashboard(o: Options) -> dict:

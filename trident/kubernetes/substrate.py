@@ -11,8 +11,13 @@ Redis runs as a primary, a replica and three sentinels (redis_ha.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from common.infra.nats_server import tls_block
+from common.tls import Tls
 from trident.kubernetes.objects import (
     SECRET,
+    TLS_DIR,
     allow,
     container_security,
     disruption_budget,
@@ -27,6 +32,7 @@ from trident.kubernetes.objects import (
     service,
     spread,
     stateful_set,
+    tls_volume,
 )
 from trident.kubernetes.redis_ha import redis
 
@@ -35,21 +41,25 @@ NATS_NODES = 3
 SERVER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
 
 
-def nats_config() -> str:
+def nats_config(tls: bool = False) -> str:
     """The config every node shares. Routes authenticate with the token too; since NATS expands
     no variable inside a URL, the node's start writes them (token and all) to routes.conf beside
-    a copy of this file (`nats_start`)."""
-    return """server_name: $POD_NAME
+    a copy of this file (`nats_start`). With `tls`, clients and routes alike show the deployment's
+    certificate (mounted at TLS_DIR), clients before NATS says a word."""
+    files = Tls(Path(TLS_DIR))
+    client_tls = f"{tls_block(files)}\n" if tls else ""
+    route_tls = f"  {tls_block(files, client=False)}\n" if tls else ""
+    return f"""server_name: $POD_NAME
 port: 4222
 http_port: 8222
-authorization { token: $NATS_TOKEN }
-jetstream { store_dir: /data }
-cluster {
+authorization {{ token: $NATS_TOKEN }}
+jetstream {{ store_dir: /data }}
+{client_tls}cluster {{
   name: trident
   port: 6222
-  authorization { user: route, password: $NATS_TOKEN }
-  include "routes.conf"
-}
+  authorization {{ user: route, password: $NATS_TOKEN }}
+{route_tls}  include "routes.conf"
+}}
 """
 
 
@@ -64,7 +74,7 @@ def nats_start(namespace: str) -> str:
     )
 
 
-def nats(namespace: str, storage: str) -> list[dict]:
+def nats(namespace: str, storage: str, tls: bool = False) -> list[dict]:
     select = labels("nats")
     container = {
         "name": "nats",
@@ -89,20 +99,24 @@ def nats(namespace: str, storage: str) -> list[dict]:
             {"name": "config", "mountPath": "/etc/nats", "readOnly": True},
             {"name": "data", "mountPath": "/data"},
             {"name": "tmp", "mountPath": "/tmp"},
+            *([tls_volume()[1]] if tls else []),
         ],
     }
     config = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": meta("nats-config", namespace, "nats"),
-        "data": {"nats.conf": nats_config() + "pid_file: /tmp/nats.pid\n"},
+        "data": {"nats.conf": nats_config(tls) + "pid_file: /tmp/nats.pid\n"},
     }
     statefulset = stateful_set(
         "nats", namespace, "nats-cluster", NATS_NODES, container, storage,
         parallel=True,  # the routes form the cluster whichever starts first
         terminationGracePeriodSeconds=60,
         topologySpreadConstraints=[spread(select)],
-        volumes=[{"name": "config", "configMap": {"name": "nats-config"}}, {"name": "tmp", "emptyDir": {}}],
+        volumes=[
+            {"name": "config", "configMap": {"name": "nats-config"}}, {"name": "tmp", "emptyDir": {}},
+            *([tls_volume()[0]] if tls else []),
+        ],
     )  # fmt: skip
     return [
         config,
