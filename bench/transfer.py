@@ -2,6 +2,7 @@
 
     python bench/transfer.py             # 64 KB, 3.7 MB (one LLaVA-1.5 image's features), 64 MB
     python bench/transfer.py --quick     # fewer repetitions
+    python bench/transfer.py --tls       # also TCP over mutual TLS (a deployment's TRIDENT_TLS_DIR)
 
 Every path is a pull between two processes, the way prefill gets features and decode gets KV:
 
@@ -11,6 +12,8 @@ Every path is a pull between two processes, the way prefill gets features and de
   redis-server). The owner's SET time is reported beside it.
 * nats: the owner answers a request with the bytes inline in the reply (through nats-server);
   64 MB exceeds the 8 MB max_payload and is not measured.
+* tcp-tls (with --tls): the tcp pull over mutual TLS, both ends showing a certificate of one
+  fresh deployment CA (common/certs.py), as every transfer runs with TRIDENT_TLS_DIR.
 * memcpy: single-threaded `numpy.copyto` of the same size in this process, at the start of the run.
 * ucx-netns, tcp-netns: the ucx and tcp pulls again between two network namespaces joined by veth
   links through a bridge (common/infra/netns.py), the owner in one and the puller in the other,
@@ -31,13 +34,16 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
 
+from common.certs import issue
 from common.infra import NatsServer, RedisServer, netns
+from common.tls import Tls
 from common.transfer import TransferConfig, create_backend, ucx_available
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
 
@@ -61,14 +67,16 @@ def _repeats(nbytes: int, scale: float) -> int:
 
 
 async def bench_pull(
-    backend: str, scale: float, owner_env: dict[str, str] | None = None
+    backend: str, scale: float, owner_env: dict[str, str] | None = None, tls: Tls | None = None
 ) -> dict[str, dict[str, float]]:
     specs = [_spec(n, i) for i, n in enumerate(SIZES.values())]
     results = {}
+    if tls is not None:
+        owner_env = {**(owner_env or {}), "TRIDENT_TLS_DIR": str(tls.folder)}
     owner = OwnerProcess(backend, specs, owner_env)
     await asyncio.to_thread(owner.start)
     try:
-        puller = create_backend(TransferConfig(backend=backend, timeout=30))  # type: ignore[arg-type]
+        puller = create_backend(TransferConfig(backend=backend, timeout=30, tls=tls))  # type: ignore[arg-type]
         await puller.start()
         for (name, nbytes), spec, handle in zip(SIZES.items(), specs, owner.handles, strict=True):
             out = torch.empty(spec.shape, dtype=torch.float32)
@@ -231,6 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a fifth of the repetitions")
     parser.add_argument("--no-netns", action="store_true", help="skip the pulls across namespaces")
+    parser.add_argument("--tls", action="store_true", help="also the TCP pull over mutual TLS")
     parser.add_argument("--netns-only", action="store_true", help=argparse.SUPPRESS)  # the child run
     args = parser.parse_args()
     scale = 0.2 if args.quick else 1.0
@@ -243,6 +252,9 @@ def main() -> None:
         if ucx_available():
             results["ucx"] = asyncio.run(bench_pull("ucx", scale))
         results["tcp"] = asyncio.run(bench_pull("tcp", scale))
+        if args.tls:
+            with tempfile.TemporaryDirectory() as folder:
+                results["tcp-tls"] = asyncio.run(bench_pull("tcp", scale, tls=issue(folder)))
         results["redis"] = bench_redis(redis_server.url, scale)
         results["nats-inline"] = asyncio.run(bench_nats(nats_server.url, scale))
     why_not = "--no-netns" if args.no_netns else netns.problem()
@@ -260,6 +272,11 @@ def main() -> None:
             figures[f"{path}_{size}_p50_ms"] = round(r["p50_ms"], 3)
             figures[f"{path}_{size}_p99_ms"] = round(r["p99_ms"], 3)
             figures[f"{path}_{size}_GBps"] = round(r["GBps"], 2)
+    if "tcp-tls" in results:  # what TLS costs a pull, as a ratio of this run's plain TCP
+        for size in SIZES:
+            figures[f"tcp_tls_over_tcp_{size}_p50"] = round(
+                results["tcp-tls"][size]["p50_ms"] / results["tcp"][size]["p50_ms"], 2
+            )
     if "ucx" in results:
         ucx = results["ucx"]
         figures["ucx_64MB_fraction_of_memcpy"] = round(ucx["64MB"]["GBps"] / memcpy_bw, 3)

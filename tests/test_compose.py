@@ -300,3 +300,42 @@ def test_ha_override(validator: jsonschema.Draft7Validator, ha: dict[str, Any]) 
         assert {*nodes, "redis", "redis-replica", *sentinels} <= set(services[name]["depends_on"])
     published = {name for name, s in services.items() if s.get("ports") and not s.get("profiles")}
     assert published == {"gateway"}
+
+
+@pytest.fixture(scope="module")
+def tls(compose: dict[str, Any]) -> dict[str, Any]:
+    return merge(compose, _load("compose.tls.yaml"))
+
+
+def test_tls_override(validator: jsonschema.Draft7Validator, tls: dict[str, Any]) -> None:
+    """compose.tls.yaml: secrets-init makes the deployment's CA once, NATS asks clients for its
+    certificate before a word, Redis listens on TLS only and asks the same, every Trident service
+    is told the folder, and a worker's health check shows the certificate (its HTTP asks for one).
+    Run under a real engine by hand (docs/running.md); CI checks the merged file here."""
+    assert _errors(validator, _load("compose.tls.yaml")) == []
+    assert _errors(validator, tls) == []
+    services = tls["services"]
+    init = services["secrets-init"]["command"][-1]
+    assert "issue(tls" in init and '(tls / "key.pem").exists() or' in init and "os.chown" in init
+    assert services["nats"]["configs"] == [{"source": "nats-tls-conf", "target": "/etc/nats/nats.conf"}]
+    conf = tls["configs"]["nats-tls-conf"]["content"]
+    assert (
+        "verify: true" in conf
+        and "handshake_first: true" in conf
+        and 'ca_file: "/secrets/tls/ca.pem"' in conf
+    )
+    redis = services["redis"]["command"][-1]
+    assert "--port 0 --tls-port 6379" in redis and "--tls-auth-clients yes" in redis
+    assert "--requirepass" in redis  # the password still asked, besides the certificate
+    assert "redis-cli --tls --cert /secrets/tls/cert.pem" in services["redis"]["healthcheck"]["test"][-1]
+    for name in (*APP, *PLANNER):
+        env = services[name]["environment"]
+        assert env["TRIDENT_TLS_DIR"] == "/secrets/tls"
+        assert env["TRIDENT_SECRETS_DIR"] == "/secrets"  # merged over compose.yaml's, not replacing it
+    for name in APP:
+        probe = services[name]["healthcheck"]["test"]
+        if name == "gateway":  # the gateway's API stays HTTP
+            assert "urlopen" in probe[-1]
+        else:
+            assert probe == ["CMD", "python", "-m", "services.worker.probe", "/health"]
+            assert services[name]["healthcheck"]["start_period"] == "120s"  # merged, not replaced

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from common.bus.connection import BusConfig, connect_nats
 from common.certs import issue
@@ -148,3 +149,33 @@ def test_a_folder_without_its_files_is_named(tmp_path: Path, tls: Tls) -> None:
     (tmp_path / "key.pem").write_text("not a key")
     with pytest.raises(ValueError, match="usable certificate"):
         Tls.at(tmp_path)
+
+
+@pytest.mark.parametrize("numel", [1, 1000, 70_000, 3_000_000])
+def test_tls_pulls_bring_every_byte(tls: Tls, numel: int) -> None:
+    """Regression: decrypted bytes that came while no read waited were written into a copy of the
+    spill buffer (asyncio fills a buffer through slices, and a slice of a bytearray is a copy), so
+    tensors arrived with runs of zeros. Every pull on one connection, into `out` and into the pool,
+    carries each value where it belongs."""
+
+    async def pulls() -> None:
+        owner = create_backend(TransferConfig(backend="tcp", tls=tls, inline_max_bytes=0))
+        puller = create_backend(TransferConfig(backend="tcp", tls=tls, timeout=30))
+        await owner.start()
+        await puller.start()
+        try:
+            want = torch.arange(numel, dtype=torch.float32)
+            other = torch.arange(numel, 0, -1, dtype=torch.float32)
+            handles = [owner.publish(want, ttl=60), owner.publish(other, ttl=60)]
+            for _ in range(3):  # back to back on the one connection the puller keeps
+                for handle, tensor in zip(handles, (want, other), strict=True):
+                    out = torch.full_like(tensor, -1.0)
+                    await puller.pull(owner.address, handle, out=out)
+                    assert torch.equal(out, tensor)
+                    with await puller.pull(owner.address, handle) as got:
+                        assert torch.equal(got, tensor)
+        finally:
+            await puller.close()
+            await owner.close()
+
+    run(pulls())
