@@ -1,0 +1,152 @@
+"""What decoding and sampling a video costs, beside encoding the frames it yields (issue 29's goal:
+decode + sample of a 30-second 720p clip at 2 fps costs less than encoding its frames).
+
+    python bench/video_decode.py                   # 30 s of 1280x720 at 30 fps, sampled at 2 fps
+    python bench/video_decode.py --seconds 10      # shorter
+
+* decode: `common.video.decode_video` on the clip's bytes (H.264, written here by FFmpeg through
+  PyAV: a moving texture, so the encoder has motion and detail to code), at `--fps`: the header,
+  every packet counted without decoding, then the frames up to the last one sampled.
+* encode: the vision tower of `--preset` (a random-weight checkpoint written once under
+  .trident/models) on the sampled frames, as the encode stage runs them: each pair of frames is one
+  temporal patch, which costs the tower what one image of the frame's size costs, so the frames
+  go through as images of the size the Qwen-VL video processor resizes them to (at most
+  768·28·28 pixels a frame). A small preset's tower is far cheaper than a 7B model's (675 M
+  parameters), so the ratio here is the least favourable to decoding.
+
+Each is the median of `--repeats` runs, with the spread; the single-thread matmul rate is printed
+beside them. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.engine.loader import load_model  # noqa: E402
+from common.engine.processor import RequestProcessor  # noqa: E402
+from common.models import resolve_model  # noqa: E402
+from common.video import VideoLimits, decode_video  # noqa: E402
+from trident.bench.machine import single_thread_gflops  # noqa: E402
+
+VIDEO_MAX_PIXELS = 768 * 28 * 28  # the Qwen-VL video processors' per-frame bound
+FACTOR = 28  # patch 14 × merge 2
+
+
+def make_clip(seconds: float, fps: int, width: int, height: int) -> bytes:
+    """A moving texture with fine detail: frames that cost a decoder what camera footage does."""
+    rng = np.random.default_rng(0)
+    # Detail at 1/8 of the frame's resolution, upscaled: about the bitrate of camera footage.
+    texture = rng.integers(0, 256, (height // 4, width // 4, 3), dtype=np.uint8)
+    texture = np.asarray(Image.fromarray(texture).resize((width * 2, height * 2), Image.BICUBIC))
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"preset": "veryfast", "crf": "23"}
+        for i in range(int(seconds * fps)):
+            y, x = (3 * i) % height, (5 * i) % width
+            frame = av.VideoFrame.from_ndarray(texture[y : y + height, x : x + width], format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def video_size(height: int, width: int) -> tuple[int, int]:
+    """The Qwen-VL video processors' resize: multiples of 28, at most VIDEO_MAX_PIXELS."""
+    scale = min(1.0, (VIDEO_MAX_PIXELS / (height * width)) ** 0.5)
+    return max(FACTOR, int(height * scale) // FACTOR * FACTOR), max(
+        FACTOR, int(width * scale) // FACTOR * FACTOR
+    )
+
+
+def timed(fn, repeats: int) -> tuple[float, float, float, object]:
+    samples, result = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples), min(samples), max(samples), result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--source-fps", type=int, default=30)
+    parser.add_argument("--size", default="1280x720")
+    parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video")
+    parser.add_argument("--preset", default="small-qwen2-vl")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    width, height = map(int, args.size.split("x"))
+    rate_before = single_thread_gflops()
+
+    t0 = time.perf_counter()
+    data = make_clip(args.seconds, args.source_fps, width, height)
+    print(f"clip: {len(data) / 1e6:.1f} MB, {args.seconds:g} s of {args.size} at {args.source_fps} fps "
+          f"(written in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)  # fmt: skip
+    wanted = int(args.seconds * args.fps)
+    limits = VideoLimits(max_frames=max(wanted, 2))
+    dec, dec_lo, dec_hi, clip = timed(
+        lambda: decode_video(data, limits, args.fps, max(wanted, 2)), args.repeats
+    )
+    frames = clip.frames  # type: ignore[attr-defined]
+
+    model_dir = resolve_model(args.preset, REPO / ".trident" / "models")
+    processor = RequestProcessor(model_dir)
+    model = load_model(model_dir, with_language=False)
+    h, w = video_size(height, width)
+    # The frames at the video processor's size: the preset's image bound (for its small tower's
+    # pictures) would shrink them further.
+    processor.images.size = {"shortest_edge": FACTOR * FACTOR, "longest_edge": VIDEO_MAX_PIXELS}
+    pictures = [
+        Image.fromarray(f).resize((w, h), Image.BICUBIC) for f in frames[::2]
+    ]  # one per temporal patch
+    images = processor.process(processor.image_token * len(pictures), pictures).images
+    tokens = sum(img.num_tokens for img in images)
+    _, grid_h, grid_w = images[0].grid_thw
+    h, w = grid_h * 14, grid_w * 14  # what the tower ran on
+
+    def encode() -> None:
+        with torch.inference_mode():
+            model.encode(images, torch.device("cpu"), torch.float32)
+
+    encode()  # warm
+    enc, enc_lo, enc_hi, _ = timed(encode, args.repeats)
+    rate_after = single_thread_gflops()
+    decoded = f"decode + sample {len(frames)} frames of {clip.source_frames}"  # type: ignore[attr-defined]
+    encoded = f"encode {len(images)} temporal patches of {w}x{h} ({tokens} tokens), {args.preset}"
+    lines = ["| step | median s | min–max s |", "| --- | ---: | ---: |"]
+    for step, (median, low, high) in ((decoded, (dec, dec_lo, dec_hi)), (encoded, (enc, enc_lo, enc_hi))):
+        lines.append(f"| {step} | {median:.3f} | {low:.3f}–{high:.3f} |")
+    print("\n".join(lines))
+    print(json.dumps({
+        "clip_bytes": len(data), "seconds": args.seconds, "size": args.size, "source_fps": args.source_fps,
+        "sampled_frames": len(frames), "decode_s": round(dec, 4), "decode_min_s": round(dec_lo, 4),
+        "decode_max_s": round(dec_hi, 4), "preset": args.preset, "temporal_patches": len(images),
+        "tokens": tokens, "encode_s": round(enc, 4), "encode_min_s": round(enc_lo, 4),
+        "encode_max_s": round(enc_hi, 4), "decode_over_encode": round(dec / enc, 3),
+        "goal_decode_below_encode": dec < enc, "threads": args.threads,
+        "matmul_gflops": [round(rate_before, 1), round(rate_after, 1)],
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

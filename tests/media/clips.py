@@ -1,0 +1,58 @@
+"""Real video files for the tests, written with PyAV (FFmpeg): each frame a solid colour that
+encodes its index, so a test can tell which frames were sampled."""
+
+from __future__ import annotations
+
+import io
+
+import av
+import numpy as np
+
+
+def frame_colour(index: int) -> tuple[int, int, int]:
+    return (index * 37) % 256, (index * 91) % 256, (index * 53) % 256
+
+
+def make_clip(
+    frames: int, fps: int = 10, size: tuple[int, int] = (64, 48), codec: str = "libx264", fmt: str = "mp4"
+) -> bytes:
+    """`frames` frames of `size` (width, height) at `fps`, in `fmt` (mp4, mpegts, matroska)."""
+    out = io.BytesIO()
+    with av.open(out, mode="w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        if codec == "libx264":
+            stream.options = {"preset": "ultrafast", "crf": "10"}
+        for i in range(frames):
+            pixels = np.empty((size[1], size[0], 3), dtype=np.uint8)
+            pixels[:] = frame_colour(i)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def empty_clip() -> bytes:
+    """A container with a video stream and not one frame in it."""
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width, stream.height = 64, 48
+        stream.pix_fmt = "yuv420p"
+    return out.getvalue()
+
+
+def declare_duration(mp4: bytes, seconds_in_timescale: int = 1) -> bytes:
+    """The same mp4 with its movie and track headers (mvhd, tkhd, mdhd) declaring a near-zero
+    duration: a container that lies about its length (its sample tables still hold the truth)."""
+    data = bytearray(mp4)
+    for box, offset in ((b"mvhd", 16), (b"mdhd", 16), (b"tkhd", 20)):
+        at = data.find(box)
+        while at != -1:
+            version = data[at + 4]
+            assert version == 0, "version-1 headers are not written by this helper's muxer"
+            data[at + 4 + offset : at + 8 + offset] = seconds_in_timescale.to_bytes(4, "big")
+            at = data.find(box, at + 4)
+    return bytes(data)
