@@ -11,9 +11,9 @@ one (`demux`), which counts what the clip really holds whatever its header says.
 frames decoded, the sampled ones kept, under a deadline checked at every packet. Every refusal is
 a `VideoError` (an InputError: a 4xx), `VideoTooLarge` (413) where a bound was passed.
 
-Sampling follows the Qwen-VL processors: `fps` frames per second of video, at least MIN_FRAMES
-and at most `max_frames`, an even count, spread evenly from the first frame to the last
-(`numpy.linspace`, rounded), each the decoded frame at that index.
+Sampling follows transformers' Qwen-VL video processors: `fps` frames per second of video, at
+least MIN_FRAMES and at most `max_frames`, an even count, at the indices
+`arange(0, total, total / count)` truncated (`frame_indices`), each the decoded frame there.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import av
 import av.error
 import numpy as np
+import torch
 
 from common.engine.processor import InputError
 
@@ -57,7 +58,7 @@ class VideoLimits:
 class Clip:
     frames: np.ndarray  # [n, H, W, 3] uint8
     timestamps: list[float]  # seconds from the clip's first frame
-    sample_fps: float  # sampled frames per second of video
+    sample_fps: float  # sampled frames per second of video (transformers' `sampled_fps`)
     duration_s: float
     source_frames: int
     codec: str
@@ -99,8 +100,9 @@ def decode_video(
             _check_header(stream, container, limits)
             codec = stream.codec_context.name
             times = _demux(container, stream, limits, deadline, clock)
-        count = sample_count(len(times), _rate(times), fps, max_frames)
-        picks = np.linspace(0, len(times) - 1, count).round().astype(int).tolist()
+        rate = _rate(times)
+        count = sample_count(len(times), rate, fps, max_frames)
+        picks = frame_indices(len(times), count)
         # Read again from the start for the frames (a seek may land anywhere near it).
         with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
             frames = _decode(container, _video_stream(container), set(picks), limits, deadline, clock)
@@ -118,7 +120,7 @@ def decode_video(
     shapes = {frames[i].shape for i in picks}
     if len(shapes) > 1:
         raise VideoError(f"the video's frame size changes mid-clip ({', '.join(map(str, sorted(shapes)))})")
-    duration = times[-1] - times[0]
+    duration = len(times) / rate if rate > 0 else 0.0  # as the container counts it: frames / rate
     return Clip(
         frames=np.stack([frames[i] for i in picks]),
         timestamps=[round(times[i] - times[0], 6) for i in picks],
@@ -127,6 +129,12 @@ def decode_video(
         source_frames=len(times),
         codec=codec,
     )
+
+
+def frame_indices(total: int, count: int) -> list[int]:
+    """transformers' rule (`Qwen2VLVideoProcessor.sample_frames`): `count` evenly spaced indices
+    from 0, each truncated, computed in float32 as torch computes them."""
+    return torch.arange(0, total, total / count).int().tolist()[:count]
 
 
 def _rate(times: list[float]) -> float:

@@ -8,8 +8,11 @@ import hashlib
 import io
 import json
 import logging
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -20,6 +23,7 @@ from transformers.models.llava_next.modeling_llava_next import image_size_to_num
 from common.engine.loader import CheckpointError, load_config
 from common.engine.models.qwen_vl import VARIANTS as QWEN_VL
 from common.engine.request import ImageInput
+from common.engine.video_input import VideoPatching
 
 
 class InputError(ValueError):
@@ -28,6 +32,16 @@ class InputError(ValueError):
 
 class ImageTooLarge(InputError):
     """An image whose header declares more pixels than allowed: refused before it is decoded."""
+
+
+class Frames(Protocol):
+    """A clip's sampled frames (common/video.py's Clip)."""
+
+    frames: np.ndarray  # [n, H, W, 3] uint8
+    sample_fps: float
+
+    @property
+    def content_hash(self) -> str: ...
 
 
 @dataclass
@@ -85,14 +99,21 @@ class RequestProcessor:
                 self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
                 self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
                 self.image_token = "<|image_pad|>"
+                self.video_token: str | None = "<|video_pad|>"
+                self.videos: VideoPatching | None = VideoPatching.of(model_dir, self.images)
                 self.template = _chat_template(model_dir) or self.tokenizer.chat_template
             else:
                 self.hf = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
                 self.tokenizer = self.hf.tokenizer
                 self.image_token = self.hf.image_token
+                self.video_token = None
+                self.videos = None
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{model_dir}: cannot load the tokenizer/processor files: {exc}") from exc
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = (
+            self.tokenizer.convert_tokens_to_ids(self.video_token) if self.video_token else None
+        )
 
     def chat_prompt(self, messages: list[dict]) -> str:
         """Apply the checkpoint's chat template; image parts become the model's image token."""
@@ -102,13 +123,21 @@ class RequestProcessor:
             )
         return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def process(self, prompt: str, images: list[Image.Image]) -> ProcessedPrompt:
-        """Tokenise `prompt` (which holds one image token per image) and preprocess the images."""
+    def process(
+        self, prompt: str, images: list[Image.Image], videos: Sequence[Frames] = ()
+    ) -> ProcessedPrompt:
+        """Tokenise `prompt` (which holds one image token per image, and one video token per clip)
+        and preprocess the images and clips."""
         marks = prompt.count(self.image_token)
         if marks != len(images):
             raise InputError(f"prompt has {marks} image placeholders but {len(images)} images were given")
+        if videos and self.videos is None:
+            raise InputError(f"{self.family} models take no video; send images")
+        if self.video_token is not None and prompt.count(self.video_token) != len(videos):
+            found = prompt.count(self.video_token)
+            raise InputError(f"prompt has {found} video placeholders but {len(videos)} videos were given")
         if self.family in QWEN_VL:
-            return self._process_grids(prompt, images)
+            return self._process_grids(prompt, images, videos)
         if images:
             enc = self.hf(text=prompt, images=images, return_tensors="pt")
             pixels = enc["pixel_values"]
@@ -133,8 +162,31 @@ class RequestProcessor:
         images = self.hf.image_processor
         return image_size_to_num_patches(image_size, images.image_grid_pinpoints, images.crop_size["height"])
 
-    def _process_grids(self, prompt: str, images: list[Image.Image]) -> ProcessedPrompt:
-        """Each image becomes its own number of pad tokens, and its patches with their grid."""
+    def _process_grids(
+        self, prompt: str, images: list[Image.Image], videos: Sequence[Frames]
+    ) -> ProcessedPrompt:
+        """Each image (and clip) becomes its own number of pad tokens, and its patches with their
+        grid; the inputs in the order the prompt places them."""
+        pictures = self._picture_inputs(images)
+        clips = [self.videos(v.frames, v.content_hash, v.sample_fps) for v in videos] if videos else []
+        marks = [self.image_token] + ([self.video_token] if self.video_token else [])
+        pieces = re.split(f"({'|'.join(map(re.escape, marks))})", prompt)
+        inputs: list[ImageInput] = []
+        text = pieces[0]
+        for mark, piece in zip(pieces[1::2], pieces[2::2], strict=True):
+            item = pictures.pop(0) if mark == self.image_token else clips.pop(0)
+            inputs.append(item)
+            text += mark * item.num_tokens + piece
+        ids = torch.as_tensor(self.tokenizer(text)["input_ids"])
+        placeholder = ids == self.image_token_id
+        if self.video_token_id is not None:
+            placeholder |= ids == self.video_token_id
+        positions = placeholder.nonzero().squeeze(1)
+        if len(positions) != sum(item.num_tokens for item in inputs):
+            raise InputError("the prompt's text holds image or video pad tokens of its own")
+        return ProcessedPrompt(ids.tolist(), inputs, positions)
+
+    def _picture_inputs(self, images: list[Image.Image]) -> list[ImageInput]:
         inputs: list[ImageInput] = []
         if images:
             enc = self.images(images=images, return_tensors="pt")
@@ -152,15 +204,7 @@ class RequestProcessor:
                         grid_thw=tuple(grid),
                     )
                 )
-        pieces = prompt.split(self.image_token)
-        text = pieces[0] + "".join(
-            self.image_token * img.num_tokens + piece for img, piece in zip(inputs, pieces[1:], strict=True)
-        )
-        ids = torch.as_tensor(self.tokenizer(text)["input_ids"])
-        positions = (ids == self.image_token_id).nonzero().squeeze(1)
-        if len(positions) != sum(img.num_tokens for img in inputs):
-            raise InputError("the prompt's text holds image pad tokens of its own")
-        return ProcessedPrompt(ids.tolist(), inputs, positions)
+        return inputs
 
 
 def _tokens_per_image(positions: torch.Tensor, num_images: int) -> list[int]:

@@ -42,6 +42,11 @@ class ImageInput:
     grid_thw: tuple[int, int, int] | None = None
     # LLaVA-NeXT: the picture's (height, width) before tiling, which its tiles are stitched back to.
     image_size: tuple[int, int] | None = None
+    # Qwen-VL video: the clip's sampled frames, two to a temporal patch (grid_thw's t counts them);
+    # its placeholders are the video pad token, and seconds of video each temporal patch spans
+    # place its tokens in time (Qwen2.5-VL's M-RoPE).
+    video: bool = False
+    seconds_per_patch: float | None = None
 
 
 @dataclass

@@ -14,9 +14,19 @@ def frame_colour(index: int) -> tuple[int, int, int]:
 
 
 def make_clip(
-    frames: int, fps: int = 10, size: tuple[int, int] = (64, 48), codec: str = "libx264", fmt: str = "mp4"
+    frames: int,
+    fps: int = 10,
+    size: tuple[int, int] = (64, 48),
+    codec: str = "libx264",
+    fmt: str = "mp4",
+    seed: int | None = None,
 ) -> bytes:
-    """`frames` frames of `size` (width, height) at `fps`, in `fmt` (mp4, mpegts, matroska)."""
+    """`frames` frames of `size` (width, height) at `fps`, in `fmt` (mp4, mpegts, matroska): solid
+    colours, or with `seed` a random texture that moves (detail for a vision tower to see)."""
+    texture = None
+    if seed is not None:
+        rng = np.random.default_rng(seed)
+        texture = rng.integers(0, 256, (size[1] * 2, size[0] * 2, 3), dtype=np.uint8)
     out = io.BytesIO()
     with av.open(out, mode="w", format=fmt) as container:
         stream = container.add_stream(codec, rate=fps)
@@ -25,8 +35,12 @@ def make_clip(
         if codec == "libx264":
             stream.options = {"preset": "ultrafast", "crf": "10"}
         for i in range(frames):
-            pixels = np.empty((size[1], size[0], 3), dtype=np.uint8)
-            pixels[:] = frame_colour(i)
+            if texture is None:
+                pixels = np.empty((size[1], size[0], 3), dtype=np.uint8)
+                pixels[:] = frame_colour(i)
+            else:
+                y, x = (3 * i) % size[1], (5 * i) % size[0]
+                pixels = np.ascontiguousarray(texture[y : y + size[1], x : x + size[0]])
             for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():

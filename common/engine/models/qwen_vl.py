@@ -21,6 +21,7 @@ the LLM is ours (`models/llama.py`, over the paged KV cache), with each variant'
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -54,28 +55,36 @@ def image_token_count(grid_thw: tuple[int, int, int], merge: int) -> int:
 
 
 def mrope_positions(
-    token_ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]], merge: int
+    token_ids: list[int],
+    placeholder_ids: int | Collection[int],
+    grids: list[tuple[int, int, int]],
+    merge: int,
+    intervals: list[float] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """The [3, len(token_ids)] M-RoPE positions of a prompt, and its rope delta: the position of
     token i ≥ len(token_ids) is i + delta in all three streams.
 
-    Each run of image tokens belongs to the next image in `grids`, in prompt order; the run must
-    be exactly that image's token count."""
-    ids = torch.as_tensor(token_ids)
-    is_image = (ids == image_token_id).tolist()
+    Each run of one placeholder token (an image's or a video's) belongs to the next entry of
+    `grids`, in prompt order; the run must be exactly its token count. A video's temporal patches
+    sit `intervals[k]` apart in the temporal stream (1 for images and Qwen2-VL videos), truncated,
+    as transformers places them; the text after a picture or clip resumes one past its rows and
+    columns (not its time), as transformers does."""
+    marks = {placeholder_ids} if isinstance(placeholder_ids, int) else set(placeholder_ids)
+    kind = [t if t in marks else None for t in token_ids]
+    intervals = intervals or [1.0] * len(grids)
     pieces: list[torch.Tensor] = []
-    grids_left = iter(grids)
+    grids_left = iter(zip(grids, intervals, strict=True))
     next_pos, i, n = 0, 0, len(token_ids)
     while i < n:
         j = i
-        while j < n and is_image[j] == is_image[i]:
+        while j < n and kind[j] == kind[i]:
             j += 1
-        if not is_image[i]:
+        if kind[i] is None:
             pieces.append(torch.arange(next_pos, next_pos + j - i).expand(3, -1))
             next_pos += j - i
         else:
             try:
-                t, h, w = next(grids_left)
+                (t, h, w), interval = next(grids_left)
             except StopIteration:
                 raise ValueError("the prompt has more image placeholder runs than images") from None
             gh, gw = h // merge, w // merge
@@ -83,11 +92,12 @@ def mrope_positions(
                 raise ValueError(
                     f"an image of grid {(t, h, w)} needs {t * gh * gw} placeholders, the prompt has {j - i}"
                 )
-            tt = torch.arange(t).view(-1, 1, 1).expand(t, gh, gw).flatten()
+            steps = (torch.arange(t) * interval).long()
+            tt = steps.view(-1, 1, 1).expand(t, gh, gw).flatten()
             hh = torch.arange(gh).view(1, -1, 1).expand(t, gh, gw).flatten()
             ww = torch.arange(gw).view(1, 1, -1).expand(t, gh, gw).flatten()
             pieces.append(torch.stack([tt, hh, ww]) + next_pos)
-            next_pos += max(gh, gw)  # an image has t = 1: the next text starts past its grid
+            next_pos += max(gh, gw)  # past its rows and columns, whatever its length in time
         i = j
     if next(grids_left, None) is not None:
         raise ValueError("more images than image placeholder runs in the prompt")
@@ -134,7 +144,13 @@ class QwenVLModel(nn.Module):
         variant = VARIANTS[config.model_type]
         self.config = config
         self.image_token_id = config.image_token_id
+        self.video_token_id = getattr(config, "video_token_id", None)
         self.merge = config.vision_config.spatial_merge_size
+        # Qwen2.5-VL: a video's temporal patches sit tokens_per_second × their seconds apart in
+        # M-RoPE's temporal stream; Qwen2-VL: one apart.
+        self.tokens_per_second = (
+            config.vision_config.tokens_per_second if config.model_type == "qwen2_5_vl" else None
+        )
         text = config.text_config
         rope = text.rope_parameters or {}
         arch = TextArch(
@@ -155,4 +171,11 @@ class QwenVLModel(nn.Module):
         return self.vision(images, device, dtype)
 
     def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[torch.Tensor, int]:
-        return mrope_positions(token_ids, self.image_token_id, [img.grid_thw for img in images], self.merge)
+        marks = [self.image_token_id] + ([self.video_token_id] if self.video_token_id is not None else [])
+        grids = [img.grid_thw for img in images]
+        return mrope_positions(token_ids, marks, grids, self.merge, [self._interval(img) for img in images])
+
+    def _interval(self, img: ImageInput) -> float:
+        if img.video and self.tokens_per_second is not None and img.seconds_per_patch is not None:
+            return self.tokens_per_second * img.seconds_per_patch
+        return 1.0

@@ -1,0 +1,155 @@
+"""Video through the engine for Qwen2-VL and Qwen2.5-VL: greedy output token-identical to HF's
+own `generate` for one clip, two clips, and a clip beside an image, and through the E→P→D
+hand-off.
+
+HF's reference inputs are built the way transformers' `Qwen2VLVideoProcessor` builds them
+(common/engine/video_input.py: that processor needs torchvision, which this CPU build of torch
+lacks): `pixel_values_videos` and `video_grid_thw` from the clip's frames as decoded and sampled
+by common/video.py from a real H.264 file, `mm_token_type_ids` 2 on the video's pad tokens (1 on
+an image's), and for Qwen2.5-VL `second_per_grid_ts` = temporal patch / sampled fps, as its
+processor sets it. The same inputs reach both models; what is compared is everything after them:
+placeholders, the tower on temporal patches, M-RoPE's time positions, splicing and decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.checkpoints import write_checkpoint
+from common.engine.sampling import SamplingParams
+from common.roles import Role
+from common.video import VideoLimits, decode_video
+from tests.engine.conftest import engines, make_image
+from tests.media.clips import make_clip
+
+PRESETS = ["tiny-qwen2-vl", pytest.param("tiny-qwen2.5-vl", marks=pytest.mark.slow)]
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def model_dir(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("video") / request.param, request.param, seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def clips():
+    """Two clips of different lengths, sizes and rates, decoded and sampled at 2 fps."""
+    return [
+        decode_video(make_clip(30, fps=10, size=(112, 84), seed=1), VideoLimits(), fps=2.0, max_frames=8),
+        decode_video(make_clip(24, fps=6, size=(96, 96), seed=2), VideoLimits(), fps=2.0, max_frames=8),
+    ]
+
+
+@pytest.fixture
+def make_engine(model_dir):
+    with engines(model_dir) as build:
+        yield build
+
+
+def prompt(body: str) -> str:
+    return f"<|im_start|>user\n{body}Describe what happens.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def hf_greedy(hf_model, processed, processor, max_tokens: int) -> list[int]:
+    ids = torch.as_tensor([processed.token_ids])
+    kinds = torch.zeros_like(ids, dtype=torch.int)
+    kinds[ids == processor.image_token_id] = 1
+    kinds[ids == processor.video_token_id] = 2
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": kinds}
+    pictures = [i for i in processed.images if not i.video]
+    videos = [i for i in processed.images if i.video]
+    if pictures:
+        inputs["pixel_values"] = torch.cat([i.pixel_values for i in pictures])
+        inputs["image_grid_thw"] = torch.as_tensor([i.grid_thw for i in pictures])
+    if videos:
+        inputs["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
+        inputs["video_grid_thw"] = torch.as_tensor([v.grid_thw for v in videos])
+        if hf_model.config.model_type == "qwen2_5_vl":
+            inputs["second_per_grid_ts"] = torch.as_tensor([v.seconds_per_patch for v in videos])
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    new = out[0, ids.shape[1] :].tolist()
+    eos = hf_model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    return new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+
+
+CASES = {
+    "one clip": (VIDEO, [], [0]),
+    "two clips": (VIDEO + "then " + VIDEO, [], [0, 1]),
+    "clip and image": (IMAGE + "and " + VIDEO, [0], [1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_video_answers_as_hf(make_engine, hf_model, clips, case):
+    body, image_ids, clip_ids = CASES[case]
+    engine = make_engine()
+    processed = engine.processor.process(
+        prompt(body), [make_image(i, (80, 64)) for i in image_ids], [clips[i] for i in clip_ids]
+    )
+    videos = [i for i in processed.images if i.video]
+    assert len(videos) == len(clip_ids) and all(v.grid_thw[0] >= 2 for v in videos)  # several patches in time
+    want = hf_greedy(hf_model, processed, engine.processor, 16)
+    req = engine.add_request(processed, params=SamplingParams(max_tokens=16))
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_token_ids == want
+
+
+def test_video_positions_step_in_time(make_engine, clips):
+    """A clip's temporal patches take successive temporal positions (Qwen2.5-VL: tokens_per_second
+    × the seconds each spans apart) while its rows and columns repeat; the text after it resumes
+    past its rows and columns."""
+    engine = make_engine()
+    processed = engine.processor.process(prompt(VIDEO), [], [clips[0]])
+    (video,) = processed.images
+    t, h, w = video.grid_thw
+    per_patch = h * w // 4
+    positions, _ = engine.model.positions(processed.token_ids, processed.images)
+    start = int(processed.image_positions[0])
+    times = positions[0, start : start + t * per_patch : per_patch] - positions[0, start]
+    step = engine.model._interval(video)
+    assert times.tolist() == [int(k * step) for k in range(t)]
+    assert step == (1.0 if engine.model.tokens_per_second is None else 2 * 2 / clips[0].sample_fps)
+    assert (
+        positions[1:, start : start + per_patch] == positions[1:, start + per_patch : start + 2 * per_patch]
+    ).all()
+
+
+def test_a_video_crosses_the_hand_off(make_engine, hf_model, clips):
+    """E, P and D as three engines, as the services run them: the clip's features, the KV and the
+    rope delta (a clip's time positions make it differ from an image's) move between them."""
+    enc, pre, dec = (make_engine(roles=frozenset({r})) for r in (Role.ENCODE, Role.PREFILL, Role.DECODE))
+    text = prompt(IMAGE + "and " + VIDEO)
+    picture = [make_image(3, (80, 64))]
+    processed = enc.processor.process(text, picture, [clips[1]])
+    want = hf_greedy(hf_model, processed, enc.processor, 12)
+    req = enc.add_request(processed, params=SamplingParams(max_tokens=12), request_id="v1")
+    outs = []
+    while enc.has_unfinished():
+        outs += enc.step()
+    assert [o.next_stage for o in outs] == [Role.PREFILL]
+    again = pre.processor.process(text, picture, [clips[1]])
+    for item, done in zip(again.images, req.images, strict=True):
+        assert item.content_hash == done.content_hash and done.features is not None
+        item.features, item.pixel_values = done.features, None
+    preq = pre.add_request(again, params=SamplingParams(max_tokens=12), request_id="v1")
+    while pre.has_unfinished():
+        pre.step()
+    kv = pre.export_kv("v1", group_size=2)
+    dreq = dec.add_prefilled(
+        "v1", preq.prompt_token_ids, preq.output_token_ids, preq.params, kv, rope_delta=preq.rope_delta
+    )
+    pre.abort("v1")
+    while dec.has_unfinished():
+        dec.step()
+    assert dreq.output_token_ids == want
