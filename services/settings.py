@@ -238,6 +238,26 @@ class GatewaySettings(ServiceSettings):
         5.0, gt=0, description="Seconds an idle keep-alive connection stays open between requests"
     )
     image_fetch_timeout: float = Field(10.0, description="Seconds for one image URL's whole fetch")
+    max_videos: int = Field(2, ge=0, description="Video clips one request may carry (Qwen2-VL, Qwen2.5-VL)")
+    max_video_bytes: int = Field(
+        64 << 20, gt=0, description="Largest video file, fetched or inline; beyond it, 413"
+    )
+    video_fps: float = Field(
+        2.0, gt=0, description="Frames sampled per second of video, unless a request asks"
+    )
+    video_max_fps: float = Field(8.0, gt=0, description="The most frames per second a request may ask for")
+    video_frames: int = Field(
+        32, ge=2, description="The most frames sampled from a clip, unless a request asks"
+    )
+    video_max_frames: int = Field(
+        128, ge=2, description="The most frames a request may ask for from one clip"
+    )
+    video_max_seconds: float = Field(
+        600.0, gt=0, description="The longest clip, by its frames' times; beyond it, 413"
+    )
+    video_decode_timeout: float = Field(
+        30.0, gt=0, description="Seconds a clip's reading and decoding may take; beyond it, 413"
+    )
     allow_private_image_urls: bool = False
     default_max_tokens: int = 256
     request_timeout: float = Field(

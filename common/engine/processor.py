@@ -25,6 +25,8 @@ from common.engine.models.qwen_vl import VARIANTS as QWEN_VL
 from common.engine.request import ImageInput
 from common.engine.video_input import VideoPatching
 
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
 
 class InputError(ValueError):
     """Bad user input (an undecodable image, a prompt the model cannot take); maps to a 4xx."""
@@ -100,7 +102,10 @@ class RequestProcessor:
                 self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
                 self.image_token = "<|image_pad|>"
                 self.video_token: str | None = "<|video_pad|>"
-                self.videos: VideoPatching | None = VideoPatching.of(model_dir, self.images)
+                # Qwen2-VL and Qwen2.5-VL clips; Qwen3-VL's (its timestamps, 16-px patches) not yet.
+                self.videos: VideoPatching | None = (
+                    VideoPatching.of(model_dir, self.images) if self.family in VIDEO_FAMILIES else None
+                )
                 self.template = _chat_template(model_dir) or self.tokenizer.chat_template
             else:
                 self.hf = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
@@ -114,6 +119,11 @@ class RequestProcessor:
         self.video_token_id = (
             self.tokenizer.convert_tokens_to_ids(self.video_token) if self.video_token else None
         )
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """The pad tokens images (and clips) fill: where their features go in a prompt."""
+        return (self.image_token_id,) + ((self.video_token_id,) if self.video_token_id is not None else ())
 
     def chat_prompt(self, messages: list[dict]) -> str:
         """Apply the checkpoint's chat template; image parts become the model's image token."""
@@ -132,7 +142,7 @@ class RequestProcessor:
         if marks != len(images):
             raise InputError(f"prompt has {marks} image placeholders but {len(images)} images were given")
         if videos and self.videos is None:
-            raise InputError(f"{self.family} models take no video; send images")
+            raise InputError(f"{self.family} models take no video here; send images")
         if self.video_token is not None and prompt.count(self.video_token) != len(videos):
             found = prompt.count(self.video_token)
             raise InputError(f"prompt has {found} video placeholders but {len(videos)} videos were given")

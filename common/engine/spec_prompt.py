@@ -5,6 +5,8 @@ so both go through `spec_prompt` and cannot disagree."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from common.engine.prefix import block_hashes
@@ -15,16 +17,21 @@ from common.protocol import RequestSpec, SamplingParams
 
 def spec_prompt(
     spec: RequestSpec,
-    image_token_id: int,
+    placeholders: int | Collection[int],
     pixels: list[torch.Tensor | None],
     features: list[torch.Tensor | None],
 ) -> ProcessedPrompt:
-    """The engine's view of a request: one ImageInput per image, with its pixels or its features."""
+    """The engine's view of a request: one ImageInput per image (or clip), with its pixels or its
+    features. `placeholders`: the model's image (and video) pad token ids."""
     ids = torch.as_tensor(spec.prompt_token_ids)
-    positions = (ids == image_token_id).nonzero().squeeze(1)
+    marks = torch.as_tensor([placeholders] if isinstance(placeholders, int) else sorted(placeholders))
+    positions = torch.isin(ids, marks).nonzero().squeeze(1)
     images = []
     for img, px, ft in zip(spec.images, pixels, features, strict=True):
-        extra = {"grid_thw": img.grid_thw, "image_size": img.image_size}  # families whose images vary
+        extra = {  # families whose images vary; clips
+            "grid_thw": img.grid_thw, "image_size": img.image_size, "video": img.video,
+            "seconds_per_patch": img.seconds_per_patch,
+        }  # fmt: skip
         images.append(ImageInput(img.content_hash, img.num_tokens, pixel_values=px, features=ft, **extra))
     expected = sum(img.num_tokens for img in spec.images)
     if len(positions) != expected:
@@ -32,11 +39,11 @@ def spec_prompt(
     return ProcessedPrompt(list(spec.prompt_token_ids), images, positions)
 
 
-def spec_block_hashes(spec: RequestSpec, image_token_id: int, block_size: int) -> list[bytes]:
+def spec_block_hashes(spec: RequestSpec, placeholders: int | Collection[int], block_size: int) -> list[bytes]:
     """The prefix-cache keys of the prompt's full blocks, as a prefill instance of that block size
     computes them (common/engine/prefix.py)."""
     none = [None] * len(spec.images)
-    prompt = spec_prompt(spec, image_token_id, none, none)
+    prompt = spec_prompt(spec, placeholders, none, none)
     req = Request(
         spec.request_id,
         prompt.token_ids,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from common.protocol.codec import Message, Record
 from common.protocol.sampling import SamplingParams, TokenId
@@ -36,6 +36,10 @@ class ImageSpec(Record):
     grid_thw: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
     # LLaVA-NeXT: the picture's (height, width) before tiling, which its tiles are stitched back to.
     image_size: tuple[PositiveInt, PositiveInt] | None = None
+    # Qwen-VL video: a clip (its placeholders are the video pad token), and the seconds of video
+    # one temporal patch spans, which place its tokens in time (Qwen2.5-VL's M-RoPE).
+    video: bool = False
+    seconds_per_patch: PositiveFloat | None = None
 
 
 class RequestSpec(Record):

@@ -105,7 +105,7 @@ class DecodeHandler(StageHandler):
             # Its images' identities too: its blocks are then keyed as the prefill instance keyed
             # them, and stay cached here for the conversation's next turn.
             none = [None] * len(spec.images)
-            prompt = spec_prompt(spec, engine.processor.image_token_id, none, none)
+            prompt = spec_prompt(spec, engine.processor.placeholder_ids, none, none)
 
             def admit(e):
                 return e.add_prefilled(

@@ -33,7 +33,25 @@ class ImagePart(_Lenient):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Lenient):
+    url: str
+
+
+class VideoPart(_Lenient):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+
+class VideoControls(BaseModel):
+    """How a request's clips are sampled (`mm_processor_kwargs`, vLLM's name for them); the
+    server's defaults where absent, within its caps."""
+
+    model_config = ConfigDict(extra="forbid")  # a key we do not honour is named, not ignored
+    fps: Finite | None = Field(None, gt=0.0)
+    max_frames: int | None = Field(None, ge=2, le=INT32)
 
 
 class Message(_Lenient):
@@ -158,14 +176,15 @@ class SamplingFields(_Lenient):
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
+    mm_processor_kwargs: VideoControls | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def template_messages(self) -> tuple[list[dict], list[str]]:
-        """Messages in the chat template's shape (image parts become `{"type": "image"}`) and the
-        image URLs in prompt order."""
+        """Messages in the chat template's shape (image parts become `{"type": "image"}`, video
+        parts `{"type": "video"}`) and the image URLs in prompt order (`video_urls`: the clips')."""
         out, urls = [], []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
@@ -177,10 +196,22 @@ class ChatCompletionRequest(SamplingFields):
                 if isinstance(p, ImagePart):
                     parts.append({"type": "image"})
                     urls.append(p.image_url.url)
+                elif isinstance(p, VideoPart):
+                    parts.append({"type": "video"})
                 else:
                     parts.append({"type": "text", "text": p.text})
             out.append({"role": role, "content": parts})
         return out, urls
+
+    def video_urls(self) -> list[str]:
+        """The clips' URLs, in prompt order."""
+        return [
+            p.video_url.url
+            for m in self.messages
+            if isinstance(m.content, list)
+            for p in m.content
+            if isinstance(p, VideoPart)
+        ]
 
 
 class CompletionRequest(SamplingFields):

@@ -31,6 +31,7 @@ class ImagePolicy:
     allow_private: bool = False  # any address that is not globally routable
     max_images: int = 8
     max_pixels: int = 50_000_000  # checked from the image's header, before decoding
+    part: str = "image_url"  # the content part fetched, as errors name it ("video_url" for clips)
 
 
 async def fetch_image(url: str, policy: ImagePolicy) -> bytes:
@@ -41,17 +42,17 @@ async def fetch_image(url: str, policy: ImagePolicy) -> bytes:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port
     except ValueError as exc:  # a bad IPv6 literal, a port out of range
-        raise APIError(400, f"image_url is not a valid URL: {exc}", param="image_url") from None
+        raise APIError(400, f"{policy.part} is not a valid URL: {exc}", param=policy.part) from None
     if parts.scheme == "file":
         raise APIError(
             400,
-            "image_url: file:// URLs are not read from the server's disk; send the image inline as a "
+            f"{policy.part}: file:// URLs are not read from the server's disk; send it inline as a "
             "base64 data: URL (vllm bench serve: --custom-ensure-client-side-data) or by http(s)",
-            param="image_url",
-            code="image_url_forbidden",
+            param=policy.part,
+            code=f"{policy.part}_forbidden",
         )
     if parts.scheme not in ("http", "https") or not host:
-        raise APIError(400, "image_url must be a data: URL or an http(s) URL", param="image_url")
+        raise APIError(400, f"{policy.part} must be a data: URL or an http(s) URL", param=policy.part)
     port = port or (443 if parts.scheme == "https" else 80)
     try:
         async with asyncio.timeout(policy.timeout_s):
@@ -72,7 +73,9 @@ async def _fetch(parts, host: str, port: int, policy: ImagePolicy) -> bytes:
             client.stream("GET", pinned, headers=headers, extensions=extensions) as resp,
         ):
             if resp.status_code != 200:
-                raise APIError(400, f"fetching image_url returned HTTP {resp.status_code}", param="image_url")
+                raise APIError(
+                    400, f"fetching {policy.part} returned HTTP {resp.status_code}", param=policy.part
+                )
             declared = int(resp.headers.get("content-length") or 0)
             if declared > policy.max_bytes:
                 raise _too_large(policy)
@@ -85,19 +88,19 @@ async def _fetch(parts, host: str, port: int, policy: ImagePolicy) -> bytes:
     except httpx.TimeoutException as exc:
         raise _too_slow(policy) from exc
     except httpx.HTTPError as exc:
-        raise APIError(400, f"cannot fetch image_url: {exc}", param="image_url") from exc
+        raise APIError(400, f"cannot fetch {policy.part}: {exc}", param=policy.part) from exc
 
 
 def _decode_data_url(url: str, policy: ImagePolicy) -> bytes:
     header, _, payload = url.partition(",")
     if ";base64" not in header:
-        raise APIError(400, "data: image URLs must be base64-encoded", param="image_url")
+        raise APIError(400, f"data: URLs in {policy.part} must be base64-encoded", param=policy.part)
     if len(payload) * 3 // 4 > policy.max_bytes:
         raise _too_large(policy)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise APIError(400, "data: image URL is not valid base64", param="image_url") from exc
+        raise APIError(400, f"the data: URL in {policy.part} is not valid base64", param=policy.part) from exc
 
 
 async def _resolve_checked(host: str, port: int, policy: ImagePolicy) -> IPAddress:
@@ -107,20 +110,20 @@ async def _resolve_checked(host: str, port: int, policy: ImagePolicy) -> IPAddre
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError, ValueError) as exc:  # UnicodeError: a label over 63 bytes
         raise APIError(
-            400, f"cannot resolve image_url host {host[:80]!r}: {exc}", param="image_url"
+            400, f"cannot resolve {policy.part} host {host[:80]!r}: {exc}", param=policy.part
         ) from None
     addresses = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
     if not addresses:
-        raise APIError(400, f"cannot resolve image_url host {host!r}", param="image_url")
+        raise APIError(400, f"cannot resolve {policy.part} host {host!r}", param=policy.part)
     if not policy.allow_private:
         for addr in addresses:
             if not public(addr):
                 raise APIError(
                     400,
-                    f"image_url host {host!r} resolves to a non-public address ({addr}); "
+                    f"{policy.part} host {host!r} resolves to a non-public address ({addr}); "
                     "set TRIDENT_ALLOW_PRIVATE_IMAGE_URLS=1 to allow it",
-                    param="image_url",
-                    code="image_url_forbidden",
+                    param=policy.part,
+                    code=f"{policy.part}_forbidden",
                 )
     return addresses[0]
 
@@ -136,9 +139,13 @@ def public(addr: IPAddress) -> bool:
 
 
 def _too_slow(policy: ImagePolicy) -> APIError:
-    message = f"fetching image_url timed out: it took over {policy.timeout_s:g}s in all"
-    return APIError(400, message, param="image_url", code="image_url_timeout")
+    message = f"fetching {policy.part} timed out: it took over {policy.timeout_s:g}s in all"
+    return APIError(400, message, param=policy.part, code=f"{policy.part}_timeout")
 
 
 def _too_large(policy: ImagePolicy) -> APIError:
-    return APIError(413, f"image is larger than the {policy.max_bytes >> 20} MB limit", param="image_url")
+    return APIError(
+        413,
+        f"{policy.part}: the file is larger than the {policy.max_bytes >> 20} MB limit",
+        param=policy.part,
+    )

@@ -106,9 +106,9 @@ class Choice:
 class PrefixRouter:
     """Chooses where a request's prefill goes, from the index and the instances' heartbeats."""
 
-    def __init__(self, image_token_id: int, min_tokens: int, load_tokens: int) -> None:
+    def __init__(self, placeholders: int | tuple[int, ...], min_tokens: int, load_tokens: int) -> None:
         self.index = PrefixIndex()
-        self.image_token_id = image_token_id
+        self.placeholders = placeholders  # the model's image (and video) pad tokens
         self.min_tokens = min_tokens
         self.load_tokens = load_tokens
 
@@ -127,7 +127,7 @@ class PrefixRouter:
             if size is None:
                 continue
             if size not in chains:
-                chains[size] = spec_block_hashes(spec, self.image_token_id, size)
+                chains[size] = spec_block_hashes(spec, self.placeholders, size)
             cached = min(self.index.matched(hb.instance_id, chains[size]) * size, prompt - 1)
             if cached < self.min_tokens:
                 continue

@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
@@ -36,6 +37,7 @@ from common.engine.processor import (
     load_image,
 )
 from common.errors import APIError
+from common.video import Clip, VideoError, VideoLimits, VideoTooLarge, decode_video
 
 TRIM_AFTER_PIXELS = 4_000_000  # a decode this large leaves enough freed memory to hand back
 
@@ -53,16 +55,22 @@ class ImagePreprocessor:
         for _ in range(self.workers):  # made now, so the memory they hold counts as idle memory
             self._processors.put(RequestProcessor(model_dir))
 
-    async def process(self, prompt: str, blobs: list[bytes]) -> ProcessedPrompt:
-        """`prompt` (one image token per image) with `blobs` decoded and preprocessed; a 4xx
-        APIError for images too large, undecodable, or too many pixels together."""
+    async def process(
+        self, prompt: str, blobs: list[bytes], videos: list[bytes] = (), sampling: VideoSampling | None = None
+    ) -> ProcessedPrompt:
+        """`prompt` (one image token per image, one video token per clip) with `blobs` (and the
+        clips in `videos`, sampled as `sampling` says) decoded and preprocessed; a 4xx APIError for
+        images or clips too large, undecodable, or too many pixels together."""
         self.check_pixels(blobs)
         loop = asyncio.get_running_loop()
         async with self._slots:
             images = await asyncio.gather(*(loop.run_in_executor(self.pool, self._decode, b) for b in blobs))
-            pixels = sum(image.width * image.height for image in images)
+            clips = [await loop.run_in_executor(self.pool, self._decode_video, v, sampling) for v in videos]
+            pixels = sum(image.width * image.height for image in images) + sum(
+                c.frames.size // 3 for c in clips
+            )
             try:
-                return await loop.run_in_executor(self.pool, self._process, prompt, images)
+                return await loop.run_in_executor(self.pool, self._process, prompt, images, clips)
             finally:
                 for image in images:
                     image.close()
@@ -102,10 +110,20 @@ class ImagePreprocessor:
         except InputError as exc:
             raise APIError(400, str(exc), param="image_url") from exc
 
-    def _process(self, prompt: str, images: list[Image.Image]) -> ProcessedPrompt:
+    def _decode_video(self, blob: bytes, sampling: VideoSampling | None) -> Clip:
+        """One clip's sampled frames (common/video.py: bounded, under its own deadline)."""
+        assert sampling is not None
+        try:
+            return decode_video(blob, sampling.limits, sampling.fps, sampling.max_frames)
+        except VideoTooLarge as exc:
+            raise APIError(413, str(exc), param="video_url", code="video_too_large") from exc
+        except VideoError as exc:
+            raise APIError(400, str(exc), param="video_url") from exc
+
+    def _process(self, prompt: str, images: list[Image.Image], clips: list[Clip] = ()) -> ProcessedPrompt:
         processor = self._processors.get()  # one is free: no more jobs than processors run at once
         try:
-            return processor.process(prompt, images)
+            return processor.process(prompt, images, clips)
         except InputError as exc:
             raise APIError(400, str(exc)) from exc
         finally:
@@ -113,6 +131,15 @@ class ImagePreprocessor:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class VideoSampling:
+    """A request's clips: the bounds, and the rate and most frames it asked for (or the defaults)."""
+
+    limits: VideoLimits
+    fps: float
+    max_frames: int
 
 
 IMAGE_THREAD_NICE = 10  # bulk work: on busy cores the event loop and the text path come first

@@ -86,7 +86,8 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         images.append(
             ImageSpec(
                 content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=ref, features=features,
-                grid_thw=img.grid_thw, image_size=img.image_size,
+                grid_thw=img.grid_thw, image_size=img.image_size, video=img.video,
+                seconds_per_patch=img.seconds_per_patch,
             )
         )  # fmt: skip
     spec = RequestSpec(

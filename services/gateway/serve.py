@@ -15,9 +15,11 @@ from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt
 from common.errors import APIError
 from common.protocol import Resend
+from common.video import VideoLimits
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from services.gateway.collector import OutputCollector
 from services.gateway.images import fetch_image
+from services.gateway.preprocess import VideoSampling
 from services.gateway.reply import Reply
 from services.gateway.routing import route
 from services.gateway.state import Gateway
@@ -34,15 +36,45 @@ async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
     messages, urls = body.template_messages()
     if len(urls) > gw.images.max_images:
         raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
+    clips = body.video_urls()
+    sampling = video_sampling(gw, body) if clips else None
     prompt = gw.processor.chat_prompt(messages)
     async with _within(deadline):
-        if urls:  # on the image threads (preprocess.py), never ahead of text-only requests
+        if urls or clips:  # on the image threads (preprocess.py), never ahead of text-only requests
             blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))
-            processed = await gw.preprocess.process(prompt, blobs)
-            del blobs
+            videos = await asyncio.gather(*(fetch_image(u, gw.videos) for u in clips))
+            processed = await gw.preprocess.process(prompt, blobs, videos, sampling)
+            del blobs, videos
         else:
             processed = await gw.off_loop(_process, gw, prompt)
     return await serve(gw, request, body, processed, "chat", deadline)
+
+
+def video_sampling(gw: Gateway, body: ChatCompletionRequest) -> VideoSampling:
+    """How the request's clips are sampled: what it asked (`mm_processor_kwargs`) within the
+    server's caps, the server's defaults otherwise; a 400 naming what is out of bounds."""
+    s = gw.settings
+    if gw.processor.videos is None:
+        raise APIError(
+            400, f"the served model ({gw.processor.family}) takes no video; send images",
+            param="messages", code="video_unsupported",
+        )  # fmt: skip
+    if len(body.video_urls()) > s.max_videos:
+        raise APIError(400, f"at most {s.max_videos} videos per request", param="messages")
+    asked = body.mm_processor_kwargs
+    fps = asked.fps if asked and asked.fps is not None else s.video_fps
+    frames = asked.max_frames if asked and asked.max_frames is not None else s.video_frames
+    if fps > s.video_max_fps:
+        raise APIError(400, f"fps may be at most {s.video_max_fps:g}", param="mm_processor_kwargs.fps")
+    if frames > s.video_max_frames:
+        raise APIError(
+            400, f"max_frames may be at most {s.video_max_frames}", param="mm_processor_kwargs.max_frames"
+        )
+    limits = VideoLimits(
+        max_bytes=s.max_video_bytes, max_duration_s=s.video_max_seconds, deadline_s=s.video_decode_timeout,
+        max_fps=s.video_max_fps, max_frames=s.video_max_frames,
+    )  # fmt: skip
+    return VideoSampling(limits, fps, frames)
 
 
 async def completion(gw: Gateway, body: CompletionRequest, request: Request):

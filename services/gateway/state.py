@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
@@ -134,6 +135,8 @@ class Gateway:
             max_images=settings.max_images,
             max_pixels=settings.max_image_pixels,
         )
+        # Clips are fetched under the same rules (addresses, one deadline), with their own size cap.
+        self.videos = dataclasses.replace(self.images, max_bytes=settings.max_video_bytes, part="video_url")
         self.slo = SLO(settings.ttft_slo, settings.tbt_slo)  # each request's outcome is judged by it
         self.api_keys = settings.api_key_set
         self.metrics = Metrics.create()
@@ -149,7 +152,9 @@ class Gateway:
         self.links: Links | None = None
         self.prefix_router = (  # routing by cached prefix (kv_routing.py), unless switched off
             PrefixRouter(
-                self.processor.image_token_id, settings.kv_routing_min_tokens, settings.kv_routing_load_tokens
+                self.processor.placeholder_ids,
+                settings.kv_routing_min_tokens,
+                settings.kv_routing_load_tokens,
             )
             if settings.kv_routing
             else None

@@ -63,7 +63,7 @@ class StageContext:
         engine can never run fails here with the engine's reason."""
         spec = held.spec
         try:
-            prompt = spec_prompt(spec, self.engine.engine.processor.image_token_id, pixels, features)
+            prompt = spec_prompt(spec, self.engine.engine.processor.placeholder_ids, pixels, features)
             outputs = list(spec.output_token_ids)
             await self.ledger.enter(
                 held,
