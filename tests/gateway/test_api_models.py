@@ -133,3 +133,21 @@ def test_a_validation_error_says_where_and_why():
     error = explain(bad_json, '{\n  "a": 1,\n x')
     assert error.param is None
     assert error.message == "request body is not valid JSON: Expecting value at line 3, column 2 (char 13)"
+
+
+def test_video_parts_and_their_sampling_controls():
+    req = chat(
+        messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "data:v1"}},
+            {"type": "image_url", "image_url": {"url": "data:a"}},
+            {"type": "video_url", "video_url": {"url": "https://x/v2.mp4"}},
+        ]}],
+        mm_processor_kwargs={"fps": 1.5, "max_frames": 16},
+    )  # fmt: skip
+    messages, urls = req.template_messages()
+    assert messages[0]["content"] == [{"type": "video"}, {"type": "image"}, {"type": "video"}]
+    assert urls == ["data:a"] and req.video_urls() == ["data:v1", "https://x/v2.mp4"]
+    assert (req.mm_processor_kwargs.fps, req.mm_processor_kwargs.max_frames) == (1.5, 16)
+    for bad in ({"fps": 0}, {"max_frames": 1}, {"num_frames": 8}, {"fps": float("nan")}):
+        with pytest.raises(ValidationError):
+            chat(messages=[{"role": "user", "content": "hi"}], mm_processor_kwargs=bad)

@@ -124,3 +124,17 @@ def read_store(cluster, read):
             await store.close()
 
     return asyncio.run(main())
+
+
+def test_a_video_for_a_model_without_video_is_a_400(cluster):
+    """LLaVA takes no clips: a `video_url` part is refused saying so, before anything is fetched."""
+    body = {
+        "model": "tiny-llava", "max_tokens": 2,
+        "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}},
+            {"type": "text", "text": "what happens?"},
+        ]}],
+    }  # fmt: skip
+    reply = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "video_unsupported"
+    assert "takes no video" in reply.json()["error"]["message"]
