@@ -33,14 +33,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common.engine.loader import load_model
+from common.engine.processor import RequestProcessor
+from common.models import resolve_model
+from common.video import VideoLimits, decode_video
+from trident.bench.machine import single_thread_gflops
 
-from common.engine.loader import load_model  # noqa: E402
-from common.engine.processor import RequestProcessor  # noqa: E402
-from common.models import resolve_model  # noqa: E402
-from common.video import VideoLimits, decode_video  # noqa: E402
-from trident.bench.machine import single_thread_gflops  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 VIDEO_MAX_PIXELS = 768 * 28 * 28  # the Qwen-VL video processors' per-frame bound
 FACTOR = 28  # patch 14 × merge 2

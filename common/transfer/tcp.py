@@ -3,7 +3,7 @@ speaks TLS, with the same interface and errors.
 
 Frames: a request is `u32 length + msgpack`; a reply is `u32 length + msgpack header`, then the
 raw bytes when the header says ok. Plain connections move tensor memory with no intermediate copy;
-TLS ones copy once out of the transport (tcp_channel.py). Connections are persistent: a client
+TLS ones decrypt straight into the tensor (tcp_channel.py). Connections are persistent: a client
 keeps idle ones per owner and reuses them.
 """
 

@@ -64,8 +64,9 @@ class ImagePreprocessor:
         self.check_pixels(blobs)
         loop = asyncio.get_running_loop()
         async with self._slots:
-            images = await asyncio.gather(*(loop.run_in_executor(self.pool, self._decode, b) for b in blobs))
+            # Clips first: a refused one costs the request no image decode.
             clips = [await loop.run_in_executor(self.pool, self._decode_video, v, sampling) for v in videos]
+            images = await asyncio.gather(*(loop.run_in_executor(self.pool, self._decode, b) for b in blobs))
             pixels = sum(image.width * image.height for image in images) + sum(
                 c.frames.size // 3 for c in clips
             )
