@@ -266,6 +266,7 @@ def test_the_command_writes_files_secrets_and_refuses_bad_options(tmp_path: Path
     assert bad.exit_code == 2 and "unknown method 'nope'" in bad.output
 
 
+@pytest.mark.slow  # one more kubernetes-validate run: `make test`, not the fast tier
 def test_without_tls_the_manifests_are_plain_and_still_valid(tmp_path: Path) -> None:
     objects = render(Options(method="ep+d", tls=False))
     assert not [o for o in objects if o["kind"] == "Secret"]

@@ -65,6 +65,7 @@ def hostile() -> dict[str, tuple[bytes, type[VideoError], str]]:
     }  # fmt: skip
 
 
+@pytest.mark.slow  # writing the 8K and 10,000-frame files takes seconds: `make test` only
 @pytest.mark.parametrize(
     "name",
     ["truncated", "no frames", "not a video", "unknown codec", "10,000 frames",

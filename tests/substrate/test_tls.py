@@ -82,6 +82,7 @@ def test_redis_serves_members_only(tmp_path: Path, tls: Tls, stranger: Tls) -> N
             sync_client(server.url.replace("rediss://", "redis://"), 2.0).ping()
 
 
+@pytest.mark.slow  # five servers and a failover: `make test`, not the fast tier
 def test_redis_sentinels_speak_tls_and_follow_a_failover(tmp_path: Path, tls: Tls, stranger: Tls) -> None:
     with RedisGroup(tmp_path, ["127.0.0.1"] * 3, "pw", tls=tls) as group:
         client = sync_client(group.url, 2.0, tls)
