@@ -89,6 +89,14 @@ class Tls:
         }
 
 
+def redis_tls(tls: Tls | None, *, flag: bool = False) -> dict[str, object]:
+    """redis-py's TLS keyword arguments for `tls` (none without it). `flag` adds `ssl=True`, which a
+    client built from a host and port needs; one built from a rediss:// URL takes the rest alone."""
+    if tls is None:
+        return {}
+    return {"ssl": True, **tls.redis_options()} if flag else tls.redis_options()
+
+
 def tls_from_env() -> Tls | None:
     """The deployment's TLS from TRIDENT_TLS_DIR, for code that has no settings object (tools)."""
     folder = os.environ.get("TRIDENT_TLS_DIR", "")

@@ -12,7 +12,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from common.infra.process import InfraError, LocalServer
-from common.tls import Tls
+from common.tls import Tls, redis_tls
 
 
 def redis_server_binary() -> str:
@@ -36,24 +36,26 @@ def probe_client(
         socket_connect_timeout=1.0,
         retry=Retry(NoBackoff(), 0),
         decode_responses=decode,
-        **({"ssl": True, **tls.redis_options()} if tls is not None else {}),
+        **redis_tls(tls, flag=True),
     )
 
 
-def tls_argv(port: int, tls: Tls | None) -> list[str]:
-    """The port to listen on: plain, or (with `tls`) TLS only, every client and replication link
-    showing a certificate the deployment's CA signed."""
+def listen_settings(port: int, tls: Tls | None) -> list[tuple[str, str]]:
+    """Where a Redis server or sentinel listens, as (setting, value) pairs for a command line or a
+    config file: plain, or (with `tls`) TLS only, every client and replication link showing a
+    certificate the deployment's CA signed."""
     if tls is None:
-        return ["--port", str(port)]
+        return [("port", str(port))]
     return [
-        "--port", "0",
-        "--tls-port", str(port),
-        "--tls-cert-file", tls.cert,
-        "--tls-key-file", tls.key,
-        "--tls-ca-cert-file", tls.ca,
-        "--tls-auth-clients", "yes",
-        "--tls-replication", "yes",
+        ("port", "0"), ("tls-port", str(port)),
+        ("tls-cert-file", tls.cert), ("tls-key-file", tls.key), ("tls-ca-cert-file", tls.ca),
+        ("tls-auth-clients", "yes"), ("tls-replication", "yes"),
     ]  # fmt: skip
+
+
+def listen_argv(port: int, tls: Tls | None) -> list[str]:
+    """`listen_settings` as redis-server arguments."""
+    return [arg for key, value in listen_settings(port, tls) for arg in (f"--{key}", value)]
 
 
 class RedisServer(LocalServer):
@@ -101,7 +103,7 @@ class RedisServer(LocalServer):
     def argv(self) -> list[str]:
         argv = [
             redis_server_binary(),
-            *tls_argv(self.port, self.tls),
+            *listen_argv(self.port, self.tls),
             "--bind", self.host,
             "--dir", str(self.workdir),
             "--save", "",

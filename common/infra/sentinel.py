@@ -9,7 +9,7 @@ from pathlib import Path
 import redis
 
 from common.infra.process import LocalServer
-from common.infra.redis_server import probe_client, redis_server_binary
+from common.infra.redis_server import listen_settings, probe_client, redis_server_binary
 from common.tls import Tls
 
 # How long a primary may be silent before a sentinel calls it down, and how long a failover may take
@@ -55,11 +55,11 @@ class RedisSentinel(LocalServer):
 
     def _config(self) -> str:
         name = self.service
-        if self.tls is None:
-            listen = [f"port {self.port}"]
-        else:  # TLS only, to its clients, its peers and the servers it watches
-            listen = ["port 0", f"tls-port {self.port}", "tls-auth-clients yes", "tls-replication yes"]
-            listen += [f"tls-{what} {json.dumps(path)}" for what, path in self._tls_files()]
+        # With TLS, TLS only: to its clients, its peers and the servers it watches.
+        listen = [
+            f"{key} {json.dumps(value) if key.endswith('-file') else value}"
+            for key, value in listen_settings(self.port, self.tls)
+        ]
         lines = [
             *listen,
             f"bind {self.host}",
@@ -77,10 +77,6 @@ class RedisSentinel(LocalServer):
             lines += [f"sentinel auth-pass {name} {secret}", f"requirepass {secret}"]
             lines.append(f"sentinel sentinel-pass {secret}")
         return "\n".join(lines) + "\n"
-
-    def _tls_files(self) -> list[tuple[str, str]]:
-        assert self.tls is not None
-        return [("cert-file", self.tls.cert), ("key-file", self.tls.key), ("ca-cert-file", self.tls.ca)]
 
     def client(self) -> redis.Redis:
         return probe_client(self.host, self.port, self.password, decode=True, tls=self.tls)

@@ -25,7 +25,7 @@ import redis.sentinel
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.connection import SSLConnection
 
-from common.tls import Tls
+from common.tls import Tls, redis_tls
 
 SENTINEL_SCHEME = "redis+sentinel"
 
@@ -60,12 +60,8 @@ def sentinel_target(url: str) -> SentinelTarget | None:
 def _sentinel_options(target: SentinelTarget, timeout: float, tls: Tls | None) -> dict[str, Any]:
     return {
         "password": target.password, "socket_timeout": timeout, "socket_connect_timeout": timeout,
-        **_tls_options(tls),
+        **redis_tls(tls, flag=True),
     }  # fmt: skip
-
-
-def _tls_options(tls: Tls | None) -> dict[str, Any]:
-    return {} if tls is None else {"ssl": True, **tls.redis_options()}
 
 
 def _with_tls(url: str, tls: Tls | None) -> str:
@@ -104,7 +100,7 @@ def async_client(
     if target is None:
         pool = BlockingConnectionPool.from_url(
             _with_tls(url, tls), max_connections=max_connections, timeout=timeout,
-            **common, **(tls.redis_options() if tls is not None else {}),
+            **common, **redis_tls(tls),
         )  # fmt: skip
         return redis.asyncio.Redis(connection_pool=pool)
     sentinel = redis.asyncio.sentinel.Sentinel(
@@ -113,7 +109,7 @@ def async_client(
         password=target.password,
         db=target.db,
         **common,
-        **(tls.redis_options() if tls is not None else {}),
+        **redis_tls(tls),
     )
     return sentinel.master_for(
         target.service,
@@ -130,7 +126,7 @@ def sync_client(url: str, timeout: float, tls: Tls | None = None) -> redis.Redis
     if target is None:
         return redis.Redis.from_url(
             _with_tls(url, tls), socket_timeout=timeout, socket_connect_timeout=timeout,
-            **(tls.redis_options() if tls is not None else {}),
+            **redis_tls(tls),
         )  # fmt: skip
     sentinel = redis.sentinel.Sentinel(
         list(target.sentinels),
@@ -139,6 +135,6 @@ def sync_client(url: str, timeout: float, tls: Tls | None = None) -> redis.Redis
         db=target.db,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
-        **_tls_options(tls),
+        **redis_tls(tls, flag=True),
     )
     return sentinel.master_for(target.service)  # its reconnects ask the sentinels (test_ha.py)

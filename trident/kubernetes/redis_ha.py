@@ -18,6 +18,10 @@ certificate, and replication runs over it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from common.infra.redis_server import listen_settings
+from common.tls import Tls
 from trident.kubernetes.objects import (
     SECRET,
     TLS_DIR,
@@ -67,14 +71,10 @@ def cli_tls(tls: bool) -> str:
     )
 
 
-def server_tls(port: int) -> list[str]:
-    """A server's TLS settings, as config lines (`--` before each makes them arguments)."""
-    files = [
-        f"tls-cert-file {TLS_DIR}/cert.pem",
-        f"tls-key-file {TLS_DIR}/key.pem",
-        f"tls-ca-cert-file {TLS_DIR}/ca.pem",
-    ]
-    return ["port 0", f"tls-port {port}", *files, "tls-auth-clients yes", "tls-replication yes"]
+def listen(port: int, tls: bool) -> list[tuple[str, str]]:
+    """Where a pod's server listens (common/infra's settings, the TLS files where the Secret is
+    mounted)."""
+    return listen_settings(port, Tls(Path(TLS_DIR)) if tls else None)
 
 
 def _ask(namespace: str, tls: bool) -> str:
@@ -90,7 +90,7 @@ def _ask(namespace: str, tls: bool) -> str:
 
 def node_script(namespace: str, tls: bool = False) -> str:
     first = dns("redis-0", "redis", namespace)
-    listen = " ".join(f"--{line}" for line in server_tls(6379)) if tls else "--port 6379"
+    flags = " ".join(f"--{key} {value}" for key, value in listen(6379, tls))
     return (
         _ask(namespace, tls)
         + f"""SELF="$POD_NAME.redis.{namespace}.svc"
@@ -102,7 +102,7 @@ elif [ "$POD_NAME" != "redis-0" ]; then
   M="{first}"
 fi
 rm -f /data/dump.rdb
-set -- {listen} --save "" --appendonly no --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \\
+set -- {flags} --save "" --appendonly no --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \\
   --replica-announce-ip "$SELF" --repl-diskless-sync-delay 0 --repl-diskless-load swapdb
 [ -n "$M" ] && set -- "$@" --replicaof "$M" 6379
 exec redis-server "$@"
@@ -113,7 +113,7 @@ exec redis-server "$@"
 def sentinel_script(namespace: str, tls: bool = False) -> str:
     first = dns("redis-0", "redis", namespace)
     name = MONITORED
-    listen = "\n".join(server_tls(26379)) if tls else "port 26379"
+    listen_lines = "\n".join(f"{key} {value}" for key, value in listen(26379, tls))
     return (
         _ask(namespace, tls)
         + f"""CONF=/data/sentinel.conf
@@ -121,7 +121,7 @@ if [ ! -f "$CONF" ]; then
   M="$(ask)"
   [ -n "$M" ] || M="{first}"
   cat > "$CONF" <<EOF
-{listen}
+{listen_lines}
 sentinel resolve-hostnames yes
 sentinel announce-hostnames yes
 sentinel announce-ip $POD_NAME.redis-sentinel.{namespace}.svc
