@@ -188,10 +188,7 @@ class RequestProcessor:
             inputs.append(item)
             text += mark * item.num_tokens + piece
         ids = torch.as_tensor(self.tokenizer(text)["input_ids"])
-        placeholder = ids == self.image_token_id
-        if self.video_token_id is not None:
-            placeholder |= ids == self.video_token_id
-        positions = placeholder.nonzero().squeeze(1)
+        positions = torch.isin(ids, torch.as_tensor(self.placeholder_ids)).nonzero().squeeze(1)
         if len(positions) != sum(item.num_tokens for item in inputs):
             raise InputError("the prompt's text holds image or video pad tokens of its own")
         return ProcessedPrompt(ids.tolist(), inputs, positions)

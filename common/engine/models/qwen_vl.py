@@ -144,7 +144,11 @@ class QwenVLModel(nn.Module):
         variant = VARIANTS[config.model_type]
         self.config = config
         self.image_token_id = config.image_token_id
-        self.video_token_id = getattr(config, "video_token_id", None)
+        video_token_id = getattr(config, "video_token_id", None)
+        # The pad tokens images and clips fill (the processor's `placeholder_ids`).
+        self.placeholder_ids = [config.image_token_id] + (
+            [video_token_id] if video_token_id is not None else []
+        )
         self.merge = config.vision_config.spatial_merge_size
         # Qwen2.5-VL: a video's temporal patches sit tokens_per_second × their seconds apart in
         # M-RoPE's temporal stream; Qwen2-VL: one apart.
@@ -171,9 +175,9 @@ class QwenVLModel(nn.Module):
         return self.vision(images, device, dtype)
 
     def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[torch.Tensor, int]:
-        marks = [self.image_token_id] + ([self.video_token_id] if self.video_token_id is not None else [])
         grids = [img.grid_thw for img in images]
-        return mrope_positions(token_ids, marks, grids, self.merge, [self._interval(img) for img in images])
+        intervals = [self._interval(img) for img in images]
+        return mrope_positions(token_ids, self.placeholder_ids, grids, self.merge, intervals)
 
     def _interval(self, img: ImageInput) -> float:
         if img.video and self.tokens_per_second is not None and img.seconds_per_patch is not None:
