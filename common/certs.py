@@ -41,13 +41,7 @@ def issue(folder: str | os.PathLike[str], hosts: Iterable[str] = (), name: str =
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} deployment CA")])
     ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        _builder(ca_name, ca_name, ca_key, now)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(**{**_NO_USE, "key_cert_sign": True, "crl_sign": True}),
@@ -57,14 +51,9 @@ def issue(folder: str | os.PathLike[str], hosts: Iterable[str] = (), name: str =
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
+    member = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} member")])
     leaf = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} member")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        _builder(member, ca_name, key, now)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
@@ -82,6 +71,21 @@ def issue(folder: str | os.PathLike[str], hosts: Iterable[str] = (), name: str =
     key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     _write(folder / "key.pem", key_pem, 0o600)
     return Tls.at(folder)
+
+
+def _builder(
+    subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey, now: datetime.datetime
+) -> x509.CertificateBuilder:
+    """A certificate of `key`'s, valid from a few minutes ago (clocks drift) for VALID_DAYS."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+    )
 
 
 def _names(hosts: Iterable[str]) -> list[x509.GeneralName]:

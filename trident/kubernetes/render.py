@@ -119,8 +119,8 @@ def cluster_names(namespace: str) -> list[str]:
 def tls_secret(namespace: str) -> dict:
     """A fresh CA and the certificate every pod shows (common/certs.py; the CA's key is not kept)."""
     with tempfile.TemporaryDirectory() as folder:
-        tls = issue(Path(folder), cluster_names(namespace))
-        files = {name: Path(getattr(tls, name.removesuffix(".pem"))).read_text() for name in TLS_FILES}
+        issue(folder, cluster_names(namespace))
+        files = {name: (Path(folder) / name).read_text() for name in TLS_FILES}
     return {
         "apiVersion": "v1",
         "kind": "Secret",
