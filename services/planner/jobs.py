@@ -22,7 +22,7 @@ from celery import Celery, Task
 from celery.signals import worker_init
 
 from common.store.connect import sentinel_target
-from common.tls import Tls
+from common.tls import Tls, redis_tls
 from services.settings import PlannerSettings
 
 TASK = "trident.planner.what_if"
@@ -62,9 +62,7 @@ def celery_url(url: str, tls: Tls | None = None) -> tuple[str, dict[str, Any]]:
         return url, {}
     auth = f":{quote(target.password, safe='')}@" if target.password else ""
     urls = ";".join(f"sentinel://{auth}{host}:{port}/{target.db}" for host, port in target.sentinels)
-    sentinels: dict[str, Any] = {"password": target.password}
-    if tls is not None:
-        sentinels |= {"ssl": True, **tls.redis_options()}
+    sentinels = {"password": target.password, **redis_tls(tls, flag=True)}
     return urls, {"master_name": target.service, "sentinel_kwargs": sentinels}
 
 
