@@ -57,8 +57,10 @@ def create_backend(config: TransferConfig | None = None) -> TransferBackend:
             "the UCX transfer backend has no encryption and the deployment speaks TLS "
             "(TRIDENT_TLS_DIR): use TRIDENT_TRANSFER=tcp or auto, which moves tensors over TLS"
         )
-    auto_tcp = config.tls is not None or not ucx_available()
-    if config.backend == "tcp" or (config.backend == "auto" and auto_tcp):
+    # ucx_available() loads UCX's libraries: asked only when "auto" has no other reason for TCP.
+    if config.backend == "tcp" or (
+        config.backend == "auto" and (config.tls is not None or not ucx_available())
+    ):
         return TcpBackend(config)
     from common.transfer.ucx import UcxBackend
 
