@@ -37,7 +37,7 @@ async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
     if len(urls) > gw.images.max_images:
         raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
     clips = body.video_urls()
-    sampling = video_sampling(gw, body) if clips else None
+    sampling = video_sampling(gw, body, len(clips)) if clips else None
     prompt = gw.processor.chat_prompt(messages)
     async with _within(deadline):
         if urls or clips:  # on the image threads (preprocess.py), never ahead of text-only requests
@@ -50,7 +50,7 @@ async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
     return await serve(gw, request, body, processed, "chat", deadline)
 
 
-def video_sampling(gw: Gateway, body: ChatCompletionRequest) -> VideoSampling:
+def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> VideoSampling:
     """How the request's clips are sampled: what it asked (`mm_processor_kwargs`) within the
     server's caps, the server's defaults otherwise; a 400 naming what is out of bounds."""
     s = gw.settings
@@ -59,7 +59,7 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest) -> VideoSampling:
             400, f"the served model ({gw.processor.family}) takes no video; send images",
             param="messages", code="video_unsupported",
         )  # fmt: skip
-    if len(body.video_urls()) > s.max_videos:
+    if clips > s.max_videos:
         raise APIError(400, f"at most {s.max_videos} videos per request", param="messages")
     asked = body.mm_processor_kwargs
     fps = asked.fps if asked and asked.fps is not None else s.video_fps
