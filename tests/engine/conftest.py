@@ -98,7 +98,11 @@ def hf_greedy_ids(model, processed, image_token_id: int, max_tokens: int) -> lis
         out = model.generate(
             **hf_inputs(processed, image_token_id, ids), max_new_tokens=max_tokens, do_sample=False
         )
-    new = out[0, ids.shape[1] :].tolist()
+    return until_eos(model, out[0, ids.shape[1] :].tolist())
+
+
+def until_eos(model, new: list[int]) -> list[int]:
+    """`new` cut after the first eos the model's generation config names, as our engine stops."""
     eos = model.generation_config.eos_token_id
     eos = set(eos) if isinstance(eos, list) else {eos}
     return new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]

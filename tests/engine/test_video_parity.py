@@ -19,7 +19,7 @@ from common.checkpoints import write_checkpoint
 from common.engine.sampling import SamplingParams
 from common.roles import Role
 from common.video import VideoLimits, decode_video
-from tests.engine.conftest import engines, make_image
+from tests.engine.conftest import engines, make_image, until_eos
 from tests.media.clips import make_clip
 
 PRESETS = ["tiny-qwen2-vl", pytest.param("tiny-qwen2.5-vl", marks=pytest.mark.slow)]
@@ -76,10 +76,7 @@ def hf_greedy(hf_model, processed, processor, max_tokens: int) -> list[int]:
             inputs["second_per_grid_ts"] = torch.as_tensor([v.seconds_per_patch for v in videos])
     with torch.no_grad():
         out = hf_model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
-    new = out[0, ids.shape[1] :].tolist()
-    eos = hf_model.generation_config.eos_token_id
-    eos = set(eos) if isinstance(eos, list) else {eos}
-    return new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+    return until_eos(hf_model, out[0, ids.shape[1] :].tolist())
 
 
 CASES = {
