@@ -11,9 +11,10 @@ one (`demux`), which counts what the clip really holds whatever its header says.
 frames decoded, the sampled ones kept, under a deadline checked at every packet. Every refusal is
 a `VideoError` (an InputError: a 4xx), `VideoTooLarge` (413) where a bound was passed.
 
-Sampling follows transformers' Qwen-VL video processors: `fps` frames per second of video, at
-least MIN_FRAMES and at most `max_frames`, an even count, at the indices
-`arange(0, total, total / count)` truncated (`frame_indices`), each the decoded frame there.
+Sampling follows the served family's transformers video processor (`rule`, a key of RULES):
+`fps` frames per second of video, at least MIN_FRAMES and at most `max_frames`, each the decoded
+frame at its index. Qwen2-VL and Qwen2.5-VL ("qwen2"): an even count, at `arange(0, total, total /
+count)` truncated. Qwen3-VL ("qwen3"): any count, at `linspace(0, total - 1, count)` rounded.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import av
@@ -57,8 +59,10 @@ class VideoLimits:
 @dataclass
 class Clip:
     frames: np.ndarray  # [n, H, W, 3] uint8
+    indices: list[int]  # of the sampled frames among the clip's, in order
     timestamps: list[float]  # seconds from the clip's first frame
     sample_fps: float  # sampled frames per second of video (transformers' `sampled_fps`)
+    source_fps: float  # the clip's own frames per second (transformers' `metadata.fps`)
     duration_s: float
     source_frames: int
     codec: str
@@ -83,10 +87,31 @@ def sample_count(source_frames: int, source_fps: float, fps: float, max_frames: 
     return count
 
 
+def qwen2_picks(total: int, source_fps: float, fps: float, max_frames: int) -> list[int]:
+    """Qwen2-VL's and Qwen2.5-VL's frames (`Qwen2VLVideoProcessor.sample_frames`)."""
+    return frame_indices(total, sample_count(total, source_fps, fps, max_frames))
+
+
+def qwen3_picks(total: int, source_fps: float, fps: float, max_frames: int) -> list[int]:
+    """Qwen3-VL's frames (`Qwen3VLVideoProcessor.sample_frames`): `fps` per second of video,
+    truncated, within [MIN_FRAMES, max_frames] and never more than the clip holds, any count (the
+    last is repeated to fill a temporal patch), evenly from the first frame to the last, rounded."""
+    wanted = int(total / source_fps * fps) if source_fps > 0 else total
+    count = min(max(wanted, MIN_FRAMES), max_frames, total)
+    if count < FRAME_FACTOR:
+        raise VideoError(f"the video holds {total} frame(s); at least {FRAME_FACTOR} are needed")
+    return np.linspace(0, total - 1, count).round().astype(int).tolist()
+
+
+RULES: dict[str, Callable[[int, float, float, int], list[int]]] = {"qwen2": qwen2_picks, "qwen3": qwen3_picks}
+
+
 def decode_video(
-    data: bytes, limits: VideoLimits, fps: float = 2.0, max_frames: int = 32, clock=time.monotonic
-) -> Clip:
-    """The sampled frames of `data`; raises VideoError / VideoTooLarge naming the cause."""
+    data: bytes, limits: VideoLimits, fps: float = 2.0, max_frames: int = 32, *, rule: str = "qwen2",
+    clock=time.monotonic,
+) -> Clip:  # fmt: skip
+    """The sampled frames of `data`, picked by `rule` (a key of RULES); raises VideoError /
+    VideoTooLarge naming the cause."""
     if len(data) > limits.max_bytes:
         raise VideoTooLarge(f"the video is {len(data):,} bytes, more than the {limits.max_bytes:,} allowed")
     if not 0 < fps <= limits.max_fps:
@@ -101,8 +126,8 @@ def decode_video(
             codec = stream.codec_context.name
             times = _demux(container, stream, limits, deadline, clock)
         rate = _rate(times)
-        count = sample_count(len(times), rate, fps, max_frames)
-        picks = frame_indices(len(times), count)
+        picks = RULES[rule](len(times), rate, fps, max_frames)
+        count = len(picks)
         # Read again from the start for the frames (a seek may land anywhere near it).
         with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
             frames = _decode(container, _video_stream(container), set(picks), limits, deadline, clock)
@@ -123,8 +148,10 @@ def decode_video(
     duration = len(times) / rate if rate > 0 else 0.0  # as the container counts it: frames / rate
     return Clip(
         frames=np.stack([frames[i] for i in picks]),
+        indices=picks,
         timestamps=[round(times[i] - times[0], 6) for i in picks],
         sample_fps=count / duration if duration > 0 else fps,
+        source_fps=rate,
         duration_s=duration,
         source_frames=len(times),
         codec=codec,

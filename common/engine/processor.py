@@ -25,7 +25,8 @@ from common.engine.models.qwen_vl import VARIANTS as QWEN_VL
 from common.engine.request import ImageInput
 from common.engine.video_input import VideoPatching
 
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# The families that take clips, and how each picks, sizes and stamps their frames.
+VIDEO_RULES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 
 
 class InputError(ValueError):
@@ -40,7 +41,9 @@ class Frames(Protocol):
     """A clip's sampled frames (common/video.py's Clip)."""
 
     frames: np.ndarray  # [n, H, W, 3] uint8
+    indices: list[int]  # of the sampled frames among the clip's
     sample_fps: float
+    source_fps: float
 
     @property
     def content_hash(self) -> str: ...
@@ -102,9 +105,10 @@ class RequestProcessor:
                 self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
                 self.image_token = "<|image_pad|>"
                 self.video_token: str | None = "<|video_pad|>"
-                # Qwen2-VL and Qwen2.5-VL clips; Qwen3-VL's (its timestamps, 16-px patches) not yet.
                 self.videos: VideoPatching | None = (
-                    VideoPatching.of(model_dir, self.images) if self.family in VIDEO_FAMILIES else None
+                    VideoPatching.of(model_dir, self.images, VIDEO_RULES[self.family])
+                    if self.family in VIDEO_RULES
+                    else None
                 )
                 self.template = _chat_template(model_dir) or self.tokenizer.chat_template
             else:
@@ -178,15 +182,20 @@ class RequestProcessor:
         """Each image (and clip) becomes its own number of pad tokens, and its patches with their
         grid; the inputs in the order the prompt places them."""
         pictures = self._picture_inputs(images)
-        clips = [self.videos(v.frames, v.content_hash, v.sample_fps) for v in videos] if videos else []
+        clips = list(videos)
         marks = [self.image_token] + ([self.video_token] if self.video_token else [])
         pieces = re.split(f"({'|'.join(map(re.escape, marks))})", prompt)
         inputs: list[ImageInput] = []
         text = pieces[0]
         for mark, piece in zip(pieces[1::2], pieces[2::2], strict=True):
-            item = pictures.pop(0) if mark == self.image_token else clips.pop(0)
+            if mark == self.image_token:
+                item = pictures.pop(0)
+                text += mark * item.num_tokens + piece
+            else:
+                clip = clips.pop(0)
+                item = self.videos(clip.frames, clip.content_hash, clip.sample_fps)
+                text += self.videos.text(item, clip.indices, clip.source_fps, mark) + piece
             inputs.append(item)
-            text += mark * item.num_tokens + piece
         ids = torch.as_tensor(self.tokenizer(text)["input_ids"])
         positions = torch.isin(ids, torch.as_tensor(self.placeholder_ids)).nonzero().squeeze(1)
         if len(positions) != sum(item.num_tokens for item in inputs):

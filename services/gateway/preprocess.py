@@ -115,7 +115,7 @@ class ImagePreprocessor:
         """One clip's sampled frames (common/video.py: bounded, under its own deadline)."""
         assert sampling is not None
         try:
-            return decode_video(blob, sampling.limits, sampling.fps, sampling.max_frames)
+            return decode_video(blob, sampling.limits, sampling.fps, sampling.max_frames, rule=sampling.rule)
         except VideoTooLarge as exc:
             raise APIError(413, str(exc), param="video_url", code="video_too_large") from exc
         except VideoError as exc:
@@ -141,6 +141,7 @@ class VideoSampling:
     limits: VideoLimits
     fps: float
     max_frames: int
+    rule: str = "qwen2"  # the served family's way of picking frames (common/video.py's RULES)
 
 
 IMAGE_THREAD_NICE = 10  # bulk work: on busy cores the event loop and the text path come first

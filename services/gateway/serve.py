@@ -74,7 +74,7 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
         max_bytes=s.max_video_bytes, max_duration_s=s.video_max_seconds, deadline_s=s.video_decode_timeout,
         max_fps=s.video_max_fps, max_frames=s.video_max_frames,
     )  # fmt: skip
-    return VideoSampling(limits, fps, frames)
+    return VideoSampling(limits, fps, frames, gw.processor.videos.rule)
 
 
 async def completion(gw: Gateway, body: CompletionRequest, request: Request):

@@ -1,7 +1,8 @@
-"""Video through the deployed services (issue 29): Qwen2-VL and Qwen2.5-VL deployments under
-E+P+D, where the clip's patches cross G→E by handle, its features E→P, and its KV with the rope
-delta P→D (Qwen2.5-VL's clip positions need the seconds each temporal patch spans, which travel
-in the task). A `video_url` part (a data: URL of a real H.264 file) answers as HF's model does on the same
+"""Video through the deployed services (issue 29): Qwen2-VL, Qwen2.5-VL and Qwen3-VL deployments
+under E+P+D, where the clip's patches cross G→E by handle, its features E→P, and its KV with the
+rope delta P→D (Qwen2.5-VL's clip positions need the seconds each temporal patch spans, which
+travel in the task; Qwen3-VL's frames are picked its own way and stamped in the prompt). A
+`video_url` part (a data: URL of a real H.264 file) answers as HF's model does on the same
 sampled frames; every hostile video is a 4xx saying why, and the deployment answers the next
 request at once."""
 
@@ -65,7 +66,7 @@ def reference(model_dir, with_image: bool, max_tokens: int) -> str:
         {"type": "text", "text": QUESTION},
     ]
     prompt = processor.chat_prompt([{"role": "user", "content": content}])
-    clip = decode_video(CLIP(), VideoLimits(), fps=2.0, max_frames=32)
+    clip = decode_video(CLIP(), VideoLimits(), fps=2.0, max_frames=32, rule=processor.videos.rule)
     images = [make_image(0, (80, 64))] if with_image else []
     processed = processor.process(prompt, images, [clip])
     return processor.tokenizer.decode(
@@ -81,8 +82,10 @@ def messages(video: str, with_image: bool = False) -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
-@pytest.mark.parametrize("with_image", [False, True])
+@pytest.mark.parametrize(
+    ("name", "with_image"),
+    [("tiny-qwen2-vl", False), ("tiny-qwen2-vl", True), ("tiny-qwen2.5-vl", False), ("tiny-qwen3-vl", True)],
+)
 def test_a_clip_answers_as_hf(deployments, name, with_image):
     model_dir, running = deployments(name)
     client = client_for(running)

@@ -155,6 +155,9 @@ class QwenVLModel(nn.Module):
         self.tokens_per_second = (
             config.vision_config.tokens_per_second if config.model_type == "qwen2_5_vl" else None
         )
+        # Qwen3-VL: a clip's temporal patches are apart in the prompt (each after its time stamp),
+        # each placed as a picture of one patch in time.
+        self.stamped_clips = variant.qwen3
         text = config.text_config
         rope = text.rope_parameters or {}
         arch = TextArch(
@@ -175,8 +178,16 @@ class QwenVLModel(nn.Module):
         return self.vision(images, device, dtype)
 
     def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[torch.Tensor, int]:
-        grids = [img.grid_thw for img in images]
-        intervals = [self._interval(img) for img in images]
+        grids: list[tuple[int, int, int]] = []
+        intervals: list[float] = []
+        for img in images:
+            t, h, w = img.grid_thw
+            if img.video and self.stamped_clips:
+                grids += [(1, h, w)] * t
+                intervals += [1.0] * t
+            else:
+                grids.append((t, h, w))
+                intervals.append(self._interval(img))
         return mrope_positions(token_ids, self.placeholder_ids, grids, self.merge, intervals)
 
     def _interval(self, img: ImageInput) -> float:
