@@ -146,6 +146,20 @@ class WorkerSettings(ServiceSettings):
         description="Scale the profiled budgets down while full steps run slower than profiled "
         "(cores shared with other processes), and back up when they do not",
     )
+    tbt_stretch: float = Field(
+        1.5,
+        ge=0,
+        description="On an instance that decodes and prefills: long prompts' chunks go into steps with "
+        "decodes only so far as those take on average this many times a decode-only step (above 1; 0: off)",
+    )
+    long_prefill: int = Field(1024, ge=1, description="Prompts longer than this many tokens are paced")
+
+    @model_validator(mode="after")
+    def _check_stretch(self) -> WorkerSettings:
+        if 0 < self.tbt_stretch <= 1:
+            raise ValueError(f"TRIDENT_TBT_STRETCH must be above 1 (or 0: off), not {self.tbt_stretch}")
+        return self
+
     max_num_seqs: int = 256
     prefix_caching: bool = Field(
         True,

@@ -41,6 +41,13 @@ class EngineConfig:
     # After a profile is applied, scale τe and τt down (and back up, never past the profile) while
     # full steps run slower than the profile said (governor.py).
     adapt_budgets: bool = True
+    # On an instance that decodes and prefills (PD, EPD): long prompts' chunks go into steps with
+    # decodes only so far as such steps take, on average, at most this many times a decode-only
+    # step (pacing.py), so a long clip's prefill keeps the TBT of the requests decoding beside it.
+    # None: long prompts' chunks fill every step, bounded by τt alone.
+    tbt_stretch: float | None = 1.5
+    # Prompts longer than this many tokens are the long ones paced beside decodes.
+    long_prefill: int = 1024
     # Upper bound on concurrently running sequences, so one iteration's decode batch stays bounded.
     max_num_seqs: int = 256
     # Keep full KV blocks for reuse by the hash of everything they depend on (prefix.py): a request
@@ -68,6 +75,8 @@ class EngineConfig:
             raise ValueError("an engine needs at least one role")
         if self.block_size <= 0 or self.token_budget <= 0 or self.image_budget <= 0:
             raise ValueError("block_size, token_budget and image_budget must be positive")
+        if self.tbt_stretch is not None and self.tbt_stretch <= 1.0:
+            raise ValueError(f"tbt_stretch must be above 1 (or None), not {self.tbt_stretch}")
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(
                 f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}: {self.decode_graphs!r}"

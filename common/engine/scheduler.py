@@ -6,6 +6,11 @@ Each iteration is built in three named steps, within an image budget τe and a t
 2. continuing work — prefill chunks and encodes of requests already started;
 3. new work — waiting requests, prefill-ready ones into τt (chunked), image ones into τe.
 
+Where decodes share a step with prefill chunks, a long prompt's chunks are paced (pacing.py): they
+go into a step only while the time such chunks added to steps with decodes is within a share of
+those steps, so a long clip's prefill leaves most tokens of the requests decoding beside it at
+the pace they had without it.
+
 τe and τt are each the most one iteration can hold within the instance's latency limit, so on an
 instance that runs the vision tower and the LLM in one iteration (EP, ED, EPD) they share it:
 images/τe + tokens/τt ≤ 1. Filling both (as Algorithm 1 reads) ran small-llava EPD iterations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig, Policy
+from common.engine.pacing import PrefillPacer
 from common.engine.prefix import block_hashes
 from common.engine.request import Request, Status
 from common.roles import Role, StepKind
@@ -101,6 +107,14 @@ class Scheduler:
             config.policy == Policy.STAGE
             and Role.ENCODE in config.roles
             and bool(config.roles & {Role.PREFILL, Role.DECODE})
+        )
+        # Long prompts' chunks beside decodes (module docstring), where one step does both.
+        self.pacer = (
+            PrefillPacer(config.tbt_stretch)
+            if config.tbt_stretch is not None
+            and config.policy == Policy.STAGE
+            and {Role.PREFILL, Role.DECODE} <= config.roles
+            else None
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -191,6 +205,8 @@ class Scheduler:
 
     def _new_work(self, batch: Batch) -> None:
         for req in [r for r in self.waiting if not r.needs_encode]:
+            if self._paced_room(req, batch) == 0:
+                continue  # a long prompt waits for a step with room for it; shorter ones need not
             if self._full() or not self._take_chunk(req, batch):
                 break  # out of τt or KV blocks: keep arrival order, admit nothing newer
             self._start(req)
@@ -230,6 +246,9 @@ class Scheduler:
 
     def _take_chunk(self, req: Request, batch: Batch) -> bool:
         room = self._tokens_left(batch)
+        paced = self._paced_room(req, batch)
+        if paced is not None:
+            room = min(room, paced)
         if Role.PREFILL not in self.config.roles or room <= 0:
             return False
         looked = self._reuse_prefix(req)
@@ -240,6 +259,17 @@ class Scheduler:
         self._count_lookup(req, looked)
         batch.prefills.append((req, chunk))
         return True
+
+    def _paced_room(self, req: Request, batch: Batch) -> int | None:
+        """0 if `req` is a long prompt that must sit this step out beside the decodes (pacing.py);
+        None where it is not paced."""
+        if self.pacer is None or not batch.decodes or not self.is_long(req) or self.pacer.allows():
+            return None
+        return 0
+
+    def is_long(self, req: Request) -> bool:
+        """A prompt long enough to be paced beside decodes."""
+        return len(req.prompt_token_ids) > self.config.long_prefill
 
     def _reuse_prefix(self, req: Request) -> tuple[int, int]:
         """A request about to compute its first tokens starts from its longest cached prefix, and

@@ -91,6 +91,8 @@ def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
         device=s.device,
         num_threads=s.num_threads or None,
         adapt_budgets=s.adapt_budgets,
+        tbt_stretch=s.tbt_stretch or None,
+        long_prefill=s.long_prefill,
         decode_graphs=s.decode_graphs,
     )
 
