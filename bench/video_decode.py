@@ -21,15 +21,12 @@ beside them. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import av
-import numpy as np
 import torch
 from PIL import Image
 
@@ -37,6 +34,7 @@ from common.engine.loader import load_model
 from common.engine.processor import RequestProcessor
 from common.models import resolve_model
 from common.video import VideoLimits, decode_video
+from trident.bench.clips import encode_clip, moving_texture
 from trident.bench.machine import single_thread_gflops
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,24 +44,10 @@ FACTOR = 28  # patch 14 × merge 2
 
 
 def make_clip(seconds: float, fps: int, width: int, height: int) -> bytes:
-    """A moving texture with fine detail: frames that cost a decoder what camera footage does."""
-    rng = np.random.default_rng(0)
-    # Detail at 1/8 of the frame's resolution, upscaled: about the bitrate of camera footage.
-    texture = rng.integers(0, 256, (height // 4, width // 4, 3), dtype=np.uint8)
-    texture = np.asarray(Image.fromarray(texture).resize((width * 2, height * 2), Image.BICUBIC))
-    out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"preset": "veryfast", "crf": "23"}
-        for i in range(int(seconds * fps)):
-            y, x = (3 * i) % height, (5 * i) % width
-            frame = av.VideoFrame.from_ndarray(texture[y : y + height, x : x + width], format="rgb24")
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return out.getvalue()
+    """A moving texture with detail at 1/8 of the frame's resolution: about the bitrate of camera
+    footage, so the decoder works as hard as it would on it."""
+    frames = moving_texture(int(seconds * fps), (width, height), seed=0, detail=8)
+    return encode_clip(frames, fps, (width, height), options={"preset": "veryfast", "crf": "23"})
 
 
 def video_size(height: int, width: int) -> tuple[int, int]:

@@ -233,9 +233,7 @@ class Engine:
         seconds = time.perf_counter() - started
         if self.governor is not None:
             self._govern(batch, seconds)
-        if self.scheduler.pacer is not None and not batch.encodes:
-            long_tokens = sum(n for r, n in batch.prefills if self.scheduler.is_long(r))
-            self.scheduler.pacer.observe(len(batch.decodes), batch.prefill_tokens, long_tokens, seconds)
+        self.scheduler.observe(batch, seconds)
         if self.on_step is not None:
             self.on_step(batch, seconds)
         return outputs

@@ -147,6 +147,13 @@ class Scheduler:
         self._encode_only(batch)
         return batch
 
+    def observe(self, batch: Batch, seconds: float) -> None:
+        """How long `batch` took to run: what the pacer learns from (the engine's steps, and the
+        planner's simulated ones alike)."""
+        if self.pacer is not None and not batch.encodes:
+            long_tokens = sum(n for r, n in batch.prefills if self.is_long(r))
+            self.pacer.observe(len(batch.decodes), batch.prefill_tokens, long_tokens, seconds)
+
     def remove(self, req: Request) -> None:
         """Take a request out of the queues (finished, handed off or aborted); blocks are the caller's."""
         if req in self.running:

@@ -253,7 +253,8 @@ class Simulation:
             rid = entry.request_id or f"r{i}"
             rid = rid if rid not in self.tracks else f"{rid}#{i}"
             self.tracks[rid] = _Track(entry.arrival, max(entry.output_tokens, 1))
-            dispatch = self.transfer.dispatch + self.transfer.dispatch_per_image * entry.num_images
+            units = entry.num_images + getattr(entry, "num_videos", 0)
+            dispatch = self.transfer.dispatch + self.transfer.dispatch_per_image * units
             self._push(entry.arrival + dispatch, "arrive", (rid, entry))
         complete = True
         while self._events:
@@ -291,7 +292,10 @@ class Simulation:
 
     def _arrive(self, rid: str, entry) -> None:
         per_image = _split(entry.image_tokens, entry.num_images)
+        per_clip = _split(getattr(entry, "video_tokens", 0), getattr(entry, "num_videos", 0))
         images = [ImageInput(f"{rid}/{k}", n) for k, n in enumerate(per_image)]
+        # A clip: one encode that costs its tokens, a long prefill (paced beside decodes).
+        images += [ImageInput(f"{rid}/v{k}", n, video=True) for k, n in enumerate(per_clip)]
         for img in images[: getattr(entry, "encoded_images", 0)]:
             img.features = _ENCODED  # stored already: no encoder runs for it
         req = Request(
@@ -474,6 +478,7 @@ class Simulation:
             share = budget_share(batch, s.image_budget, s.token_budget, s.image_unit)
             if inst.governor.observe(share, self.now - inst.started):
                 s.image_budget, s.token_budget = inst.governor.budgets
+        inst.scheduler.observe(batch, self.now - inst.started)  # long prompts paced, as the engine does
         for req, indices in batch.encodes:
             for k in indices:
                 req.images[k].features = _ENCODED

@@ -44,10 +44,17 @@ class TraceEntry:
     # `cached_tokens` prompt tokens in its prefix cache.
     encoded_images: int = 0
     cached_tokens: int = 0
+    # Video clips, beside the images: how many, their tokens (in the prompt, apart from
+    # image_tokens), and (seconds, width, height) per clip when known. A clip is one encode whose
+    # cost is its tokens, as an image's.
+    num_videos: int = 0
+    video_tokens: int = 0
+    clips: tuple[tuple[float, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         # A list from JSON or a caller becomes a tuple, so entries stay hashable.
         object.__setattr__(self, "image_sizes", tuple((int(w), int(h)) for w, h in self.image_sizes))
+        object.__setattr__(self, "clips", tuple((float(t), int(w), int(h)) for t, w, h in self.clips))
         if not (math.isfinite(self.arrival) and self.arrival >= 0):
             raise ValueError(f"arrival must be a finite number >= 0, got {self.arrival}")
         for name in (
@@ -57,11 +64,18 @@ class TraceEntry:
             "output_tokens",
             "encoded_images",
             "cached_tokens",
+            "num_videos",
+            "video_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.image_tokens > self.prompt_tokens:
-            raise ValueError(f"image_tokens {self.image_tokens} > prompt_tokens {self.prompt_tokens}")
+        if self.image_tokens + self.video_tokens > self.prompt_tokens:
+            clips = f" + video_tokens {self.video_tokens}" if self.video_tokens else ""
+            raise ValueError(f"image_tokens {self.image_tokens}{clips} > prompt_tokens {self.prompt_tokens}")
+        if len(self.clips) not in (0, self.num_videos):
+            raise ValueError(f"{len(self.clips)} clips for {self.num_videos} videos")
+        if any(not (math.isfinite(t) and t > 0) or w <= 0 or h <= 0 for t, w, h in self.clips):
+            raise ValueError(f"clips must have positive seconds, width and height, got {list(self.clips)}")
         if self.encoded_images > self.num_images:
             raise ValueError(f"encoded_images {self.encoded_images} > num_images {self.num_images}")
         if self.cached_tokens > self.prompt_tokens:
@@ -77,7 +91,7 @@ class TraceEntry:
 
     @property
     def text_tokens(self) -> int:
-        return self.prompt_tokens - self.image_tokens
+        return self.prompt_tokens - self.image_tokens - self.video_tokens
 
 
 @dataclass
@@ -168,9 +182,11 @@ def entry_json(e: TraceEntry) -> dict:
     }
     if e.image_sizes:
         obj["image_sizes"] = [list(s) for s in e.image_sizes]
-    for name in ("request_id", "dataset", "encoded_images", "cached_tokens"):
+    for name in ("request_id", "dataset", "encoded_images", "cached_tokens", "num_videos", "video_tokens"):
         if getattr(e, name):
             obj[name] = getattr(e, name)
+    if e.clips:
+        obj["clips"] = [list(c) for c in e.clips]
     for name in ("ttft", "tbt_p90", "slo_met"):
         if getattr(e, name) is not None:
             obj[name] = getattr(e, name)
@@ -197,6 +213,9 @@ def entry_from_json(obj: dict) -> TraceEntry:
         slo_met=_optional_bool(obj, "slo_met"),
         encoded_images=_int(obj, "encoded_images", 0),
         cached_tokens=_int(obj, "cached_tokens", 0),
+        num_videos=_int(obj, "num_videos", 0),
+        video_tokens=_int(obj, "video_tokens", 0),
+        clips=tuple(_clip(c) for c in _list(obj, "clips")),
     )
 
 
@@ -213,6 +232,20 @@ def _size(value: Any) -> tuple[int, int]:
     if not (isinstance(value, list) and len(value) == 2):
         raise ValueError(f"an image size must be [width, height], got {value!r}")
     return _int({"width": value[0]}, "width"), _int({"height": value[1]}, "height")
+
+
+def _list(obj: dict, name: str) -> list:
+    value = obj.get(name) or []
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return value
+
+
+def _clip(value: Any) -> tuple[float, int, int]:
+    if not (isinstance(value, list) and len(value) == 3):
+        raise ValueError(f"a clip must be [seconds, width, height], got {value!r}")
+    seconds = _number({"seconds": value[0]}, "seconds")
+    return seconds, _int({"width": value[1]}, "width"), _int({"height": value[2]}, "height")
 
 
 def _number(obj: dict, name: str) -> float:
@@ -318,9 +351,11 @@ def summary(entries: Sequence[TraceEntry]) -> dict[str, Any]:
         "prompt_tokens": _stats([e.prompt_tokens for e in entries]),
         "text_tokens": _stats([e.text_tokens for e in entries]),
         "image_tokens": _stats([e.image_tokens for e in entries]),
+        "video_tokens": _stats([e.video_tokens for e in entries]),
         "output_tokens": _stats([e.output_tokens for e in entries]),
         "images_per_request": sum(e.num_images for e in entries) / n if n else 0.0,
-        "text_only": sum(e.num_images == 0 for e in entries) / n if n else 0.0,
+        "videos_per_request": sum(e.num_videos for e in entries) / n if n else 0.0,
+        "text_only": sum(e.num_images == 0 and e.num_videos == 0 for e in entries) / n if n else 0.0,
         "slo_attainment": sum(met) / len(met) if met else None,
     }
 

@@ -84,6 +84,8 @@ class WorkloadShape:
     resolution: Discrete  # (width, height) of each image
     text_tokens: Lengths  # the prompt's text: question or instruction, without the chat template
     output_tokens: Lengths
+    videos: Discrete = Discrete((0,))  # video clips per request, drawn apart from the images
+    clip: Discrete = Discrete(((8.0, 640, 360),))  # (seconds, width, height) of each clip
 
 
 # Image resolutions of the source collections (assumed from how each collection is published).
@@ -182,6 +184,21 @@ SHAPES: dict[str, WorkloadShape] = {
             fixed(64),
         ),
         WorkloadShape(
+            "video-mix",
+            "mix with short video clips: a third of requests carry a clip, half an image (some both)",
+            "assumed: mix's text and outputs; clips of 4-16 s at 360p-720p, the lengths and sizes "
+            "users send Qwen-VL to describe; one in three requests with one (004 works the E/P/D "
+            "case through a 30-frame clip)",
+            Discrete((0, 1), (0.5, 0.5)),
+            fixed((1280, 720)),
+            LogNormal(63.1, 0.6, 4, 1024),
+            fixed(64),
+            Discrete((0, 1), (2 / 3, 1 / 3)),
+            Discrete(
+                ((4.0, 640, 360), (8.0, 640, 360), (8.0, 1280, 720), (16.0, 640, 360)), (0.3, 0.3, 0.2, 0.2)
+            ),
+        ),
+        WorkloadShape(
             "text",
             "mix's text-only half: the same prompts and outputs, no image",
             "as mix",
@@ -241,6 +258,20 @@ def qwen2_vl_tokens(
     return (h // factor) * (w // factor)
 
 
+def qwen2_vl_clip_tokens(
+    seconds: float, width: int, height: int, *, fps: float = 2.0, max_frames: int = 32, source_fps: int = 10,
+    factor: int = 28, min_pixels: int = 128 * 28 * 28, max_pixels: int = 768 * 28 * 28,
+) -> int:  # fmt: skip
+    """Qwen2-VL / Qwen2.5-VL: a clip's tokens at the server's default sampling (`fps` frames per
+    second of video, at least 4, at most `max_frames` and the clip's own, an even count), two
+    frames to a temporal patch, each patch as many tokens as one frame resized within the video
+    processor's per-frame bounds (common/video.py and common/engine/video_input.py do this)."""
+    held = max(2, round(seconds * source_fps))
+    frames = int(min(max(seconds * fps, 4), max_frames, held)) // 2 * 2
+    per_patch = qwen2_vl_tokens(width, height, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return frames // 2 * per_patch
+
+
 def _best_pinpoint(width: int, height: int) -> tuple[int, int]:
     """The pinpoint keeping most of the image's pixels, then wasting the fewest (LLaVA-NeXT's rule)."""
     best, best_key = _PINPOINTS[0], (-1, 0)
@@ -267,6 +298,7 @@ def generate(
     timestamps: Sequence[float] | None = None,
     seed: int = 0,
     image_tokens: Callable[[int, int], int] | int = llava15_tokens,
+    clip_tokens: Callable[[float, int, int], int] | int = qwen2_vl_clip_tokens,
     max_prompt_tokens: int | None = None,
     max_output_tokens: int | None = None,
 ) -> list[TraceEntry]:
@@ -278,7 +310,8 @@ def generate(
     `rate` with their shape kept; `num_requests` defaults to all of them). With `num_requests` the
     drawn gaps are stretched so the trace's mean rate is exactly `rate`; with `duration` the count
     is random, `rate * duration` on average.
-    `image_tokens`: tokens per image from (width, height), or a fixed count.
+    `image_tokens`: tokens per image from (width, height), or a fixed count; `clip_tokens`: per
+    video clip from (seconds, width, height), or a fixed count.
     `max_prompt_tokens` / `max_output_tokens`: clip text and outputs to fit a model's context.
 
     Deterministic from `seed`; requests and arrival times use separate streams, so the same seed and
@@ -294,25 +327,38 @@ def generate(
     sizes = shape.resolution.sample(size_rng, sum(counts))
     texts = shape.text_tokens.sample(size_rng, n)
     outputs = shape.output_tokens.sample(size_rng, n)
-    entries, used = [], 0
+    # Drawn after the rest, so that a shape without clips draws what it did before they existed.
+    video_counts = shape.videos.sample(size_rng, n)
+    clips = shape.clip.sample(size_rng, sum(video_counts))
+    per_clip = clip_tokens if callable(clip_tokens) else (lambda t, w, h: clip_tokens)
+    entries, used, used_clips = [], 0, 0
     for i, (t, k, text, out) in enumerate(zip(times, counts, texts, outputs, strict=True)):
         images = tuple(sizes[used : used + k])
         used += k
+        own_clips = tuple(clips[used_clips : used_clips + video_counts[i]])
+        used_clips += video_counts[i]
         img = sum(per_image(w, h) for w, h in images)
+        vid = sum(per_clip(*c) for c in own_clips)
         if max_prompt_tokens is not None:
-            if img > max_prompt_tokens:
-                raise ValueError(f"request {i}: its {k} image(s) take {img} tokens > max_prompt_tokens")
-            text = min(text, max_prompt_tokens - img)
+            if img + vid > max_prompt_tokens:
+                raise ValueError(
+                    f"request {i}: its {k} image(s) and {len(own_clips)} clip(s) take {img + vid} tokens "
+                    "> max_prompt_tokens"
+                )
+            text = min(text, max_prompt_tokens - img - vid)
         if max_output_tokens is not None:
             out = min(out, max_output_tokens)
         entries.append(
             TraceEntry(
                 arrival=float(t),
-                prompt_tokens=text + img,
+                prompt_tokens=text + img + vid,
                 num_images=k,
                 image_tokens=img,
                 output_tokens=out,
                 image_sizes=images,
+                num_videos=len(own_clips),
+                video_tokens=vid,
+                clips=own_clips,
                 request_id=f"{shape.name}-{i:06d}",
                 dataset=shape.name,
             )

@@ -76,3 +76,22 @@ def test_the_production_traces_replay(name):
     assert len(times) > 1000 and max(times) > min(times)
     entries = build(rate=4.0, duration=60, workload="textcaps", arrivals=name, image_tokens=576)
     assert len(entries) == 240
+
+
+def test_a_clip_entry_is_sent_as_a_real_video():
+    """A trace entry's clip goes out as a `video_url` data: URL of an H.264 file of its length and
+    size (what the server's decoder then reads), on a conversation's first turn only."""
+    import base64
+
+    from common.video import VideoLimits, decode_video
+    from trident.bench.client import RequestOptions, user_content
+
+    entry = TraceEntry(0.0, 100, 0, 0, 4, num_videos=1, video_tokens=90, clips=((2.0, 160, 96),))
+    parts = user_content(entry, 7, RequestOptions(model="m"))
+    assert [p["type"] for p in parts] == ["video_url", "text"]
+    url = parts[0]["video_url"]["url"]
+    assert url.startswith("data:video/mp4;base64,")
+    clip = decode_video(base64.b64decode(url.split(",", 1)[1]), VideoLimits(), 2.0, 32)
+    assert clip.duration_s == pytest.approx(2.0) and clip.frames.shape[1:3] == (96, 160)
+    later = user_content(entry, 7, RequestOptions(model="m"), 0, clips=False)
+    assert [p["type"] for p in later] == ["text"]

@@ -8,6 +8,8 @@ import io
 import av
 import numpy as np
 
+from trident.bench.clips import encode_clip, moving_texture
+
 
 def frame_colour(index: int) -> tuple[int, int, int]:
     return (index * 37) % 256, (index * 91) % 256, (index * 53) % 256
@@ -23,29 +25,12 @@ def make_clip(
 ) -> bytes:
     """`frames` frames of `size` (width, height) at `fps`, in `fmt` (mp4, mpegts, matroska): solid
     colours, or with `seed` a random texture that moves (detail for a vision tower to see)."""
-    texture = None
-    if seed is not None:
-        rng = np.random.default_rng(seed)
-        texture = rng.integers(0, 256, (size[1] * 2, size[0] * 2, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    with av.open(out, mode="w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height = size
-        stream.pix_fmt = "yuv420p"
-        if codec == "libx264":
-            stream.options = {"preset": "ultrafast", "crf": "10"}
-        for i in range(frames):
-            if texture is None:
-                pixels = np.empty((size[1], size[0], 3), dtype=np.uint8)
-                pixels[:] = frame_colour(i)
-            else:
-                y, x = (3 * i) % size[1], (5 * i) % size[0]
-                pixels = np.ascontiguousarray(texture[y : y + size[1], x : x + size[0]])
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return out.getvalue()
+    if seed is None:
+        pictures = (np.full((size[1], size[0], 3), frame_colour(i), dtype=np.uint8) for i in range(frames))
+    else:
+        pictures = moving_texture(frames, size, seed)
+    options = {"preset": "ultrafast", "crf": "10"} if codec == "libx264" else None
+    return encode_clip(pictures, fps, size, codec, fmt, options)
 
 
 def empty_clip() -> bytes:

@@ -203,3 +203,32 @@ def test_stored_images_skip_the_encoder() -> None:
     half = [TraceEntry(0.0, 22, 2, 20, 2, encoded_images=1)]
     result = simulate(half, Deployment.of("epd", epd=1), PROFILES, SLO_)
     assert result.ttft[0] == pytest.approx(0.1 + 0.022)
+
+
+def test_a_clip_prefills_paced_beside_a_decoding_request() -> None:
+    """A 1,500-token clip arrives while a text request decodes on one EPD instance. Paced (the
+    engine's default, fed the simulated steps as the engine feeds it its own), the text's gaps
+    average about tbt_stretch × a decode step and never two chunk steps come in a row; unpaced,
+    the clip's τt chunks fill every step until it has prefilled."""
+    text = entry(0.0, images=0, prompt=10, output=80)
+    clip = TraceEntry(0.1, 1520, 0, 0, 2, num_videos=1, video_tokens=1500, clips=((8.0, 640, 360),))
+
+    def text_gaps(paced: bool) -> list[float]:
+        room = dataclasses.replace(PROFILES, curves=dataclasses.replace(CURVES, num_kv_blocks=256))
+        sim = Simulation([text, clip], Deployment.of("epd", epd=1), room, SLO(ttft=60, tbt=0.3))
+        if not paced:
+            for inst in sim.instances:
+                inst.scheduler.pacer = None
+        result = sim.run()
+        assert result.complete and all(t is not None and t > 0 for t in result.ttft)  # both answered
+        return sim.tracks["r0"].gaps
+
+    def longest_run_of_chunk_steps(gaps: list[float]) -> int:
+        runs = "".join("x" if g > 0.2 else "." for g in gaps).split(".")  # a chunk: 0.25 s
+        return max(len(run) for run in runs)
+
+    paced, unpaced = text_gaps(True), text_gaps(False)
+    assert longest_run_of_chunk_steps(unpaced) >= 5  # 1,500 tokens in τt chunks, one after another
+    assert longest_run_of_chunk_steps(paced) == 1  # each chunk's time earned back before the next
+    assert sum(paced) / len(paced) <= 1.6 * 0.02  # tbt_stretch 1.5, and the chunks that ran
+    assert sorted(paced)[len(paced) * 9 // 10] == pytest.approx(0.02)  # p90: a decode step

@@ -29,6 +29,8 @@ def _entry(**kw) -> TraceEntry:
 
 def test_entry_validates_and_derives_text_tokens():
     assert _entry().text_tokens == 24
+    clip = _entry(num_videos=1, video_tokens=20, clips=[[8, 640, 360]])
+    assert clip.text_tokens == 4 and clip.clips == ((8.0, 640, 360),)
     assert _entry(image_sizes=[[640, 480]]).image_sizes == ((640, 480),)
     for bad, message in [
         ({"arrival": -1.0}, "arrival"),
@@ -41,6 +43,9 @@ def test_entry_validates_and_derives_text_tokens():
         ({"encoded_images": 2}, "encoded_images 2 > num_images 1"),
         ({"cached_tokens": 601}, "cached_tokens 601 > prompt_tokens 600"),
         ({"cached_tokens": -1}, "cached_tokens"),
+        ({"num_videos": 1, "video_tokens": 30}, r"image_tokens 576 \+ video_tokens 30 > prompt_tokens 600"),
+        ({"num_videos": 2, "video_tokens": 10, "clips": [[8, 640, 360]]}, "1 clips for 2 videos"),
+        ({"num_videos": 1, "video_tokens": 10, "clips": [[0, 640, 360]]}, "positive seconds"),
     ]:
         with pytest.raises(ValueError, match=message):
             _entry(**bad)
@@ -50,6 +55,7 @@ def test_round_trip_with_header(tmp_path):
     entries = generate("mix", rate=3, num_requests=100, seed=1)
     entries[3] = _entry(arrival=entries[3].arrival, ttft=0.25, tbt_p90=0.03, slo_met=True, request_id="x")
     entries[4] = _entry(arrival=entries[4].arrival, encoded_images=1, cached_tokens=592)
+    entries[5] = _entry(arrival=entries[5].arrival, num_videos=1, video_tokens=20, clips=((4.5, 640, 360),))
     path = tmp_path / "t.jsonl"
     write_trace(path, entries, meta={"shape": "mix", "rate": 3})
     trace = read_trace(path)

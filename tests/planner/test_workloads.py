@@ -16,6 +16,7 @@ from common.planner.workloads import (
     generate,
     llava15_tokens,
     llava_next_tokens,
+    qwen2_vl_clip_tokens,
     qwen2_vl_tokens,
 )
 
@@ -195,3 +196,37 @@ def test_qwen2_vl_tokens_match_the_image_processor():
         grid = processor(images=[Image.new("RGB", (w, h))], return_tensors="pt")["image_grid_thw"][0]
         assert qwen2_vl_tokens(w, h) == int(grid.prod()) // 4, (w, h)
     assert qwen2_vl_tokens(1024, 768) == 999  # the figure the function's docstring gives
+
+
+def test_video_mix_sends_a_clip_with_a_third_of_its_requests():
+    entries = generate("video-mix", rate=5, num_requests=3000, seed=6)
+    with_clip = [e for e in entries if e.num_videos]
+    assert len(with_clip) / len(entries) == pytest.approx(1 / 3, abs=0.03)
+    assert all(e.num_videos == 1 and len(e.clips) == 1 for e in with_clip)
+    assert all(e.video_tokens == qwen2_vl_clip_tokens(*e.clips[0]) for e in with_clip)
+    assert all(e.prompt_tokens == e.text_tokens + e.image_tokens + e.video_tokens for e in entries)
+    both = sum(1 for e in with_clip if e.num_images) / len(entries)
+    assert both == pytest.approx(1 / 6, abs=0.03)  # clips and images drawn apart
+    s = summary(entries)
+    assert s["videos_per_request"] == pytest.approx(1 / 3, abs=0.03)
+    assert s["text_only"] == pytest.approx(1 / 3, abs=0.03)
+    # A shape without clips draws the same requests it drew before clips existed.
+    assert all(e.num_videos == 0 and e.clips == () for e in generate("mix", rate=5, num_requests=50, seed=6))
+
+
+def test_qwen2_vl_clip_tokens_match_the_video_path():
+    """The count the workload gives a clip is what the server's own decoding, sampling and video
+    patching (common/video.py, common/engine/video_input.py at a release's video bounds) make of a
+    real file of that length and size."""
+    from common.engine.video_input import VideoPatching
+    from common.video import VideoLimits, decode_video
+    from trident.bench.clips import clip_bytes
+
+    patching = VideoPatching(
+        min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, patch=14, temporal=2, merge=2,
+        mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), rescale=1 / 255,
+    )  # fmt: skip
+    for seconds, width, height in [(1.0, 320, 180), (3.0, 640, 360), (20.0, 160, 96)]:
+        clip = decode_video(clip_bytes(seconds, (width, height), seed=0), VideoLimits(), 2.0, 32)
+        made = patching(clip.frames, clip.content_hash, clip.sample_fps)
+        assert made.num_tokens == qwen2_vl_clip_tokens(seconds, width, height), (seconds, width, height)

@@ -24,11 +24,13 @@ import numpy as np
 from PIL import Image
 
 from common.planner.trace import TraceEntry
+from trident.bench.clips import clip_data_url
 from trident.bench.metrics import RequestResult
 from trident.bench.repeat import ImageSeed, Repeats
 
 _TEXT = "the cat sat on a red mat near the old blue door while small birds sang in tall green trees"
 DEFAULT_IMAGE_SIZE = (640, 480)
+DEFAULT_CLIP = (8.0, 640, 360)  # (seconds, width, height) of a clip a trace gives no size for
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,11 @@ def prompt_text(entry: TraceEntry, seed: int) -> str:
 
 
 def user_content(
-    entry: TraceEntry, seed: int, opts: RequestOptions, num_images: int | None = None
+    entry: TraceEntry, seed: int, opts: RequestOptions, num_images: int | None = None, clips: bool = True
 ) -> list[dict]:
-    """A user message's parts: `num_images` images (default: the entry's), then its text. An image
-    is the request's own or, with an image pool, drawn from it (at one size, so it is the same)."""
+    """A user message's parts: `num_images` images (default: the entry's), with `clips` the entry's
+    video clips (real H.264 files, trident/bench/clips.py), then its text. An image is the
+    request's own or, with an image pool, drawn from it (at one size, so it is the same)."""
     draws = np.random.default_rng([opts.repeats.seed, seed])
     sizes = list(entry.image_sizes or (DEFAULT_IMAGE_SIZE,) * entry.num_images)
     if num_images is not None:
@@ -74,6 +77,11 @@ def user_content(
         image = opts.repeats.image_seed(seed * 64 + k, draws)
         size = opts.image_size or (size if isinstance(image, int) else DEFAULT_IMAGE_SIZE)
         parts.append({"type": "image_url", "image_url": {"url": image_data_url(image, size)}})
+    for k, (seconds, width, height) in enumerate(entry.clips or (DEFAULT_CLIP,) * entry.num_videos):
+        if not clips:
+            break
+        url = clip_data_url(seconds, (width, height), seed * 64 + 32 + k)
+        parts.append({"type": "video_url", "video_url": {"url": url}})
     parts.append({"type": "text", "text": prompt_text(entry, seed)})
     return parts
 
@@ -216,12 +224,12 @@ async def run(
 
 def turn_messages(history: list[tuple[list[dict], str]], parts: list[dict], image_window: int) -> list[dict]:
     """A turn's messages: each earlier turn's user message and answer, then this turn's `parts`. The
-    images of turns older than the latest `image_window` (this one included) are left out; 0 keeps
-    them all."""
+    images and clips of turns older than the latest `image_window` (this one included) are left
+    out; 0 keeps them all."""
     messages: list[dict] = []
     for age, (past, answer) in enumerate(history[::-1], start=1):
         keep_images = not image_window or age < image_window
-        resent = past if keep_images else [p for p in past if p["type"] != "image_url"]
+        resent = past if keep_images else [p for p in past if p["type"] not in ("image_url", "video_url")]
         messages[:0] = [{"role": "user", "content": resent}, {"role": "assistant", "content": answer}]
     return [*messages, {"role": "user", "content": parts}]
 
@@ -249,7 +257,7 @@ async def conversation(
     for turn in range(repeats.turns):
         seed = (opts.seed * 1_000_003 + index) * 1_000 + turn
         images = entry.num_images if turn == 0 else int(draws.random() < repeats.image_prob)
-        parts = await asyncio.to_thread(user_content, entry, seed, opts, images)
+        parts = await asyncio.to_thread(user_content, entry, seed, opts, images, turn == 0)
         messages = turn_messages(history, parts, repeats.image_window)
         result = RequestResult(
             index=index * repeats.turns + turn, scheduled=due, num_images=images, turn=turn
