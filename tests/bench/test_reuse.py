@@ -123,3 +123,25 @@ def test_a_deployment_that_does_not_answer_leaves_its_counts_out() -> None:
     r = RequestResult(index=0, scheduled=0.0, sent=0.0, ok=True, prompt_tokens=10)
     reuse = meter.measure([r])
     assert reuse.encoder_runs is None and reuse.prefix_evictions is None and reuse.computed_tokens == 10
+
+
+def test_the_ideal_counts_a_clip_as_the_gateway_samples_it(tmp_path: Path) -> None:
+    """A body with a `video_url` (a real clip, as the bench sends it): its prompt holds the clip's
+    tokens as the gateway makes them (default sampling), and sent again, all but its last block is
+    found."""
+    from common.video import VideoLimits, decode_video
+    from trident.bench.clips import clip_data_url
+
+    model_dir = write_checkpoint(tmp_path / "q", "tiny-qwen2-vl", seed=0)
+    url = clip_data_url(2.0, (112, 84), seed=5)
+    b = body("what happens", system="be brief")
+    b["messages"][1]["content"].insert(0, {"type": "video_url", "video_url": {"url": url}})
+    processor = RequestProcessor(model_dir)
+    clip = decode_video(base64.b64decode(url.partition(",")[2]), VideoLimits(), 2.0, 32)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens"}]}]
+    want = processor.process(processor.chat_prompt([b["messages"][0], *messages]), [], [clip])
+    assert sum(i.num_tokens for i in want.images) > 8  # the clip's tokens are in the prompt
+    ideal = IdealCache(model_dir, BLOCK)
+    n = len(want.token_ids)
+    assert ideal.computed(b) == n
+    assert ideal.computed(b) == n - (n - 1) // BLOCK * BLOCK

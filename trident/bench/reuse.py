@@ -33,7 +33,9 @@ from common.engine.prefix import block_hashes
 from common.engine.processor import RequestProcessor, load_image
 from common.engine.request import Request
 from common.protocol import SamplingParams
+from common.video import Clip, VideoLimits, decode_video
 from services.gateway.api_models import ChatCompletionRequest
+from services.settings import GatewaySettings
 from trident.bench.metrics import RequestResult
 
 
@@ -77,10 +79,12 @@ class IdealCache:
     def computed(self, body: Mapping) -> int:
         """The prompt tokens of chat request `body` that this cache does not hold; then it holds
         the prompt's full blocks."""
-        messages, urls = ChatCompletionRequest.model_validate(body).template_messages()
+        request = ChatCompletionRequest.model_validate(body)
+        messages, urls = request.template_messages()
         prompt = self.processor.chat_prompt(messages)
         images = [load_image(base64.b64decode(url.partition(",")[2])) for url in urls]
-        processed = self.processor.process(prompt, images)
+        clips = [self._clip(url) for url in request.video_urls()]
+        processed = self.processor.process(prompt, images, clips)
         req = Request(
             "ideal", processed.token_ids, SamplingParams(), processed.images,
             image_positions=processed.image_positions,
@@ -94,6 +98,13 @@ class IdealCache:
             found += 1
         self.seen.update(keys)
         return n - found * size
+
+    def _clip(self, url: str) -> Clip:
+        """A clip sampled as the gateway samples it by default (the bench asks for no other rate)."""
+        data = base64.b64decode(url.partition(",")[2])
+        defaults = GatewaySettings.model_fields
+        fps, frames = defaults["video_fps"].default, defaults["video_frames"].default
+        return decode_video(data, VideoLimits(), fps, frames, rule=self.processor.videos.rule)
 
 
 @dataclass(frozen=True)
