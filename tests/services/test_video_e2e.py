@@ -1,10 +1,10 @@
 """Video through the deployed services (issue 29): Qwen2-VL, Qwen2.5-VL and Qwen3-VL deployments
-under E+P+D, where the clip's patches cross G→E by handle, its features E→P, and its KV with the
-rope delta P→D (Qwen2.5-VL's clip positions need the seconds each temporal patch spans, which
-travel in the task; Qwen3-VL's frames are picked its own way and stamped in the prompt). A
-`video_url` part (a data: URL of a real H.264 file) answers as HF's model does on the same
-sampled frames; every hostile video is a 4xx saying why, and the deployment answers the next
-request at once."""
+under E+P+D (and one each under the hybrids EP+D, ED+P and EPD), where the clip's patches cross G→E
+by handle, its features E→P, and its KV with the rope delta P→D (Qwen2.5-VL's clip positions need
+the seconds each temporal patch spans, which travel in the task; Qwen3-VL's frames are picked its
+own way and stamped in the prompt). A `video_url` part (a data: URL of a real H.264 file) answers as
+HF's model does on the same sampled frames; every hostile video is a 4xx saying why, and the
+deployment answers the next request at once."""
 
 from __future__ import annotations
 
@@ -34,9 +34,13 @@ def deployments(tmp_path_factory):
     with contextlib.ExitStack() as stack:
 
         @functools.cache
-        def deployed(preset: str):
-            model_dir = write_checkpoint(tmp_path_factory.mktemp("video") / preset, preset, seed=0)
-            return model_dir, stack.enter_context(start(model_dir, tmp_path_factory, "e+p+d"))
+        def checkpoint(preset: str):
+            return write_checkpoint(tmp_path_factory.mktemp("video") / preset, preset, seed=0)
+
+        @functools.cache
+        def deployed(preset: str, method: str = "e+p+d"):
+            model_dir = checkpoint(preset)
+            return model_dir, stack.enter_context(start(model_dir, tmp_path_factory, method))
 
         yield deployed
 
@@ -94,6 +98,18 @@ def test_a_clip_answers_as_hf(deployments, name, with_image):
     )
     assert answer.choices[0].message.content == reference(model_dir, with_image, 16)
     assert answer.usage.prompt_tokens > 40  # the clip's tokens are in the prompt
+
+
+@pytest.mark.parametrize(
+    ("method", "name"), [("ep+d", "tiny-qwen3-vl"), ("ed+p", "tiny-qwen2.5-vl"), ("epd", "tiny-qwen2-vl")]
+)
+def test_a_clip_answers_as_hf_under_the_other_methods(deployments, method, name):
+    """The hybrids: the clip's features stay on an EP or ED instance, or all three stages run on one."""
+    model_dir, running = deployments(name, method)
+    answer = client_for(running).chat.completions.create(
+        model=name, messages=messages(video_url(CLIP()), True), max_tokens=16, temperature=0
+    )
+    assert answer.choices[0].message.content == reference(model_dir, True, 16)
 
 
 HOSTILE = {
