@@ -41,10 +41,10 @@ class EngineConfig:
     # After a profile is applied, scale τe and τt down (and back up, never past the profile) while
     # full steps run slower than the profile said (governor.py).
     adapt_budgets: bool = True
-    # On an instance that decodes and prefills (PD, EPD): long prompts' chunks go into steps with
-    # decodes only so far as such steps take, on average, at most this many times a decode-only
-    # step (pacing.py), so a long clip's prefill keeps the TBT of the requests decoding beside it.
-    # None: long prompts' chunks fill every step, bounded by τt alone.
+    # On an instance that decodes and prefills or encodes (PD, EPD, ED): long prompts' chunks and
+    # clips' encodes go into steps with decodes only so far as such steps take, on average, at most
+    # this many times a decode-only step (pacing.py), so a long clip keeps the TBT of the requests
+    # decoding beside it. None: they fill every step, bounded by τt and τe alone.
     tbt_stretch: float | None = 1.5
     # Prompts longer than this many tokens are the long ones paced beside decodes.
     long_prefill: int = 1024

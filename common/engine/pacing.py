@@ -14,6 +14,9 @@ The credit never grows past one step's earning: time nobody used is not saved up
 chunks. A decode-only step's time is learnt from the steps the engine runs (the median of the last
 few), and until one has been seen nothing is paced.
 
+A clip's encode beside decodes (EPD, ED) is paced the same way: it is one encode, as long as its
+frames make it, so it goes into a step with decodes only with credit left, and spends what it took.
+
 Why whole τt chunks spaced out, not small chunks in every step: a chunk costs more than its tokens
 — each one reads the prompt's whole KV so far, which at 2,000 tokens of context cost small-qwen2-vl
 on one CPU thread as much as 50 decode-step milliseconds whatever the chunk's size — so chunks
@@ -48,16 +51,16 @@ class PrefillPacer:
         """Whether the next step with decodes may carry long prompts' chunks."""
         return self.credit >= 0.0
 
-    def observe(self, decodes: int, prefill_tokens: int, long_tokens: int, seconds: float) -> None:
-        """One step the engine ran (without encodes): `decodes` one-token decodes beside
-        `prefill_tokens` prefill tokens, `long_tokens` of them long prompts', in `seconds`."""
+    def observe(self, decodes: int, seconds: float, *, decode_only: bool, paced: bool) -> None:
+        """One step the engine ran: `decodes` one-token decodes, alone (`decode_only`) or beside
+        other work, `paced` if that work held long prompts' chunks or clips' encodes, in `seconds`."""
         if decodes == 0:
             return
-        if prefill_tokens == 0:
+        if decode_only:
             self._decode_steps.append(seconds)
         step = self.decode_step
         if step is None:
             return
         earned = (self.stretch - 1.0) * step
-        spent = max(0.0, seconds - step) if long_tokens else 0.0
+        spent = max(0.0, seconds - step) if paced else 0.0
         self.credit = min(earned, self.credit + earned - spent)

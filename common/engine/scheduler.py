@@ -113,7 +113,8 @@ class Scheduler:
             PrefillPacer(config.tbt_stretch)
             if config.tbt_stretch is not None
             and config.policy == Policy.STAGE
-            and {Role.PREFILL, Role.DECODE} <= config.roles
+            and Role.DECODE in config.roles
+            and bool(config.roles & {Role.PREFILL, Role.ENCODE})
             else None
         )
         self.waiting: deque[Request] = deque()
@@ -150,9 +151,13 @@ class Scheduler:
     def observe(self, batch: Batch, seconds: float) -> None:
         """How long `batch` took to run: what the pacer learns from (the engine's steps, and the
         planner's simulated ones alike)."""
-        if self.pacer is not None and not batch.encodes:
-            long_tokens = sum(n for r, n in batch.prefills if self.is_long(r))
-            self.pacer.observe(len(batch.decodes), batch.prefill_tokens, long_tokens, seconds)
+        if self.pacer is None:
+            return
+        paced = any(self.is_long(r) for r, _ in batch.prefills) or any(
+            r.images[i].video for r, taken in batch.encodes for i in taken
+        )
+        decode_only = not (batch.prefills or batch.encodes)
+        self.pacer.observe(len(batch.decodes), seconds, decode_only=decode_only, paced=paced)
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues (finished, handed off or aborted); blocks are the caller's."""
@@ -220,6 +225,8 @@ class Scheduler:
         if not self._encodes_allowed(batch):
             return
         for req in [r for r in self.waiting if r.needs_encode]:
+            if self._encode_waits(req, batch):
+                continue  # a clip waits for a step with credit for it; pictures need not
             if self._full() or not self._take_encode(req, batch):
                 break
             self._start(req)
@@ -237,6 +244,8 @@ class Scheduler:
             return False
         todo, taken = req.images_to_encode(), []
         for i in todo:
+            if req.images[i].video and self._paced_out(batch):
+                break  # a clip beside decodes, without credit: a later step
             cost = req.images[i].num_tokens if self.image_unit else 1
             if cost > room:
                 # An image larger than all of τe runs as the first encode of an iteration (as a
@@ -270,9 +279,17 @@ class Scheduler:
     def _paced_room(self, req: Request, batch: Batch) -> int | None:
         """0 if `req` is a long prompt that must sit this step out beside the decodes (pacing.py);
         None where it is not paced."""
-        if self.pacer is None or not batch.decodes or not self.is_long(req) or self.pacer.allows():
-            return None
-        return 0
+        return 0 if self.is_long(req) and self._paced_out(batch) else None
+
+    def _encode_waits(self, req: Request, batch: Batch) -> bool:
+        """Whether `req`'s next encode is a clip that must sit this step out beside the decodes."""
+        todo = req.images_to_encode()
+        return bool(todo) and req.images[todo[0]].video and self._paced_out(batch)
+
+    def _paced_out(self, batch: Batch) -> bool:
+        """Whether long work (a long prompt's chunk, a clip's encode) sits this step out: decodes
+        are in it and the pacer has no credit left."""
+        return self.pacer is not None and bool(batch.decodes) and not self.pacer.allows()
 
     def is_long(self, req: Request) -> bool:
         """A prompt long enough to be paced beside decodes."""

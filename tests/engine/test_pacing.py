@@ -8,7 +8,7 @@ import pytest
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig
 from common.engine.pacing import PrefillPacer
-from common.engine.request import Status
+from common.engine.request import ImageInput, Request, Status
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.roles import Role
@@ -18,21 +18,21 @@ from tests.engine.test_scheduler import complete, names, req
 
 def test_long_chunks_wait_until_the_time_they_took_is_earned_back() -> None:
     pacer = PrefillPacer(stretch=1.5)
-    pacer.observe(decodes=4, prefill_tokens=64, long_tokens=64, seconds=0.5)
+    pacer.observe(decodes=4, seconds=0.5, decode_only=False, paced=True)
     assert pacer.allows() and pacer.decode_step is None  # no decode-only step seen: nothing paced
     for seconds in (0.010, 0.011, 0.009):
-        pacer.observe(decodes=4, prefill_tokens=0, long_tokens=0, seconds=seconds)
+        pacer.observe(decodes=4, seconds=seconds, decode_only=True, paced=False)
     assert pacer.decode_step == pytest.approx(0.010) and pacer.allows()
     assert pacer.credit == pytest.approx(0.005)  # never more than one step's earning saved up
-    pacer.observe(decodes=4, prefill_tokens=512, long_tokens=512, seconds=0.060)  # 50 ms past a decode step
+    pacer.observe(decodes=4, seconds=0.060, decode_only=False, paced=True)  # 50 ms past a decode step
     waited = 0
     while not pacer.allows():
-        pacer.observe(decodes=4, prefill_tokens=0, long_tokens=0, seconds=0.010)
+        pacer.observe(decodes=4, seconds=0.010, decode_only=True, paced=False)
         waited += 1
     assert waited == 8  # 5 ms saved + 5 earned − 50 spent: 40 ms owed, earned back at 5 ms a step
-    pacer.observe(decodes=4, prefill_tokens=30, long_tokens=0, seconds=0.030)  # a short prompt: free
+    pacer.observe(decodes=4, seconds=0.030, decode_only=False, paced=False)  # a short prompt: free
     assert pacer.allows() and pacer.decode_step == pytest.approx(0.010)
-    pacer.observe(decodes=0, prefill_tokens=512, long_tokens=512, seconds=1.0)  # nobody decoding
+    pacer.observe(decodes=0, seconds=1.0, decode_only=False, paced=True)  # nobody decoding
     assert pacer.allows()
     with pytest.raises(ValueError, match="above 1"):
         PrefillPacer(stretch=1.0)
@@ -54,8 +54,8 @@ def test_a_long_prompt_sits_out_steps_without_credit() -> None:
     s = paced(1.5)
     one_decoding(s)
     for _ in range(3):
-        s.pacer.observe(decodes=1, prefill_tokens=0, long_tokens=0, seconds=0.010)
-    s.pacer.observe(decodes=1, prefill_tokens=60, long_tokens=60, seconds=0.100)  # deep in debt
+        s.pacer.observe(decodes=1, seconds=0.010, decode_only=True, paced=False)
+    s.pacer.observe(decodes=1, seconds=0.100, decode_only=False, paced=True)  # deep in debt
     s.add(req("long", 200))
     s.add(req("short", 30))
     # The long prompt waits; the short one, arriving after it, is not held back by it.
@@ -117,3 +117,30 @@ def test_a_paced_prompt_answers_the_same(tiny_model_dir) -> None:
     assert all(chunk for _, chunk in unpaced)  # τt alone: a chunk in every step until it is done
     assert all(allowed for allowed, chunk in paced if chunk)
     assert sum(1 for _, chunk in paced if chunk) >= 3 and any(chunk == 0 for _, chunk in paced), paced
+
+
+def test_a_clips_encode_beside_decodes_is_paced_and_spends_credit() -> None:
+    """On an ED instance a clip is one encode as long as its frames make it: beside decodes it goes
+    only with credit, a picture queued behind it is not held back, and the step it took spends."""
+    s = paced(1.5, roles=frozenset({Role.ENCODE, Role.DECODE}))
+    decoding = req("d", 4)
+    s.add_running(decoding)
+    decoding.num_computed_tokens = 4
+    decoding.output_token_ids.append(7)
+    for _ in range(3):
+        batch = s.schedule()
+        complete(batch)
+        s.observe(batch, 0.010)  # decode-only steps
+    assert s.pacer.decode_step == pytest.approx(0.010)
+    s.pacer.credit = -0.05
+    clip = Request("clip", [1] * 20, SamplingParams(max_tokens=2), [ImageInput("c", 16, video=True)])
+    s.add(clip)
+    s.add(req("pic", 6, images=1))
+    step = s.schedule()
+    assert names(step) == {"encode": [("pic", 1)], "prefill": [], "decode": ["d"]}
+    complete(step)
+    s.pacer.credit = 0.0
+    step = s.schedule()
+    assert names(step)["encode"] == [("clip", 1)]
+    s.observe(step, 0.110)  # 100 ms past a decode step
+    assert s.pacer.credit == pytest.approx(0.005 - 0.100)
