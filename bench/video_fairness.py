@@ -34,7 +34,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.pacing import PrefillPacer
+from common.engine.pacing import Pacer
 from common.engine.sampling import SamplingParams
 from common.models import resolve_model
 from common.roles import Role
@@ -75,7 +75,7 @@ def clip_prompt(encoder: Engine, decoder: Engine, clip: Clip):
 
 def one_run(engine: Engine, processed, args, stretch: float | None, run: int) -> dict:
     s = engine.scheduler
-    s.pacer = PrefillPacer(stretch) if stretch else None
+    s.pacer = Pacer(stretch) if stretch else None
     long_steps = args.baseline_steps + 4 * math.ceil(len(processed.token_ids) / engine.config.block_size)
     params = SamplingParams(max_tokens=long_steps, ignore_eos=True)
     texts = [

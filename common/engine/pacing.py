@@ -34,12 +34,14 @@ from statistics import median
 WINDOW = 16  # decode-only steps remembered
 
 
-class PrefillPacer:
+class Pacer:
+    """The credit (module docstring): `allows` before a step, `observe` after it."""
+
     def __init__(self, stretch: float) -> None:
         if stretch <= 1.0:
             raise ValueError(f"stretch must be above 1, not {stretch}")
         self.stretch = stretch
-        self.credit = 0.0  # seconds long chunks may still add to steps with decodes
+        self.credit = 0.0  # seconds long work may still add to steps with decodes
         self._decode_steps: deque[float] = deque(maxlen=WINDOW)
 
     @property
@@ -48,7 +50,7 @@ class PrefillPacer:
         return median(self._decode_steps) if self._decode_steps else None
 
     def allows(self) -> bool:
-        """Whether the next step with decodes may carry long prompts' chunks."""
+        """Whether the next step with decodes may carry long work."""
         return self.credit >= 0.0
 
     def observe(self, decodes: int, seconds: float, *, decode_only: bool, paced: bool) -> None:

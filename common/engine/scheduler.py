@@ -6,10 +6,10 @@ Each iteration is built in three named steps, within an image budget τe and a t
 2. continuing work — prefill chunks and encodes of requests already started;
 3. new work — waiting requests, prefill-ready ones into τt (chunked), image ones into τe.
 
-Where decodes share a step with prefill chunks, a long prompt's chunks are paced (pacing.py): they
-go into a step only while the time such chunks added to steps with decodes is within a share of
-those steps, so a long clip's prefill leaves most tokens of the requests decoding beside it at
-the pace they had without it.
+Where decodes share a step with other work, long work — a long prompt's chunks, a clip's encode —
+is paced (pacing.py): it goes into a step only while the time such work added to steps with
+decodes is within a share of those steps, so a long clip leaves most tokens of the requests
+decoding beside it at the pace they had without it.
 
 τe and τt are each the most one iteration can hold within the instance's latency limit, so on an
 instance that runs the vision tower and the LLM in one iteration (EP, ED, EPD) they share it:
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig, Policy
-from common.engine.pacing import PrefillPacer
+from common.engine.pacing import Pacer
 from common.engine.prefix import block_hashes
 from common.engine.request import Request, Status
 from common.roles import Role, StepKind
@@ -108,9 +108,9 @@ class Scheduler:
             and Role.ENCODE in config.roles
             and bool(config.roles & {Role.PREFILL, Role.DECODE})
         )
-        # Long prompts' chunks beside decodes (module docstring), where one step does both.
+        # Long work beside decodes (module docstring), where one step does both.
         self.pacer = (
-            PrefillPacer(config.tbt_stretch)
+            Pacer(config.tbt_stretch)
             if config.tbt_stretch is not None
             and config.policy == Policy.STAGE
             and Role.DECODE in config.roles

@@ -7,7 +7,7 @@ import pytest
 
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig
-from common.engine.pacing import PrefillPacer
+from common.engine.pacing import Pacer
 from common.engine.request import ImageInput, Request, Status
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -17,7 +17,7 @@ from tests.engine.test_scheduler import complete, names, req
 
 
 def test_long_chunks_wait_until_the_time_they_took_is_earned_back() -> None:
-    pacer = PrefillPacer(stretch=1.5)
+    pacer = Pacer(stretch=1.5)
     pacer.observe(decodes=4, seconds=0.5, decode_only=False, paced=True)
     assert pacer.allows() and pacer.decode_step is None  # no decode-only step seen: nothing paced
     for seconds in (0.010, 0.011, 0.009):
@@ -35,7 +35,7 @@ def test_long_chunks_wait_until_the_time_they_took_is_earned_back() -> None:
     pacer.observe(decodes=0, seconds=1.0, decode_only=False, paced=True)  # nobody decoding
     assert pacer.allows()
     with pytest.raises(ValueError, match="above 1"):
-        PrefillPacer(stretch=1.0)
+        Pacer(stretch=1.0)
 
 
 def paced(stretch: float | None, roles=frozenset({Role.PREFILL, Role.DECODE})) -> Scheduler:
