@@ -150,21 +150,23 @@ def test_encoders_and_prefills_die_under_load_and_every_request_ends(
         client = client_for(cluster)
 
         def ask(i: int) -> str:
-            messages = user_message(image_urls[i % 3 : i % 3 + 1], f"what is in picture {i}?")
+            messages = user_message(image_urls[i % 3 : i % 3 + 1], f"what is in picture {i % 6}?")
             reply = client.chat.completions.create(
-                model="tiny-llava", messages=messages, max_tokens=16, temperature=0
+                model="tiny-llava", messages=messages, max_tokens=32, temperature=0
             )
             return reply.choices[0].message.content
 
-        expected = [ask(i) for i in range(12)]
+        expected = [ask(i) for i in range(6)]
         victim = instances(cluster, stage)[0]
         with ThreadPoolExecutor(6) as pool:
-            answers = pool.map(ask, range(12))
+            # Enough requests that the load lasts while the test looks for it, on a fast machine too
+            # (twelve 16-token ones could all end before it saw four in flight).
+            answers = pool.map(ask, range(24))
             # Under load: most of the pool's six requests are in flight at the gateway.
             wait_for(lambda: metric(cluster.url, "trident_gateway_in_flight") >= 4, timeout=30)
             os.kill(pid_of(victim), signum)
             started = time.monotonic()
-            assert list(answers) == expected
+            assert list(answers) == [expected[i % 6] for i in range(24)]
         assert time.monotonic() - started < 20
 
 
