@@ -217,8 +217,8 @@ class Scheduler:
 
     def _new_work(self, batch: Batch) -> None:
         for req in [r for r in self.waiting if not r.needs_encode]:
-            if self._paced_room(req, batch) == 0:
-                continue  # a long prompt waits for a step with room for it; shorter ones need not
+            if self._chunk_waits(req, batch):
+                continue  # a long prompt waits for a step with credit for it; shorter ones need not
             if self._full() or not self._take_chunk(req, batch):
                 break  # out of τt or KV blocks: keep arrival order, admit nothing newer
             self._start(req)
@@ -262,10 +262,7 @@ class Scheduler:
 
     def _take_chunk(self, req: Request, batch: Batch) -> bool:
         room = self._tokens_left(batch)
-        paced = self._paced_room(req, batch)
-        if paced is not None:
-            room = min(room, paced)
-        if Role.PREFILL not in self.config.roles or room <= 0:
+        if Role.PREFILL not in self.config.roles or room <= 0 or self._chunk_waits(req, batch):
             return False
         looked = self._reuse_prefix(req)
         chunk = min(req.num_uncomputed, room)
@@ -276,10 +273,9 @@ class Scheduler:
         batch.prefills.append((req, chunk))
         return True
 
-    def _paced_room(self, req: Request, batch: Batch) -> int | None:
-        """0 if `req` is a long prompt that must sit this step out beside the decodes (pacing.py);
-        None where it is not paced."""
-        return 0 if self.is_long(req) and self._paced_out(batch) else None
+    def _chunk_waits(self, req: Request, batch: Batch) -> bool:
+        """Whether `req` is a long prompt that must sit this step out beside the decodes (pacing.py)."""
+        return self.is_long(req) and self._paced_out(batch)
 
     def _encode_waits(self, req: Request, batch: Batch) -> bool:
         """Whether `req`'s next encode is a clip that must sit this step out beside the decodes."""
