@@ -321,7 +321,7 @@ def generate(
     shape = _shape(shape)
     arrival_rng, size_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     times = _arrivals(arrival, rate, num_requests, duration, cv, timestamps, arrival_rng)
-    per_image = _per_image(image_tokens)
+    per_image = _per_item(image_tokens, "image_tokens")
     n = len(times)
     counts = shape.images.sample(size_rng, n)
     sizes = shape.resolution.sample(size_rng, sum(counts))
@@ -330,7 +330,7 @@ def generate(
     # Drawn after the rest, so that a shape without clips draws what it did before they existed.
     video_counts = shape.videos.sample(size_rng, n)
     clips = shape.clip.sample(size_rng, sum(video_counts))
-    per_clip = clip_tokens if callable(clip_tokens) else (lambda t, w, h: clip_tokens)
+    per_clip = _per_item(clip_tokens, "clip_tokens")
     entries, used, used_clips = [], 0, 0
     for i, (t, k, text, out) in enumerate(zip(times, counts, texts, outputs, strict=True)):
         images = tuple(sizes[used : used + k])
@@ -374,12 +374,13 @@ def _shape(shape: WorkloadShape | str) -> WorkloadShape:
     return SHAPES[shape]
 
 
-def _per_image(image_tokens: Callable[[int, int], int] | int) -> Callable[[int, int], int]:
-    if callable(image_tokens):
-        return image_tokens
-    if image_tokens < 0:
-        raise ValueError(f"image_tokens must be >= 0, got {image_tokens}")
-    return lambda w, h: image_tokens
+def _per_item(tokens: Callable[..., int] | int, name: str) -> Callable[..., int]:
+    """Tokens per image (or clip) from its size: `tokens` itself, or a fixed count."""
+    if callable(tokens):
+        return tokens
+    if tokens < 0:
+        raise ValueError(f"{name} must be >= 0, got {tokens}")
+    return lambda *size: tokens
 
 
 def _arrivals(
