@@ -8,7 +8,6 @@ deployment answers the next request at once."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import time
@@ -23,6 +22,7 @@ from tests.engine.conftest import make_image
 from tests.engine.test_video_parity import hf_greedy
 from tests.media.clips import declare_duration, make_clip
 from tests.services.conftest import client_for, data_url, start
+from trident.bench.clips import video_data_url
 
 pytestmark = pytest.mark.timeout(300)
 QUESTION = "What happens in the video?"
@@ -49,10 +49,6 @@ def deployments(tmp_path_factory):
 def cluster(deployments):
     """The bounds are the gateway's, whatever the model: checked on one deployment."""
     return deployments("tiny-qwen2-vl")[1]
-
-
-def video_url(data: bytes) -> str:
-    return "data:video/mp4;base64," + base64.b64encode(data).decode()
 
 
 CLIP = functools.cache(lambda: make_clip(30, fps=10, size=(112, 84), seed=1))
@@ -94,7 +90,7 @@ def test_a_clip_answers_as_hf(deployments, name, with_image):
     model_dir, running = deployments(name)
     client = client_for(running)
     answer = client.chat.completions.create(
-        model=name, messages=messages(video_url(CLIP()), with_image), max_tokens=16, temperature=0
+        model=name, messages=messages(video_data_url(CLIP()), with_image), max_tokens=16, temperature=0
     )
     assert answer.choices[0].message.content == reference(model_dir, with_image, 16)
     assert answer.usage.prompt_tokens > 40  # the clip's tokens are in the prompt
@@ -107,7 +103,7 @@ def test_a_clip_answers_as_hf_under_the_other_methods(deployments, method, name)
     """The hybrids: the clip's features stay on an EP or ED instance, or all three stages run on one."""
     model_dir, running = deployments(name, method)
     answer = client_for(running).chat.completions.create(
-        model=name, messages=messages(video_url(CLIP()), True), max_tokens=16, temperature=0
+        model=name, messages=messages(video_data_url(CLIP()), True), max_tokens=16, temperature=0
     )
     assert answer.choices[0].message.content == reference(model_dir, True, 16)
 
@@ -125,7 +121,7 @@ HOSTILE = {
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_clip_is_a_4xx_and_the_next_request_answers(cluster, name):
     make, status, words = HOSTILE[name]
-    body = {"model": "tiny-qwen2-vl", "messages": messages(video_url(make())), "max_tokens": 4}
+    body = {"model": "tiny-qwen2-vl", "messages": messages(video_data_url(make())), "max_tokens": 4}
     reply = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == status, reply.text
     assert words in reply.json()["error"]["message"] and reply.json()["error"]["param"] == "video_url"
@@ -145,7 +141,7 @@ def test_a_hostile_clip_is_a_4xx_and_the_next_request_answers(cluster, name):
 )  # fmt: skip
 def test_sampling_controls_within_the_caps(cluster, controls, param):
     body = {
-        "model": "tiny-qwen2-vl", "messages": messages(video_url(CLIP())), "max_tokens": 2,
+        "model": "tiny-qwen2-vl", "messages": messages(video_data_url(CLIP())), "max_tokens": 2,
         "mm_processor_kwargs": controls,
     }  # fmt: skip
     reply = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60)

@@ -64,4 +64,9 @@ def clip_bytes(seconds: float, size: tuple[int, int], seed: int, fps: int = BENC
 
 
 def clip_data_url(seconds: float, size: tuple[int, int], seed: int) -> str:
-    return "data:video/mp4;base64," + base64.b64encode(clip_bytes(seconds, size, seed)).decode()
+    return video_data_url(clip_bytes(seconds, size, seed))
+
+
+def video_data_url(data: bytes) -> str:
+    """An mp4 file as a data: URL, what a `video_url` part carries inline."""
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
