@@ -154,12 +154,6 @@ class WorkerSettings(ServiceSettings):
     )
     long_prefill: int = Field(1024, ge=1, description="Prompts longer than this many tokens are paced")
 
-    @model_validator(mode="after")
-    def _check_stretch(self) -> WorkerSettings:
-        if 0 < self.tbt_stretch <= 1:
-            raise ValueError(f"TRIDENT_TBT_STRETCH must be above 1 (or 0: off), not {self.tbt_stretch}")
-        return self
-
     max_num_seqs: int = 256
     prefix_caching: bool = Field(
         True,
@@ -216,6 +210,12 @@ class WorkerSettings(ServiceSettings):
         description="Check that the request ledger and the engine agree whenever requests come and go "
         "(tests); a failure is logged and counted in trident_integrity_failures_total",
     )
+
+    @model_validator(mode="after")
+    def _check_stretch(self) -> WorkerSettings:
+        if 0 < self.tbt_stretch <= 1:
+            raise ValueError(f"TRIDENT_TBT_STRETCH must be above 1 (or 0: off), not {self.tbt_stretch}")
+        return self
 
 
 class GatewaySettings(ServiceSettings):

@@ -141,7 +141,7 @@ class VideoSampling:
     limits: VideoLimits
     fps: float
     max_frames: int
-    rule: str = "qwen2"  # the served family's way of picking frames (common/video.py's RULES)
+    rule: str  # the served family's way of picking frames (common/video.py's RULES)
 
 
 IMAGE_THREAD_NICE = 10  # bulk work: on busy cores the event loop and the text path come first

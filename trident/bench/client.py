@@ -77,9 +77,8 @@ def user_content(
         image = opts.repeats.image_seed(seed * 64 + k, draws)
         size = opts.image_size or (size if isinstance(image, int) else DEFAULT_IMAGE_SIZE)
         parts.append({"type": "image_url", "image_url": {"url": image_data_url(image, size)}})
-    for k, (seconds, width, height) in enumerate(entry.clips or (DEFAULT_CLIP,) * entry.num_videos):
-        if not clips:
-            break
+    specs = (entry.clips or (DEFAULT_CLIP,) * entry.num_videos) if clips else ()
+    for k, (seconds, width, height) in enumerate(specs):
         url = clip_data_url(seconds, (width, height), seed * 64 + 32 + k)
         parts.append({"type": "video_url", "video_url": {"url": url}})
     parts.append({"type": "text", "text": prompt_text(entry, seed)})
