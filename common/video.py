@@ -81,9 +81,13 @@ def sample_count(source_frames: int, source_fps: float, fps: float, max_frames: 
     wanted = source_frames / source_fps * fps if source_fps > 0 else source_frames
     ceiling = min(max_frames, source_frames)
     count = min(max(wanted, MIN_FRAMES), ceiling)
-    count = int(count // FRAME_FACTOR * FRAME_FACTOR)
+    return _enough(int(count // FRAME_FACTOR * FRAME_FACTOR), source_frames)
+
+
+def _enough(count: int, held: int) -> int:
+    """`count` frames to sample from a clip of `held`, if they fill a temporal patch at least."""
     if count < FRAME_FACTOR:
-        raise VideoError(f"the video holds {source_frames} frame(s); at least {FRAME_FACTOR} are needed")
+        raise VideoError(f"the video holds {held} frame(s); at least {FRAME_FACTOR} are needed")
     return count
 
 
@@ -97,9 +101,7 @@ def qwen3_picks(total: int, source_fps: float, fps: float, max_frames: int) -> l
     truncated, within [MIN_FRAMES, max_frames] and never more than the clip holds, any count (the
     last is repeated to fill a temporal patch), evenly from the first frame to the last, rounded."""
     wanted = int(total / source_fps * fps) if source_fps > 0 else total
-    count = min(max(wanted, MIN_FRAMES), max_frames, total)
-    if count < FRAME_FACTOR:
-        raise VideoError(f"the video holds {total} frame(s); at least {FRAME_FACTOR} are needed")
+    count = _enough(min(max(wanted, MIN_FRAMES), max_frames, total), total)
     return np.linspace(0, total - 1, count).round().astype(int).tolist()
 
 
