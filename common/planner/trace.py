@@ -196,16 +196,13 @@ def entry_json(e: TraceEntry) -> dict:
 def entry_from_json(obj: dict) -> TraceEntry:
     if missing := [k for k in _REQUIRED if k not in obj]:
         raise ValueError(f"missing field(s): {', '.join(missing)}")
-    sizes = obj.get("image_sizes") or []
-    if not isinstance(sizes, list):
-        raise ValueError(f"image_sizes must be a list of [width, height], got {sizes!r}")
     return TraceEntry(
         arrival=_number(obj, "arrival"),
         prompt_tokens=_int(obj, "prompt_tokens"),
         num_images=_int(obj, "num_images", 0),
         image_tokens=_int(obj, "image_tokens", 0),
         output_tokens=_int(obj, "output_tokens"),
-        image_sizes=tuple(_size(s) for s in sizes),
+        image_sizes=tuple(_size(s) for s in _list(obj, "image_sizes", "[width, height]")),
         request_id=str(obj.get("request_id", "")),
         dataset=str(obj.get("dataset", "")),
         ttft=_optional_number(obj, "ttft"),
@@ -215,7 +212,7 @@ def entry_from_json(obj: dict) -> TraceEntry:
         cached_tokens=_int(obj, "cached_tokens", 0),
         num_videos=_int(obj, "num_videos", 0),
         video_tokens=_int(obj, "video_tokens", 0),
-        clips=tuple(_clip(c) for c in _list(obj, "clips")),
+        clips=tuple(_clip(c) for c in _list(obj, "clips", "[seconds, width, height]")),
     )
 
 
@@ -234,10 +231,10 @@ def _size(value: Any) -> tuple[int, int]:
     return _int({"width": value[0]}, "width"), _int({"height": value[1]}, "height")
 
 
-def _list(obj: dict, name: str) -> list:
+def _list(obj: dict, name: str, of: str) -> list:
     value = obj.get(name) or []
     if not isinstance(value, list):
-        raise ValueError(f"{name} must be a list, got {value!r}")
+        raise ValueError(f"{name} must be a list of {of}, got {value!r}")
     return value
 
 
