@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Op name fragments, first match wins: what each group of the table holds.
 GROUPS = (
     ("attention", ("scaled_dot_product", "flash", "_efficient_attention", "softmax", "baddbmm", "bmm")),
-    ("matmul", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkl_linear")),
     ("kv gather/scatter", ("index", "gather", "scatter", "take", "masked")),
     ("norm", ("norm", "rsqrt", "aten::pow", "aten::mean", "aten::var")),
     ("copies", ("copy", "aten::to", "contiguous", "aten::cat", "aten::stack", "clone", "empty", "zeros")),
@@ -114,13 +114,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="decode: the position of the next token")
     ap.add_argument("--prompt", type=int, default=128, help="prefill: tokens per prompt")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--packed-weights", choices=("auto", "off"), default="auto", help="TRIDENT_PACKED_WEIGHTS"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     before = single_thread_gflops()
     engine = Engine(
         resolve_model(args.model or args.preset, REPO / ".trident" / "models"),
         EngineConfig(
-            num_threads=args.threads, prefix_caching=False, adapt_budgets=False, kv_cache_bytes=1 << 30
+            num_threads=args.threads,
+            prefix_caching=False,
+            adapt_budgets=False,
+            kv_cache_bytes=1 << 30,
+            packed_weights=args.packed_weights,
         ),
     )
     calls = counted_forwards(engine)
@@ -145,6 +152,7 @@ def main() -> None:
         "threads": args.threads,
         "context": args.context,
         "prompt": args.prompt,
+        "packed_bytes": engine.packed_bytes,
     }
     print(json.dumps({**summary, "steps": rows, "matmul_gflops": [before, after]}))
 

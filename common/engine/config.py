@@ -17,6 +17,7 @@ class Policy(StrEnum):
 
 
 DECODE_GRAPH_MODES = ("auto", "off", "eager")
+PACKED_WEIGHT_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ class EngineConfig:
     # leaves the CPU path as it is; "off" never pads; "eager" runs the padded step uncaptured on any
     # device (its CPU tests; on a GPU, it tells a capture fault from a padding fault).
     decode_graphs: str = "auto"
+    # CPU, float32, an instance that decodes: the language model's projections also keep their
+    # weights packed for MKL's GEMM (packed.py), which decode batches of 2-64 rows run about twice as
+    # fast from, for a second copy of the decoder's weights in memory. "off": never.
+    packed_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -77,6 +82,10 @@ class EngineConfig:
             raise ValueError("block_size, token_budget and image_budget must be positive")
         if self.tbt_stretch is not None and self.tbt_stretch <= 1.0:
             raise ValueError(f"tbt_stretch must be above 1 (or None), not {self.tbt_stretch}")
+        if self.packed_weights not in PACKED_WEIGHT_MODES:
+            raise ValueError(
+                f"packed_weights must be one of {', '.join(PACKED_WEIGHT_MODES)}: {self.packed_weights!r}"
+            )
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(
                 f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}: {self.decode_graphs!r}"

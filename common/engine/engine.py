@@ -27,6 +27,7 @@ from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import Completion, RequestOutput
+from common.engine.packed import pack_projections, packing_available
 from common.engine.prefix import block_hashes
 from common.engine.processor import ProcessedPrompt, RequestProcessor, load_image, reference_image
 from common.engine.profiler import budget_target
@@ -66,6 +67,7 @@ class Engine:
         dtype = _DTYPES[config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
         self.has_lm = bool(config.roles & {Role.PREFILL, Role.DECODE})
         self.model = load_model(model_dir, Role.ENCODE in config.roles, self.device, dtype, self.has_lm)
+        self.packed_bytes = self._pack_weights(dtype)
         self.processor = RequestProcessor(model_dir)
         self.tokenizer = self.processor.tokenizer
         text = self.model.config.text_config
@@ -410,6 +412,17 @@ class Engine:
         """A single-turn user prompt with `num_images` images before the text, in the model's template."""
         content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
         return self.processor.chat_prompt([{"role": "user", "content": content}])
+
+    def _pack_weights(self, dtype: torch.dtype) -> int:
+        """Pack the decoder's projections for decode-sized products where that pays (packed.py);
+        the bytes the packed copies take."""
+        wanted = (
+            self.config.packed_weights == "auto" and Role.DECODE in self.config.roles
+            and self.device.type == "cpu" and dtype == torch.float32
+        )  # fmt: skip
+        if not wanted or not packing_available():
+            return 0
+        return pack_projections(self.model.language_model)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         mode = self.config.decode_graphs

@@ -94,6 +94,7 @@ def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
         tbt_stretch=s.tbt_stretch or None,
         long_prefill=s.long_prefill,
         decode_graphs=s.decode_graphs,
+        packed_weights=s.packed_weights,
     )
 
 

@@ -16,6 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_profile.py"
 def test_ops_fall_in_the_groups_the_table_names() -> None:
     script = load_script(SCRIPT, "step_profile")
     assert script.group_of("aten::mm") == "matmul"
+    assert script.group_of("mkl::_mkl_linear") == "matmul"  # decode products from packed weights
     assert script.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert script.group_of("aten::index_select") == "kv gather/scatter"
     assert script.group_of("aten::rsqrt") == "norm"

@@ -43,6 +43,11 @@ def server_binary() -> Path:
     return _path("TRIDENT_LLAMA_SERVER", THIRD_PARTY / ".llama.cpp/server/llama.cpp/build/bin/llama-server")
 
 
+def batched_bench_binary() -> Path:
+    """llama.cpp's batched decode benchmark, built beside the server (bench/decode_speed.py)."""
+    return _path("TRIDENT_LLAMA_BATCHED_BENCH", server_binary().parent / "llama-batched-bench")
+
+
 def converter_dir() -> Path:
     return _path("TRIDENT_LLAMA_CONVERTER", THIRD_PARTY / ".llama.cpp/converter")
 
