@@ -1,4 +1,4 @@
-"""bench/decode_speed.py: Trident's decode step with and without packed weights, and llama.cpp's
+"""bench/step_speed.py: Trident's decode step with and without packed weights, and llama.cpp's
 where it is built (bench/third_party/llamacpp.sh; not in CI), on the tiny checkpoint."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from trident.bench import llamacpp
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "decode_speed.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_speed.py"
 
 
 def run(tiny_model_dir: Path, *extra: str, cwd: Path | None = None) -> dict:
@@ -29,11 +29,15 @@ def run(tiny_model_dir: Path, *extra: str, cwd: Path | None = None) -> dict:
 def test_both_engines_are_timed_at_each_batch(tiny_model_dir: Path) -> None:
     result = run(tiny_model_dir, "--no-llamacpp")
     assert set(result["steps"]) == {"trident packed=auto", "trident packed=off"}
-    for by_batch in result["steps"].values():
-        assert set(by_batch) == {"1", "4"}
-        for cell in by_batch.values():
-            assert 0 < cell["min_ms"] <= cell["median_ms"] <= cell["max_ms"]
-    assert result["packed_bytes"] > 0 and set(result["trident_over"]["trident packed=off"]) == {"1", "4"}
+    for by_phase in result["steps"].values():
+        assert set(by_phase) == {"prefill", "decode"}
+        for by_batch in by_phase.values():
+            assert set(by_batch) == {"1", "4"}
+            for cell in by_batch.values():
+                assert 0 < cell["min_ms"] <= cell["median_ms"] <= cell["max_ms"]
+    over = result["trident_over"]["trident packed=off"]
+    assert result["packed_bytes"] > 0 and set(over["decode"]) == set(over["prefill"]) == {"1", "4"}
+    assert all(r > 0 for r in result["prefill_matmul_share"]["trident packed=auto"].values())
 
 
 def test_without_llama_cpp_built_it_says_how_to_build_it(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -53,5 +57,5 @@ def test_without_llama_cpp_built_it_says_how_to_build_it(tiny_model_dir: Path, t
 def test_llama_cpp_is_timed_beside_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     result = run(tiny_model_dir, cwd=tmp_path)  # the GGUF cache goes under ./.trident
     for kv in ("f16", "f32"):
-        steps = result["steps"][f"llama.cpp kv={kv}"]
-        assert set(steps) == {"1", "4"} and all(c["median_ms"] > 0 for c in steps.values())
+        for steps in result["steps"][f"llama.cpp kv={kv}"].values():
+            assert set(steps) == {"1", "4"} and all(c["median_ms"] > 0 for c in steps.values())
