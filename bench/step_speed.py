@@ -117,8 +117,10 @@ def measure(args: argparse.Namespace, batches: list[int], model_dir: Path) -> tu
         for phase, seconds in steps.items():
             samples.setdefault(system, {}).setdefault(phase, {}).setdefault(batch, []).append(seconds)
 
+    names = list(engines)
     for round_ in range(args.rounds):
-        for name, engine in engines.items():
+        for name in names[round_ % 2 :] + names[: round_ % 2]:  # each goes first every other round
+            engine = engines[name]
             for batch in batches:
                 add(name, batch, trident_steps(engine, batch, args.context, args.repeats))
         for kv in LLAMA_KV if gguf is not None else ():
