@@ -48,6 +48,11 @@ class _Sent:
     msg_id: str = field(compare=False)
     target: str = field(compare=False)
 
+    @property
+    def mailbox_msg_id(self) -> str:
+        """The id the task went to its target's mailbox with."""
+        return f"{self.msg_id}:to-{self.target}"
+
 
 class Dispatcher:
     def __init__(
@@ -83,8 +88,9 @@ class Dispatcher:
         if self._bus is None or self._registry is None:
             raise RuntimeError("this dispatcher sends to the shared queues only")
         subject = self._bus.subjects.mailbox(task.ROLE, to)
-        seq = await self.tasks.restore(subject, task.to_bytes(), f"{msg_id}:to-{to}")
-        heapq.heappush(self._sent, _Sent(time.monotonic() + self.take_back_after, seq, msg_id, to))
+        sent = _Sent(time.monotonic() + self.take_back_after, 0, msg_id, to)
+        sent.seq = await self.tasks.restore(subject, task.to_bytes(), sent.mailbox_msg_id)
+        heapq.heappush(self._sent, sent)
         self._wake.set()
 
     @property
@@ -117,7 +123,7 @@ class Dispatcher:
     async def _take_back(self, sent: _Sent) -> None:
         bus, stream = self._bus, self._bus.subjects.task_stream
         me = f"sender:{self.sender}"
-        if await self._registry.claim_task(stream, sent.seq, me) != me:
+        if await self._registry.claim_task(stream, sent.seq, sent.mailbox_msg_id, me) != me:
             return  # its target (or the failover) has it
         try:
             stored = await bus.js.get_msg(stream, sent.seq)

@@ -244,9 +244,17 @@ class Reaper:
     async def _mailbox_claim(self, dead: str, seq: int) -> bool:
         """Whether a task left in a dead instance's mailbox is the failover's to hand on: unclaimed,
         or claimed by the dead instance itself (its sender, taking it back, has it otherwise)."""
+        stream = self.bus.subjects.task_stream
         try:
-            stream = self.bus.subjects.task_stream
-            holder = await self.store.registry.claim_task(stream, seq, f"failover:{dead}")
+            stored = await self.bus.js.get_msg(stream, seq)
+        except NotFoundError:
+            return False  # settled meanwhile
+        except Exception as exc:  # NATS away: its sender takes it back
+            log.warning("cannot read task %d of %s's mailbox: %r", seq, dead, exc)
+            return False
+        msg_id = (stored.headers or {}).get("Nats-Msg-Id", "")
+        try:
+            holder = await self.store.registry.claim_task(stream, seq, msg_id, f"failover:{dead}")
         except Exception as exc:  # Redis away: its sender takes it back
             log.warning("cannot claim task %d of %s's mailbox: %r", seq, dead, exc)
             return False

@@ -144,6 +144,11 @@ class Task:
         return self.msg.metadata.sequence.stream
 
     @property
+    def msg_id(self) -> str:
+        """The id it was published with (deduplication's), which names its request."""
+        return (self.msg.headers or {}).get("Nats-Msg-Id", "")
+
+    @property
     def last_attempt(self) -> bool:
         """No redelivery follows this one: a failure now dead-letters the task."""
         return self.deliveries >= self._consumer.config.max_deliver

@@ -12,6 +12,7 @@
 <p>:profile:<profile_id>      string StageProfile
 <p>:profiles                  set    profile ids
 <p>:profile:<id>:claim        string instance measuring that profile now                  TTL claim_ttl
+<p>:task:<stream>:<seq>:<msg id>:claim   who runs a mailbox task (instance, sender, failover)   TTL 10 min
 <p>:steps                     hash   instance id -> its StepStats (engine steps in service)
 <p>:plan                      string the current Plan
 <p>:plan:seq                  int    last decision id (INCR)
@@ -55,8 +56,8 @@ class Keys:
     def reaped(self, instance_id: str) -> str:
         return f"{self.prefix}:inst:{instance_id}:reaped"
 
-    def task_claim(self, stream: str, seq: int) -> str:
-        return f"{self.prefix}:task:{stream}:{seq}:claim"
+    def task_claim(self, stream: str, seq: int, msg_id: str) -> str:
+        return f"{self.prefix}:task:{stream}:{seq}:{msg_id}:claim"
 
     @property
     def instances(self) -> str:

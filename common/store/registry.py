@@ -58,11 +58,15 @@ class Registry:
         """Take on handing over a dead instance's work; only the first watcher to ask gets True."""
         return bool(await self._r.set(self._keys.reaped(instance_id), 1, nx=True, ex=int(ttl)))
 
-    async def claim_task(self, stream: str, seq: int, owner: str, ttl: float = 600.0) -> str:
+    async def claim_task(self, stream: str, seq: int, msg_id: str, owner: str, ttl: float = 600.0) -> str:
         """Take a task sent to one instance's mailbox: the instance, to run it; its sender, to move
         it to the shared queue after waiting too long; the failover, to hand a dead instance's on.
-        Returns who has it: `owner` for the first to ask, the first one's name for the others."""
-        key = self._keys.task_claim(stream, seq)
+        Returns who has it: `owner` for the first to ask, the first one's name for the others.
+
+        The task is its stream sequence and its message id (which names the request): a stream
+        made again (a new JetStream store under a Redis that kept its keys) numbers from 1 again,
+        and a claim on the sequence alone would give its tasks to the old ones' owners."""
+        key = self._keys.task_claim(stream, seq, msg_id)
         prior = await self._r.set(key, owner, nx=True, get=True, ex=int(ttl))
         return owner if prior is None else prior.decode()
 

@@ -95,7 +95,7 @@ class StageWorker:
         stream, me = self.ctx.bus.subjects.task_stream, self.ctx.instance_id
         for task in tasks:
             try:
-                won = await self.ctx.store.registry.claim_task(stream, task.stream_seq, me) == me
+                won = await self.ctx.store.registry.claim_task(stream, task.stream_seq, task.msg_id, me) == me
             except Exception as exc:  # Redis away: run it (at least once; a copy is harmless)
                 log.warning("%s: cannot claim task %d (%r); taking it", me, task.stream_seq, exc)
                 won = True

@@ -53,7 +53,8 @@ async def claimed_by_p1(dispatch, bus, store, rid: str):
     mailbox, shared = await bus.mailbox(Role.PREFILL, "p1"), await bus.consumer(Role.PREFILL)
     await dispatch.send(prefill_task(rid), "gateway", to="p1")
     [task] = await fetch_all(mailbox, 1)
-    assert await store.registry.claim_task(bus.subjects.task_stream, task.stream_seq, "p1") == "p1"
+    claim = await store.registry.claim_task(bus.subjects.task_stream, task.stream_seq, task.msg_id, "p1")
+    assert claim == "p1"
     return mailbox, shared, task
 
 
@@ -65,6 +66,26 @@ def test_a_task_sent_to_an_instance_is_its_own_once_claimed(nats_server, redis_s
             await asyncio.sleep(BACK * 3)  # past the take-back: the sender finds it claimed
             assert dispatch.taken_back == 0 and dispatch.waiting == 0
             assert await shared.fetch(1, timeout=0.3) == []
+            assert await task.ack()
+
+    run(main())
+
+
+def test_a_claim_an_earlier_stream_left_on_the_same_sequence_takes_nothing(nats_server, redis_server):
+    """A task stream made again (a new JetStream store under a Redis that kept its keys) numbers its
+    tasks from 1 again, and claims outlive it (10 min). One left on a sequence by an earlier task
+    must not give the new task on that sequence to the earlier one's owner."""
+
+    async def main() -> None:
+        async with sender_and_instance(nats_server, redis_server) as (dispatch, bus, store):
+            stream = bus.subjects.task_stream
+            upcoming = (await bus.js.stream_info(stream)).state.last_seq + 1
+            old = "r0:prefill:from-gateway:to-p0"
+            assert await store.registry.claim_task(stream, upcoming, old, "p0") == "p0"
+            _, _, task = await claimed_by_p1(dispatch, bus, store, "r1")
+            assert task.stream_seq == upcoming and task.msg_id != old
+            await asyncio.sleep(BACK * 3)  # the sender finds the task claimed by its target
+            assert dispatch.taken_back == 0
             assert await task.ack()
 
     run(main())
