@@ -75,9 +75,10 @@ def llama_steps(
     return {row["pl"]: {"prefill": row["t_pp"], "decode": row["t_tg"] / row["tg"]} for row in rows}
 
 
-def config(threads: int, kv_bytes: int, packed: str) -> EngineConfig:
+def config(threads: int, packed: str) -> EngineConfig:
+    """As bench/step_profile.py's engine: 1 GiB of KV holds batches of 32 at a few thousand tokens."""
     return EngineConfig(
-        num_threads=threads, prefix_caching=False, adapt_budgets=False, kv_cache_bytes=kv_bytes,
+        num_threads=threads, prefix_caching=False, adapt_budgets=False, kv_cache_bytes=1 << 30,
         packed_weights=packed,
     )  # fmt: skip
 
@@ -100,10 +101,7 @@ def ratio(ours: list[float], theirs: list[float]) -> float:
 
 
 def measure(args: argparse.Namespace, batches: list[int], model_dir: Path) -> tuple[Samples, Engine]:
-    kv_bytes = max(256 << 20, 2 * max(batches) * (args.context + 32) * 16 << 10)
-    engines = {
-        f"trident packed={m}": Engine(model_dir, config(args.threads, kv_bytes, m)) for m in ("auto", "off")
-    }
+    engines = {f"trident packed={m}": Engine(model_dir, config(args.threads, m)) for m in ("auto", "off")}
     binary, gguf = llamacpp.batched_bench_binary(), None
     if not args.no_llamacpp:
         if not binary.exists():
