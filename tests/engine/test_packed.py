@@ -39,7 +39,7 @@ def test_the_packed_product_is_the_plain_one(bias):
         torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_a_packed_weight_that_moved_is_used_for_nothing_else():
+def test_only_a_float32_cpu_linear_is_packed():
     linear = nn.Linear(8, 8).to(torch.float64)
     with pytest.raises(ValueError, match="float32 CPU"):
         PackedLinear(linear)
