@@ -40,7 +40,7 @@ from nats.js.errors import NotFoundError
 
 from common.aio import raise_if_cancelled
 from common.bus import Bus
-from common.bus.tasks import FAILOVER_HEADER
+from common.bus.tasks import FAILOVER_HEADER, published_id
 from common.protocol import Fence, Heartbeat
 from common.roles import Role
 from common.store import Store
@@ -224,8 +224,8 @@ class Reaper:
                     handed.add(seq)
         if Role.PREFILL in beat.roles:  # what was sent to it alone: nobody else reads its mailbox
             mailbox = self.bus.subjects.mailbox(Role.PREFILL, instance_id)
-            for seq in await self._unsettled(mailbox, upto=None):
-                mine = seq not in handed and await self._mailbox_claim(instance_id, seq)
+            for seq, msg_id in (await self._unsettled(mailbox, upto=None)).items():
+                mine = seq not in handed and await self._mailbox_claim(instance_id, seq, msg_id)
                 if mine and await self._hand_on(instance_id, seq):
                     handed.add(seq)
         self.handed_on += len(handed)
@@ -241,29 +241,23 @@ class Reaper:
                 found[role] = info.delivered.stream_seq or 0
         return found
 
-    async def _mailbox_claim(self, dead: str, seq: int) -> bool:
+    async def _mailbox_claim(self, dead: str, seq: int, msg_id: str) -> bool:
         """Whether a task left in a dead instance's mailbox is the failover's to hand on: unclaimed,
         or claimed by the dead instance itself (its sender, taking it back, has it otherwise)."""
-        stream = self.bus.subjects.task_stream
         try:
-            stored = await self.bus.js.get_msg(stream, seq)
-        except NotFoundError:
-            return False  # settled meanwhile
-        except Exception as exc:  # NATS away: its sender takes it back
-            log.warning("cannot read task %d of %s's mailbox: %r", seq, dead, exc)
-            return False
-        msg_id = (stored.headers or {}).get("Nats-Msg-Id", "")
-        try:
+            stream = self.bus.subjects.task_stream
             holder = await self.store.registry.claim_task(stream, seq, msg_id, f"failover:{dead}")
         except Exception as exc:  # Redis away: its sender takes it back
             log.warning("cannot claim task %d of %s's mailbox: %r", seq, dead, exc)
             return False
         return holder in (f"failover:{dead}", dead)
 
-    async def _unsettled(self, subject: str, upto: int | None) -> list[int]:
-        """Sequences of the tasks on `subject` still in the stream (not settled), up to `upto`."""
+    async def _unsettled(self, subject: str, upto: int | None) -> dict[int, str]:
+        """The tasks on `subject` still in the stream (not settled), up to `upto`: each one's
+        sequence and the id it was published with (what a mailbox task's claim is keyed by)."""
         js, stream = self.bus.js, self.bus.subjects.task_stream
-        found, seq = [], 0
+        found: dict[int, str] = {}
+        seq = 0
         while True:
             try:
                 msg = await js.get_msg(stream, seq=seq + 1, subject=subject, next=True)
@@ -272,7 +266,7 @@ class Reaper:
             seq = msg.seq
             if upto is not None and seq > upto:
                 return found
-            found.append(seq)
+            found[seq] = published_id(msg.headers)
 
     async def _hand_on(self, dead: str, seq: int) -> bool:
         """Queue the task at `seq` again for a live replica, and remove the dead one's copy."""

@@ -31,6 +31,13 @@ from common.roles import Role
 
 log = logging.getLogger(__name__)
 FAILOVER_HEADER = "Trident-Failover"  # on a task handed on from a dead instance: which one
+MSG_ID_HEADER = "Nats-Msg-Id"  # the id a task was published with: JetStream drops a second copy
+
+
+def published_id(headers: dict[str, str] | None) -> str:
+    """The id a stored or delivered task was published with (it names the request), from its headers."""
+    return (headers or {}).get(MSG_ID_HEADER, "")
+
 
 # Errors that mean "NATS is not there right now"; a publish retries through them until its deadline.
 _TRANSIENT = (
@@ -83,7 +90,7 @@ class TaskPublisher:
         self, subject: str, data: bytes, msg_id: str | None = None, headers: dict[str, str] | None = None
     ) -> int:
         """Store an encoded task (the failover hands a dead instance's stored ones on this way)."""
-        headers = {**(headers or {}), "Nats-Msg-Id": msg_id or uuid.uuid4().hex}
+        headers = {**(headers or {}), MSG_ID_HEADER: msg_id or uuid.uuid4().hex}
         deadline = time.monotonic() + self._config.publish_timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -146,7 +153,7 @@ class Task:
     @property
     def msg_id(self) -> str:
         """The id it was published with (deduplication's), which names its request."""
-        return (self.msg.headers or {}).get("Nats-Msg-Id", "")
+        return published_id(self.msg.headers)
 
     @property
     def last_attempt(self) -> bool:
