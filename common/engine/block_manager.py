@@ -10,12 +10,20 @@ A block is in exactly one of three states:
 
 So cached blocks never delay admission: `num_free` counts them, and `allocate` takes a cached block
 (forgetting its hash) only when no free one is left.
+
+Where a request's blocks lie matters on a CPU: a decode whose context is one run of consecutive
+blocks is attended to where it lies in the cache, and any other is first gathered into a copy
+(`attention.py`). So a request grows into the blocks right after its last one while they are free,
+and a request starting afresh is placed where there is most room: in the longest free run, and in
+the middle of it when the blocks just before belong to a request that may grow into them.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
+
+from common.engine.free_runs import FreeRuns
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -25,16 +33,15 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     """Hands out fixed-size KV blocks. Allocation returns None when short, never a sentinel.
 
-    Free blocks are handed out lowest id first and freed blocks go to the back of the queue, so the
-    order is deterministic and tests can assert exact ids. With `caching` off no block is ever
-    cached: a freed block is free at once.
+    Placement is deterministic (tests assert exact ids). With `caching` off no block is ever cached:
+    a freed block is free at once.
     """
 
     def __init__(self, num_blocks: int, block_size: int, caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = caching
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free = FreeRuns(num_blocks)
         self._tables: dict[str, list[int]] = {}
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # block -> the hash it is found by
@@ -128,10 +135,12 @@ class BlockManager:
         if extra > self.num_free:
             return None
         table = self._tables.setdefault(request_id, [])
-        for _ in range(extra):
-            block = self._take()
-            self._refs[block] = 1
-            table.append(block)
+        while extra:
+            taken = self._take(table[-1] + 1 if table else None, extra)
+            for block in taken:
+                self._refs[block] = 1
+            table.extend(taken)
+            extra -= len(taken)
         return table
 
     def free(self, request_id: str) -> int:
@@ -139,15 +148,13 @@ class BlockManager:
         else owns is cached if it is findable, else free. The table is given up from its end, so
         the blocks of a prefix, which later requests are likeliest to share, are given up last."""
         table = self._tables.pop(request_id, [])
-        freed = []
         for block in reversed(table):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 if block in self._hash_of:
                     self._cached[block] = None
                 else:
-                    freed.append(block)
-        self._free.extend(reversed(freed))  # unfindable blocks in table order, as without caching
+                    self._free.give(block)
         return len(table)
 
     def owners(self) -> set[str]:
@@ -163,10 +170,9 @@ class BlockManager:
             for block in table:
                 counts[block] += 1
         assert counts == self._refs, "reference counts differ from the tables holding the blocks"
-        free, cached = list(self._free), list(self._cached)
-        assert len(set(free)) == len(free), "a block is free twice"
-        unowned = set(free) | set(cached)
-        assert not set(free) & set(cached), "a block is both free and cached"
+        free, cached = self._free.check(), list(self._cached)
+        unowned = free | set(cached)
+        assert not free & set(cached), "a block is both free and cached"
         assert all(counts[b] == 0 for b in unowned), "a free or cached block is owned"
         owned = sum(1 for c in counts if c)
         assert owned + len(free) + len(cached) == self.num_blocks, (
@@ -176,16 +182,25 @@ class BlockManager:
         assert not any(b in self._hash_of for b in free), "a free block keeps a hash"
         assert {self._by_hash[h]: h for h in self._by_hash} == self._hash_of, "the hash maps disagree"
 
-    def _take(self) -> int:
-        if self._free:
-            return self._free.popleft()
-        block, _ = self._cached.popitem(last=False)  # the least recently used
+    def _take(self, after: int | None, want: int) -> range | list[int]:
+        """Up to `want` consecutive blocks: from `after` on while they are free, else from the
+        longest free run, else one cached block (the least recently used, its hash forgotten)."""
+        if after is not None and (end := self._free.end_of_run_at(after)) is not None:
+            return self._free.take(after, after, min(want, end - after))
+        longest = self._free.longest()
+        if longest is not None:
+            start, end = longest
+            count = min(want, end - start)
+            # The request owning the block before the run may grow into it: leave it half the room.
+            at = start + (end - start - count) // 2 if start and self._refs[start - 1] else start
+            return self._free.take(start, at, count)
+        block, _ = self._cached.popitem(last=False)
         h = self._hash_of.pop(block)
         del self._by_hash[h]
         self.evictions += 1
         if self._changes is not None:
             self._changes[h] = False
-        return block
+        return [block]
 
     def _extra_blocks(self, request_id: str, num_tokens: int) -> int:
         have = len(self._tables.get(request_id, ()))

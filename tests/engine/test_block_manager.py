@@ -17,12 +17,20 @@ def blocks():
     manager.check_integrity()
 
 
-def test_allocation_hands_out_lowest_ids_first(blocks):
+def test_a_request_grows_into_the_blocks_after_its_own(blocks):
     assert blocks.allocate("a", 5) == [0, 1]
-    assert blocks.allocate("b", 4) == [2]
+    # b starts in the middle of the room left, so a can grow into the block before it.
+    assert blocks.allocate("b", 4) == [3]
     assert blocks.allocate("a", 8) == [0, 1]  # already covered
-    assert blocks.allocate("a", 9) == [0, 1, 3]  # one more token: one more block
+    assert blocks.allocate("a", 9) == [0, 1, 2]  # one more token: the next block
     assert blocks.num_free == 2
+
+
+def test_a_request_whose_next_block_is_taken_goes_on_where_the_room_is(blocks):
+    assert blocks.allocate("a", 8) == [0, 1]
+    assert blocks.allocate("b", 4) == [3]
+    assert blocks.allocate("a", 12) == [0, 1, 2]
+    assert blocks.allocate("a", 20) == [0, 1, 2, 4, 5]  # past b's block, into the run after it
 
 
 def test_exhaustion_returns_none_and_changes_nothing(blocks):
@@ -32,12 +40,32 @@ def test_exhaustion_returns_none_and_changes_nothing(blocks):
     assert blocks.can_fit("b", 8) and not blocks.can_fit("b", 9)
 
 
-def test_freed_blocks_are_reused_after_the_untouched_ones(blocks):
+def test_freed_blocks_join_the_runs_beside_them(blocks):
     blocks.allocate("a", 8)
     blocks.allocate("b", 4)
+    assert blocks.table("b") == [3]
     assert blocks.free("a") == 2
     assert blocks.free("a") == 0
-    assert blocks.allocate("c", 16) == [3, 4, 5, 0]
+    assert blocks._free.runs() == [(0, 3), (4, 6)]
+    assert blocks.allocate("c", 16) == [0, 1, 2, 4]  # the longest run first, then the next
+    blocks.free("b")
+    blocks.free("c")
+    assert blocks._free.runs() == [(0, 6)]
+
+
+def test_requests_decoding_side_by_side_each_keep_one_run():
+    """Eight prompts of 33 blocks admitted one after another, then every request growing by a
+    block in turn, as decodes do: each table stays consecutive ids, so attention reads it in place."""
+    manager = BlockManager(num_blocks=1024, block_size=16)
+    for i in range(8):
+        manager.allocate(f"r{i}", 33 * 16)
+    for step in range(1, 41):
+        for i in range(8):
+            manager.allocate(f"r{i}", (33 + step) * 16)
+    for i in range(8):
+        table = manager.table(f"r{i}")
+        assert table == list(range(table[0], table[0] + 73)), f"r{i} is not one run"
+    manager.check_integrity()
 
 
 def test_integrity_catches_a_double_owned_block(blocks):

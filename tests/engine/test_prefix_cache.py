@@ -87,8 +87,8 @@ def test_shared_blocks_are_counted_and_cached_until_needed_least_recent_first():
     m.free("b")  # given up from the end: block 1 is cached before block 0, so evicted before it
     assert m.num_free == 6 and m.num_cached == 2
     m.check_integrity()
-    m.allocate("c", 16)  # 3 free blocks, then the cached ones, least recently used first
-    assert m.table("c") == [3, 4, 5, 2] and m.evictions == 0
+    m.allocate("c", 16)  # the 4 free blocks, then the cached ones, least recently used first
+    assert m.table("c") == [2, 3, 4, 5] and m.evictions == 0
     m.allocate("c", 20)
     assert m.table("c")[-1] == 1 and m.evictions == 1
     assert m.longest_prefix([b"k0", b"k1"]) == [0], "k1's block was taken; k0's is still there"
