@@ -6,9 +6,12 @@ decode. Each sequence attends to its whole context (cached tokens plus the ones 
     packed queries   | chunk A (n_a) | chunk B (n_b) | d1 | d2 | d3 |
     context of A     | A's cached tokens ... | A's n_a new tokens |   (causal within the chunk)
 
-Prefill chunks run one SDPA call each; decodes run as one batched call over their contexts
-gathered to the longest one and masked. On CUDA with flash-attn installed (and a half-precision
-cache), everything runs as one varlen call over gathered contexts.
+Prefill chunks run one SDPA call each. On a CPU each decode runs one SDPA call over its context
+where it lies in the cache when its blocks are one run of consecutive ids (the block manager keeps
+them so), and over a gathered copy otherwise: copying a context costs as much as attending to it.
+Elsewhere decodes run as one batched call over their contexts gathered to the longest one and
+masked; on CUDA with flash-attn installed (and a half-precision cache), everything runs as one
+varlen call over gathered contexts.
 
 The varlen call goes through whatever kernel `varlen_kernel` picks for the iteration: flash-attn's
 in production. `use_varlen_kernel` forces the varlen path with another kernel on any device and
@@ -64,6 +67,16 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeContext:
+    """Where one decode's context lies: `length` slots from `first_slot` on (one run of blocks,
+    read in place), or else in `blocks` (its block table, gathered)."""
+
+    length: int
+    first_slot: int | None = None
+    blocks: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     """Per-iteration index tensors, built once by the runner and shared by every layer."""
 
@@ -72,7 +85,9 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block tables, padded
     decode_bias: torch.Tensor | None  # [num_decodes, 1, 1, max_context] 0 or -inf
-    block_size: int = 0  # the cache's, for reading decode_blocks
+    block_size: int = 0  # the cache's, for reading decode_blocks or decode_contexts' blocks
+    # Set (on a CPU): each decode attends by itself, to its context here, and the two above are None.
+    decode_contexts: list[DecodeContext] | None = None
     # Set: the whole batch is one call of this varlen kernel (flash-attn's, or a test's stand-in).
     varlen_kernel: VarlenKernel | None = None
     cu_seqlens_q: torch.Tensor | None = None
@@ -100,7 +115,7 @@ def paged_attention(
     out = torch.empty_like(q)
     for seq in meta.prefills:
         out[seq.q_start : seq.q_start + seq.q_len] = _prefill_one(q, k_cache, v_cache, seq)
-    if meta.decode_blocks is not None:
+    if len(q) > meta.num_prefill_tokens:
         out[meta.num_prefill_tokens :] = _decode_batch(q[meta.num_prefill_tokens :], k_cache, v_cache, meta)
     return out
 
@@ -126,6 +141,8 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """All decodes at once. Whole blocks are gathered (one index per block, not per token), and
     each KV head's group of query heads is laid out as a short query sequence, so SDPA runs with
     no GQA expansion of K and V."""
+    if meta.decode_contexts is not None:
+        return _decode_each(q, k_cache, v_cache, meta)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     block_size = meta.block_size
@@ -140,6 +157,32 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     qs = q.view(batch, kv_heads, heads // kv_heads, dim)  # query head h uses kv head h // group
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_bias)
     return o.reshape(batch, heads, dim)
+
+
+def _decode_each(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> torch.Tensor:
+    """One SDPA call a decode, over exactly its context, as an unpaged cache would hold it: read
+    where it lies when its blocks are consecutive, else gathered by block. Query heads are laid out
+    as in `_decode_batch`."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    qs = q.view(batch, 1, kv_heads, heads // kv_heads, dim)  # 4-D per decode: SDPA's fast kernel
+    out = torch.empty_like(q)
+    for i, ctx in enumerate(meta.decode_contexts):
+        if ctx.first_slot is not None:
+            ks = k_cache[ctx.first_slot : ctx.first_slot + ctx.length]  # [context, kv_heads, dim]
+            vs = v_cache[ctx.first_slot : ctx.first_slot + ctx.length]
+        else:
+            ks = _gather_context(k_cache, ctx, meta.block_size)
+            vs = _gather_context(v_cache, ctx, meta.block_size)
+        o = F.scaled_dot_product_attention(qs[i], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None])
+        out[i] = o.view(heads, dim)
+    return out
+
+
+def _gather_context(cache: torch.Tensor, ctx: DecodeContext, block_size: int) -> torch.Tensor:
+    kv_heads, dim = cache.shape[1:]
+    rows = gather_rows(cache.view(-1, block_size, kv_heads, dim), ctx.blocks)
+    return rows.view(-1, kv_heads, dim)[: ctx.length]
 
 
 def _flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> torch.Tensor:

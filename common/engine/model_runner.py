@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine.attention import AttentionMetadata, PrefillSeq, varlen_kernel
+from common.engine.attention import AttentionMetadata, DecodeContext, PrefillSeq, varlen_kernel
 from common.engine.decode_graphs import DecodeGraphs
 from common.engine.feature_cache import FeatureCache
 from common.engine.kv_cache import KVCache
@@ -170,8 +171,14 @@ class ModelRunner:
         dev = self.device
         for s in seqs:
             s.context_slots = s.context_slots.to(dev)
-        meta = AttentionMetadata(slot_mapping, seqs, num_prefill, None, None)
-        if decodes:
+        meta = AttentionMetadata(slot_mapping, seqs, num_prefill, None, None, block_size=self.block_size)
+        kernel = varlen_kernel(dev, self.cache.spec.dtype)
+        if decodes and dev.type == "cpu" and kernel is None:
+            meta.decode_contexts = [
+                decode_context(self.block_tables(req.request_id), ctx, self.block_size)
+                for req, ctx in zip(decodes, decode_ctx, strict=True)
+            ]
+        elif decodes:
             tables = [self.block_tables(req.request_id) for req in decodes]
             width = max(len(t) for t in tables)
             grid = torch.zeros(len(decodes), width, dtype=torch.long)
@@ -180,9 +187,7 @@ class ModelRunner:
             valid = torch.arange(max(decode_ctx))[None, :] < torch.as_tensor(decode_ctx)[:, None]
             bias = torch.zeros(valid.shape, dtype=self.cache.spec.dtype).masked_fill_(~valid, float("-inf"))
             meta.decode_blocks = grid.to(dev)
-            meta.block_size = self.block_size
             meta.decode_bias = bias[:, None, None, :].to(dev)
-        kernel = varlen_kernel(dev, self.cache.spec.dtype)
         if kernel is not None:
             self._flash_metadata(meta, seqs, decode_ctx, kernel)
         return meta
@@ -206,6 +211,15 @@ class ModelRunner:
 
     def _vision_dtype(self) -> torch.dtype:
         return next(self.model.vision.parameters()).dtype
+
+
+def decode_context(table: list[int], length: int, block_size: int) -> DecodeContext:
+    """Where a decode's `length`-token context lies: one run of slots when the blocks holding it
+    are consecutive ids, else its blocks."""
+    used = table[: -(-length // block_size)]
+    if used[-1] - used[0] == len(used) - 1 and all(b - a == 1 for a, b in pairwise(used)):
+        return DecodeContext(length, first_slot=used[0] * block_size)
+    return DecodeContext(length, blocks=torch.as_tensor(used))
 
 
 def _cumsum(lengths: list[int], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""Decode attention on a CPU: each decode over its own context, read where it lies in the cache when
+its blocks are consecutive and gathered otherwise, against the batched gather path and the varlen
+reference."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+import torch
+
+from common.engine import model_runner
+from common.engine.attention import (
+    AttentionMetadata,
+    DecodeContext,
+    PrefillSeq,
+    paged_attention,
+    varlen_attention_reference,
+)
+from common.engine.model_runner import decode_context
+from tests.engine.conftest import check_mixed_batch
+from tests.engine.test_parity import QUESTIONS
+
+BS, HEADS, KV_HEADS, DIM, BLOCKS = 4, 6, 2, 16, 40
+
+
+def cache(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (BLOCKS * BS, KV_HEADS, DIM)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def meta_for(tables: list[list[int]], lengths: list[int], per_decode: bool, prefills=(), num_prefill=0):
+    """Metadata for decodes (each writing its last token) after `prefills`; per_decode: the CPU
+    path (`decode_contexts`), else the batched one (padded block grid and -inf bias)."""
+    slots = [t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lengths, strict=True)]
+    prefill_slots = [s for p in prefills for s in p.context_slots[-p.q_len :].tolist()]
+    meta = AttentionMetadata(torch.tensor(prefill_slots + slots), list(prefills), num_prefill, None, None, BS)
+    if per_decode:
+        meta.decode_contexts = [decode_context(t, n, BS) for t, n in zip(tables, lengths, strict=True)]
+    else:
+        grid = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.long)
+        for i, t in enumerate(tables):
+            grid[i, : len(t)] = torch.tensor(t)
+        valid = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+        meta.decode_blocks = grid
+        meta.decode_bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, None]
+    return meta
+
+
+def context_of(cache_part: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
+    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(length)])
+    return cache_part[slots]
+
+
+def reference(q, k_cache, v_cache, tables, lengths) -> torch.Tensor:
+    """The varlen reference kernel over each decode's context, taken slot by slot."""
+    ks = torch.cat([context_of(k_cache, t, n) for t, n in zip(tables, lengths, strict=True)])
+    vs = torch.cat([context_of(v_cache, t, n) for t, n in zip(tables, lengths, strict=True)])
+    cu_q = torch.arange(len(tables) + 1, dtype=torch.int32)
+    cu_k = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return varlen_attention_reference(q, ks, vs, cu_q, cu_k, 1, max(lengths), causal=True)
+
+
+# Consecutive blocks (read in place), scattered ones (gathered), and a table longer than its context.
+TABLES = [[3, 4, 5], [10, 2, 7], [20], [30, 31, 32, 33], [12, 13, 0]]
+LENGTHS = [11, 9, 4, 13, 7]
+
+
+def test_a_decodes_context_is_one_run_of_slots_only_when_its_blocks_are_consecutive():
+    assert decode_context([3, 4, 5], 11, BS) == DecodeContext(11, first_slot=12)
+    assert decode_context([30, 31, 32, 33], 12, BS) == DecodeContext(12, first_slot=120), "blocks past it"
+    assert decode_context([12, 13, 0], 7, BS) == DecodeContext(7, first_slot=48), "only the blocks it uses"
+    scattered = decode_context([10, 2, 7], 9, BS)
+    assert scattered.first_slot is None and scattered.blocks.tolist() == [10, 2, 7]
+    assert decode_context([5, 4], 8, BS).first_slot is None, "descending ids are not one run"
+
+
+def test_each_decode_attends_to_exactly_its_context():
+    k_cache, v_cache = cache()
+    q = torch.randn(len(TABLES), HEADS, DIM, generator=torch.Generator().manual_seed(1))
+    k, v = torch.randn(len(TABLES), KV_HEADS, DIM), torch.randn(len(TABLES), KV_HEADS, DIM)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta_for(TABLES, LENGTHS, per_decode=True))
+    # paged_attention wrote each decode's k/v into its last slot first; the reference reads them there.
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, TABLES, LENGTHS), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 4, 13, 16])
+def test_in_place_and_gathered_and_batched_give_the_same_bits(length):
+    """One context, read in place, gathered, and through the batched path: the same numbers in the
+    same order, so the same bits (the parity tests' exact matches rest on it)."""
+    k_cache, v_cache = cache(2)
+    q = torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(3)).expand(2, -1, -1).clone()
+    tables, lengths = [[6, 7, 8, 9], [6, 7, 8, 9]], [length, length]
+    meta = meta_for(tables, lengths, per_decode=True)
+    meta.decode_contexts[1] = DecodeContext(length, blocks=torch.tensor([6, 7, 8, 9][: -(-length // BS)]))
+    assert meta.decode_contexts[0].first_slot is not None
+    kv = torch.zeros(2, KV_HEADS, DIM)
+    kv[:] = k_cache[6 * BS + length - 1]  # both rows write the value already there: the cache stays
+    vv = v_cache[6 * BS + length - 1].expand(2, -1, -1).clone()
+    per_decode = paged_attention(q, kv, vv, k_cache, v_cache, meta)
+    assert torch.equal(per_decode[0], per_decode[1])
+    batched = paged_attention(q, kv, vv, k_cache, v_cache, meta_for(tables, lengths, per_decode=False))
+    assert torch.equal(per_decode, batched)
+
+
+def test_decodes_after_a_prefill_chunk_in_one_batch():
+    """A chunk of 3 new tokens after 5 cached ones, then two decodes: the decodes' rows are theirs."""
+    k_cache, v_cache = cache(4)
+    chunk = PrefillSeq(0, 3, torch.arange(16, 24))  # blocks 4 and 5, 8 tokens
+    tables, lengths = [[3, 4, 5][:1], [25, 26]], [3, 6]
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(5, HEADS, DIM, generator=gen)
+    k, v = torch.randn(5, KV_HEADS, DIM, generator=gen), torch.randn(5, KV_HEADS, DIM, generator=gen)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta_for(tables, lengths, True, [chunk], 3))
+    expected = reference(q[3:], k_cache, v_cache, tables, lengths)
+    torch.testing.assert_close(got[3:], expected, atol=1e-5, rtol=1e-5)
+    cu = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32)
+    chunk_ref = varlen_attention_reference(q[:3], k_cache[16:24], v_cache[16:24], *cu, 3, 8, causal=True)
+    torch.testing.assert_close(got[:3], chunk_ref, atol=1e-5, rtol=1e-5)
+
+
+def runs_of(blocks: list[int]) -> int:
+    return 1 + sum(b != a + 1 for a, b in pairwise(blocks))
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_an_engine_reads_its_decodes_contexts_in_place_and_answers_as_hf(
+    make_engine, hf_generate, images, monkeypatch, prefix_caching
+):
+    """Eight requests of different lengths decoding side by side, growing a block at a time in
+    turn: the block manager keeps each one's blocks consecutive, so every decode's context is read
+    where it lies — or, where requests share a cached prompt prefix, is that prefix's run and then
+    one run of its own — and each answer is still HF's."""
+    found: list[DecodeContext] = []
+
+    def recorded(table, length, block_size):
+        found.append(decode_context(table, length, block_size))
+        return found[-1]
+
+    monkeypatch.setattr(model_runner, "decode_context", recorded)
+    engine = make_engine(block_size=4, prefix_caching=prefix_caching)
+    check_mixed_batch(engine, hf_generate, QUESTIONS, images, stride=2)
+    assert len(found) > 100
+    scattered = [ctx.blocks.tolist() for ctx in found if ctx.first_slot is None]
+    if not prefix_caching:
+        assert not scattered, f"{len(scattered)} of {len(found)} decodes' blocks were scattered"
+    else:
+        assert scattered, "the requests share their chat template's first tokens"
+        assert all(runs_of(blocks) == 2 for blocks in scattered), "more than the prefix and one run"
