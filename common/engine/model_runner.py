@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine.attention import AttentionMetadata, DecodeContext, PrefillSeq, varlen_kernel
+from common.engine.attention import AttentionMetadata, PrefillSeq, decode_context, varlen_kernel
 from common.engine.decode_graphs import DecodeGraphs
 from common.engine.feature_cache import FeatureCache
 from common.engine.kv_cache import KVCache
@@ -211,15 +210,6 @@ class ModelRunner:
 
     def _vision_dtype(self) -> torch.dtype:
         return next(self.model.vision.parameters()).dtype
-
-
-def decode_context(table: list[int], length: int, block_size: int) -> DecodeContext:
-    """Where a decode's `length`-token context lies: one run of slots when the blocks holding it
-    are consecutive ids, else its blocks."""
-    used = table[: -(-length // block_size)]
-    if used[-1] - used[0] == len(used) - 1 and all(b - a == 1 for a, b in pairwise(used)):
-        return DecodeContext(length, first_slot=used[0] * block_size)
-    return DecodeContext(length, blocks=torch.as_tensor(used))
 
 
 def _cumsum(lengths: list[int], device: torch.device) -> torch.Tensor:

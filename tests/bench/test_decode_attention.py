@@ -1,0 +1,28 @@
+"""bench/decode_attention.py: each way a decode reads its context, timed on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "decode_attention.py"
+
+
+def test_every_way_is_timed_and_two_runs_only_where_they_are_merged(tiny_model_dir: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--batches", "1,3",
+         "--contexts", "40,400", "--rounds", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result["matmul_gflops"]) == 2
+    cells = {(r["batch"], r["context"]): r for r in result["rows"]}
+    assert set(cells) == {(1, 40), (1, 400), (3, 40), (3, 400)}
+    for (_, context), row in cells.items():
+        ways = {"in_place_ms", "gathered_ms", "batched_ms"} | ({"two_runs_ms"} if context >= 384 else set())
+        assert ways <= set(row) and all(row[w] > 0 for w in ways)
+        assert "two_runs_ms" in row or context < 384
+        assert row["in_place_over_batched"] > 0
