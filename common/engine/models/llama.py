@@ -81,13 +81,15 @@ class Rotary(nn.Module):
             )
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [tokens, 1, dim] for `apply_rotary`, once a step: sin's first half negated."""
         freqs = positions[..., None].float() * self.inv_freq  # [(3,) tokens, dim / 2]
         if self.mrope_section is not None:
             if positions.dim() == 1:  # text only: every stream at the same position
                 freqs = freqs.expand(3, -1, -1)
             freqs = self._mix_streams(freqs)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [tokens, dim]
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling  # [tokens, dim / 2]
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
     def _mix_streams(self, freqs: torch.Tensor) -> torch.Tensor:
         """[3, tokens, dim / 2] → [tokens, dim / 2]: each frequency from its stream."""
@@ -102,10 +104,10 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, dim]; cos/sin [tokens, dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    """x [tokens, heads, dim]; cos/sin [tokens, 1, dim] from `Rotary`. The reference turns x as
+    x·cos + (-x₂, x₁)·sin, x₁ and x₂ its halves; with sin's first half negated once a step that is
+    x·cos + (x₂, x₁)·sin — the same products, bit for bit, in two fewer operations a call."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
