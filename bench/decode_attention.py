@@ -9,7 +9,7 @@ over a cache of the model's KV heads and head size, four ways:
 * in place: each decode's blocks are one run, attended to where they lie (what the block manager
   arranges, `decode_context`);
 * two runs: a 2-block cached prefix elsewhere, then the request's own run, merged by log-sum-exp
-  (taken from 384 tokens on; below, such a context is gathered);
+  (what the engine does from `MERGE_FROM_TOKENS` on; below it, such a context is gathered);
 * gathered: each decode's blocks scattered, copied by block, then one call each;
 * batched: all decodes gathered to the longest and masked, one call (the path before the block
   manager kept runs, and still the path off a CPU).
@@ -56,10 +56,13 @@ def metadata(way: str, batch: int, context: int) -> AttentionMetadata:
         meta.decode_bias = torch.zeros(batch, 1, 1, context)
     elif way == "gathered":
         meta.decode_contexts = [DecodeContext(context, blocks=torch.tensor(t)) for t in rows]
-    else:
+    elif way == "in place":
         meta.decode_contexts = [decode_context(t, context, BLOCK) for t in rows]
-        expected = 1 if way == "in place" else 2
-        assert all(c.runs is not None and len(c.runs) == expected for c in meta.decode_contexts), way
+        assert all(c.runs is not None and len(c.runs) == 1 for c in meta.decode_contexts)
+    else:  # merged whatever the context's length, to show where merging starts to pay
+        meta.decode_contexts = [
+            DecodeContext(context, runs=((0, 2 * BLOCK), (t[2] * BLOCK, context - 2 * BLOCK))) for t in rows
+        ]
     return meta
 
 
@@ -110,7 +113,7 @@ def main() -> None:
             )
             for context in contexts:
                 for way in order:
-                    if way == "two runs" and context < 384:
+                    if way == "two runs" and context < 256:  # no second run to speak of
                         continue
                     seconds = time_way(metadata(way, batch, context), q, k, v, k_cache, v_cache)
                     samples.setdefault((way, batch, context), []).append(seconds * layers)

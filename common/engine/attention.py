@@ -71,10 +71,10 @@ class PrefillSeq:
 # CPU SDPA that also returns each query's log-sum-exp of scores, for merging attention over runs.
 _sdpa_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # A context in several runs is read in place, a call a run, from this length and up to this many
-# runs; shorter or more scattered ones are gathered. Measured on a 2-core EPYC, one thread, one
-# decode of small-llava's shapes: two runs cost 70-120 µs more than one (a call and the merge);
-# a gathered copy 25 µs more at 128 tokens, 130 µs at 512, 2 ms at 2048.
-MERGE_FROM_TOKENS = 384
+# runs; shorter or more scattered ones are gathered. `python bench/decode_attention.py` on a 2-core
+# EPYC, one thread, small-llava's shapes, a 32-token prefix then the rest: merging two runs took
+# 1.1x the gathered copy's time at 512 tokens and 0.65x at 2048.
+MERGE_FROM_TOKENS = 768
 MERGE_MAX_RUNS = 4
 
 

@@ -23,7 +23,7 @@ from common.engine.sampling import SamplingParams
 from tests.engine.conftest import check_mixed_batch
 from tests.engine.test_parity import QUESTIONS
 
-BS, HEADS, KV_HEADS, DIM, BLOCKS = 4, 6, 2, 16, 160
+BS, HEADS, KV_HEADS, DIM, BLOCKS = 4, 6, 2, 16, 512
 
 
 def cache(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +100,7 @@ def test_a_long_context_in_several_runs_is_attended_to_where_it_lies():
     k_cache, v_cache = cache(6)
     n = MERGE_FROM_TOKENS + 10
     tables = [[7, 8, *range(20, 20 + n // BS)], [1, *range(10, 13), *range(40, 40 + n // BS)]]
-    tables.append([*range(30, 30 + n // BS), 150])
+    tables.append([*range(300, 300 + n // BS), 511])
     lengths = [n, n, (n // BS) * BS + 1]
     meta = meta_for(tables, lengths, per_decode=True)
     assert [len(ctx.runs) for ctx in meta.decode_contexts] == [2, 3, 2]
@@ -190,7 +190,7 @@ def test_long_prompts_sharing_a_cached_prefix_are_merged_over_their_runs_and_ans
 
     monkeypatch.setattr(model_runner, "decode_context", recorded)
     engine = make_engine(block_size=4, prefix_caching=True)
-    story = " ".join(f"the {w} crossed the river at dawn," for w in ("fox", "hen", "ox", "cat", "owl") * 12)
+    story = " ".join(f"the {w} crossed the river at dawn," for w in ("fox", "hen", "ox", "cat", "owl") * 24)
     prompts = [
         engine.chat_prompt(story + end) for end in (" Who went first?", " Who went last?", " How many?")
     ]
