@@ -150,21 +150,27 @@ def runs_of(blocks: list[int]) -> int:
     return 1 + sum(b != a + 1 for a, b in pairwise(blocks))
 
 
+@pytest.fixture
+def found(monkeypatch) -> list[DecodeContext]:
+    """Every decode context the engine's runner makes while the test runs."""
+    made: list[DecodeContext] = []
+
+    def recorded(table, length, block_size):
+        made.append(decode_context(table, length, block_size))
+        return made[-1]
+
+    monkeypatch.setattr(model_runner, "decode_context", recorded)
+    return made
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_an_engine_reads_its_decodes_contexts_in_place_and_answers_as_hf(
-    make_engine, hf_generate, images, monkeypatch, prefix_caching
+    make_engine, hf_generate, images, found, prefix_caching
 ):
     """Eight requests of different lengths decoding side by side, growing a block at a time in
     turn: the block manager keeps each one's blocks consecutive, so every decode's context is read
     where it lies — or, where requests share a cached prompt prefix, is that prefix's run and then
     one run of its own — and each answer is still HF's."""
-    found: list[DecodeContext] = []
-
-    def recorded(table, length, block_size):
-        found.append(decode_context(table, length, block_size))
-        return found[-1]
-
-    monkeypatch.setattr(model_runner, "decode_context", recorded)
     engine = make_engine(block_size=4, prefix_caching=prefix_caching)
     check_mixed_batch(engine, hf_generate, QUESTIONS, images, stride=2)
     assert len(found) > 100
@@ -177,18 +183,11 @@ def test_an_engine_reads_its_decodes_contexts_in_place_and_answers_as_hf(
 
 
 def test_long_prompts_sharing_a_cached_prefix_are_merged_over_their_runs_and_answer_as_hf(
-    make_engine, hf_generate, monkeypatch
+    make_engine, hf_generate, found
 ):
     """A long prompt, then two more that begin with most of it: the later ones attach the cached
     blocks and compute their own run elsewhere, so their decodes read two runs, merged — and every
     answer is HF's."""
-    found: list[DecodeContext] = []
-
-    def recorded(table, length, block_size):
-        found.append(decode_context(table, length, block_size))
-        return found[-1]
-
-    monkeypatch.setattr(model_runner, "decode_context", recorded)
     engine = make_engine(block_size=4, prefix_caching=True)
     story = " ".join(f"the {w} crossed the river at dawn," for w in ("fox", "hen", "ox", "cat", "owl") * 24)
     prompts = [
