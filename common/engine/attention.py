@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.engine.block_manager import blocks_needed
+
 log = logging.getLogger(__name__)
 
 # flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...,
@@ -90,7 +92,7 @@ class DecodeContext:
 
 def decode_context(table: list[int], length: int, block_size: int) -> DecodeContext:
     """How a decode whose blocks are `table` reads its `length`-token context on a CPU."""
-    used = table[: -(-length // block_size)]
+    used = table[: blocks_needed(length, block_size)]
     starts = [0] + [i for i in range(1, len(used)) if used[i] != used[i - 1] + 1]
     if len(starts) == 1 or (
         _sdpa_with_lse is not None and len(starts) <= MERGE_MAX_RUNS and length >= MERGE_FROM_TOKENS
