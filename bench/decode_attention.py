@@ -91,7 +91,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoConfig
 
-    text = AutoConfig.from_pretrained(args.model or resolve_model(args.preset)).get_text_config()
+    text = AutoConfig.from_pretrained(resolve_model(args.model or args.preset)).get_text_config()
     kv_heads, heads = text.num_key_value_heads, text.num_attention_heads
     dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     layers = text.num_hidden_layers
