@@ -7,6 +7,7 @@ from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel
 
 from common.engine.models.llama import LlamaForCausalLM, tied_embeddings
+from common.engine.models.vision_ops import lighten
 from common.engine.request import ImageInput
 
 
@@ -32,6 +33,7 @@ class VisionEncoder(nn.Module):
         super().__init__()
         vision_config._attn_implementation = "sdpa"
         self.vision_tower = CLIPVisionModel(vision_config)
+        lighten(self.vision_tower)  # the same model, computed faster (vision_ops.py)
         layer = llava_config.vision_feature_layer
         self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
         self.strategy = llava_config.vision_feature_select_strategy

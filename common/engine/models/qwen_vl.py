@@ -15,8 +15,8 @@ What differs from LLaVA, and where it is handled:
   columns of the same feature tensor — [tokens, hidden · (1 + deepstack layers)] — so the feature
   cache, the E→P transfer and chunked prefill carry them as they carry the rest.
 
-The vision towers are transformers' own modules (the checkpoints' weights load into them by name);
-the LLM is ours (`models/llama.py`, over the paged KV cache), with each variant's `TextArch`.
+The vision towers are transformers' own modules (the checkpoints' weights load into them by name),
+the patch embedding computed as one product (vision_ops.py); the LLM is ours (`models/llama.py`, over the paged KV cache), with each variant's `TextArch`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from common.engine.models.llama import LlamaForCausalLM, TextArch, tied_embeddings
+from common.engine.models.vision_ops import lighten
 from common.engine.request import ImageInput
 
 
@@ -115,6 +116,7 @@ class QwenVisionEncoder(nn.Module):
         # Built for real, not on the meta device: its rotary tables are buffers no checkpoint holds.
         with torch.device("cpu"):
             self.visual = tower(vision_config)
+        lighten(self.visual)  # the same model, computed faster (vision_ops.py)
         self.merge = vision_config.spatial_merge_size
 
     @torch.no_grad()

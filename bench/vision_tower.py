@@ -1,0 +1,114 @@
+"""The encode stage's vision tower as Trident runs it against the same tower as transformers builds it.
+
+    python bench/vision_tower.py [--preset small-qwen2-vl | --model DIR] [--sizes 336x336,448x448]
+                                 [--rounds 5] [--repeats 3] [--threads 1]
+
+Trident builds each family's tower from transformers' modules and then replaces a few of them with
+ones that compute the same model faster (common/engine/models/vision_ops.py). This times both
+towers, loaded with the checkpoint's weights, encoding one picture of each size as a request's
+image reaches the encode stage (through the checkpoint's processor): each figure is the least of
+`--repeats` calls, and rounds alternate which tower goes first. A table of medians [min-max], the
+ratio round by round, and the largest difference between the two towers' features relative to
+their largest magnitude; the matmul rate beside it; one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.models import resolve_model
+from common.roles import Role
+from trident.bench.machine import single_thread_gflops
+
+TOWER_ATTRS = ("visual", "vision_tower")  # Qwen-VL's encoder holds its tower as `visual`, LLaVA's otherwise
+
+
+def picture(size: str):
+    w, h = (int(v) for v in size.lower().split("x"))
+    return Image.fromarray(np.random.default_rng(w * h).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def least(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small-qwen2-vl")
+    ap.add_argument("--model", help="a checkpoint directory (instead of --preset)")
+    ap.add_argument("--sizes", default="336x336,448x448")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    gflops = [single_thread_gflops()]
+    engine = Engine(
+        resolve_model(args.model or args.preset),
+        EngineConfig(roles=frozenset({Role.ENCODE}), num_threads=args.threads),
+    )
+    vision = engine.model.vision
+    attr = next(a for a in TOWER_ATTRS if hasattr(vision, a))
+    ours = getattr(vision, attr)
+    plain = type(ours)(ours.config).eval()  # transformers' modules throughout
+    plain.load_state_dict(ours.state_dict())
+    towers = {"trident": ours, "transformers": plain}
+    dtype = next(ours.parameters()).dtype
+
+    def encode(tower, image):
+        setattr(vision, attr, tower)
+        try:
+            return engine.model.encode([image], engine.device, dtype)[0]
+        finally:
+            setattr(vision, attr, ours)
+
+    rows = []
+    for size in args.sizes.split(","):
+        image = engine.processor.process(engine.processor.image_token, [picture(size)]).images[0]
+        want, got = encode(plain, image), encode(ours, image)
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        times: dict[str, list[float]] = {name: [] for name in towers}
+        for r in range(args.rounds):
+            order = list(towers) if r % 2 == 0 else list(reversed(towers))
+            for name in order:
+                times[name].append(least(lambda t=towers[name], i=image: encode(t, i), args.repeats) * 1e3)
+        ratio = [a / b for a, b in zip(times["trident"], times["transformers"], strict=True)]
+        row = {"size": size, "image_tokens": int(got.shape[0]), "max_rel_diff": rel}
+        for name, ms in times.items():
+            row[name] = {"median_ms": round(statistics.median(ms), 2), "min_ms": round(min(ms), 2),
+                         "max_ms": round(max(ms), 2)}  # fmt: skip
+        row["trident_over_transformers"] = round(statistics.median(ratio), 3)
+        rows.append(row)
+    gflops.append(single_thread_gflops())
+
+    print(f"{engine.model.config.model_type}, one picture an encode, {args.threads} thread(s), "
+          f"medians of {args.rounds} rounds [min-max]")  # fmt: skip
+    print(
+        "| size | image tokens | Trident (ms) | transformers (ms) | Trident / transformers | max rel diff |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        cells = [f"{row[n]['median_ms']} [{row[n]['min_ms']}-{row[n]['max_ms']}]" for n in towers]
+        print(f"| {row['size']} | {row['image_tokens']} | {cells[0]} | {cells[1]} | "
+              f"{row['trident_over_transformers']}x | {row['max_rel_diff']:.1e} |")  # fmt: skip
+    print(f"machine: single-thread fp32 matmul {gflops[0]:.1f} GFLOP/s before, {gflops[1]:.1f} after")
+    print(json.dumps({"model": engine.model.config.model_type, "threads": args.threads, "rounds": args.rounds,
+                      "rows": rows, "matmul_gflops": gflops}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
