@@ -16,7 +16,8 @@ What differs from LLaVA, and where it is handled:
   cache, the E→P transfer and chunked prefill carry them as they carry the rest.
 
 The vision towers are transformers' own modules (the checkpoints' weights load into them by name),
-the patch embedding computed as one product (vision_ops.py); the LLM is ours (`models/llama.py`, over the paged KV cache), with each variant's `TextArch`.
+the patch embedding computed as one product (vision_ops.py); the LLM is ours (`models/llama.py`,
+over the paged KV cache), with each variant's `TextArch`.
 """
 
 from __future__ import annotations
