@@ -3,13 +3,15 @@
 
     python bench/step_speed.py [--preset small-llava | --model DIR] [--threads 1] [--batches 1,8]
                                [--context 512] [--rounds 3] [--repeats 3] [--no-llamacpp]
+                               [--kv-cache-dtype float16]
 
 Each round times, one after another on the same machine, for each batch size B:
 
 * Trident's engine with its weights packed for decode (TRIDENT_PACKED_WEIGHTS=auto, the default),
   and the same engine without (off): a prefill step of B prompts of `--context` tokens, and a
   decode step of B sequences whose next token sits at position `--context`, each the least of
-  `--repeats` steps (common/engine/profiler.py, as a worker profiles itself at start);
+  `--repeats` steps (common/engine/profiler.py, as a worker profiles itself at start); with
+  `--kv-cache-dtype`, a third engine, packed, whose KV cache is in that dtype (TRIDENT_KV_CACHE_DTYPE);
 * llama.cpp's `llama-batched-bench` on the checkpoint converted to GGUF (F32), when built
   (`bash bench/third_party/llamacpp.sh`): B prompts of `--context` tokens prefilled (in batches
   of 2,048 tokens, 512 a micro-batch: its defaults), then 16 decode steps of B tokens each; its
@@ -75,11 +77,11 @@ def llama_steps(
     return {row["pl"]: {"prefill": row["t_pp"], "decode": row["t_tg"] / row["tg"]} for row in rows}
 
 
-def config(threads: int, packed: str) -> EngineConfig:
+def config(threads: int, packed: str, kv_cache_dtype: str | None = None) -> EngineConfig:
     """As bench/step_profile.py's engine: 1 GiB of KV holds batches of 32 at a few thousand tokens."""
     return EngineConfig(
         num_threads=threads, prefix_caching=False, adapt_budgets=False, kv_cache_bytes=1 << 30,
-        packed_weights=packed,
+        packed_weights=packed, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
 
 
@@ -102,6 +104,9 @@ def ratio(ours: list[float], theirs: list[float]) -> float:
 
 def measure(args: argparse.Namespace, batches: list[int], model_dir: Path) -> tuple[Samples, Engine]:
     engines = {f"trident packed={m}": Engine(model_dir, config(args.threads, m)) for m in ("auto", "off")}
+    if args.kv_cache_dtype:
+        short = {"float16": "f16", "bfloat16": "bf16"}[args.kv_cache_dtype]
+        engines[f"trident kv={short}"] = Engine(model_dir, config(args.threads, "auto", args.kv_cache_dtype))
     binary, gguf = llamacpp.batched_bench_binary(), None
     if not args.no_llamacpp:
         if not binary.exists():
@@ -117,7 +122,8 @@ def measure(args: argparse.Namespace, batches: list[int], model_dir: Path) -> tu
 
     names = list(engines)
     for round_ in range(args.rounds):
-        for name in names[round_ % 2 :] + names[: round_ % 2]:  # each goes first every other round
+        first = round_ % len(names)  # the engines take turns going first
+        for name in names[first:] + names[:first]:
             engine = engines[name]
             for batch in batches:
                 add(name, batch, trident_steps(engine, batch, args.context, args.repeats))
@@ -137,7 +143,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens; decode's next position")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="steps a Trident measurement takes the least of")
-    ap.add_argument("--no-llamacpp", action="store_true", help="time Trident's two engines only")
+    ap.add_argument("--no-llamacpp", action="store_true", help="time Trident's engines only")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=("float16", "bfloat16"),
+        help="also time an engine with its KV cache in it",
+    )
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = resolve_model(args.model or args.preset, REPO / ".trident" / "models")

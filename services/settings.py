@@ -184,6 +184,13 @@ class WorkerSettings(ServiceSettings):
         "weights packed for MKL's GEMM (decode batches of 2-64 sequences about twice as fast, for a "
         "second copy of the decoder's weights in memory) | off",
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="The KV cache's dtype: auto (the model's) | float16 | bfloat16 — on a CPU under a "
+        "float32 model, half the cache's bytes (twice the sequences in the same TRIDENT_KV_CACHE_BYTES) and "
+        "faster decode attention, for keys and values rounded to half precision (greedy outputs may part "
+        "from HF's at near-ties); refused on a GPU unless it is the model's dtype",
+    )
     transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
     kv_wire: Literal["native", "int8"] = Field(

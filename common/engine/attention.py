@@ -135,8 +135,10 @@ def paged_attention(
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
 ) -> torch.Tensor:  # fmt: skip
     """q [tokens, heads, dim], k/v [tokens, kv_heads, dim]; caches [slots, kv_heads, dim]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    # A cache in another dtype than the model's (a half-precision cache under a float32 model,
+    # EngineConfig.kv_cache_dtype) takes keys and values rounded to it, and is read back as below.
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if meta.use_flash:
         return _flash(q, k_cache, v_cache, meta)
     if not meta.prefills:  # decodes only: their output is the whole output, with no copy into it
@@ -154,8 +156,9 @@ def _prefill_one(
 ) -> torch.Tensor:
     # 4-D inputs: with 3-D ones, CPU SDPA falls back to its slow math kernel.
     qs = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)[None]  # [1, heads, q_len, dim]
-    ks = gather_rows(k_cache, seq.context_slots).transpose(0, 1)[None]  # [1, kv_heads, ctx, dim]
-    vs = gather_rows(v_cache, seq.context_slots).transpose(0, 1)[None]
+    # Copies already, so a half-precision cache's rows come back in the queries' dtype on the way.
+    ks = gather_rows(k_cache, seq.context_slots).to(q.dtype).transpose(0, 1)[None]  # [1, kv_heads, ctx, dim]
+    vs = gather_rows(v_cache, seq.context_slots).to(q.dtype).transpose(0, 1)[None]
     ctx = ks.shape[2]
     if ctx == seq.q_len:
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
@@ -181,8 +184,10 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Cut the block padding beyond the longest context: the reduction length, and so the float
     # summation order, then matches an unpaged cache.
     width = meta.decode_bias.shape[-1]
-    ks = ks.view(batch, -1, kv_heads, dim)[:, :width].transpose(1, 2)  # [batch, kv_heads, context, dim]
-    vs = vs.view(batch, -1, kv_heads, dim)[:, :width].transpose(1, 2)
+    ks = (
+        ks.view(batch, -1, kv_heads, dim)[:, :width].transpose(1, 2).to(q.dtype)
+    )  # [batch, kv_heads, context, dim]
+    vs = vs.view(batch, -1, kv_heads, dim)[:, :width].transpose(1, 2).to(q.dtype)
     qs = q.view(batch, kv_heads, heads // kv_heads, dim)  # query head h uses kv head h // group
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_bias)
     return o.reshape(batch, heads, dim)
@@ -191,10 +196,12 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _decode_each(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> torch.Tensor:
     """Each decode by itself, over exactly its context: one SDPA call where the context is one run
     (the same numbers as an unpaged cache), a call a run merged where it is several, one call over
-    a gathered copy otherwise. Query heads are laid out as in `_decode_batch`."""
+    a gathered copy otherwise. Query heads are laid out as in `_decode_batch`. A half-precision
+    cache is read as it lies, the queries rounded to its dtype (reading half the bytes is the point
+    of it; SDPA accumulates in float32 either way)."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    qs = q.view(batch, 1, kv_heads, heads // kv_heads, dim)  # 4-D per decode: SDPA's fast kernel
+    qs = q.to(k_cache.dtype).view(batch, 1, kv_heads, heads // kv_heads, dim)  # 4-D: SDPA's fast kernel
     out = torch.empty_like(q)
     for i, ctx in enumerate(meta.decode_contexts):
         if ctx.runs is None:
@@ -227,7 +234,7 @@ def _merged_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         lses.append(lse)
     lse = torch.stack(lses)
     weights = (lse - lse.logsumexp(0)).exp_().unsqueeze(-1)
-    return (torch.stack(outs) * weights).sum(0).to(q.dtype)
+    return (torch.stack(outs) * weights).sum(0)
 
 
 def _gather_context(cache: torch.Tensor, ctx: DecodeContext, block_size: int) -> torch.Tensor:
@@ -238,7 +245,8 @@ def _gather_context(cache: torch.Tensor, ctx: DecodeContext, block_size: int) ->
 
 def _flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> torch.Tensor:
     # Gathering contexts keeps any block size usable (flash's own paged path wants 256-token pages).
-    ks, vs = gather_rows(k_cache, meta.flash_slots), gather_rows(v_cache, meta.flash_slots)
+    ks = gather_rows(k_cache, meta.flash_slots).to(q.dtype)
+    vs = gather_rows(v_cache, meta.flash_slots).to(q.dtype)
     return meta.varlen_kernel(
         q, ks, vs, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, meta.max_k, causal=True
     )

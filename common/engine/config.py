@@ -18,6 +18,7 @@ class Policy(StrEnum):
 
 DECODE_GRAPH_MODES = ("auto", "off", "eager")
 PACKED_WEIGHT_MODES = ("auto", "off")
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ class EngineConfig:
     # weights packed for MKL's GEMM (packed.py), which decode batches of 2-64 rows run about twice as
     # fast from, for a second copy of the decoder's weights in memory. "off": never.
     packed_weights: str = "auto"
+    # The KV cache's dtype; None: the model's. On a CPU, "float16" or "bfloat16" under a float32
+    # model halves the cache's bytes (twice the sequences in the same memory) and what a decode step
+    # reads of it, for keys and values rounded to half precision: greedy outputs may then part from
+    # HF's at near-ties (docs/engine.md, "A half-precision KV cache").
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -85,6 +91,11 @@ class EngineConfig:
         if self.packed_weights not in PACKED_WEIGHT_MODES:
             raise ValueError(
                 f"packed_weights must be one of {', '.join(PACKED_WEIGHT_MODES)}: {self.packed_weights!r}"
+            )
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} or unset, "
+                f"not {self.kv_cache_dtype!r}"
             )
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(

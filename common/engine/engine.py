@@ -75,7 +75,7 @@ class Engine:
         self.kv_spec = KVSpec(
             text.num_hidden_layers, text.num_key_value_heads or text.num_attention_heads,
             getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-            config.block_size, dtype,
+            config.block_size, self._kv_dtype(dtype),
         )  # fmt: skip
         num_blocks = self._num_blocks() if self.has_lm else 0
         self.cache = KVCache(self.kv_spec, num_blocks, self.device) if self.has_lm else None
@@ -425,6 +425,18 @@ class Engine:
         added = pack_projections(self.model.language_model)
         log.info("decoder weights packed for decode batches: %.0f MB more memory", added / 1e6)
         return added
+
+    def _kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype: the model's, or `kv_cache_dtype` where it may differ (on a CPU)."""
+        name = self.config.kv_cache_dtype
+        if name is None or _DTYPES[name] == dtype:
+            return dtype
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"kv_cache_dtype {name} differs from the model's dtype "
+                f"({str(dtype).removeprefix('torch.')}): supported on a CPU only; leave it unset on a GPU"
+            )
+        return _DTYPES[name]
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         mode = self.config.decode_graphs

@@ -95,6 +95,7 @@ def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
         long_prefill=s.long_prefill,
         decode_graphs=s.decode_graphs,
         packed_weights=s.packed_weights,
+        kv_cache_dtype=None if s.kv_cache_dtype == "auto" else s.kv_cache_dtype,
     )
 
 

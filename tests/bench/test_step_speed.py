@@ -40,6 +40,12 @@ def test_both_engines_are_timed_at_each_batch(tiny_model_dir: Path) -> None:
     assert all(r > 0 for r in result["prefill_matmul_share"]["trident packed=auto"].values())
 
 
+def test_a_half_precision_kv_cache_is_a_third_engine(tiny_model_dir: Path) -> None:
+    result = run(tiny_model_dir, "--no-llamacpp", "--kv-cache-dtype", "float16")
+    assert set(result["steps"]) == {"trident packed=auto", "trident packed=off", "trident kv=f16"}
+    assert set(result["trident_over"]["trident kv=f16"]["decode"]) == {"1", "4"}
+
+
 def test_without_llama_cpp_built_it_says_how_to_build_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--rounds", "1"],
