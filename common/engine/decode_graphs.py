@@ -159,7 +159,8 @@ class DecodeGraphs:
         width = step.blocks.shape[1] * self.block_size
         keys = torch.arange(width, device=self.device)
         hidden_mask = keys[None, :] >= step.context[:, None]
-        bias = torch.zeros(hidden_mask.shape, dtype=self.cache.spec.dtype, device=self.device)
+        # In the queries' dtype, which a half-precision cache under a float32 model is not.
+        bias = torch.zeros(hidden_mask.shape, dtype=lm.embed_tokens.weight.dtype, device=self.device)
         bias.masked_fill_(hidden_mask, float("-inf"))
         meta = AttentionMetadata(
             step.slots, [], 0, step.blocks, bias[:, None, None, :], block_size=self.block_size

@@ -184,7 +184,8 @@ class ModelRunner:
             for i, table in enumerate(tables):
                 grid[i, : len(table)] = torch.as_tensor(table)
             valid = torch.arange(max(decode_ctx))[None, :] < torch.as_tensor(decode_ctx)[:, None]
-            bias = torch.zeros(valid.shape, dtype=self.cache.spec.dtype).masked_fill_(~valid, float("-inf"))
+            dtype = self.model.language_model.embed_tokens.weight.dtype  # the queries', not the cache's
+            bias = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
             meta.decode_blocks = grid.to(dev)
             meta.decode_bias = bias[:, None, None, :].to(dev)
         if kernel is not None:

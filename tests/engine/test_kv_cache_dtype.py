@@ -134,3 +134,16 @@ def test_an_engine_with_a_float16_cache_holds_twice_the_blocks_and_answers_close
         top = b.topk(5).indices  # the tokens that could be picked; far-off ones move more, harmlessly
         worst = max(worst, (a[top] - b[top]).abs().max().item())
     assert worst < 0.05, worst
+
+
+def test_decode_steps_padded_to_graph_buckets_read_a_float16_cache(make_engine, images):
+    """The padded batched path (decode_graphs.py, uncaptured on a CPU) masks in the queries' dtype
+    over a half-precision cache, and answers as the float32 engine does."""
+    answers = []
+    for overrides in ({}, {"kv_cache_dtype": "float16", "decode_graphs": "eager"}):
+        engine = make_engine(**overrides)
+        prompt = engine.chat_prompt("Tell me a long story about a boat", 1)
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        answers.append(engine.generate([prompt], [images[:1]], params)[0].token_ids)
+    assert engine.runner.graphs.runs > 0
+    assert answers[1] == answers[0]
