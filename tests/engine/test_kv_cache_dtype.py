@@ -11,6 +11,8 @@ from common.engine.attention import MERGE_FROM_TOKENS, PrefillSeq, paged_attenti
 from common.engine.config import EngineConfig
 from common.engine.kv_cache import KVCache, KVSpec
 from common.engine.sampling import SamplingParams
+from services.settings import WorkerSettings
+from services.worker.instance import engine_config
 from tests.engine.test_decode_attention import BS, DIM, HEADS, KV_HEADS, cache, meta_for, reference
 
 # Half precision keeps 11 significant bits (float16) or 8 (bfloat16); queries are rounded as well
@@ -93,9 +95,13 @@ def test_kv_moves_between_caches_of_either_dtype():
     assert torch.equal(wide.export_blocks([0, 7], range(0, 3)), exported.to(torch.float16).float())
 
 
-def test_unknown_kv_cache_dtypes_are_refused():
+def test_unknown_kv_cache_dtypes_are_refused_and_the_setting_reaches_the_engine(monkeypatch):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of float32, bfloat16, float16"):
         EngineConfig(kv_cache_dtype="int8")
+    roles = frozenset(EngineConfig().roles)
+    assert engine_config(WorkerSettings(), roles).kv_cache_dtype is None  # auto: the model's
+    monkeypatch.setenv("TRIDENT_KV_CACHE_DTYPE", "float16")
+    assert engine_config(WorkerSettings(), roles).kv_cache_dtype == "float16"
 
 
 def test_an_engine_with_a_float16_cache_holds_twice_the_blocks_and_answers_close_to_float32(
