@@ -184,9 +184,8 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Cut the block padding beyond the longest context: the reduction length, and so the float
     # summation order, then matches an unpaged cache.
     width = meta.decode_bias.shape[-1]
-    ks = (
-        ks.view(batch, -1, kv_heads, dim)[:, :width].transpose(1, 2).to(q.dtype)
-    )  # [batch, kv_heads, context, dim]
+    # [batch, kv_heads, context, dim], in the queries' dtype (a half-precision cache's copy converts)
+    ks = ks.view(batch, -1, kv_heads, dim)[:, :width].transpose(1, 2).to(q.dtype)
     vs = vs.view(batch, -1, kv_heads, dim)[:, :width].transpose(1, 2).to(q.dtype)
     qs = q.view(batch, kv_heads, heads // kv_heads, dim)  # query head h uses kv head h // group
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_bias)
