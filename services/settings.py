@@ -195,7 +195,7 @@ class WorkerSettings(ServiceSettings):
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
     kv_wire: Literal["native", "int8"] = Field(
         "native",
-        description="How a prefill instance sends KV to decode: native (the engine's dtype) | int8 (int8 "
+        description="How a prefill instance sends KV to decode: native (the KV cache's dtype) | int8 (int8 "
         "values with a float32 scale per layer, block and head: about half a bfloat16 cache's bytes, a "
         "quarter of a float32 one's; decoders of either setting read both)",
     )
