@@ -18,7 +18,8 @@ class Policy(StrEnum):
 
 DECODE_GRAPH_MODES = ("auto", "off", "eager")
 PACKED_WEIGHT_MODES = ("auto", "off")
-KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
+# The dtypes an engine computes in (`dtype`) or keeps its KV cache in (`kv_cache_dtype`).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,9 @@ class EngineConfig:
             raise ValueError(
                 f"packed_weights must be one of {', '.join(PACKED_WEIGHT_MODES)}: {self.packed_weights!r}"
             )
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
             raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} or unset, "
-                f"not {self.kv_cache_dtype!r}"
+                f"kv_cache_dtype must be one of {', '.join(DTYPES)} or unset, not {self.kv_cache_dtype!r}"
             )
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(

@@ -16,7 +16,7 @@ from PIL import Image
 
 from common.engine.admission import AdmissionError, check_fits
 from common.engine.block_manager import BlockManager, blocks_needed
-from common.engine.config import EngineConfig
+from common.engine.config import DTYPES, EngineConfig
 from common.engine.decode_graphs import DecodeGraphs
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.feature_cache import FeatureCache
@@ -37,7 +37,7 @@ from common.engine.scheduler import Batch, Scheduler
 from common.roles import Role
 
 log = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def eos_ids(model_dir: Path, config_eos, tokenizer_eos) -> set[int]:
