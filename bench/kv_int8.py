@@ -16,6 +16,11 @@ every GPU deployment already lives with. Reported per preset:
   far (teacher-forced), picks the native answer's next token — the KV's effect on each choice;
 - `free_running_agreement` and `identical_answers`: the same decoder left to its own tokens: after
   one different choice the answers go different ways, and every later position counts against it;
+- `logit_max_abs_diff` and `logit_median_max_abs_diff`: over the teacher-forced positions, the
+  largest |Δ| between the two decoders' logits, and the median of each position's largest;
+- `by_margin`: the teacher-forced positions binned by the native decoder's gap between its top two
+  logits (the room a perturbation has before it changes the choice): each bin's share of the
+  positions and its agreement; `flipped_max_margin`: the widest gap at which a choice still changed;
 - `wire_bytes` and `native_bytes`: what the KV of all requests takes on the wire each way.
 
 The last line is one JSON object. Random-weight checkpoints (the only ones here) are not trained
@@ -27,6 +32,7 @@ against this engine's numbers, not a real model's quality.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -69,6 +75,49 @@ def int8_round_trip(buf: torch.Tensor) -> tuple[torch.Tensor, int]:
     return kv_quant.unpack(packed, tuple(buf.shape), buf.dtype), packed.numel()
 
 
+MARGIN_BINS = (0.0, 0.25, 0.5, 1.0, 2.0)  # top-two logit gaps: [0, 0.25), ..., [2, inf)
+
+
+def recorded_logits(decoder: Engine) -> dict[str, list[torch.Tensor]]:
+    """From now on, each request's logits at every step the decoder's runner computes, in order."""
+    rows: dict[str, list[torch.Tensor]] = {}
+    forward = decoder.runner.forward
+
+    def recording(*args, **kwargs):
+        result = forward(*args, **kwargs)
+        for req, row in zip(result.sampled, result.logits if result.sampled else (), strict=True):
+            rows.setdefault(req.request_id, []).append(row.clone())
+        return result
+
+    decoder.runner.forward = recording
+    return rows
+
+
+def by_margin(native: torch.Tensor, forced: torch.Tensor, agreed: torch.Tensor) -> dict:
+    """Positions binned by the native top-two gap: each bin's share and agreement; the widest gap
+    at which a choice changed. `native`/`forced` [positions, vocab], `agreed` [positions] bool."""
+    top2 = native.topk(2, dim=-1).values
+    gap = top2[:, 0] - top2[:, 1]
+    bins = {}
+    edges = (*MARGIN_BINS, float("inf"))
+    for lo, hi in itertools.pairwise(edges):
+        inside = (gap >= lo) & (gap < hi)
+        n = int(inside.sum())
+        label = f"{lo:g}-{hi:g}" if hi != float("inf") else f">={lo:g}"
+        bins[label] = {
+            "share": round(n / len(gap), 4),
+            "agreement": round(float(agreed[inside].float().mean()), 4) if n else None,
+        }
+    flipped = gap[~agreed]
+    diff = (forced - native).abs().amax(dim=-1)
+    return {
+        "logit_max_abs_diff": round(float(diff.max()), 5),
+        "logit_median_max_abs_diff": round(float(diff.median()), 5),
+        "by_margin": bins,
+        "flipped_max_margin": round(float(flipped.max()), 5) if len(flipped) else None,
+    }
+
+
 def decode(decoder: Engine, ids: list[str], forced: dict[str, list[int]] | None = None) -> dict[str, list]:
     """Each request's decoded tokens. With `forced` (each request's whole native answer), teacher
     forcing: each step's choice is recorded as whether it matched the native token at that
@@ -109,6 +158,7 @@ def measure(preset: str, prompts: int, max_tokens: int, compare: str = "int8", g
     native_bytes = wire_bytes = 0
     answers: dict[str, dict[str, list]] = {}
     logits: dict[str, torch.Tensor] = {}
+    steps: dict[str, dict[str, list[torch.Tensor]]] = {}  # native and forced: each step's logits
     for way in ("native", "forced", "free"):
         decoder = Engine(model, EngineConfig(roles=frozenset({Role.DECODE}), **config))
         for req in reqs:
@@ -127,21 +177,32 @@ def measure(preset: str, prompts: int, max_tokens: int, compare: str = "int8", g
         forced = None
         if way == "forced":  # along the native answer: the prefill's token, then the decoded ones
             forced = {r.request_id: r.output_token_ids[:1] + answers["native"][r.request_id] for r in reqs}
+        if way != "free":
+            steps[way] = recorded_logits(decoder)
         answers[way] = decode(decoder, ids, forced)
     positions = prompts * (max_tokens - 1)  # the decoded ones; the prefill's first token is shared
     native, free = answers["native"], answers["free"]
     assert all(len(native[i]) == max_tokens - 1 for i in ids)
     same = sum(x == y for i in ids for x, y in zip(native[i], free[i], strict=True))
-    return out | {
-        "first_logit_max_abs_diff": round(float((logits["native"] - logits["free"]).abs().max()), 5),
-        "logit_std": round(float(logits["native"].std()), 3),
-        "token_agreement": round(sum(sum(m) for m in answers["forced"].values()) / positions, 4),
-        "free_running_agreement": round(same / positions, 4),
-        "identical_answers": round(sum(native[i] == free[i] for i in ids) / prompts, 4),
-        "native_bytes": native_bytes // 2,  # counted for the forced and the free decoder alike
-        "wire_bytes": wire_bytes // 2,
-        "wire_over_native": round(wire_bytes / native_bytes, 4),
-    }
+    margins = by_margin(
+        torch.stack([row for i in ids for row in steps["native"][i]]),
+        torch.stack([row for i in ids for row in steps["forced"][i]]),
+        torch.tensor([m for i in ids for m in answers["forced"][i]]),
+    )
+    return (
+        out
+        | margins
+        | {
+            "first_logit_max_abs_diff": round(float((logits["native"] - logits["free"]).abs().max()), 5),
+            "logit_std": round(float(logits["native"].std()), 3),
+            "token_agreement": round(sum(sum(m) for m in answers["forced"].values()) / positions, 4),
+            "free_running_agreement": round(same / positions, 4),
+            "identical_answers": round(sum(native[i] == free[i] for i in ids) / prompts, 4),
+            "native_bytes": native_bytes // 2,  # counted for the forced and the free decoder alike
+            "wire_bytes": wire_bytes // 2,
+            "wire_over_native": round(wire_bytes / native_bytes, 4),
+        }
+    )
 
 
 def main() -> None:
@@ -165,6 +226,12 @@ def main() -> None:
             f"identical answers {r['identical_answers']:.1%}, wire {r['wire_over_native']:.1%} of native",
             flush=True,
         )
+        bins = ", ".join(
+            f"{label}: {b['share']:.1%} of positions, {b['agreement']:.1%} agree"
+            for label, b in r["by_margin"].items()
+            if b["agreement"] is not None
+        )
+        print(f"  by native top-two gap: {bins}; widest gap flipped: {r['flipped_max_margin']}", flush=True)
     print(f"machine: single-thread fp32 matmul {gflops:.1f} GFLOP/s; {time.monotonic() - start:.0f} s")
     print(json.dumps({"matmul_gflops": round(gflops, 1), "results": rows}))
 

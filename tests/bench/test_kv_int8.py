@@ -1,5 +1,6 @@
 """bench/kv_int8.py on the tiny checkpoint, a few prompts: it runs, and its figures are what it
-says they are (shares in [0, 1], the INT8 wire a quarter of float32, bf16's a half)."""
+says they are (shares in [0, 1], the INT8 wire a quarter of float32, bf16's a half, the margin
+table consistent with the whole)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,20 @@ def test_the_kv_int8_bench_reports_agreement_and_wire_bytes(tiny_model_dir: Path
     assert row["wire_bytes"] < row["native_bytes"] and row["wire_over_native"] == pytest.approx(
         share, abs=0.01
     )
+    # The margin table is the same positions cut by the native top-two gap: shares sum to one, the
+    # bins' agreements average back to the whole, and no choice flips above the widest flipped gap.
+    bins = row["by_margin"].values()
+    assert sum(b["share"] for b in bins) == pytest.approx(1.0, abs=1e-3)
+    weighted = sum(b["share"] * b["agreement"] for b in bins if b["agreement"] is not None)
+    assert weighted == pytest.approx(row["token_agreement"], abs=2e-3)
+    assert row["logit_max_abs_diff"] >= row["logit_median_max_abs_diff"] > 0
+    assert (row["flipped_max_margin"] is None) == (row["token_agreement"] == 1.0)
+    flipped = row["flipped_max_margin"]
+    for label, b in row["by_margin"].items():
+        low, _, high = label.removeprefix(">=").partition("-")
+        if flipped is None or b["agreement"] is None:
+            continue
+        if float(low) > flipped:
+            assert b["agreement"] == 1.0, label
+        elif flipped < float(high or "inf"):  # the bin holding the widest flip has a flip
+            assert b["agreement"] < 1.0, label
