@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -13,3 +16,15 @@ def load_script(path: Path, name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_bench(
+    script: Path, *args: str, timeout: float = 300, **popen
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """`script` run as a user runs it (its own interpreter, `args` on its command line); it must
+    succeed, and its last line of output, one JSON object (every benchmark's contract), is parsed."""
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, **popen
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done, json.loads(done.stdout.strip().splitlines()[-1])

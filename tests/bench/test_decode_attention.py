@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.bench import run_bench
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "decode_attention.py"
 
 
 def test_every_way_is_timed_and_two_runs_where_there_is_a_second_run(tiny_model_dir: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--batches", "1,3",
-         "--contexts", "40,400", "--rounds", "2"],
-        capture_output=True, text=True, timeout=600,
+    _, result = run_bench(
+        SCRIPT, "--model", str(tiny_model_dir), "--batches", "1,3", "--contexts", "40,400", "--rounds",
+        "2", timeout=600,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(result["matmul_gflops"]) == 2
     cells = {(r["batch"], r["context"]): r for r in result["rows"]}
     assert set(cells) == {(1, 40), (1, 400), (3, 40), (3, 400)}

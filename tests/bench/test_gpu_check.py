@@ -8,19 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.bench import run_bench
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 
 
 def test_the_gpu_check_rehearses_every_step_on_the_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu", "--skip-tests", "--models", str(tiny_model_dir.parent),
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+    _, printed = run_bench(
+        SCRIPT, "--cpu", "--skip-tests", "--models", str(tiny_model_dir.parent), "--out", str(out),
+        timeout=300,
     )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result == json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == printed
     assert result["ok"], result
     assert result["preset"] == "tiny-llava" and result["environment"]["device"] == "cpu"
     assert result["machine"]["memory_gbps"] > 0 and result["machine"]["matmul_tflops"] > 0

@@ -4,12 +4,11 @@ table consistent with the whole)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.bench import run_bench
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kv_int8.py"
 
@@ -18,13 +17,11 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kv_int8.py"
     ("compare", "share"), [("int8", 0.254), pytest.param("bf16", 0.5, marks=pytest.mark.slow)]
 )
 def test_the_kv_int8_bench_reports_agreement_and_wire_bytes(tiny_model_dir: Path, compare, share) -> None:
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--presets", str(tiny_model_dir), "--prompts", "6",
-         "--max-tokens", "5", "--threads", "1", "--compare", compare],
-        capture_output=True, text=True, timeout=300,
+    _, report = run_bench(
+        SCRIPT, "--presets", str(tiny_model_dir), "--prompts", "6", "--max-tokens", "5", "--threads",
+        "1", "--compare", compare, timeout=300,
     )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    (row,) = json.loads(run.stdout.strip().splitlines()[-1])["results"]
+    (row,) = report["results"]
     assert row["compare"] == compare and row["prompts"] == 6
     for key in ("token_agreement", "free_running_agreement", "identical_answers"):
         assert 0.0 <= row[key] <= 1.0, key

@@ -5,23 +5,19 @@ streamed run exposed more than the transfer after prefill took, as a noisy run o
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.bench import run_bench
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kv_overlap.py"
 
 
 def test_the_overlap_bench_reports_hidden_shares_by_prompt_length(tiny_model_dir: Path) -> None:
     """Over TCP (the UCX path of a reserved handle: tests/substrate/test_transfer_reserved.py)."""
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--lengths", "32,96",
-         "--repeats", "1", "--group", "1", "--backend", "tcp"],
-        capture_output=True, text=True, timeout=300,
+    run, report = run_bench(
+        SCRIPT, "--model", str(tiny_model_dir), "--lengths", "32,96", "--repeats", "1", "--group", "1",
+        "--backend", "tcp", timeout=300,
     )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["matmul_gflops"] > 0 and set(report["overlap"]) == {"32", "96"}
     sizes = []
     for row in report["overlap"].values():

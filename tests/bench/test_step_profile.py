@@ -3,12 +3,9 @@ docs/engine.md's, from small checkpoints)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.bench import load_script
+from tests.bench import load_script, run_bench
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_profile.py"
 
@@ -26,13 +23,10 @@ def test_ops_fall_in_the_groups_the_table_names() -> None:
 
 
 def test_a_profile_of_prefill_and_decode_steps(tiny_model_dir: Path) -> None:
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--batches", "1,2", "--repeats", "1",
-         "--context", "32", "--prompt", "16"],
-        capture_output=True, text=True, timeout=300,
+    _, result = run_bench(
+        SCRIPT, "--model", str(tiny_model_dir), "--batches", "1,2", "--repeats", "1", "--context", "32",
+        "--prompt", "16", timeout=300,
     )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
     steps = {(s["phase"], s["batch"]): s for s in result["steps"]}
     assert set(steps) == {("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)}
     for s in steps.values():

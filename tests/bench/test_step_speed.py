@@ -3,7 +3,6 @@ where it is built (bench/third_party/llamacpp.sh; not in CI), on the tiny checkp
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,19 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench import run_bench
 from trident.bench import llamacpp
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_speed.py"
 
 
 def run(tiny_model_dir: Path, *extra: str, cwd: Path | None = None) -> dict:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--batches", "1,4", "--context", "48",
-         "--rounds", "2", "--repeats", "1", *extra],
-        capture_output=True, text=True, timeout=600, cwd=cwd,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_bench(
+        SCRIPT, "--model", str(tiny_model_dir), "--batches", "1,4", "--context", "48", "--rounds", "2",
+        "--repeats", "1", *extra, timeout=600, cwd=cwd,
+    )[1]  # fmt: skip
 
 
 def test_both_engines_are_timed_at_each_batch(tiny_model_dir: Path) -> None:

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 from common.checkpoints import write_checkpoint
+from tests.bench import run_bench
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "vision_tower.py"
 
 
 def test_both_towers_are_timed_and_agree(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path / "tiny-qwen2-vl", "tiny-qwen2-vl", seed=0)
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(model), "--sizes", "56x56,112x84",
-         "--rounds", "2", "--repeats", "1"],
-        capture_output=True, text=True, timeout=600,
+    _, result = run_bench(
+        SCRIPT, "--model", str(model), "--sizes", "56x56,112x84", "--rounds", "2", "--repeats", "1",
+        timeout=600,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["model"] == "qwen2_vl" and len(result["matmul_gflops"]) == 2
     assert [row["size"] for row in result["rows"]] == ["56x56", "112x84"]
     for row in result["rows"]:
