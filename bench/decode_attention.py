@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from common.engine.attention import AttentionMetadata, DecodeContext, decode_context, paged_attention
 from common.models import resolve_model
-from trident.bench.machine import single_thread_gflops
+from trident.bench.machine import least_seconds, single_thread_gflops
 
 BLOCK = 16
 WAYS = ("in place", "two runs", "gathered", "batched")
@@ -67,14 +66,9 @@ def metadata(way: str, batch: int, context: int) -> AttentionMetadata:
 
 
 def time_way(meta, q, k, v, k_cache, v_cache, calls: int = 20) -> float:
-    best = float("inf")
     with torch.inference_mode():
-        paged_attention(q, k, v, k_cache, v_cache, meta)
-        for _ in range(calls):
-            t = time.perf_counter()
-            paged_attention(q, k, v, k_cache, v_cache, meta)
-            best = min(best, time.perf_counter() - t)
-    return best
+        paged_attention(q, k, v, k_cache, v_cache, meta)  # warm-up
+        return least_seconds(lambda: paged_attention(q, k, v, k_cache, v_cache, meta), calls)
 
 
 def main() -> None:

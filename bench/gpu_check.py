@@ -56,6 +56,7 @@ from common.engine.kv_cache import layer_groups
 from common.engine.profiler import BudgetProfiler, synthetic_request
 from common.engine.sampling import SamplingParams
 from common.models import resolve_model
+from trident.bench.machine import least_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 DECODE_BATCHES = (1, 8, 32)
@@ -69,16 +70,11 @@ def sync(device: torch.device) -> None:
 
 
 def seconds(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """The least wall seconds of `repeats` runs of `fn`, after one warm-up run."""
+    """The least wall seconds of `repeats` runs of `fn`, each until the device is done with it,
+    after one warm-up run."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    sync(device)
+    return least_seconds(lambda: (fn(), sync(device)), repeats)
 
 
 def environment(device: torch.device) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.models import resolve_model
 from common.roles import Role
-from trident.bench.machine import single_thread_gflops
+from trident.bench.machine import least_seconds, single_thread_gflops
 
 TOWER_ATTRS = ("visual", "vision_tower")  # Qwen-VL's encoder holds its tower as `visual`, LLaVA's otherwise
 
@@ -35,15 +34,6 @@ TOWER_ATTRS = ("visual", "vision_tower")  # Qwen-VL's encoder holds its tower as
 def picture(size: str):
     w, h = (int(v) for v in size.lower().split("x"))
     return Image.fromarray(np.random.default_rng(w * h).integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def least(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -85,7 +75,9 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(towers) if r % 2 == 0 else list(reversed(towers))
             for name in order:
-                times[name].append(least(lambda t=towers[name], i=image: encode(t, i), args.repeats) * 1e3)
+                times[name].append(
+                    least_seconds(lambda t=towers[name], i=image: encode(t, i), args.repeats) * 1e3
+                )
         ratio = [a / b for a, b in zip(times["trident"], times["transformers"], strict=True)]
         row = {"size": size, "image_tokens": int(got.shape[0]), "max_rel_diff": rel}
         for name, ms in times.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 
 def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
@@ -17,6 +18,17 @@ def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
         torch.mm(a, b)
         times.append(time.perf_counter() - start)
     return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def least_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The least wall seconds of `repeats` calls of `fn`: the figure least disturbed by whatever
+    else the machine ran meanwhile."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def single_thread_gflops() -> float:
