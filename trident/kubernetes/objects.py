@@ -180,6 +180,18 @@ def claim(name: str, size: str, component: str) -> dict:
     }
 
 
+def apart(select: dict) -> dict:
+    """Never two of these pods on one node: losing a node loses one NATS node or one Redis server, and
+    a cluster that cannot place them says so (Pending) rather than put two on one node."""
+    return {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": select}, "topologyKey": "kubernetes.io/hostname"}
+            ]
+        }
+    }
+
+
 def spread(select: dict) -> dict:
     """One of each per node where the nodes allow: losing a node loses one NATS node, not two."""
     return {

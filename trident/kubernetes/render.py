@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from common.certs import MEMBER_NAME, issue
+from common.infra.settings import NATS
 from common.planner.types import METHOD_KINDS
 from common.roles import InstanceKind, in_path_order
 from common.secrets import NAMES, new_secret
@@ -88,7 +89,7 @@ class Options:
 
 def render(o: Options) -> list[dict]:
     """Every object of a deployment, in the order `kubectl apply` should create them."""
-    objects = [namespace(o), *nats(o.namespace, o.storage, o.tls), *redis(o.namespace, o.storage, tls=o.tls)]
+    objects = [namespace(o), *nats(o.namespace, o.storage, o.tls), *redis(o.namespace, tls=o.tls)]
     objects += gateway(o) + planner(o)
     for kind in METHOD_KINDS[o.method]:
         objects += instance(o, InstanceKind(kind))
@@ -145,7 +146,7 @@ def common_env(o: Options) -> list[dict]:
         TRIDENT_REDIS_URL=redis_url(o.namespace),
         TRIDENT_SECRETS_DIR="/secrets",
         TRIDENT_BIND_HOST="0.0.0.0",
-        TRIDENT_NATS_STREAM_REPLICAS="3",
+        TRIDENT_NATS_STREAM_REPLICAS=NATS.stream_replicas,
         TRIDENT_TTFT_SLO=o.ttft_slo,
         TRIDENT_TBT_SLO=o.tbt_slo,
         HOME="/tmp",
