@@ -62,6 +62,13 @@ class ServiceSettings(BaseSettings):
     bind_host: str = "127.0.0.1"  # compose sets 0.0.0.0
     advertise_host: str = "127.0.0.1"  # what peers dial to reach this instance (compose: its hostname)
     http_port: int = Field(0, description="Health/metrics port; 0 picks a free one")
+    transfer_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port the bulk-transfer server listens on (a gateway's pixels, a worker's features and "
+        "KV, over TCP); 0 picks a free one. Fixed where a firewall or NetworkPolicy must name it",
+    )
     instance_id: str = Field("", description="Unique id; default: <roles>-<host>-<pid>")
     log_level: str = "INFO"
     # The latency objectives (seconds). Workers size their per-iteration budgets from them; the
@@ -292,6 +299,15 @@ class GatewaySettings(ServiceSettings):
         "included); past it, 504 and the request is cancelled everywhere",
     )  # fmt: skip
     max_in_flight: int = Field(1024, description="Requests served at once; beyond it, 429")
+    hold_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds a request waits at the gateway for a live instance of a stage it needs (one "
+        "scaled to zero, or starting); past it, 503",
+    )
+    max_held: int = Field(
+        256, ge=0, description="Requests waiting for an instance at once; beyond it, 503 at once"
+    )
     max_queued_tasks: int = Field(
         512, description="Tasks waiting in any stage's queue beyond which new requests get 429"
     )
@@ -360,6 +376,12 @@ class PlannerSettings(ServiceSettings):
         "", description="Per-kind minimum replicas, e.g. `d=1,ep=1` (kinds: e p d ep ed epd)"
     )
     planner_max_replicas: str = Field("", description="Per-kind maximum replicas, e.g. `e=2,d=8`")
+    planner_start: str = Field(
+        "",
+        description="Per-kind counts published as trident_planner_desired_instances before the first sizing "
+        "when no instance is live (a fresh deployment: the method it was deployed with, e.g. `ep=1,d=1`); "
+        "with live instances, their counts are published instead. Empty: nothing until the first sizing",
+    )
     planner_forecast_bin: float = Field(
         10.0, gt=0, description="Seconds per point of the arrival-rate series"
     )

@@ -105,6 +105,7 @@ def transfer_config(s: WorkerSettings) -> TransferConfig:
         backend=s.transfer,
         host="0.0.0.0" if s.bind_host == "0.0.0.0" else host,
         advertise_host=host,
+        port=s.transfer_port,
         secret=s.transfer_secret,
         inline_max_bytes=s.transfer_inline_max_bytes,
         tls=s.tls,

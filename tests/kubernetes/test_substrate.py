@@ -35,7 +35,7 @@ def test_a_nats_node_writes_routes_that_carry_the_token_and_its_config_parses(
 ) -> None:
     etc, run = tmp_path / "etc", tmp_path / "run"
     etc.mkdir(), run.mkdir()
-    certs = issue(tmp_path / "tls")  # where the pod mounts the Secret trident-tls
+    certs = issue(tmp_path / "tls")  # where cert-manager's csi-driver writes the pod's own
     config = nats_config(tls).replace("/tls/", f"{certs.folder}/")
     (etc / "nats.conf").write_text(config + f"pid_file: {run}/nats.pid\n")
     script = nats_start("ns1").replace("/tmp/", "RUN/").replace("/etc/nats/", f"{etc}/")
@@ -62,7 +62,7 @@ def test_redis_runs_a_primary_a_replica_and_three_sentinels_the_services_ask() -
     budgets = {o["metadata"]["name"] for o in objects if o["kind"] == "PodDisruptionBudget"}
     assert {"redis", "redis-sentinel"} <= budgets
     policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
-    assert [p["port"] for p in policies["redis-sentinel"]["ingress"][0]["ports"]] == [26379]
+    assert {p["port"] for r in policies["redis-sentinel-ingress"]["ingress"] for p in r["ports"]} == {26379}
     for o in objects:
         if o["kind"] != "Deployment":
             continue

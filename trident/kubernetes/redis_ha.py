@@ -26,22 +26,19 @@ from pathlib import Path
 from common.infra.redis_server import listen_settings
 from common.infra.settings import REDIS_IMAGE, SENTINEL
 from common.tls import Tls
+from trident.kubernetes.certificates import pod_tls
 from trident.kubernetes.objects import (
     SECRET,
     TLS_DIR,
-    allow,
     apart,
     container_security,
     disruption_budget,
     field_env,
-    from_trident,
     labels,
-    network_policy,
     port,
     secret_env,
     service,
     stateful_set,
-    tls_volume,
 )
 
 DATA_NODES = 2  # a primary and a replica
@@ -175,7 +172,7 @@ def _container(
         "livenessProbe": {"tcpSocket": {"port": port_name}, "periodSeconds": 10, "failureThreshold": 3},
         "resources": resources,
         "securityContext": container_security(),
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}, *([tls_volume()[1]] if tls else [])],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}, *([pod_tls()[1]] if tls else [])],
     }
 
 
@@ -189,20 +186,19 @@ def redis(namespace: str, secret: str = SECRET, tls: bool = False) -> list[dict]
         "redis-sentinel", "sentinel", sentinel_script(namespace, tls), 26379, SENTINEL_RESOURCES, secret, tls,
         ping(26379, tls),
     )  # fmt: skip
-    tls_files = [tls_volume()[0]] if tls else []
+
     # Scratch only: Redis persists nothing, and what a sentinel learned is asked again on a new pod.
-    scratch = [{"name": "data", "emptyDir": {}}, *tls_files]
+    def scratch(headless: str) -> list[dict]:
+        return [{"name": "data", "emptyDir": {}}, *([pod_tls(headless)[0]] if tls else [])]
+
     return [
         stateful_set("redis", namespace, "redis", DATA_NODES, node, None, parallel=True,
-                     affinity=apart(nodes), volumes=scratch),
+                     affinity=apart(nodes), volumes=scratch("redis")),
         stateful_set("redis-sentinel", namespace, "redis-sentinel", SENTINELS, watch, None, parallel=True,
-                     affinity=apart(sentinels), volumes=scratch),
+                     affinity=apart(sentinels), volumes=scratch("redis-sentinel")),
         service("redis", namespace, "redis", nodes, [port("redis", 6379)], headless=True),
         service("redis-sentinel", namespace, "redis-sentinel", sentinels, [port("sentinel", 26379)],
                 headless=True),
         disruption_budget("redis", namespace, "redis", nodes, max_unavailable=1),
         disruption_budget("redis-sentinel", namespace, "redis-sentinel", sentinels, max_unavailable=1),
-        # Trident's pods (the services, the replica, the sentinels) only.
-        network_policy("redis", namespace, nodes, [allow(from_trident(), 6379)]),
-        network_policy("redis-sentinel", namespace, sentinels, [allow(from_trident(), 26379)]),
     ]  # fmt: skip

@@ -18,24 +18,21 @@ from pathlib import Path
 from common.infra.nats_server import tls_block
 from common.infra.settings import NATS, NATS_IMAGE
 from common.tls import Tls
+from trident.kubernetes.certificates import pod_tls
 from trident.kubernetes.objects import (
     SECRET,
     TLS_DIR,
-    allow,
     apart,
     container_security,
     disruption_budget,
     field_env,
-    from_trident,
     http_probe,
     labels,
     meta,
-    network_policy,
     port,
     secret_env,
     service,
     stateful_set,
-    tls_volume,
 )
 from trident.kubernetes.redis_ha import redis
 
@@ -107,7 +104,7 @@ def nats(namespace: str, storage: str, tls: bool = False) -> list[dict]:
             {"name": "config", "mountPath": "/etc/nats", "readOnly": True},
             {"name": "data", "mountPath": "/data"},
             {"name": "tmp", "mountPath": "/tmp"},
-            *([tls_volume()[1]] if tls else []),
+            *([pod_tls("nats-cluster")[1]] if tls else []),
         ],
     }
     config = {
@@ -123,7 +120,7 @@ def nats(namespace: str, storage: str, tls: bool = False) -> list[dict]:
         affinity=apart(select),
         volumes=[
             {"name": "config", "configMap": {"name": "nats-config"}}, {"name": "tmp", "emptyDir": {}},
-            *([tls_volume()[0]] if tls else []),
+            *([pod_tls("nats-cluster")[0]] if tls else []),
         ],
     )  # fmt: skip
     return [
@@ -139,12 +136,6 @@ def nats(namespace: str, storage: str, tls: bool = False) -> list[dict]:
             headless=True,
         ),
         disruption_budget("nats", namespace, "nats", select, max_unavailable=1),
-        network_policy(
-            "nats",
-            namespace,
-            select,
-            [allow(from_trident(), 4222), allow({"podSelector": {"matchLabels": select}}, 6222)],
-        ),
     ]
 
 
