@@ -31,7 +31,7 @@ from common.planner.capacity import Capacity, recommend
 from common.planner.drift import current_deployment, kind_counts, measure_correction, workload_distance
 from common.planner.handover import hand_over, standing
 from common.planner.host_cpu import measure_host_cpu
-from common.planner.limits import parse_counts
+from common.planner.limits import MIN_INSTANCES, parse_counts
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
 from common.planner.simulator import Correction
@@ -355,6 +355,9 @@ class Planner:
         instances = s.planner_instances or self._instances(current, len(live))
         if instances < 1:
             raise NotPlanned("no live instances, and TRIDENT_PLANNER_INSTANCES is 0")
+        # A lone EPD instance is planned as the fewest a split takes: its plan and the capacity
+        # sized after it are what moves such a deployment on (an autoscaler follows the capacity).
+        instances = max(instances, MIN_INSTANCES)
         self.status = f"planning ({trigger})"
         started = time.monotonic()
         correction = Correction()
