@@ -24,7 +24,8 @@ def hand_over(
     desired: Mapping[str, int], live: Mapping[str, int], maximum: Mapping[str, int] | None = None
 ) -> dict[str, int]:
     """Every kind's count to publish: `desired`, with a dropped live kind kept (at its live count,
-    within `maximum`) while the kinds kept do not yet cover its stages with live instances."""
+    within `maximum` but at least one: a cap of 0 retires a kind too, after the hand-over) while the
+    kinds kept do not yet cover its stages with live instances."""
     maximum = maximum or {}
     out = {kind: desired.get(kind, 0) for kind in KINDS}
     covered = {
@@ -32,7 +33,7 @@ def hand_over(
     }
     for kind, n in live.items():
         if n > 0 and out.get(kind, 0) == 0 and not KIND_ROLES[kind] <= covered:
-            out[kind] = min(n, maximum.get(kind, n))
+            out[kind] = min(n, max(1, maximum.get(kind, n)))
     return out
 
 
