@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from trident.kubernetes.objects import container_security, labels, meta, pod_security
 
 MOUNT = "/models"
+READY = ".trident-ready"  # written last, once the checkpoint is whole: what a waiting pod looks for
 
 
 @dataclass(frozen=True)
@@ -38,21 +39,25 @@ class ModelSource:
 
 
 def is_complete(path: str) -> str:
-    """A shell command that succeeds once `path` holds a whole checkpoint."""
-    check = f'sys.exit(0 if is_checkpoint_dir("{path}") else 1)'
-    return f"python -c 'import sys; from common.checkpoints import is_checkpoint_dir; {check}'"
+    """A shell test that succeeds once `path` holds a whole checkpoint (its marker, written last:
+    a step cut short leaves none, and the next one starts again)."""
+    return f"test -f {path}/{READY}"
 
 
 def init_container(source: ModelSource, model: str, image: str) -> dict:
     """What runs before a pod that loads the model: writes or copies the checkpoint into its own
     volume, or waits for the Job to have written the shared one."""
     path = f"{MOUNT}/{model}"
+    done = f"touch {path}/{READY}"
     if source.kind == "make":
-        script = f"{is_complete(path)} || trident make-model {path} --preset {source.what}"
+        fill = f"trident make-model {path} --preset {source.what} --force && {done}"
+        script = f"{is_complete(path)} || {{ rm -rf {path} && {fill}; }}"
     elif source.kind == "image":
-        image, script = source.what, f"mkdir -p {path} && cp -a /model/. {path}/"
+        image = source.what
+        fill = f"mkdir -p {path} && cp -a /model/. {path}/ && {done}"
+        script = f"{is_complete(path)} || {{ rm -rf {path} && {fill}; }}"
     else:
-        script = f"until {is_complete(path)}; do echo waiting for {path}; sleep 10; done"
+        script = f"until {is_complete(path)}; do echo waiting for {path}; sleep 5; done"
     return {
         "name": "models",
         "image": image,
@@ -86,10 +91,9 @@ def hub_objects(
         "metadata": meta(claim, namespace, "models"),
         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": size}}},
     }
-    download = (
-        f"{is_complete(path)} || python -c 'from huggingface_hub import snapshot_download; "
-        f'snapshot_download("{source.what}", local_dir="{path}")\''
-    )
+    fetch = "from huggingface_hub import snapshot_download; "
+    fetch += f'snapshot_download("{source.what}", local_dir="{path}")'
+    download = f"{is_complete(path)} || {{ python -c '{fetch}' && touch {path}/{READY}; }}"
     container = {
         "name": "download",
         "image": image,
