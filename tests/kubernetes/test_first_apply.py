@@ -36,15 +36,15 @@ def test_every_pod_that_loads_the_model_fills_its_volume_first(tmp_path: Path) -
         if any(m["mountPath"] == "/models" for c in w["spec"]["template"]["spec"]["containers"]
                for m in c["volumeMounts"])
     }  # fmt: skip
-    assert set(loading) == {
-        "trident-gateway",
-        *(f"trident-{k}" for k in ("encode", "prefill", "decode", "ep", "ed", "epd")),
-    }
     for name, w in loading.items():
         pod = w["spec"]["template"]["spec"]
         (init,) = pod["initContainers"]
         assert {"name": "models", "emptyDir": {}} in pod["volumes"], name
         assert {"name": "models", "mountPath": "/models", "readOnly": False} in init["volumeMounts"]
+    assert set(loading) == {
+        "trident-gateway",
+        *(f"trident-{k}" for k in ("encode", "prefill", "decode", "ep", "ed", "epd")),
+    }
     # The step itself, run: it writes the checkpoint the services load, and a second run leaves it.
     init = loading["trident-ep"]["spec"]["template"]["spec"]["initContainers"][0]
     done = run_init(init, tmp_path)
@@ -90,8 +90,8 @@ def test_a_checkpoint_from_an_image_or_the_hub(tmp_path: Path, tiny_model_dir: P
 
 
 def test_every_image_is_an_exact_tag_pulled_only_when_missing() -> None:
-    for options in (Options(), Options(gpu=True), Options(model_source="hub:a/b")):
-        for name, w in workloads(render(options)).items():
+    for given in ({}, {"gpu": True}, {"tls": False, "model_source": "hub:a/b"}):
+        for name, w in workloads(render(Options(**given))).items():
             pod = w["spec"]["template"]["spec"]
             for c in pod["containers"] + pod.get("initContainers", []):
                 assert EXACT.match(c["image"]), (name, c["image"])
