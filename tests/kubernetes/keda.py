@@ -6,7 +6,8 @@ that follow the planner's published counts through the rendered scalers:
   when it is false;
 - on an error (past `fallback.failureThreshold` readings), the fallback: `behavior` static (its
   default) sets `fallback.replicas`, currentReplicas keeps what runs, currentReplicasIfHigher /
-  IfLower the larger / smaller of the two; with no fallback, the trigger counts as inactive;
+  IfLower the larger / smaller of the two; with no fallback, the replicas stay as they are (the
+  maintainers' account, kedacore/keda#6464);
 - inactive (the value at or below `activationThreshold`, 0 by default): `minReplicaCount`;
 - else an AverageValue target: ceil(value / threshold) replicas, within [max(1, min), max]."""
 
@@ -30,7 +31,7 @@ def replicas(scaled: dict, value: float | None, current: int) -> int:
                 "currentReplicasIfLower": min(current, fallback["replicas"]),
             }[fallback.get("behavior", "static")]
         else:
-            return low
+            return current
     if value <= float(meta.get("activationThreshold", 0)):
         return low
     return min(high, max(max(1, low), math.ceil(value / float(meta["threshold"]))))
