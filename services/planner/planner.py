@@ -355,9 +355,6 @@ class Planner:
         instances = s.planner_instances or self._instances(current, len(live))
         if instances < 1:
             raise NotPlanned("no live instances, and TRIDENT_PLANNER_INSTANCES is 0")
-        # A lone EPD instance is planned as the fewest a split takes: its plan and the capacity
-        # sized after it are what moves such a deployment on (an autoscaler follows the capacity).
-        instances = max(instances, MIN_INSTANCES)
         self.status = f"planning ({trigger})"
         started = time.monotonic()
         correction = Correction()
@@ -463,12 +460,16 @@ class Planner:
     def _instances(self, current: Deployment | None, live: int) -> int:
         """N when TRIDENT_PLANNER_INSTANCES leaves it to the cluster: the live deployment's size; while
         the live instances form no one method (a deployment moving to the last plan: new replicas up,
-        old ones not yet drained), the last plan's size, so a transition does not inflate N."""
+        old ones not yet drained), the last plan's size, so a transition does not inflate N. A lone
+        EPD instance counts as the fewest a split takes: its plan, and the capacity sized after it,
+        are what move such a deployment on (an autoscaler follows the capacity)."""
         if current is not None:
-            return current.instances
-        if self.decision is not None:
-            return self.decision.result.deployment.instances
-        return live
+            n = current.instances
+        elif self.decision is not None:
+            n = self.decision.result.deployment.instances
+        else:
+            n = live
+        return max(n, MIN_INSTANCES) if n else 0
 
     def _on_progress(self, fraction: float, message: str) -> None:
         self.progress = (fraction, message)  # from the planning thread; a tuple is replaced atomically

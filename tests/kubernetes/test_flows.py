@@ -80,83 +80,106 @@ def settings(container: dict):
     return kind(**given), module
 
 
-def needed(objects: list[dict]) -> set[tuple[str, str, int, str]]:
-    """(source, destination, port, protocol) of every connection the rendered services make."""
-    found = pods(objects)
-    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+class Rendered:
+    """A rendered deployment read as its processes will: their settings, the Services their URLs
+    name, the ports the servers' configs listen on."""
 
-    def behind(host: str, port: int) -> list[tuple[str, int]]:
+    def __init__(self, objects: list[dict]) -> None:
+        self.objects = objects
+        self.found = pods(objects)
+        self.services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+        script = {n: c["command"][-1] for n, (_, c) in self.found.items()}
+        without_plain = re.sub(r"--port 0\b", "", script["redis"])  # with TLS the plain port is off
+        self.redis_port = int(re.search(r"--(?:tls-)?port (\d+)", without_plain)[1])
+        watch = re.sub(r"^port 0$", "", script["redis-sentinel"], flags=re.M)
+        self.sentinel_port = int(re.search(r"^(?:tls-)?port (\d+)$", watch, re.M)[1])
+        config = next(o for o in objects if o["metadata"]["name"] == "nats-config")["data"]["nats.conf"]
+        self.route_port = int(re.search(r"cluster \{[^}]*?port: (\d+)", config, re.S)[1])
+
+    def behind(self, host: str, port: int) -> list[tuple[str, int]]:
         """The pods (and target port) a Service name reaches; `a.b.ns.svc` is pod a of headless b."""
         parts = host.split(".")
-        svc = services[parts[1] if len(parts) > 2 else parts[0]]
+        svc = self.services[parts[1] if len(parts) > 2 else parts[0]]
         target = next(p["targetPort"] for p in svc["spec"]["ports"] if p["port"] == port)
         sel = svc["spec"]["selector"]
-        return [
-            (n, target) for n, (e, _) in found.items() if all(e.labels.get(k) == v for k, v in sel.items())
-        ]
+        found = self.found.items()
+        return [(n, target) for n, (e, _) in found if all(e.labels.get(k) == v for k, v in sel.items())]
 
-    scripts = {n: c["command"][-1] for n, (_, c) in found.items() if n in ("nats", "redis", "redis-sentinel")}
-    config = next(o for o in objects if o["metadata"]["name"] == "nats-config")["data"]["nats.conf"]
-    redis_port = int(re.search(r"--(?:tls-)?port (\d+)", re.sub(r"--port 0\b", "", scripts["redis"]))[1])
-    sentinel_port = int(
-        re.search(
-            r"^(?:tls-)?port (\d+)$", re.sub(r"^port 0$", "", scripts["redis-sentinel"], flags=re.M), re.M
-        )[1]
-    )
-    out = set()
-    workers = {}
-    for name, (_, container) in found.items():
-        if not any(e["name"].startswith("TRIDENT_") for e in container.get("env", [])):
-            continue
-        s, module = settings(container)
-        if isinstance(s, WorkerSettings):
-            workers[name] = s
+    def needed(self) -> set[tuple[str, str, int, str]]:
+        """(source, destination, port, protocol) of every connection the rendered services make."""
+        out, services = set(), {}
+        for name, (_, container) in self.found.items():
+            if any(e["name"].startswith("TRIDENT_") for e in container.get("env", [])):
+                services[name] = settings(container)
+                out |= self.substrate(name, *services[name])
+        out |= self.transfers_and_probes({n: s for n, (s, _) in services.items()})
+        out |= self.scrapes()
+        out.add(("nats", "nats", self.route_port, "TCP"))
+        for src in ("redis", "redis-sentinel"):  # replication, a node asking whom to follow, the watch
+            out |= {
+                (src, "redis", self.redis_port, "TCP"),
+                (src, "redis-sentinel", self.sentinel_port, "TCP"),
+            }
+        for name in self.found:
+            out |= {(name, "kube-dns", 53, "UDP"), (name, "kube-dns", 53, "TCP")}
+        if "trident-models" in self.found:  # the hub download
+            out |= {("trident-models", "images", p, "TCP") for p in (443, 80)}
+        return out
+
+    def substrate(self, name: str, s, module: str) -> set:
+        """A service's NATS and Redis (through the sentinels), and the gateway's own outside."""
+        out = set()
         if "celery" not in module:  # the what-if jobs worker speaks to Redis alone (its broker)
             for url in s.nats_url.split(","):
                 host, _, port = url.removeprefix("nats://").rpartition(":")
-                out |= {(name, pod, p, "TCP") for pod, p in behind(host, int(port))}
-        redis = sentinel_target(s.redis_url)
-        for host, port in redis.sentinels:
-            out |= {(name, pod, p, "TCP") for pod, p in behind(host, port)}
-        out.add((name, "redis", redis_port, "TCP"))  # the primary the sentinels name
+                out |= {(name, pod, p, "TCP") for pod, p in self.behind(host, int(port))}
+        for host, port in sentinel_target(s.redis_url).sentinels:
+            out |= {(name, pod, p, "TCP") for pod, p in self.behind(host, port)}
+        out.add((name, "redis", self.redis_port, "TCP"))  # the primary the sentinels name
         if isinstance(s, GatewaySettings):
-            gateway = (name, s)
-            for client in OUTSIDE:  # the API is the deployment's front door
-                out.add((client, name, s.port, "TCP"))
+            out |= {(client, name, s.port, "TCP") for client in OUTSIDE}  # the API: the front door
             out |= {(name, "images", p, "TCP") for p in (443, 80)}  # image URLs
-    gw_name, gw = gateway
-    for name, s in workers.items():
-        roles = parse_roles(s.roles)
-        for role, owners in PULLS_FROM.items():
-            if role not in roles:
-                continue
-            for owner in owners:
-                if owner == "gateway":
-                    out.add((name, gw_name, gw.transfer_port, "TCP"))
-                else:
-                    out |= {
-                        (name, w, ws.transfer_port, "TCP")
-                        for w, ws in workers.items()
-                        if owner in parse_roles(ws.roles)
-                    }
-        for watcher in [gw_name, *workers]:  # the failover watch asks a silent worker's /health
-            out.add((watcher, name, s.http_port, "TCP"))
-    for monitor in (o for o in objects if o["kind"] == "ServiceMonitor"):
-        sel = monitor["spec"]["selector"]["matchLabels"]
-        for endpoint in monitor["spec"]["endpoints"]:
-            for svc in services.values():
-                if all(svc["metadata"]["labels"].get(k) == v for k, v in sel.items()):
+        return out
+
+    def transfers_and_probes(self, services: dict) -> set:
+        """Who pulls from whose transfer port (PULLS_FROM), and the failover watch's /health probes."""
+        ((gw_name, gw),) = [(n, s) for n, s in services.items() if isinstance(s, GatewaySettings)]
+        workers = {n: s for n, s in services.items() if isinstance(s, WorkerSettings)}
+        out = set()
+        for name, s in workers.items():
+            for role, owners in PULLS_FROM.items():
+                if role not in parse_roles(s.roles):
+                    continue
+                for owner in owners:
+                    if owner == "gateway":
+                        out.add((name, gw_name, gw.transfer_port, "TCP"))
+                        continue
+                    holders = [(w, ws) for w, ws in workers.items() if owner in parse_roles(ws.roles)]
+                    out |= {(name, w, ws.transfer_port, "TCP") for w, ws in holders}
+            out |= {(watcher, name, s.http_port, "TCP") for watcher in [gw_name, *workers]}
+        return out
+
+    def scrapes(self) -> set:
+        """What Prometheus scrapes: each ServiceMonitor's endpoints, through the Services it selects."""
+        out = set()
+        for monitor in (o for o in self.objects if o["kind"] == "ServiceMonitor"):
+            sel = monitor["spec"]["selector"]["matchLabels"]
+            chosen = [
+                v
+                for v in self.services.values()
+                if all(v["metadata"]["labels"].get(k) == x for k, x in sel.items())
+            ]
+            for endpoint in monitor["spec"]["endpoints"]:
+                for svc in chosen:
                     port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == endpoint["port"])
-                    out |= {("prometheus", pod, p, "TCP") for pod, p in behind(svc["metadata"]["name"], port)}
-    route = int(re.search(r"cluster \{[^}]*?port: (\d+)", config, re.S)[1])
-    out.add(("nats", "nats", route, "TCP"))
-    for src in ("redis", "redis-sentinel"):  # replication, a node asking whom to follow, the watch
-        out |= {(src, "redis", redis_port, "TCP"), (src, "redis-sentinel", sentinel_port, "TCP")}
-    for name in found:
-        out |= {(name, "kube-dns", 53, "UDP"), (name, "kube-dns", 53, "TCP")}
-    if "trident-models" in found:  # the hub download
-        out |= {("trident-models", "images", p, "TCP") for p in (443, 80)}
-    return out
+                    out |= {
+                        ("prometheus", pod, p, "TCP") for pod, p in self.behind(svc["metadata"]["name"], port)
+                    }
+        return out
+
+
+def needed(objects: list[dict]) -> set[tuple[str, str, int, str]]:
+    return Rendered(objects).needed()
 
 
 def check(objects: list[dict]) -> tuple[list, list]:
