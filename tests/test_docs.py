@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from functools import cache
 
+import pytest
+
+from services.settings import WorkerSettings
 from tests.doc_checks import headings_of, stale_names
 from tests.doc_refs import ROOT, Doc, Repo
+from trident import settings_doc
 
 DOCS = sorted(["README.md", *(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
 
@@ -80,3 +84,21 @@ def test_the_checker_reports_each_kind_of_stale_name_and_nothing_live() -> None:
     assert not missed, f"not reported: {missed}; reported: {found}"
     assert len(found) == len(PLANTED_NAMES), found
     assert stale_names(live, repo(), headings) == []
+
+
+def test_the_settings_tables_say_what_the_settings_say() -> None:
+    """docs/running.md's configuration tables are what `python -m trident.settings_doc` writes from
+    services/settings.py: a setting added, removed, renamed or described anew shows here."""
+    text = settings_doc.RUNNING_MD.read_text()
+    assert settings_doc.rewrite(text) == text, (
+        "run `python -m trident.settings_doc` and commit docs/running.md"
+    )
+
+
+def test_a_setting_without_a_description_stops_the_table() -> None:
+    class Undescribed(WorkerSettings):
+        no_meaning: int = 3
+
+    table = settings_doc.Table("service", (Undescribed,), "| variable | default | for | meaning |")
+    with pytest.raises(ValueError, match="TRIDENT_NO_MEANING has no description"):
+        settings_doc.render(table)
