@@ -56,8 +56,12 @@ def stale_paths(doc: Doc, repo: Repo) -> Iterator[Ref]:
     for number, text in doc.prose + doc.code():
         for match in TOP_PATH.finditer(text):
             token = match.group(1).rstrip(".,;:)")
-            if PLACEHOLDER.search(token) or "://" in text[max(0, match.start() - 8) : match.start()]:
-                continue
+            before, after = (
+                text[max(0, match.start() - 8) : match.start()],
+                text[match.end() : match.end() + 1],
+            )
+            if PLACEHOLDER.search(token + after) or "://" in before:
+                continue  # `tests/test_x_<family>.py`, a URL's path: not a literal path
             for path in expand_braces(token):
                 if not (repo.exists(path) or _module_attr_exists(path, repo)):
                     yield Ref(doc.path, number, "path", path)
