@@ -46,6 +46,7 @@ EXTERNAL_FLAGS = {
     "--tls-ca-cert-file", "--tls-auth-clients", "--repl-diskless-load", "--dist", "--mmproj", "--help",
 }  # fmt: skip
 FILE_SUFFIXES = (".py", ".md")
+SECTION_REF = re.compile(r'(\w+\.md), "([^"]+)"')
 MODULE_ATTR = re.compile(r"[a-z_]\w*(/\w+)+\.[a-z_]\w*")
 # Other projects' files the docs name by themselves (llama.cpp's converter).
 FOREIGN_FILES = {"convert_hf_to_gguf.py"}
@@ -124,13 +125,26 @@ def _normalise(path: str) -> str:
 
 
 def headings_of(doc: Doc) -> set[str]:
+    """The anchors a doc's headings make, and (marked with `§`) the names a reference may quote:
+    each heading's text and each bold lead (`**Budgets in service**`)."""
     inside, found = False, set()
     for line in doc.text.splitlines():
         if FENCE.match(line.strip()):
             inside = not inside
         elif not inside and re.match(r"#{1,6} ", line):
-            found.add(slug(line.lstrip("#")))
+            found |= {slug(line.lstrip("#")), "§" + line.lstrip("#").strip().replace("`", "")}
+        if not inside:
+            found |= {"§" + b.replace("`", "") for b in re.findall(r"\*\*([^*]+)\*\*", line)}
     return found
+
+
+def stale_sections(doc: Doc, headings: dict[str, set[str]]) -> Iterator[Ref]:
+    """`engine.md, "Budgets in service"`: the doc named has a heading or bold lead of that name."""
+    for number, line in doc.prose:
+        for name, section in SECTION_REF.findall(line):
+            target = next((p for p in headings if PurePosixPath(p).name == name), None)
+            if target and not any(n.startswith("§" + section) for n in headings[target]):
+                yield Ref(doc.path, number, "section", f'{name}, "{section}"')
 
 
 def stale_python(doc: Doc, repo: Repo) -> Iterator[Ref]:
@@ -252,6 +266,6 @@ def _trident_command(words: list[str], repo: Repo) -> tuple[str, list[str]]:
 def stale_names(doc: Doc, repo: Repo, headings: dict[str, set[str]]) -> list[Ref]:
     found = [
         *stale_paths(doc, repo), *stale_links(doc, repo, headings), *stale_python(doc, repo),
-        *stale_strings(doc, repo), *stale_flags(doc, repo),
+        *stale_strings(doc, repo), *stale_flags(doc, repo), *stale_sections(doc, headings),
     ]  # fmt: skip
     return sorted(set(found), key=lambda r: (r.doc, r.line, r.kind, r.name))

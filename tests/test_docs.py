@@ -37,7 +37,8 @@ def test_every_name_the_docs_give_exists() -> None:
 PLANTED = """# Planted
 
 Paths: common/engine/no_such.py, `models/no_such.py`, `no_such_module.py`, [gone](gone.md),
-[here](#no-such-heading). Names: `common.engine.config.NoSuchConfig`, `Engine.no_such_method`,
+[here](#no-such-heading), (engine.md, "No such section").
+Names: `common.engine.config.NoSuchConfig`, `Engine.no_such_method`,
 `EngineConfig(no_such_field=1)`, `attention.no_such_function`, `models/qwen_vl.no_such_positions`,
 `NO_SUCH_CONSTANT`, `TRIDENT_NO_SUCH_SETTING`, `trident_no_such_metric_total`, `--no-such-flag`.
 
@@ -52,6 +53,7 @@ from common.engine import NoSuchName
 """
 PLANTED_NAMES = [
     "common/engine/no_such.py", "models/no_such.py", "no_such_module.py", "gone.md", "#no-such-heading",
+    'engine.md, "No such section"',
     "common.engine.config.NoSuchConfig", "Engine.no_such_method", "EngineConfig.no_such_field",
     "attention.no_such_function", "models/qwen_vl.no_such_positions", "NO_SUCH_CONSTANT",
     "TRIDENT_NO_SUCH_SETTING", "trident_no_such_metric_total", "--no-such-flag",
@@ -60,7 +62,7 @@ PLANTED_NAMES = [
 LIVE = """# Live
 
 Paths: common/engine/attention.py, `models/qwen_vl.py`, `free_runs.py`, [engine](engine.md),
-[here](#live). Names: `common.engine.config.EngineConfig`, `Engine.add_prefilled`,
+[here](#live), (engine.md, "Engine"). Names: `common.engine.config.EngineConfig`, `Engine.add_prefilled`,
 `EngineConfig(prefix_caching=True)`, `attention.varlen_attention_reference`,
 `models/qwen_vl.mrope_positions`, `MERGE_FROM_TOKENS`, `TRIDENT_KV_WIRE`, `trident_prefix_hit_tokens_total`,
 `trident_encode_queue_seconds`, `--ready-timeout`.
