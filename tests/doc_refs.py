@@ -114,8 +114,12 @@ class Repo:
         path = path.rstrip("/")
         return path in self.files or path in self.dirs
 
+    @cached_property
+    def file_names(self) -> set[str]:
+        return {PurePosixPath(f).name for f in self.files}
+
     def has_file_named(self, name: str) -> bool:
-        return any(PurePosixPath(f).name == name for f in self.files)
+        return name in self.file_names
 
     def ends_with(self, tail: str) -> bool:
         return any(f == tail or f.endswith("/" + tail) for f in self.files)
@@ -124,7 +128,7 @@ class Repo:
     def modules(self) -> dict[str, ast.Module]:
         out = {}
         for name in sorted(self.files):
-            if name.endswith(".py") and name.split("/")[0] in (*PACKAGES, "bench", "tests"):
+            if name.endswith(".py") and name.split("/")[0] in PACKAGES:
                 parts = PurePosixPath(name).with_suffix("").parts
                 dotted = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
                 out[dotted] = ast.parse((self.root / name).read_text())
