@@ -33,28 +33,28 @@ def paged_decode_reference(
     - k_cache/v_cache [slots, kv_heads, dim]: the cache, slot = block * block_size + offset.
     - tables [batch, width] integer: decode b's context is positions 0 .. lengths[b] - 1, position
       p in slot tables[b, p // block_size] * block_size + p % block_size. Entries past
-      ceil(lengths[b] / block_size) are not read (padding: the graphs' scratch block).
+      ceil(lengths[b] / block_size) are padding (the graphs' scratch block): nothing of them
+      counts (here they are read and masked; a kernel need not read them).
     - lengths [batch] integer, 1 ≤ lengths[b] ≤ width * block_size; the decoded token's own key
       and value are already in the cache at position lengths[b] - 1 (the step wrote them).
     - GQA: query head h reads kv head h // (heads // kv_heads); scale 1 / sqrt(dim); no causal mask
       (the query is the context's last position and sees all of it).
     - Returns [batch, heads, dim] in q's dtype; scores, softmax and the weighted sum in float32.
 
-    Reads lengths and tables on the host: for tests and debugging, never inside a CUDA graph."""
+    Checks its arguments on the host: for tests and debugging, never inside a CUDA graph."""
     _check(q, k_cache, v_cache, tables, lengths, block_size)
-    heads, dim = q.shape[1], q.shape[2]
-    group = heads // k_cache.shape[1]
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
     work = torch.promote_types(q.dtype, torch.float32)
-    out = torch.empty_like(q)
+    width = tables.shape[1] * block_size
     offsets = torch.arange(block_size, device=q.device)
-    for b, n in enumerate(lengths.tolist()):
-        blocks = tables[b, : -(-n // block_size)].long()
-        slots = (blocks[:, None] * block_size + offsets).flatten()[:n]
-        ks = k_cache[slots].to(work).transpose(0, 1).repeat_interleave(group, 0)  # [heads, n, dim]
-        vs = v_cache[slots].to(work).transpose(0, 1).repeat_interleave(group, 0)
-        scores = (q[b].to(work)[:, None, :] @ ks.transpose(1, 2)) * dim**-0.5  # [heads, 1, n]
-        out[b] = (scores.softmax(-1) @ vs)[:, 0].to(q.dtype)
-    return out
+    slots = (tables.long()[:, :, None] * block_size + offsets).reshape(batch, width)
+    ks, vs = k_cache[slots].to(work), v_cache[slots].to(work)  # [batch, width, kv_heads, dim]
+    qs = q.to(work).view(batch, kv_heads, heads // kv_heads, dim)  # head h reads kv head h // group
+    scores = torch.einsum("bkgd,bpkd->bkgp", qs, ks) * dim**-0.5
+    past = torch.arange(width, device=q.device)[None, :] >= lengths[:, None]
+    probs = scores.masked_fill(past[:, None, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("bkgp,bpkd->bkgd", probs, vs).reshape(batch, heads, dim).to(q.dtype)
 
 
 def _check(q, k_cache, v_cache, tables, lengths, block_size) -> None:
