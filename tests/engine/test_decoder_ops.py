@@ -180,8 +180,7 @@ def with_reference_ops(engine, fuse: bool = False) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("decode_graphs", ["off", "eager"])
-@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize(("decode_graphs", "prefix_caching"), [("off", False), ("eager", True)])
 def test_the_fused_path_answers_as_hf_in_mixed_batches(
     make_engine, hf_generate, images, decode_graphs, prefix_caching
 ):
