@@ -26,6 +26,7 @@ from common.engine.kv_stream import KvSink, KvStreamer
 from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ModelRunner
+from common.engine.op_checks import select_ops, shapes_of
 from common.engine.outputs import Completion, RequestOutput
 from common.engine.packed import pack_projections, packing_available
 from common.engine.prefix import block_hashes
@@ -79,6 +80,9 @@ class Engine:
         )  # fmt: skip
         num_blocks = self._num_blocks() if self.has_lm else 0
         self.cache = KVCache(self.kv_spec, num_blocks, self.device) if self.has_lm else None
+        if self.has_lm:  # fused ops and decode attention in place on CUDA; on a CPU, the eager ops
+            shapes = shapes_of(text, config.block_size)
+            self.model.language_model.set_ops(select_ops(config.kernels, self.device, dtype, shapes))
         self.blocks = BlockManager(num_blocks, config.block_size, caching=config.prefix_caching)
         self.features = FeatureCache(config.feature_cache_bytes)
         self.scheduler = Scheduler(config, self.blocks)
