@@ -82,7 +82,7 @@ def plan(cpu: bool) -> list[Run]:
 
 def config(cpu: bool) -> Config:
     if cpu:  # a tiny model on two shared cores: a couple of requests a rate, a few tokens each
-        slo, rates, duration, out_tokens, size = SLO(ttft=5.0, tbt=0.5), (0.5,), 4.0, 8, (64, 64)
+        slo, rates, duration, out_tokens, size = SLO(ttft=5.0, tbt=0.5), (1.0,), 2.0, 8, (64, 64)
         repeats = Repeats(turns=2, system_tokens=20, think_time=0.2, image_prob=0.5, seed=0)
         turns = LoadSpec(
             rates=(1.0,), duration=2.0, workload="textcaps", max_output_tokens=6, repeats=repeats

@@ -1,4 +1,4 @@
-"""What a running `trident up` deployment shows of itself, read from outside as an operator would:
+"""What a running deployment shows of itself, read from outside as an operator would:
 where its requests' time went (the stage marks of their Redis trace records), what each transfer
 moved and how fast (the pulling workers' Prometheus histograms), each process's memory (RSS from
 /proc; GPU memory from the workers' own figures and nvidia-smi), and which transfer path each
@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import shutil
 import subprocess
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
-from common.secrets import DeploymentSecrets, operator_header, with_credentials
+from common.secrets import operator_header
 from common.stats import quantile
 from common.store import Store, StoreConfig
 from trident.launcher.local_up import rss_bytes
+
+if TYPE_CHECKING:
+    from trident.launcher.cluster import Cluster
 
 # (name, from mark, to mark) of each part of a request's path, as common/store/requests.py marks it.
 SPANS = (
@@ -39,13 +43,22 @@ WORKER_FIGURES = (
 )
 
 
-class Deployment:
-    """A `trident up` run in `workdir` (its state file, secrets and gateway)."""
+@dataclass(frozen=True)
+class View:
+    """A running deployment as an operator reaches it: its gateway, its secrets (for the operator's
+    view of /v1/cluster), its Redis, and the pid of each of its processes by name."""
 
-    def __init__(self, workdir: Path, url: str) -> None:
-        self.workdir, self.url = Path(workdir), url
-        self.state = json.loads((self.workdir / ".trident" / "up.json").read_text())
-        self.secrets = Path(self.state["secrets"])
+    url: str
+    secrets: Path
+    redis_url: str  # with the password
+    pids: dict[str, int]
+
+    @classmethod
+    def of(cls, cluster: Cluster) -> View:
+        pids = {name: child.pid for name, child in cluster.children.items() if child.pid}
+        pids |= {"nats": cluster.nats.pid, "redis": cluster.redis.pid}
+        assert cluster.setup.secrets_dir is not None
+        return cls(cluster.url, cluster.setup.secrets_dir, cluster.redis.url, pids)
 
     def instances(self) -> list[dict]:
         """The registered instances with their addresses (the operator's view of /v1/cluster)."""
@@ -54,11 +67,9 @@ class Deployment:
 
     def traces(self) -> list:
         """Every finished request's trace record so far."""
-        password = DeploymentSecrets.read(self.secrets).redis_password
-        url = with_credentials(self.state["servers"]["redis"]["url"], "", password)
 
         async def read() -> list:
-            store = await Store.connect(StoreConfig(url=url))
+            store = await Store.connect(StoreConfig(url=self.redis_url))
             try:
                 records, after = [], "-"
                 while batch := await store.requests.trace(after=after, count=1000):
@@ -148,24 +159,19 @@ def gpu_memory_by_pid() -> dict[int, int] | None:
     return None
 
 
-def processes(deployment: Deployment, instances: list[dict], scraped: dict[str, dict]) -> dict:
+def processes(view: View, instances: list[dict], scraped: dict[str, dict]) -> dict:
     """Every server's and service's memory: RSS, nvidia-smi's GPU bytes, and a worker's own figures
     (KV cache, torch's device memory: absent on a CPU, so null)."""
     on_gpu = gpu_memory_by_pid()
     by_pid = {int(i["instance_id"].rsplit("-", 1)[1]): i["instance_id"] for i in instances}
     out = {}
-    rows = [
-        *deployment.state["processes"],
-        *({"name": n, **s} for n, s in deployment.state["servers"].items()),
-    ]
-    for row in rows:
-        pid = int(row["pid"])
+    for name, pid in view.pids.items():
         figures = scraped.get(by_pid.get(pid, ""), {})
-        out[row["name"]] = {
+        out[name] = {
             "pid": pid,
             "rss_bytes": rss_bytes(pid),
             "gpu_bytes": None if on_gpu is None else on_gpu.get(pid, 0),
-            **{name: _int(figures.get(f"trident_{name}")) for name in WORKER_FIGURES},
+            **{figure: _int(figures.get(f"trident_{figure}")) for figure in WORKER_FIGURES},
         }
     return out
 
@@ -174,15 +180,15 @@ def _int(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
-def observe(deployment: Deployment) -> dict:
+def observe(view: View) -> dict:
     """Everything above, read now (after the load has finished)."""
-    instances = deployment.instances()
+    instances = view.instances()
     scraped = {i["instance_id"]: scrape(i["http_address"]) for i in instances if i.get("http_address")}
-    records = deployment.traces()
+    records = view.traces()
     return {
         "requests_traced": len(records),
         "stages": stage_times(records),
         "transfers": transfers(scraped.values()) | {"share_of_ttft_p50": transfer_shares(records)},
         "transfer_paths": {i["instance_id"]: i["transfer_address"].split("://", 1)[0] for i in instances},
-        "processes": processes(deployment, instances, scraped),
+        "processes": processes(view, instances, scraped),
     }

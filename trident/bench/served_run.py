@@ -1,5 +1,6 @@
-"""One deployment of bench/gpu_serve.py's plan, started, driven and read: `trident up` for a method
-(or `transformers serve`, the baseline) on one checkpoint, then, as its `Run` asks, greedy answers
+"""One deployment of bench/gpu_serve.py's plan, started, driven and read: a method's processes as
+`trident up` starts them (compose.yaml's specs, through the launcher's cluster; planner included),
+or `transformers serve`, the baseline, on one checkpoint, then, as its `Run` asks, greedy answers
 through the OpenAI API held against HF `generate` on the same device, an open-loop TextCaps-shaped
 sweep with images and the multi-turn workload through the gateway, and what the deployment shows of
 itself afterwards (trident/bench/observe.py). Every request is bounded by the client's timeout: a
@@ -24,6 +25,13 @@ from trident.bench import client, deployments, observe
 from trident.bench.metrics import goodput, summarise
 from trident.bench.oracle import Chat, hf_greedy
 from trident.bench.sweep import LoadSpec
+from trident.launcher.cluster import Cluster, running_cluster
+from trident.launcher.specs import service_spec
+from trident.launcher.warm import WarmStarter
+
+# One warm parent for every deployment of a check: each service forks from it instead of importing
+# torch and transformers anew (trident/launcher/warm.py, what `trident up` does by default).
+WARM = WarmStarter()
 
 RATE_FIELDS = ("rate", "sent", "completed", "failed", "attainment", "ttft_p50", "ttft_p90", "tbt_p50",
                "tbt_p90", "throughput", "output_tokens_per_s", "errors")  # fmt: skip
@@ -63,7 +71,7 @@ def run(r: Run, model: Path, cfg: Config, log_dir: Path, left: float) -> dict:
     """Start `r`'s deployment on `model`, do what it asks, stop it; `left`: seconds it may take."""
     began = time.monotonic()
     out: dict = {"preset": r.preset, "method": r.method, "dtype": r.dtype, "failures": []}
-    with _started(r, model, cfg, log_dir, left) as served:
+    with _started(r, model, cfg, log_dir, left) as (served, cluster):
         out["startup_s"] = round(time.monotonic() - began, 1)
         if r.parity:
             out["parity"] = parity(served, model, cfg)
@@ -74,27 +82,36 @@ def run(r: Run, model: Path, cfg: Config, log_dir: Path, left: float) -> dict:
                 out[key] = drive(served, load, cfg)
                 if out[key]["errors"] or out[key]["hung"]:
                     out["failures"].append(f"{key}: {out[key]['errors']} errors, {out[key]['hung']} hung")
-        if r.method is not None:
-            out["observed"] = observe.observe(observe.Deployment(log_dir, served.url))
+        if cluster is not None:
+            out["observed"] = observe.observe(observe.View.of(cluster))
     return out
 
 
 @contextlib.contextmanager
-def _started(r: Run, model: Path, cfg: Config, log_dir: Path, left: float) -> Iterator[deployments.Served]:
+def _started(
+    r: Run, model: Path, cfg: Config, log_dir: Path, left: float
+) -> Iterator[tuple[deployments.Served, Cluster | None]]:
+    """The deployment, ready: a Trident method's as the launcher starts `trident up`'s processes (its
+    services forked from one warm parent that every run of the check shares), or the baseline."""
     ready = max(30.0, left - 30.0)  # what start-up may take of the time left
     if r.method is None:
         with deployments.transformers_serve(
             model, port=free_port(), log_dir=log_dir, device=cfg.device, ready_timeout=ready
         ) as served:
-            yield served
+            yield served, None
         return
     env = {**cfg.env, "TRIDENT_DTYPE": r.dtype}
     if not r.profile:
         env["TRIDENT_PROFILE"] = "off"
-    with deployments.trident(
-        model, r.method, port=free_port(), env=env, log_dir=log_dir, ready_timeout=ready
-    ) as s:
-        yield s
+    with running_cluster(model, log_dir, r.method, env=env, ready_timeout=ready, starter=WARM) as cluster:
+        for name in cluster.compose.always:  # the planner and its what-if jobs worker, as `trident up` runs
+            cluster.start_spec(service_spec(cluster.compose, name, 1, cluster.setup))
+        served_as = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        gateway = cluster.procs[cluster.name_of(cluster.compose.gateway)].pid
+        served = deployments.Served(
+            f"trident {r.method}", deployments.TRIDENT, cluster.url, served_as, gateway, log_dir
+        )
+        yield served, cluster
 
 
 def parity(served: deployments.Served, model: Path, cfg: Config) -> dict:

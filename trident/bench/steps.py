@@ -37,7 +37,8 @@ class Steps:
                 record = {"ok": not figures.get("failures"), **figures}
             except Exception as exc:  # a failing step is a finding, recorded; the rest still run
                 record = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:4000],
-                          "trace": traceback.format_exc()[-3000:]}  # fmt: skip
+                          "trace": traceback.format_exc()[-3000:],
+                          "notes": "\n".join(getattr(exc, "__notes__", ()))[-6000:]}  # fmt: skip
         record["seconds"] = round(time.perf_counter() - began, 1)
         (self.results if into is None else into)[name] = record
         state = "skipped" if "skipped" in record else ("ok" if record["ok"] else "FAILED")
