@@ -68,7 +68,7 @@ from common.engine.kv_cache import layer_groups
 from common.engine.profiler import BudgetProfiler, synthetic_request
 from common.engine.sampling import SamplingParams
 from common.models import resolve_model
-from trident.bench.machine import least_seconds
+from trident.bench.machine import device_rates, least_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 DECODE_BATCHES = (1, 8, 32)
@@ -140,23 +140,7 @@ def contract_tests(timeout: float) -> dict:
 
 def machine(device: torch.device, dtype: torch.dtype, cpu: bool) -> dict:
     """Memory bandwidth (read + write of a large copy), host↔device, and the dense matmul rate."""
-    n_bytes = (64 if cpu else 2048) << 20
-    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy = seconds(lambda: dst.copy_(src), device)
-    out = {"memory_gbps": round(2 * n_bytes / copy / 1e9, 1)}  # each byte read once and written once
-    if device.type == "cuda":
-        host = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
-        out["host_to_device_gbps"] = round(
-            n_bytes / seconds(lambda: src.copy_(host, non_blocking=True), device) / 1e9, 1
-        )
-        out["device_to_host_gbps"] = round(
-            n_bytes / seconds(lambda: host.copy_(src, non_blocking=True), device) / 1e9, 1
-        )
-    n = 1024 if cpu else 8192
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    out["matmul_tflops"] = round(2 * n**3 / seconds(lambda: a @ b, device) / 1e12, 3)
-    return out
+    return device_rates(device, dtype, small=cpu)
 
 
 def figures(x: float, n: int = 3) -> float:

@@ -12,8 +12,35 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from common.bus import BusConfig
 from common.planner.forecast import ForecastConfig
 from common.planner.limits import Limits, parse_counts
+from common.roles import InstanceKind, parse_roles
 from common.secrets import DeploymentSecrets, with_credentials
 from common.tls import Tls
+
+
+def parse_memory_shares(text: str) -> dict[InstanceKind, float]:
+    """TRIDENT_GPU_MEMORY_SHARE: `0.4` (every kind) or `e=0.08,p=0.42` (per kind) → a share per kind,
+    each in (0, 1]; empty → none. A ValueError names the part that is wrong."""
+    text = text.strip()
+    if not text:
+        return {}
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if "=" not in text:  # one share for every kind
+        parts = [f"{kind.value}={text}" for kind in InstanceKind]
+    shares: dict[InstanceKind, float] = {}
+    for part in parts:
+        name, _, value = part.partition("=")
+        shown = part if "=" in text else text
+        try:
+            kind, share = InstanceKind(name.strip().lower()), float(value)
+        except ValueError:
+            raise ValueError(
+                f"TRIDENT_GPU_MEMORY_SHARE: {shown!r} is neither one share (0.4) nor KIND=SHARE with KIND "
+                f"one of {', '.join(InstanceKind)}"
+            ) from None
+        if not 0 < share <= 1:
+            raise ValueError(f"TRIDENT_GPU_MEMORY_SHARE: {shown!r}: a share is above 0 and at most 1")
+        shares[kind] = share
+    return shares
 
 
 class ServiceSettings(BaseSettings):
@@ -261,6 +288,17 @@ class WorkerSettings(ServiceSettings):
         "faster decode attention, for keys and values rounded to half precision (greedy outputs may part "
         "from HF's at near-ties); refused on a GPU unless it is the model's dtype",
     )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="The dtype the engine computes in: auto (float32 on a CPU, bfloat16 on a GPU) | float32 "
+        "(on a GPU too: answers token-identical to HF's float32 model) | bfloat16 | float16",
+    )
+    gpu_memory_share: str = Field(
+        "",
+        description="Where instances share one GPU: the share of its memory this instance holds in all "
+        "(weights, KV cache, working memory), as one number (0.4) or per instance kind (e=0.08,p=0.42,"
+        "d=0.45; kinds: e p d ep ed epd, one absent takes what is free); empty: the GPU is this instance's",
+    )
     transfer: str = Field(
         "auto", description="Bulk transfer backend: auto (UCX when it loads, TCP with TLS) | ucx | tcp"
     )
@@ -305,6 +343,16 @@ class WorkerSettings(ServiceSettings):
         if 0 < self.tbt_stretch <= 1:
             raise ValueError(f"TRIDENT_TBT_STRETCH must be above 1 (or 0: off), not {self.tbt_stretch}")
         return self
+
+    @model_validator(mode="after")
+    def _check_share(self) -> WorkerSettings:
+        self.memory_share()  # a bad share stops the worker at start, saying which part
+        return self
+
+    def memory_share(self) -> float | None:
+        """This instance's share of a shared GPU's memory (TRIDENT_GPU_MEMORY_SHARE), by its roles."""
+        kind = InstanceKind.of(parse_roles(self.roles))
+        return parse_memory_shares(self.gpu_memory_share).get(kind) if kind else None
 
 
 class GatewaySettings(ServiceSettings):

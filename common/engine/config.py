@@ -43,6 +43,11 @@ class EngineConfig:
     # CPU: the KV cache is sized by a byte cap. GPU: by a fraction of free memory after weights.
     kv_cache_bytes: int = 256 << 20
     gpu_memory_fraction: float = 0.85
+    # The share of the GPU's memory this engine may hold in all (weights, KV, working memory), where
+    # several instances share one GPU: the KV cache then takes `gpu_memory_fraction` of what is left
+    # of that share once the weights are in, so instances that start at once cannot take each
+    # other's memory. None: the GPU is this engine's alone.
+    gpu_memory_share: float | None = None
     # τt: tokens in one LLM iteration (decodes count one each, prefill chunks their length).
     token_budget: int = 2048
     # τe: images encoded in one iteration.
@@ -112,6 +117,8 @@ class EngineConfig:
         except ValueError:
             names = ", ".join(k.value for k in GpuKernels)
             raise ValueError(f"kernels must be one of {names}: {self.kernels!r}") from None
+        if self.gpu_memory_share is not None and not 0 < self.gpu_memory_share <= 1:
+            raise ValueError(f"gpu_memory_share must be in (0, 1] or unset, not {self.gpu_memory_share}")
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(
                 f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}: {self.decode_graphs!r}"

@@ -21,7 +21,7 @@ from common.engine.decode_graphs import DecodeGraphs
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.feature_cache import FeatureCache
 from common.engine.governor import BudgetGovernor, budget_share
-from common.engine.kv_cache import KVCache, KVSpec, layer_groups, num_blocks_for
+from common.engine.kv_cache import KVCache, KVSpec, gpu_kv_bytes, layer_groups, num_blocks_for
 from common.engine.kv_stream import KvSink, KvStreamer
 from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
@@ -450,6 +450,9 @@ class Engine:
 
     def _num_blocks(self) -> int:
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * self.config.gpu_memory_fraction) // self.kv_spec.bytes_per_block
+            free, total = torch.cuda.mem_get_info(self.device)
+            held = torch.cuda.memory_reserved(self.device)
+            c = self.config
+            room = gpu_kv_bytes(free, total, held, c.gpu_memory_fraction, c.gpu_memory_share)
+            return room // self.kv_spec.bytes_per_block
         return num_blocks_for(self.kv_spec, self.config.kv_cache_bytes)
