@@ -16,6 +16,15 @@ class Policy(StrEnum):
     DECODE_FIRST = "decode-first"  # Sarathi: decodes, then chunked prefill; encodes unbudgeted, inline
 
 
+class GpuKernels(StrEnum):
+    """Which ops a CUDA engine's decoder runs (decoder_ops.py)."""
+
+    # Triton's fused kernels and decode attention read in place, each checked on the device at
+    # load (one that fails falls back); torch's ops on a CPU, whose path is tuned as it is.
+    AUTO = "auto"
+    TORCH = "torch"  # torch's ops everywhere: the path before the fused kernels, kept to compare
+
+
 DECODE_GRAPH_MODES = ("auto", "off", "eager")
 PACKED_WEIGHT_MODES = ("auto", "off")
 # The dtypes an engine computes in (`dtype`) or keeps its KV cache in (`kv_cache_dtype`).
@@ -34,6 +43,11 @@ class EngineConfig:
     # CPU: the KV cache is sized by a byte cap. GPU: by a fraction of free memory after weights.
     kv_cache_bytes: int = 256 << 20
     gpu_memory_fraction: float = 0.85
+    # The share of the GPU's memory this engine may hold in all (weights, KV, working memory), where
+    # several instances share one GPU: the KV cache then takes `gpu_memory_fraction` of what is left
+    # of that share once the weights are in, so instances that start at once cannot take each
+    # other's memory. None: the GPU is this engine's alone.
+    gpu_memory_share: float | None = None
     # τt: tokens in one LLM iteration (decodes count one each, prefill chunks their length).
     token_budget: int = 2048
     # τe: images encoded in one iteration.
@@ -81,6 +95,7 @@ class EngineConfig:
     # reads of it, for keys and values rounded to half precision: greedy outputs may then part from
     # HF's at near-ties (docs/engine.md, "A half-precision KV cache").
     kv_cache_dtype: str | None = None
+    kernels: GpuKernels = GpuKernels.AUTO
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -97,6 +112,13 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(DTYPES)} or unset, not {self.kv_cache_dtype!r}"
             )
+        try:  # a name ("torch") reads as its member
+            object.__setattr__(self, "kernels", GpuKernels(self.kernels))
+        except ValueError:
+            names = ", ".join(k.value for k in GpuKernels)
+            raise ValueError(f"kernels must be one of {names}: {self.kernels!r}") from None
+        if self.gpu_memory_share is not None and not 0 < self.gpu_memory_share <= 1:
+            raise ValueError(f"gpu_memory_share must be in (0, 1] or unset, not {self.gpu_memory_share}")
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(
                 f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}: {self.decode_graphs!r}"

@@ -21,11 +21,12 @@ from common.engine.decode_graphs import DecodeGraphs
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.feature_cache import FeatureCache
 from common.engine.governor import BudgetGovernor, budget_share
-from common.engine.kv_cache import KVCache, KVSpec, layer_groups, num_blocks_for
+from common.engine.kv_cache import KVCache, KVSpec, gpu_kv_bytes, layer_groups, num_blocks_for
 from common.engine.kv_stream import KvSink, KvStreamer
 from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ModelRunner
+from common.engine.op_checks import select_ops, shapes_of
 from common.engine.outputs import Completion, RequestOutput
 from common.engine.packed import pack_projections, packing_available
 from common.engine.prefix import block_hashes
@@ -79,6 +80,9 @@ class Engine:
         )  # fmt: skip
         num_blocks = self._num_blocks() if self.has_lm else 0
         self.cache = KVCache(self.kv_spec, num_blocks, self.device) if self.has_lm else None
+        if self.has_lm:  # fused ops and decode attention in place on CUDA; on a CPU, the eager ops
+            shapes = shapes_of(text, config.block_size)
+            self.model.language_model.set_ops(select_ops(config.kernels, self.device, dtype, shapes))
         self.blocks = BlockManager(num_blocks, config.block_size, caching=config.prefix_caching)
         self.features = FeatureCache(config.feature_cache_bytes)
         self.scheduler = Scheduler(config, self.blocks)
@@ -446,6 +450,9 @@ class Engine:
 
     def _num_blocks(self) -> int:
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * self.config.gpu_memory_fraction) // self.kv_spec.bytes_per_block
+            free, total = torch.cuda.mem_get_info(self.device)
+            held = torch.cuda.memory_reserved(self.device)
+            c = self.config
+            room = gpu_kv_bytes(free, total, held, c.gpu_memory_fraction, c.gpu_memory_share)
+            return room // self.kv_spec.bytes_per_block
         return num_blocks_for(self.kv_spec, self.config.kv_cache_bytes)

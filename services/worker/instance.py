@@ -82,6 +82,7 @@ def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
         policy=Policy(s.policy),
         block_size=s.block_size,
         kv_cache_bytes=s.kv_cache_bytes,
+        gpu_memory_share=s.memory_share(),
         token_budget=s.token_budget,
         image_budget=s.image_budget,
         max_num_seqs=s.max_num_seqs,
@@ -90,6 +91,7 @@ def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
         detokenize=False,  # the gateway makes the text
         device=s.device,
         num_threads=s.num_threads or None,
+        dtype=None if s.dtype == "auto" else s.dtype,
         adapt_budgets=s.adapt_budgets,
         tbt_stretch=s.tbt_stretch or None,
         long_prefill=s.long_prefill,

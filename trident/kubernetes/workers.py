@@ -12,6 +12,7 @@ fallback then keeps the replicas that run (`behavior: currentReplicas`, KEDA 2.1
 from __future__ import annotations
 
 from common.roles import InstanceKind, in_path_order
+from trident import gpu_deploy
 from trident.kubernetes.flows import WORKER_HTTP, WORKER_TRANSFER, role_labels
 from trident.kubernetes.objects import (
     disruption_budget,
@@ -32,11 +33,14 @@ FALLBACK_AFTER = 3  # failed reads before the fallback holds the count
 
 
 def gpu_worker() -> dict:
-    """What a worker on a GPU differs in, in one place (the GPU component patches exactly this):
-    the device, one GPU of the node's, and the toleration GPU nodes are tainted with."""
+    """What a worker on a GPU differs in (the GPU component patches exactly this): the settings the
+    GPU check proved, from trident/gpu_deploy.py (device, memory share, GPUs per instance), and the
+    toleration GPU nodes are tainted with. Transfers stay on TCP here (TRIDENT_TRANSFER, above):
+    UCX listens on ports it picks, which no NetworkPolicy can name (flows.py)."""
+    worker = {k: v for k, v in gpu_deploy.worker_env().items() if k != "TRIDENT_TRANSFER"}
     return {
-        "env": {"TRIDENT_DEVICE": "cuda"},
-        "resources": {"nvidia.com/gpu": "1"},
+        "env": worker,
+        "resources": {"nvidia.com/gpu": str(gpu_deploy.GPUS_PER_INSTANCE)},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     }
 
