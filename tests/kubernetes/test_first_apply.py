@@ -12,6 +12,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from common.checkpoints.writer import is_checkpoint_dir
 from trident.kubernetes.models import READY
 from trident.kubernetes.render import Options, render
@@ -29,6 +31,7 @@ def run_init(container: dict, models: Path, env: dict | None = None) -> subproce
                           env={**os.environ, **(env or {})})  # fmt: skip
 
 
+@pytest.mark.slow  # `trident make-model` run as the pod would (~20 s): `make test`, not the fast tier
 def test_every_pod_that_loads_the_model_fills_its_volume_first(tmp_path: Path) -> None:
     objects = render(Options(method="ep+d"))
     loading = {

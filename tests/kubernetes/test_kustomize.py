@@ -46,6 +46,7 @@ def objects(items: list[dict]) -> dict[tuple[str, str], object]:
     return {(o["kind"], o["metadata"]["name"]): canonical(o) for o in items}
 
 
+@pytest.mark.slow  # eight kubectl runs, ~40 s on a busy machine: `make test`, not the fast tier
 @pytest.mark.parametrize("options", variants(), ids=[slug(o.method, o.gpu) for o in variants()])
 def test_kubectl_kustomize_renders_each_overlay_as_trident_renders_it(options) -> None:
     kubectl = shutil.which("kubectl")
