@@ -85,11 +85,15 @@ def test_a_checkpoint_from_an_image_or_the_hub(tmp_path: Path, tiny_model_dir: P
     (volume / "tiny-llava").mkdir(parents=True)
     wait = pod["initContainers"][0]["command"][-1].replace("/models", str(volume))
     waiting = subprocess.Popen(["sh", "-c", wait], stdout=subprocess.DEVNULL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        waiting.wait(timeout=1)
-    assert waiting.returncode is None  # no marker yet: it waits
-    (volume / "tiny-llava" / READY).touch()  # the Job's download done
-    assert waiting.wait(timeout=30) == 0
+    try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            waiting.wait(timeout=1)
+        assert waiting.returncode is None  # no marker yet: it waits
+        (volume / "tiny-llava" / READY).touch()  # the Job's download done
+        assert waiting.wait(timeout=30) == 0
+    finally:
+        waiting.kill()  # no shell left polling when the test failed
+        waiting.wait()
 
 
 def test_every_image_is_an_exact_tag_pulled_only_when_missing() -> None:
