@@ -7,9 +7,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Images by exact tag: a floating tag (`redis:7-alpine`) runs whatever it names on the day a node pulls it.
+# Clusters run images by exact tag: each node pulls on its own schedule, so a floating tag
+# (`redis:7-alpine`) can run two versions side by side. The compose files name the release line
+# the exact tag belongs to: one machine pulls it once, taking the line's latest patch.
 NATS_IMAGE = "nats:2.11.16-alpine"
 REDIS_IMAGE = "redis:7.4.11-alpine"
+NATS_COMPOSE_IMAGE = "nats:2.11-alpine"
+REDIS_COMPOSE_IMAGE = "redis:7-alpine"
+
+
+def release_line(exact: str) -> str:
+    """The floating tag an exact one belongs to: nats:2.11.16-alpine -> nats:2.11-alpine,
+    redis:7.4.11-alpine -> redis:7-alpine (Redis's images float on the major version)."""
+    name, tag = exact.split(":")
+    version, _, variant = tag.partition("-")
+    keep = 1 if name == "redis" else 2
+    return f"{name}:{'.'.join(version.split('.')[:keep])}-{variant}"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,15 @@ import yaml
 
 from common.infra import NatsServer
 from common.infra.ha import RedisGroup
-from common.infra.settings import NATS, NATS_IMAGE, REDIS_IMAGE, SENTINEL
+from common.infra.settings import (
+    NATS,
+    NATS_COMPOSE_IMAGE,
+    NATS_IMAGE,
+    REDIS_COMPOSE_IMAGE,
+    REDIS_IMAGE,
+    SENTINEL,
+    release_line,
+)
 from trident.kubernetes.render import Options, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,12 +64,15 @@ def test_compose_files_run_the_substrate_with_the_shared_settings() -> None:
         p == NATS.max_payload for c in tls.get("configs", {}).values() for p in nats_payloads(c["content"])
     )
     assert sentinel_settings(ha["configs"]["redis-sentinel-sh"]["content"]) == WANTED
-    nodes = [n for n, s in ha["services"].items() if s.get("image") == NATS_IMAGE]
+    nodes = [n for n, s in ha["services"].items() if s.get("image") == NATS_COMPOSE_IMAGE]
     assert len(nodes) == NATS.cluster_nodes
     assert ha["x-ha-env"]["TRIDENT_NATS_STREAM_REPLICAS"] == str(NATS.stream_replicas)
     images = {s["image"] for f in (single, ha) for s in f["services"].values() if "image" in s}
-    assert {NATS_IMAGE, REDIS_IMAGE} <= images
-    assert not [i for i in images if i.startswith(("nats:", "redis:")) and i not in (NATS_IMAGE, REDIS_IMAGE)]
+    # The compose files run the release line of the exact tags the clusters pin.
+    assert (release_line(NATS_IMAGE), release_line(REDIS_IMAGE)) == (NATS_COMPOSE_IMAGE, REDIS_COMPOSE_IMAGE)
+    assert {NATS_COMPOSE_IMAGE, REDIS_COMPOSE_IMAGE} <= images
+    substrate = (NATS_COMPOSE_IMAGE, REDIS_COMPOSE_IMAGE)
+    assert not [i for i in images if i.startswith(("nats:", "redis:")) and i not in substrate]
 
 
 def test_trident_up_runs_the_substrate_with_the_shared_settings(tmp_path: Path) -> None:
