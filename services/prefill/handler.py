@@ -60,7 +60,7 @@ class PrefillHandler(StageHandler):
         self.kv_stream = kv_stream  # read by the sink at each request's last prefill step
         engine = ctx.engine.engine
         sink = StreamSink(self, ctx.engine, dtype_name(engine.kv_spec.dtype))
-        ctx.engine.post(lambda: engine.stream_kv(sink, kv_layer_group))
+        ctx.engine.post(lambda: engine.handoff.stream_kv(sink, kv_layer_group))
 
     @classmethod
     def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> PrefillHandler:
@@ -266,9 +266,9 @@ def _export(
 ) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor]]:
     """On the engine thread: the handed-off request, and its KV by group of layers: each buffer's
     shape, and the buffer as it travels (`wire` "int8": packed by kv_quant)."""
-    req = engine.handed_off(rid)
+    req = engine.handoff.handed_off(rid)
     if req is None:
         return None, [], []
-    buffers = engine.export_kv(rid, group)
+    buffers = engine.handoff.export_kv(rid, group)
     shapes = [tuple(b.shape) for b in buffers]
     return req, shapes, [kv_quant.pack(b) for b in buffers] if wire == "int8" else buffers

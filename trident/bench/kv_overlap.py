@@ -82,7 +82,7 @@ class Harness:
         self.loop = EngineLoop(self.engine, self._on_outputs)
         self.loop.start()
         sink = StreamSink(self, self.loop, dtype_name(self.engine.kv_spec.dtype))
-        await self.loop.call(lambda: self.engine.stream_kv(sink, self.kv_layer_group))
+        await self.loop.call(lambda: self.engine.handoff.stream_kv(sink, self.kv_layer_group))
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.puller = ctx.Process(target=_puller, args=(self.transfer.config.backend, child), daemon=True)
