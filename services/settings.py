@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from common.bus import BusConfig
 from common.planner.forecast import ForecastConfig
 from common.planner.limits import Limits, parse_counts
+from common.protocol.tensors import KvWire
 from common.secrets import DeploymentSecrets, with_credentials
 from common.tls import Tls
 
@@ -193,8 +194,8 @@ class WorkerSettings(ServiceSettings):
     )
     transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
-    kv_wire: Literal["native", "int8"] = Field(
-        "native",
+    kv_wire: KvWire = Field(
+        KvWire.NATIVE,
         description="How a prefill instance sends KV to decode: native (the KV cache's dtype) | int8 (int8 "
         "values with a float32 scale per layer, block and head: about half a bfloat16 cache's bytes, a "
         "quarter of a float32 one's; decoders of either setting read both)",

@@ -19,7 +19,7 @@ from common.engine import AdmissionError, kv_quant
 from common.engine.admission import check_fits, decode_room
 from common.engine.spec_prompt import spec_prompt
 from common.protocol import DecodeTask, PrefillTask, Release
-from common.protocol.tensors import torch_dtype
+from common.protocol.tensors import KvWire, torch_dtype
 from common.roles import Role
 from common.store import Stage
 from common.transfer import TransferError
@@ -98,7 +98,7 @@ class DecodeHandler(StageHandler):
             held.sent = list(outputs)
             held.spec = spec = spec.model_copy(update={"output_token_ids": tuple(outputs)})
         try:
-            if msg.kv.wire == "int8":  # back into the cache's dtype (kv_quant.py)
+            if msg.kv.wire == KvWire.INT8:  # back into the cache's dtype (kv_quant.py)
                 dtype = torch_dtype(msg.kv.dtype)
                 groups = msg.kv.groups
                 buffers = [kv_quant.unpack(b, g.shape, dtype) for b, g in zip(buffers, groups, strict=True)]
