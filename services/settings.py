@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.bus import BusConfig
+from common.engine.config import DecodeGraphMode, PackedWeightMode, Policy
 from common.planner.forecast import ForecastConfig
 from common.planner.limits import Limits, parse_counts
 from common.protocol.tensors import KvWire
@@ -121,7 +122,7 @@ class WorkerSettings(ServiceSettings):
     """An encoder, prefill or decode instance, or a hybrid of them."""
 
     roles: str = Field("encode,prefill,decode", description="Subset of encode,prefill,decode")
-    policy: str = Field("stage", description="stage | prefill-first | decode-first")
+    policy: Policy = Field(Policy.STAGE, description="stage | prefill-first | decode-first")
     device: str = "cpu"
     num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default")
     core_board: str = Field(
@@ -174,13 +175,13 @@ class WorkerSettings(ServiceSettings):
         description="Bytes of image features an engine keeps by content hash; unset: 512 MiB on an "
         "encode-only instance (which holds no KV), 64 MiB on any other",
     )
-    decode_graphs: Literal["auto", "off", "eager"] = Field(
-        "auto",
+    decode_graphs: DecodeGraphMode = Field(
+        DecodeGraphMode.AUTO,
         description="Decode-only steps padded to fixed batch and context buckets and replayed from CUDA "
         "graphs: auto (on CUDA devices; the CPU path stays as it is) | off | eager (padded, not captured)",
     )
-    packed_weights: Literal["auto", "off"] = Field(
-        "auto",
+    packed_weights: PackedWeightMode = Field(
+        PackedWeightMode.AUTO,
         description="auto: on a CPU in float32, a decoding instance also keeps the language model's "
         "weights packed for MKL's GEMM (decode batches of 2-64 sequences about twice as fast, for a "
         "second copy of the decoder's weights in memory) | off",

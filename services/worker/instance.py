@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from common.aio import raise_if_cancelled
 from common.bus import keep_alive
-from common.engine import Engine, EngineConfig, Policy, RequestOutput
+from common.engine import Engine, RequestOutput
 from common.engine.scheduler import Batch
 from common.failover import instance_name
 from common.protocol import Budgets, Heartbeat
@@ -32,6 +32,7 @@ from services.worker.context import StageContext
 from services.worker.cores import CoreBoard
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
+from services.worker.engine_settings import continues_turns, engine_config, engine_roles
 from services.worker.kv_announce import PrefixAnnouncer
 from services.worker.ledger import Ledger
 from services.worker.outputs import OutputPublisher
@@ -48,55 +49,6 @@ Stages = Mapping[Role, type[StageHandler]]
 def advertise_host(value: str) -> str:
     """`auto` means this container's hostname (compose cannot expand it for us)."""
     return socket.gethostname() if value == "auto" else value
-
-
-ENCODER_FEATURE_CACHE = 512 << 20  # an encode-only instance's feature cache: its memory holds no KV
-FEATURE_CACHE = 64 << 20  # beside a KV cache
-
-
-def feature_cache_bytes(s: WorkerSettings, roles: frozenset[Role]) -> int:
-    if s.feature_cache_bytes is not None:
-        return s.feature_cache_bytes
-    return ENCODER_FEATURE_CACHE if roles == {Role.ENCODE} else FEATURE_CACHE
-
-
-def continues_turns(s: WorkerSettings, roles: frozenset[Role]) -> bool:
-    """Whether a decode instance also prefills the conversations' next turns sent to it (decoder-side
-    reuse, docs/architecture.md): its prefix cache keeps the turns it decoded."""
-    return (
-        Role.DECODE in roles
-        and Role.PREFILL not in roles
-        and s.decode_prefill_tokens > 0
-        and s.prefix_caching
-    )
-
-
-def engine_roles(s: WorkerSettings, roles: frozenset[Role]) -> frozenset[Role]:
-    """What the engine runs: the instance's roles, and prefill on a decoder that continues turns."""
-    return roles | {Role.PREFILL} if continues_turns(s, roles) else roles
-
-
-def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
-    return EngineConfig(
-        roles=engine_roles(s, roles),
-        policy=Policy(s.policy),
-        block_size=s.block_size,
-        kv_cache_bytes=s.kv_cache_bytes,
-        token_budget=s.token_budget,
-        image_budget=s.image_budget,
-        max_num_seqs=s.max_num_seqs,
-        prefix_caching=s.prefix_caching,
-        feature_cache_bytes=feature_cache_bytes(s, roles),
-        detokenize=False,  # the gateway makes the text
-        device=s.device,
-        num_threads=s.num_threads or None,
-        adapt_budgets=s.adapt_budgets,
-        tbt_stretch=s.tbt_stretch or None,
-        long_prefill=s.long_prefill,
-        decode_graphs=s.decode_graphs,
-        packed_weights=s.packed_weights,
-        kv_cache_dtype=None if s.kv_cache_dtype == "auto" else s.kv_cache_dtype,
-    )
 
 
 def transfer_config(s: WorkerSettings) -> TransferConfig:
