@@ -99,9 +99,13 @@ class Engine:
             prompt = self.processor.process(prompt, [load_image(i) for i in images])
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(
-            rid, prompt.token_ids, params or SamplingParams(), prompt.images,
-            image_positions=prompt.image_positions, output_token_ids=list(output_token_ids),
-        )  # fmt: skip
+            rid,
+            prompt.token_ids,
+            params or SamplingParams(),
+            prompt.images,
+            image_positions=prompt.image_positions,
+            output_token_ids=list(output_token_ids),
+        )
         self.lifecycle.admit(req)
         if self.model.mrope:
             req.mrope_positions, req.rope_delta = self._mrope_positions(req)
@@ -160,8 +164,11 @@ class Engine:
             s.image_budget, s.token_budget = self.governor.budgets
             log.info(
                 "budgets now %d images, %d tokens (%.0f %% of profiled): full steps ran %.2fx the target",
-                s.image_budget, s.token_budget, 100 * self.governor.scale, self.governor.last_ratio,
-            )  # fmt: skip
+                s.image_budget,
+                s.token_budget,
+                100 * self.governor.scale,
+                self.governor.last_ratio,
+            )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self.lifecycle.pending)

@@ -58,10 +58,17 @@ class Handoff:
         return [self.cache.export_blocks(table, g) for g in layer_groups(num_layers, group_size)]
 
     def add_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-        params: SamplingParams, kv: list[torch.Tensor], rope_delta: int = 0, cached_tokens: int = 0,
-        images: Sequence[ImageInput] | None = None, image_positions: torch.Tensor | None = None,
-    ) -> Request:  # fmt: skip
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        kv: list[torch.Tensor],
+        rope_delta: int = 0,
+        cached_tokens: int = 0,
+        images: Sequence[ImageInput] | None = None,
+        image_positions: torch.Tensor | None = None,
+    ) -> Request:
         """Admit a request prefilled elsewhere: import its KV (one buffer per layer group) and decode.
         `rope_delta` is the prefill's (`Request.rope_delta`): an M-RoPE model needs it to go on;
         `cached_tokens`, what the prefill found in its prefix cache (for usage). With `images` (its
@@ -71,11 +78,16 @@ class Handoff:
         known = images is not None
         consumed = [dataclasses.replace(img, pixel_values=None, features=CONSUMED) for img in images or ()]
         req = Request(
-            request_id, list(prompt_token_ids), params, images=consumed,
-            output_token_ids=list(output_token_ids), image_positions=image_positions if consumed else None,
+            request_id,
+            list(prompt_token_ids),
+            params,
+            images=consumed,
+            output_token_ids=list(output_token_ids),
+            image_positions=image_positions if consumed else None,
             rope_delta=rope_delta,
-            cacheable=known, num_cached_tokens=cached_tokens,
-        )  # fmt: skip
+            cacheable=known,
+            num_cached_tokens=cached_tokens,
+        )
         self.lifecycle.admit(req)
         req.num_computed_tokens = req.num_tokens - 1
         self._reserve(req)

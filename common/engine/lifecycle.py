@@ -62,9 +62,11 @@ class Lifecycle:
             raise AdmissionError(f"request id {req.request_id} is already in use")
         has_lm = bool(self.config.roles & {Role.PREFILL, Role.DECODE})
         check_fits(
-            len(req.prompt_token_ids), req.params.max_tokens, max_model_len=self.max_model_len,
+            len(req.prompt_token_ids),
+            req.params.max_tokens,
+            max_model_len=self.max_model_len,
             kv_tokens=self.kv_tokens if has_lm else None,
-        )  # fmt: skip
+        )
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
 
     def enter(self, req: Request) -> None:

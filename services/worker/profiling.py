@@ -85,9 +85,14 @@ async def establish(engine: Engine, store: Store, s: WorkerSettings, instance_id
     engine.apply_profile(profile)
     log.info(
         "%s profile %s %s in %.1fs: image budget %d, token budget %d (iteration limit %.3fs)",
-        instance_id, pid, how, time.monotonic() - started, profile.image_budget,
-        profile.token_budget, profile.latency_limit,
-    )  # fmt: skip
+        instance_id,
+        pid,
+        how,
+        time.monotonic() - started,
+        profile.image_budget,
+        profile.token_budget,
+        profile.latency_limit,
+    )
     return pid
 
 
