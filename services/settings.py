@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
@@ -118,6 +119,14 @@ class ServiceSettings(BaseSettings):
         return self.model_name or self.model.name
 
 
+class ProfileMode(StrEnum):
+    """Where a worker's stage profile (its budgets and curves) comes from (services/worker/profiling.py)."""
+
+    AUTO = "auto"  # a profile in Redis with the same fingerprint, else measured and stored
+    MEASURE = "measure"  # measured at every start
+    OFF = "off"  # the budgets as configured; nothing published
+
+
 class WorkerSettings(ServiceSettings):
     """An encoder, prefill or decode instance, or a hybrid of them."""
 
@@ -137,8 +146,8 @@ class WorkerSettings(ServiceSettings):
     # iteration latency limit, at most these.
     token_budget: int = 2048
     image_budget: int = 8
-    profile: Literal["auto", "measure", "off"] = Field(
-        "auto",
+    profile: ProfileMode = Field(
+        ProfileMode.AUTO,
         description="auto (reuse a profile in Redis with the same fingerprint, else measure and store it) "
         "| measure (always) | off (use the budgets as configured, publish nothing)",
     )
