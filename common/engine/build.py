@@ -10,7 +10,7 @@ import torch
 
 from common.engine.config import DecodeGraphMode, Dtype, EngineConfig, PackedWeightMode
 from common.engine.decode_graphs import DecodeGraphs
-from common.engine.kv_cache import KVCache, KVSpec, num_blocks_for
+from common.engine.kv_cache import KVCache, KVSpec, gpu_kv_bytes, num_blocks_for
 from common.engine.packed import pack_projections, packing_available
 from common.roles import Role
 
@@ -53,10 +53,13 @@ def kv_spec(text_config, config: EngineConfig, dtype: torch.dtype) -> KVSpec:
 
 
 def num_kv_blocks(config: EngineConfig, spec: KVSpec, device: torch.device) -> int:
-    """CPU: as many blocks as `kv_cache_bytes` holds. GPU: a fraction of the memory the weights left."""
+    """CPU: as many blocks as `kv_cache_bytes` holds. GPU: a fraction of the memory the weights left
+    (of the engine's share of the device, where instances share one: kv_cache.gpu_kv_bytes)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * config.gpu_memory_fraction) // spec.bytes_per_block
+        free, total = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device)
+        room = gpu_kv_bytes(free, total, held, config.gpu_memory_fraction, config.gpu_memory_share)
+        return room // spec.bytes_per_block
     return num_blocks_for(spec, config.kv_cache_bytes)
 
 

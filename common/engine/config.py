@@ -39,6 +39,15 @@ class Dtype(StrEnum):
     FLOAT16 = "float16"
 
 
+class GpuKernels(StrEnum):
+    """Which ops a CUDA engine's decoder runs (decoder_ops.py)."""
+
+    # Triton's fused kernels and decode attention read in place, each checked on the device at
+    # load (one that fails falls back); torch's ops on a CPU, whose path is tuned as it is.
+    AUTO = "auto"
+    TORCH = "torch"  # torch's ops everywhere: the path before the fused kernels, kept to compare
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine instance runs. Budgets are normally found by the profiler (see profiler.py)."""
@@ -51,6 +60,11 @@ class EngineConfig:
     # CPU: the KV cache is sized by a byte cap. GPU: by a fraction of free memory after weights.
     kv_cache_bytes: int = 256 << 20
     gpu_memory_fraction: float = 0.85
+    # The share of the GPU's memory this engine may hold in all (weights, KV, working memory), where
+    # several instances share one GPU: the KV cache then takes `gpu_memory_fraction` of what is left
+    # of that share once the weights are in, so instances that start at once cannot take each
+    # other's memory. None: the GPU is this engine's alone.
+    gpu_memory_share: float | None = None
     # τt: tokens in one LLM iteration (decodes count one each, prefill chunks their length).
     token_budget: int = 2048
     # τe: images encoded in one iteration.
@@ -98,6 +112,7 @@ class EngineConfig:
     # reads of it, for keys and values rounded to half precision: greedy outputs may then part from
     # HF's at near-ties (docs/engine.md, "A half-precision KV cache").
     kv_cache_dtype: Dtype | None = None
+    kernels: GpuKernels = GpuKernels.AUTO
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -114,6 +129,8 @@ class EngineConfig:
                 unset = " or unset" if may_be_unset else ""
                 raise ValueError(f"{name} must be one of {', '.join(kind)}{unset}, not {value!r}")
             object.__setattr__(self, name, kind(value))  # a string becomes its member: still frozen after
+        if self.gpu_memory_share is not None and not 0 < self.gpu_memory_share <= 1:
+            raise ValueError(f"gpu_memory_share must be in (0, 1] or unset, not {self.gpu_memory_share}")
 
 
 # EngineConfig's enum fields, and whether each may be None (unset); each takes its values' strings too
@@ -124,4 +141,5 @@ _ENUMS: dict[str, tuple[type[StrEnum], bool]] = {
     "packed_weights": (PackedWeightMode, False),
     "dtype": (Dtype, True),
     "kv_cache_dtype": (Dtype, True),
+    "kernels": (GpuKernels, False),
 }

@@ -31,6 +31,7 @@ from common.engine.lifecycle import Lifecycle, eos_ids
 from common.engine.loader import load_model
 from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ForwardResult, ModelRunner
+from common.engine.op_checks import select_ops, shapes_of
 from common.engine.outputs import Completion, RequestOutput
 from common.engine.processor import ProcessedPrompt, RequestProcessor, load_image, reference_image
 from common.engine.profiler import budget_target
@@ -63,6 +64,9 @@ class Engine:
         self.kv_spec = build.kv_spec(text, config, build.kv_dtype(config, dtype, self.device))
         num_blocks = build.num_kv_blocks(config, self.kv_spec, self.device) if self.has_lm else 0
         self.cache = KVCache(self.kv_spec, num_blocks, self.device) if self.has_lm else None
+        if self.has_lm:  # fused ops and decode attention in place on CUDA; on a CPU, the eager ops
+            shapes = shapes_of(text, config.block_size)
+            self.model.language_model.set_ops(select_ops(config.kernels, self.device, dtype, shapes))
         self.blocks = BlockManager(num_blocks, config.block_size, caching=config.prefix_caching)
         self.features = FeatureCache(config.feature_cache_bytes)
         self.scheduler = Scheduler(config, self.blocks)

@@ -49,10 +49,12 @@ CONVERTED: dict[str, Convert] = {
     "num_threads": lambda s, _: s.num_threads or None,  # 0: torch's default
     "tbt_stretch": lambda s, _: s.tbt_stretch or None,  # 0: no pacing
     "kv_cache_dtype": lambda s, _: None if s.kv_cache_dtype == "auto" else s.kv_cache_dtype,  # the model's
+    "dtype": lambda s, _: None if s.dtype == "auto" else s.dtype,  # float32 on a CPU, bfloat16 on a GPU
+    "gpu_memory_share": lambda s, _: s.memory_share(),  # this instance kind's share, if one is given
     "detokenize": lambda s, _: False,  # the gateway makes the text from the ordered token stream
 }
 # EngineConfig fields no service sets: the engine's defaults hold for every deployment so far.
-ENGINE_DEFAULTS = frozenset({"dtype", "gpu_memory_fraction", "encode_with_prefill"})
+ENGINE_DEFAULTS = frozenset({"gpu_memory_fraction", "encode_with_prefill", "kernels"})
 # The rest are taken by name.
 BY_NAME = tuple(
     f.name

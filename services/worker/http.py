@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from fastapi import FastAPI, Response
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -11,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from common.failover import INSTANCE_HEADER
 
 if TYPE_CHECKING:
+    from common.engine.engine import Engine
     from services.worker.instance import WorkerInstance
 
 
@@ -104,7 +106,24 @@ class WorkerCollector:
             ("budget_scale", stats.budget_scale, "The governor's scale of the profiled budgets"),
             ("feature_cache_bytes", stats.feature_cache_bytes, "Bytes of image features cached"),
             ("feature_cache_capacity_bytes", stats.feature_cache_capacity, "The feature cache's byte cap"),
+            *memory(w.loop.engine),
         ]
+
+
+def memory(engine: Engine) -> list[tuple[str, float, str]]:
+    """What the engine holds: its KV cache's bytes and, on a GPU, this process's device memory as
+    torch's allocator counts it (the CUDA context's own is outside it)."""
+    cache = engine.cache
+    kv = cache.kv.numel() * cache.kv.element_size() if cache is not None else 0
+    rows = [("kv_cache_bytes", kv, "Bytes of the KV cache")]
+    device = engine.device
+    if device.type == "cuda":
+        rows += [
+            ("device_memory_allocated_bytes", torch.cuda.memory_allocated(device), "GPU memory in tensors"),
+            ("device_memory_reserved_bytes", torch.cuda.memory_reserved(device), "GPU memory torch holds"),
+            ("device_memory_peak_bytes", torch.cuda.max_memory_reserved(device), "The most torch has held"),
+        ]
+    return rows
 
 
 def unhealthy(worker: WorkerInstance) -> str | None:

@@ -42,6 +42,8 @@ SAMPLES = {
     "decode_graphs": ("eager", DecodeGraphMode.EAGER),
     "packed_weights": ("off", PackedWeightMode.OFF),
     "kv_cache_dtype": ("float16", Dtype.FLOAT16),
+    "dtype": ("bfloat16", Dtype.BFLOAT16),
+    "gpu_memory_share": ("0.4", 0.4),
 }
 
 
@@ -71,7 +73,14 @@ def test_each_field_a_service_sets_reaches_the_engine_from_its_variable(monkeypa
 
 
 @pytest.mark.parametrize(
-    ("name", "text"), [("num_threads", "0"), ("tbt_stretch", "0"), ("kv_cache_dtype", "auto")]
+    ("name", "text"),
+    [
+        ("num_threads", "0"),
+        ("tbt_stretch", "0"),
+        ("kv_cache_dtype", "auto"),
+        ("dtype", "auto"),
+        ("gpu_memory_share", ""),
+    ],
 )
 def test_a_settings_spelling_of_unset_is_the_engines_none(monkeypatch, name: str, text: str) -> None:
     assert getattr(config_from_env(monkeypatch, **{name: text}), name) is None

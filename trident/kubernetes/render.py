@@ -28,6 +28,7 @@ from common.planner.types import METHOD_KINDS
 from common.roles import InstanceKind, in_path_order
 from common.secrets import NAMES, new_secret
 from common.tls import FILES as TLS_FILES
+from trident import gpu_deploy
 from trident.kubernetes.objects import (
     SECRET,
     TLS_DIR,
@@ -215,7 +216,7 @@ def resources(o: Options, gpu: bool) -> dict:
     requests = {"cpu": o.cpu, "memory": o.memory}
     limits = {"cpu": o.cpu, "memory": o.memory}
     if gpu:
-        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = "1"
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpu_deploy.GPUS_PER_INSTANCE)
     return {"requests": requests, "limits": limits}
 
 
@@ -227,8 +228,8 @@ def instance(o: Options, kind: InstanceKind) -> list[dict]:
     worker_env = env(
         TRIDENT_ROLES=",".join(roles), TRIDENT_HTTP_PORT="9000", TRIDENT_DRAIN_TIMEOUT=DRAIN_TIMEOUT
     )
-    if o.gpu:
-        worker_env += env(TRIDENT_DEVICE="cuda")
+    if o.gpu:  # what bench/gpu_serve.py runs on a GPU (trident/gpu_deploy.py)
+        worker_env += env(**gpu_deploy.worker_env())
     container = {
         "name": "worker",
         "image": o.image,
