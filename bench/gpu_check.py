@@ -344,9 +344,9 @@ def kv_round_trip(engine: Engine, group_size: int = 4) -> dict:
     try:
         table = blocks.table(rid)
         groups = layer_groups(engine.kv_spec.num_layers, group_size)
-        exported = engine.export_kv(rid, group_size)
+        exported = engine.handoff.export_kv(rid, group_size)
         nbytes = sum(b.numel() * b.element_size() for b in exported)
-        out_s = seconds(lambda: engine.export_kv(rid, group_size), engine.device)
+        out_s = seconds(lambda: engine.handoff.export_kv(rid, group_size), engine.device)
 
         def back() -> None:
             for g, buf in zip(groups, exported, strict=True):

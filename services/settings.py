@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
@@ -10,8 +11,10 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.bus import BusConfig
+from common.engine.config import DecodeGraphMode, PackedWeightMode, Policy
 from common.planner.forecast import ForecastConfig
 from common.planner.limits import Limits, parse_counts
+from common.protocol.tensors import KvWire
 from common.roles import InstanceKind, parse_roles
 from common.secrets import DeploymentSecrets, with_credentials
 from common.tls import Tls
@@ -208,6 +211,14 @@ class ServiceSettings(BaseSettings):
         return self.model_name or self.model.name
 
 
+class ProfileMode(StrEnum):
+    """Where a worker's stage profile (its budgets and curves) comes from (services/worker/profiling.py)."""
+
+    AUTO = "auto"  # a profile in Redis with the same fingerprint, else measured and stored
+    MEASURE = "measure"  # measured at every start
+    OFF = "off"  # the budgets as configured; nothing published
+
+
 class WorkerSettings(ServiceSettings):
     """An encoder, prefill or decode instance, or a hybrid of them."""
 
@@ -216,8 +227,9 @@ class WorkerSettings(ServiceSettings):
         description="This instance's roles, a subset of encode,prefill,decode (`python -m services.worker`; "
         "each stage's own entry point sets its own)",
     )
-    policy: str = Field(
-        "stage", description="Batching policy: stage (Algorithm 1) | prefill-first | decode-first (ablations)"
+    policy: Policy = Field(
+        Policy.STAGE,
+        description="Batching policy: stage (Algorithm 1) | prefill-first | decode-first (ablations)",
     )
     device: str = Field("cpu", description="torch device (`cuda` under compose.gpu.yaml)")
     num_threads: int = Field(
@@ -239,8 +251,8 @@ class WorkerSettings(ServiceSettings):
     image_budget: int = Field(
         8, description="Most images encoded in one engine step (τe); with profiling on, the cap of its search"
     )
-    profile: Literal["auto", "measure", "off"] = Field(
-        "auto",
+    profile: ProfileMode = Field(
+        ProfileMode.AUTO,
         description="auto (reuse a profile in Redis with the same fingerprint, else measure and store it) "
         "| measure (always) | off (use the budgets as configured, publish nothing)",
     )
@@ -277,13 +289,13 @@ class WorkerSettings(ServiceSettings):
         description="Bytes of image features an engine keeps by content hash; unset: 512 MiB on an "
         "encode-only instance (which holds no KV), 64 MiB on any other",
     )
-    decode_graphs: Literal["auto", "off", "eager"] = Field(
-        "auto",
+    decode_graphs: DecodeGraphMode = Field(
+        DecodeGraphMode.AUTO,
         description="Decode-only steps padded to fixed batch and context buckets and replayed from CUDA "
         "graphs: auto (on CUDA devices; the CPU path stays as it is) | off | eager (padded, not captured)",
     )
-    packed_weights: Literal["auto", "off"] = Field(
-        "auto",
+    packed_weights: PackedWeightMode = Field(
+        PackedWeightMode.AUTO,
         description="auto: on a CPU in float32, a decoding instance also keeps the language model's "
         "weights packed for MKL's GEMM (decode batches of 2-64 sequences about twice as fast, for a "
         "second copy of the decoder's weights in memory) | off",
@@ -310,8 +322,8 @@ class WorkerSettings(ServiceSettings):
         "auto", description="Bulk transfer backend: auto (UCX when it loads, TCP with TLS) | ucx | tcp"
     )
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
-    kv_wire: Literal["native", "int8"] = Field(
-        "native",
+    kv_wire: KvWire = Field(
+        KvWire.NATIVE,
         description="How a prefill instance sends KV to decode: native (the KV cache's dtype) | int8 (int8 "
         "values with a float32 scale per layer, block and head: about half a bfloat16 cache's bytes, a "
         "quarter of a float32 one's; decoders of either setting read both)",

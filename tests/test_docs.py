@@ -62,7 +62,7 @@ PLANTED_NAMES = [
 LIVE = """# Live
 
 Paths: common/engine/attention.py, `models/qwen_vl.py`, `free_runs.py`, [engine](engine.md),
-[here](#live), (engine.md, "Engine"). Names: `common.engine.config.EngineConfig`, `Engine.add_prefilled`,
+[here](#live), (engine.md, "Engine"). Names: `common.engine.config.EngineConfig`, `Handoff.add_prefilled`,
 `EngineConfig(prefix_caching=True)`, `attention.varlen_attention_reference`,
 `models/qwen_vl.mrope_positions`, `MERGE_FROM_TOKENS`, `TRIDENT_KV_WIRE`, `trident_prefix_hit_tokens_total`,
 `trident_encode_queue_seconds`, `--ready-timeout`.

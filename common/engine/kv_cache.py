@@ -40,9 +40,15 @@ class KVCache:
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks  # the extra block: never handed out
         self.kv = torch.zeros(
-            spec.num_layers, 2, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=spec.dtype, device=device,
-        )  # fmt: skip
+            spec.num_layers,
+            2,
+            num_blocks + 1,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            dtype=spec.dtype,
+            device=device,
+        )
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value slot views of one layer: each [(num_blocks + 1) * block_size, kv_heads, head_dim]."""

@@ -23,11 +23,27 @@ class WorkerCollector:
         self.w = worker
 
     def collect(self):
-        w, c, stats = self.w, self.w.counters, self.w.loop.stats
+        w = self.w
         labels = ["instance", "roles"]
         values = [w.instance_id, ",".join(sorted(w.roles))]
-        held = list(w.ledger)
-        for name, value, doc in [
+        for kind, table in ((CounterMetricFamily, self.counters()), (GaugeMetricFamily, self.gauges())):
+            for name, value, doc in table:
+                metric = kind(f"trident_{name}", doc, labels=labels)
+                metric.add_metric(values, value)
+                yield metric
+        info = GaugeMetricFamily(
+            "trident_profile_info",
+            "The stage profile in use (1; no sample with profiling off)",
+            labels=[*labels, "profile_id"],
+        )
+        if w.profile_id:
+            info.add_metric([*values, w.profile_id], 1)
+        yield info
+
+    def counters(self) -> list[tuple[str, float, str]]:
+        """(name, value, help) of each counter, named trident_<name>."""
+        w, c, stats = self.w, self.w.counters, self.w.loop.stats
+        return [
             ("images_encoded", stats.images_encoded, "Images the vision tower ran on"),
             (
                 "images_to_encode",
@@ -66,11 +82,13 @@ class WorkerCollector:
                 stats.graph_capture_failures,
                 "Decode buckets whose CUDA graph could not be captured (they run uncaptured)",
             ),
-        ]:
-            metric = CounterMetricFamily(f"trident_{name}", doc, labels=labels)
-            metric.add_metric(values, value)
-            yield metric
-        for name, value, doc in [
+        ]
+
+    def gauges(self) -> list[tuple[str, float, str]]:
+        """(name, value, help) of each gauge, named trident_<name>."""
+        w, stats = self.w, self.w.loop.stats
+        held = list(w.ledger)
+        return [
             ("free_kv_blocks", stats.free_blocks, "Free KV cache blocks (cached ones nobody holds included)"),
             ("cached_kv_blocks", stats.cached_blocks, "KV blocks findable by their prefix key"),
             ("total_kv_blocks", stats.total_blocks, "KV cache blocks in all"),
@@ -89,17 +107,7 @@ class WorkerCollector:
             ("feature_cache_bytes", stats.feature_cache_bytes, "Bytes of image features cached"),
             ("feature_cache_capacity_bytes", stats.feature_cache_capacity, "The feature cache's byte cap"),
             *memory(w.loop.engine),
-        ]:
-            metric = GaugeMetricFamily(f"trident_{name}", doc, labels=labels)
-            metric.add_metric(values, value)
-            yield metric
-        info = GaugeMetricFamily(
-            "trident_profile_info", "The stage profile in use (1; no sample with profiling off)",
-            labels=[*labels, "profile_id"],
-        )  # fmt: skip
-        if w.profile_id:
-            info.add_metric([*values, w.profile_id], 1)
-        yield info
+        ]
 
 
 def memory(engine: Engine) -> list[tuple[str, float, str]]:

@@ -15,8 +15,8 @@ from common.engine.engine import Engine
 from common.engine.kv_cache import gpu_kv_bytes
 from common.roles import InstanceKind, parse_roles
 from services.settings import WorkerSettings, parse_memory_shares
+from services.worker.engine_settings import engine_config
 from services.worker.http import memory
-from services.worker.instance import engine_config
 
 GIB = 1 << 30
 TOTAL = 140 * GIB
