@@ -24,6 +24,7 @@ from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig
 from common.engine.feature_cache import FeatureCache
 from common.engine.governor import BudgetGovernor, budget_share
+from common.engine.grammar import Grammars
 from common.engine.handoff import Handoff
 from common.engine.integrity import check_integrity
 from common.engine.kv_cache import KVCache
@@ -80,7 +81,10 @@ class Engine:
             self.model, self.cache, self.blocks.table, self.features, self.device, graphs
         )
         self.eos_ids = eos_ids(Path(model_dir), text.eos_token_id, self.tokenizer.eos_token_id)
-        self.lifecycle = Lifecycle(config, self.scheduler, self.tokenizer, self.eos_ids, self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, text.vocab_size, self.eos_ids)
+        self.lifecycle = Lifecycle(
+            config, self.scheduler, self.tokenizer, self.eos_ids, self.max_model_len, self.grammars
+        )
         self.requests = self.lifecycle.requests  # every request held: the lifecycle's table, not a copy
         layers = self.model.language_model.layers if self.has_lm else None
         self.handoff = Handoff(self.lifecycle, self.cache, layers)
@@ -157,7 +161,7 @@ class Engine:
             return []
         params = [r.params for r in result.sampled]
         draws = [make_generator(r.params.seed, len(r.output_token_ids)) for r in result.sampled]
-        tokens = sample(result.logits, params, draws)
+        tokens = sample(result.logits, params, draws, [r.grammar for r in result.sampled])
         return [self.lifecycle.append_token(r, t) for r, t in zip(result.sampled, tokens, strict=True)]
 
     def _govern(self, batch: Batch, seconds: float) -> None:

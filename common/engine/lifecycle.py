@@ -14,6 +14,7 @@ from common.engine.admission import AdmissionError, check_fits
 from common.engine.batch import Batch
 from common.engine.config import EngineConfig
 from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.grammar import GrammarError, Grammars
 from common.engine.outputs import RequestOutput
 from common.engine.request import Request, Status
 from common.engine.scheduler import Scheduler
@@ -40,7 +41,13 @@ class Lifecycle:
     """The requests held (`requests`), the outputs due at the next step (`pending`), and each move."""
 
     def __init__(
-        self, config: EngineConfig, scheduler: Scheduler, tokenizer, eos: set[int], max_model_len: int
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        tokenizer,
+        eos: set[int],
+        max_model_len: int,
+        grammars: Grammars | None = None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -48,6 +55,7 @@ class Lifecycle:
         self.tokenizer = tokenizer
         self.eos_ids = eos
         self.max_model_len = max_model_len
+        self.grammars = grammars  # structured output's compiled grammars (grammar.py)
         self.requests: dict[str, Request] = {}
         self.pending: list[RequestOutput] = []
 
@@ -57,7 +65,8 @@ class Lifecycle:
         return self.blocks.num_blocks * self.config.block_size
 
     def admit(self, req: Request) -> None:
-        """Check that `req` can ever run here (AdmissionError if not), and give it its detokenizer."""
+        """Check that `req` can ever run here (AdmissionError if not), and give it its detokenizer
+        and, where tokens are sampled, its grammar's state rebuilt from the tokens it has."""
         if req.request_id in self.requests:
             raise AdmissionError(f"request id {req.request_id} is already in use")
         has_lm = bool(self.config.roles & {Role.PREFILL, Role.DECODE})
@@ -68,6 +77,11 @@ class Lifecycle:
             kv_tokens=self.kv_tokens if has_lm else None,
         )
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        if has_lm and req.params.grammar is not None and self.grammars is not None:
+            try:
+                req.grammar = self.grammars.state(req.params.grammar, req.output_token_ids)
+            except GrammarError as exc:
+                raise AdmissionError(f"request {req.request_id}: {exc}") from exc
 
     def enter(self, req: Request) -> None:
         """An admitted request joins the waiting queue, or leaves at once when its next stage is
@@ -104,6 +118,8 @@ class Lifecycle:
     def append_token(self, req: Request, token: int) -> RequestOutput:
         """A sampled token: the request's output, and its end if the token ends it."""
         req.output_token_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.advance(token)
         text = req.detokenizer.add([token]) if self.config.detokenize or req.params.stop else ""
         reason = self.stop_reason(req)
         out = RequestOutput(req.request_id, [token], text, num_prompt_tokens=len(req.prompt_token_ids))
@@ -120,6 +136,8 @@ class Lifecycle:
         token, p = req.output_token_ids[-1], req.params
         eos = token in self.eos_ids and not p.ignore_eos
         if eos or token in p.stop_token_ids or req.detokenizer.stopped:
+            return "stop"
+        if req.grammar is not None and req.grammar.done:  # complete: nothing may follow but the end
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens:
             return "length"

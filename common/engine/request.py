@@ -14,6 +14,7 @@ from enum import StrEnum
 import torch
 
 from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.grammar import GrammarState
 from common.protocol import SamplingParams
 from common.roles import Role
 
@@ -61,6 +62,9 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     detokenizer: IncrementalDetokenizer | None = None
+    # Structured output (grammar.py): its place in `params.grammar`, rebuilt from the output tokens
+    # wherever the request is admitted; None without a grammar, or where nothing is sampled.
+    grammar: GrammarState | None = None
     # Positions of image placeholder tokens in the prompt, in order: image features fill them.
     image_positions: torch.Tensor | None = None
     # M-RoPE (Qwen2-VL): the prompt's [3, prompt_len] positions, and the offset of every later

@@ -1,5 +1,6 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-request seeds (the parameters are
-`common.protocol.SamplingParams`, the one type the gateway, the wire and the engine share)."""
+"""The sampler: greedy, temperature, top-k, top-p, per-request seeds, and a grammar's mask for
+structured output (grammar.py); the parameters are `common.protocol.SamplingParams`, the one type
+the gateway, the wire and the engine share."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 
 import torch
 
+from common.engine.grammar import GrammarState, mask_rows
 from common.protocol.sampling import SamplingParams
 
 
@@ -25,9 +27,15 @@ def make_generator(seed: int | None, index: int = 0) -> torch.Generator | None:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    grammars: list[GrammarState | None] | None = None,
 ) -> list[int]:
-    """Pick one token per row of `logits` [batch, vocab]. Greedy rows share one argmax."""
+    """Pick one token per row of `logits` [batch, vocab]. Greedy rows share one argmax. A row whose
+    request has a grammar is masked first (in place), so whatever picks its token keeps to it."""
+    if grammars is not None and any(g is not None for g in grammars):
+        mask_rows(logits, grammars)
     tokens = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:

@@ -27,6 +27,9 @@ class SamplingParams(Record):
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
+    # Structured output: an llguidance grammar (its JSON form, built by the gateway from
+    # response_format or tools) that every sampled token must keep to; None: unconstrained.
+    grammar: str | None = Field(None, min_length=1)
 
     @property
     def greedy(self) -> bool:
