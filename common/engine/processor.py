@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import jinja2
+import jinja2.meta
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -119,6 +121,8 @@ class RequestProcessor:
                 self.videos = None
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{model_dir}: cannot load the tokenizer/processor files: {exc}") from exc
+        template = self.template if self.hf is None else self.hf.chat_template
+        self.defines_tools = _renders_tools(template)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         self.video_token_id = (
             self.tokenizer.convert_tokens_to_ids(self.video_token) if self.video_token else None
@@ -129,13 +133,15 @@ class RequestProcessor:
         """The pad tokens images (and clips) fill: where their features go in a prompt."""
         return (self.image_token_id,) + ((self.video_token_id,) if self.video_token_id is not None else ())
 
-    def chat_prompt(self, messages: list[dict]) -> str:
-        """Apply the checkpoint's chat template; image parts become the model's image token."""
+    def chat_prompt(self, messages: list[dict], tools: Sequence[dict] = ()) -> str:
+        """Apply the checkpoint's chat template; image parts become the model's image token. With
+        `tools` (OpenAI function definitions), a template that `defines_tools` lists them."""
+        more = {"tools": list(tools)} if tools else {}
         if self.hf is None:
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template, add_generation_prompt=True, tokenize=False
+                messages, chat_template=self.template, add_generation_prompt=True, tokenize=False, **more
             )
-        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **more)
 
     def process(
         self, prompt: str, images: list[Image.Image], videos: Sequence[Frames] = ()
@@ -236,6 +242,17 @@ def _tokens_per_image(positions: torch.Tensor, num_images: int) -> list[int]:
     if len(positions) % num_images == 0:
         return [len(positions) // num_images] * num_images
     raise InputError("cannot tell which image placeholders belong to which image; put text between images")
+
+
+def _renders_tools(template: str | None) -> bool:
+    """Whether a chat template reads the `tools` it is given (and so knows tool calls and results:
+    Qwen2.5-VL's and Qwen3-VL's do, LLaVA's do not)."""
+    if not template:
+        return False
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateSyntaxError:  # HF's own environment has extensions; read it as text then
+        return re.search(r"\btools\b", template) is not None
 
 
 def _chat_template(model_dir: Path) -> str | None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from common.errors import APIError
 from common.protocol import SamplingParams
 from common.protocol.sampling import INT32, INT64, TokenId
+from services.gateway.api_structured import ResponseFormat, Tool, ToolCall, ToolChoice
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]  # NaN and ±inf name their own error
 
@@ -55,8 +58,14 @@ class VideoControls(BaseModel):
 
 
 class Message(_Lenient):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls, sent back
+    tool_call_id: str | None = None  # a tool turn's answer to that call
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.role == "tool" or bool(self.tool_calls)
 
 
 class StreamOptions(_Lenient):
@@ -92,8 +101,9 @@ class SamplingFields(_Lenient):
     best_of: int | None = None
     use_beam_search: bool = False
     length_penalty: Finite = 1.0
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    response_format: ResponseFormat | None = None  # structured output (structured.py)
+    tools: list[Any] | None = None  # chat only (ChatCompletionRequest)
+    TAKES_TOOLS: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
@@ -143,8 +153,7 @@ class SamplingFields(_Lenient):
             "best_of": self.best_of in (None, 1),
             "use_beam_search": not self.use_beam_search,
             "length_penalty": self.length_penalty == 1.0,
-            "response_format": not self.response_format or self.response_format.get("type") == "text",
-            "tools": not self.tools,
+            "tools": self.TAKES_TOOLS or not self.tools,
         }
         for name, ok in neutral.items():
             if not ok:
@@ -177,6 +186,20 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
     mm_processor_kwargs: VideoControls | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    TAKES_TOOLS: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _tool_fields_where_they_belong(self):
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise _invalid(f"messages.{i}.tool_calls", "only an assistant message carries tool_calls")
+            if m.role == "tool" and not m.tool_call_id:
+                raise _invalid(
+                    f"messages.{i}.tool_call_id", "a tool message needs the id of the call it answers"
+                )
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -186,22 +209,38 @@ class ChatCompletionRequest(SamplingFields):
         """Messages in the chat template's shape (image parts become `{"type": "image"}`, video
         parts `{"type": "video"}`) and the image URLs in prompt order (`video_urls`: the clips')."""
         out, urls = [], []
-        for m in self.messages:
+        for i, m in enumerate(self.messages):
             role = "system" if m.role == "developer" else m.role
             if m.content is None or isinstance(m.content, str):
-                out.append({"role": role, "content": [{"type": "text", "text": m.content or ""}]})
-                continue
-            parts = []
-            for p in m.content:
-                if isinstance(p, ImagePart):
-                    parts.append({"type": "image"})
-                    urls.append(p.image_url.url)
-                elif isinstance(p, VideoPart):
-                    parts.append({"type": "video"})
-                else:
-                    parts.append({"type": "text", "text": p.text})
-            out.append({"role": role, "content": parts})
+                parts = [{"type": "text", "text": m.content or ""}]
+            else:
+                parts = []
+                for p in m.content:
+                    if isinstance(p, ImagePart):
+                        parts.append({"type": "image"})
+                        urls.append(p.image_url.url)
+                    elif isinstance(p, VideoPart):
+                        parts.append({"type": "video"})
+                    else:
+                        parts.append({"type": "text", "text": p.text})
+            message = {"role": role, "content": parts}
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(c, f"messages.{i}.tool_calls.{j}")
+                                         for j, c in enumerate(m.tool_calls)]  # fmt: skip
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
         return out, urls
+
+    @property
+    def uses_tools(self) -> str | None:
+        """The first field that needs a chat template with tools, if any: `tools`, or a message's."""
+        if self.tools:
+            return "tools"
+        for i, m in enumerate(self.messages):
+            if m.uses_tools:
+                return f"messages.{i}.{'tool_calls' if m.tool_calls else 'role'}"
+        return None
 
     def video_urls(self) -> list[str]:
         """The clips' URLs, in prompt order."""
@@ -242,9 +281,23 @@ UNSUPPORTED = {
     "best_of": "best_of is not supported; leave it at 1",
     "use_beam_search": "beam search is not supported; leave use_beam_search false",
     "length_penalty": "length_penalty is not supported (it applies to beam search); leave it at 1.0",
-    "response_format": 'only response_format {"type": "text"} is supported; structured output is not',
-    "tools": "tools (function calling) are not supported; leave tools out",
+    "tools": "tools (function calling) are taken by /v1/chat/completions only; leave tools out here",
 }
+
+
+def _invalid(field: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_field", message, {"param": field})
+
+
+def _template_call(call: ToolCall, where: str) -> dict:
+    """A call sent back, as chat templates render it: its arguments as an object, not JSON text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError as exc:
+        param = f"{where}.function.arguments"
+        raise APIError(400, f"{param}: not valid JSON ({exc})", param=param) from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}
 
 
 def _unsupported(field: str, message: str) -> PydanticCustomError:

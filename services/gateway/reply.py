@@ -18,15 +18,19 @@ from common.protocol import RequestSpec
 from services.gateway.api_models import SamplingFields
 from services.gateway.collector import OutputCollector, Piece
 from services.gateway.state import Gateway
+from services.gateway.structured import ToolMode
+from services.gateway.tool_calls import CallStream, parse
 
 KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see the stream alive
 
 
 class Reply:
     def __init__(
-        self, gw: Gateway, spec: RequestSpec, kind: str, body: SamplingFields, collector: OutputCollector
-    ) -> None:
+        self, gw: Gateway, spec: RequestSpec, kind: str, body: SamplingFields, collector: OutputCollector,
+        tools: ToolMode = ToolMode.NONE,
+    ) -> None:  # fmt: skip
         self.gw, self.spec, self.kind, self.body = gw, spec, kind, body
+        self.tools = tools  # how the answer is read for tool calls (structured.py)
         self.rid = spec.request_id
         self.collector = collector
         self.created = int(time.time())
@@ -52,16 +56,23 @@ class Reply:
         try:
             if self.kind == "chat":
                 yield self._chunk({"role": "assistant", "content": ""}, None)
+            calls = CallStream() if self.tools != ToolMode.NONE else None
             async for piece in self.collector.pieces():
                 if piece.keepalive:
                     yield KEEPALIVE
                     continue
                 self._mark_first()
+                if calls is not None:
+                    for chunk in self._call_chunks(calls.feed(piece.text), bool(piece.token_ids)):
+                        yield chunk
                 # A token whose text is held back (part of a UTF-8 character or of a stop string)
                 # still gets its chunk, as vLLM sends it: clients time TTFT and ITL per chunk.
-                if piece.text or piece.token_ids:
+                elif piece.text or piece.token_ids:
                     yield self._chunk(piece.text, None)
-            yield self._chunk(None, self.collector.outcome.finish_reason)
+            if calls is not None:
+                for chunk in self._call_chunks(calls.flush(), False):
+                    yield chunk
+            yield self._chunk(None, self._finish_reason(calls is not None and calls.calls > 0))
             if self.body.include_usage:
                 yield _sse({**self._envelope(), "choices": [], "usage": self._usage()})
             yield "data: [DONE]\n\n"
@@ -72,6 +83,20 @@ class Reply:
             yield "data: [DONE]\n\n"
         finally:
             await self._end(outcome)
+
+    def _call_chunks(self, deltas: list[dict], token: bool) -> list[str]:
+        """The chunks of a tool-reading answer's deltas; a token that made none still gets one."""
+        if not deltas and token:
+            return [self._chunk("", None)]
+        return [self._chunk(delta, None) for delta in deltas]
+
+    def _finish_reason(self, called: bool) -> str:
+        """As OpenAI says it: `tool_calls` when the model called tools of its own choice (auto,
+        required); a named tool_choice's call ends with the plain reason."""
+        reason = self.collector.outcome.finish_reason
+        if called and reason == "stop" and self.tools != ToolMode.NAMED:
+            return "tool_calls"
+        return reason
 
     async def _watched(self, request: Request) -> AsyncIterator[Piece]:
         """The pieces, cancelling the request if the (non-streaming) client goes away meanwhile."""
@@ -128,6 +153,11 @@ class Reply:
         reason = self.collector.outcome.finish_reason
         if self.kind == "chat":
             message = {"role": "assistant", "content": text}
+            if self.tools != ToolMode.NONE:
+                message["content"], calls = parse(text)
+                if calls:
+                    message["tool_calls"] = calls
+                reason = self._finish_reason(bool(calls))
             choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}

@@ -23,6 +23,7 @@ from services.gateway.preprocess import VideoSampling
 from services.gateway.reply import Reply
 from services.gateway.routing import route
 from services.gateway.state import Gateway
+from services.gateway.structured import Constraint, constraint, response_grammar
 
 
 def deadline_of(gw: Gateway, request: Request) -> float:
@@ -33,12 +34,14 @@ def deadline_of(gw: Gateway, request: Request) -> float:
 async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
     deadline = deadline_of(gw, request)
     _check_model(gw, body.model)
+    _check_tools(gw, body)
     messages, urls = body.template_messages()
     if len(urls) > gw.images.max_images:
         raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
     clips = body.video_urls()
     sampling = video_sampling(gw, body, len(clips)) if clips else None
-    prompt = gw.processor.chat_prompt(messages)
+    asked = await gw.off_loop(constraint, body.response_format, body.tools, body.tool_choice)
+    prompt = gw.processor.chat_prompt(messages, asked.tools)
     async with _within(deadline):
         if urls or clips:  # on the image threads (preprocess.py), never ahead of text-only requests
             blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))
@@ -47,7 +50,7 @@ async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
             del blobs, videos
         else:
             processed = await gw.off_loop(_process, gw, prompt)
-    return await serve(gw, request, body, processed, "chat", deadline)
+    return await serve(gw, request, body, processed, "chat", deadline, asked)
 
 
 def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> VideoSampling:
@@ -80,16 +83,19 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
 async def completion(gw: Gateway, body: CompletionRequest, request: Request):
     deadline = deadline_of(gw, request)
     _check_model(gw, body.model)
+    asked = Constraint(await gw.off_loop(response_grammar, body.response_format))
     async with _within(deadline):
         processed = await gw.off_loop(_process, gw, body.prompt)
-    return await serve(gw, request, body, processed, "text", deadline)
+    return await serve(gw, request, body, processed, "text", deadline, asked)
 
 
 async def serve(
     gw: Gateway, request: Request, body: SamplingFields, processed: ProcessedPrompt, kind: str,
-    deadline: float,
+    deadline: float, asked: Constraint,
 ):  # fmt: skip
     params = body.sampling_params(gw.settings.default_max_tokens)
+    if asked.grammar is not None:
+        params = params.model_copy(update={"grammar": asked.grammar})
     try:
         check_fits(len(processed.token_ids), params.max_tokens, max_model_len=gw.max_model_len)
     except AdmissionError as exc:
@@ -110,7 +116,7 @@ async def serve(
         reconnects=lambda: gw.bus.reconnects,
         fenced=gw.reaper.fenced, owner=spec.gateway,
     )  # fmt: skip
-    reply = Reply(gw, spec, kind, body, collector)
+    reply = Reply(gw, spec, kind, body, collector, asked.mode)
     request.state.on_end = reply.end  # whatever becomes of the response, the request ends (door.py)
     if body.stream:
         return StreamingResponse(reply.sse(), media_type="text/event-stream")
@@ -135,6 +141,18 @@ class _within:
             raise APIError(
                 504, "the request's images and prompt were not ready in time", code="timeout"
             ) from None
+
+
+def _check_tools(gw: Gateway, body: ChatCompletionRequest) -> None:
+    """Tools, tool results and an assistant's tool calls need a chat template that renders them."""
+    field = body.uses_tools
+    if field is not None and not gw.processor.defines_tools:
+        raise APIError(
+            400,
+            f"{field}: the served model's chat template ({gw.processor.family}) defines no tool calls, "
+            "so it cannot be given tools, tool calls or tool results; send the conversation as text",
+            param=field, code="tools_unsupported",
+        )  # fmt: skip
 
 
 def _check_model(gw: Gateway, model: str) -> None:
