@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from common.errors import APIError
 from common.protocol import SamplingParams
 from common.protocol.sampling import INT32, INT64, TokenId
-from services.gateway.api_structured import ResponseFormat, Tool, ToolCall, ToolChoice
+from services.gateway.api_structured import NamedToolChoice, ResponseFormat, Tool, ToolCall, ToolChoice
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]  # NaN and ±inf name their own error
 
@@ -187,8 +187,20 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
     mm_processor_kwargs: VideoControls | None = None
     tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
+    tool_choice: Any = None  # ToolChoice, read by _one_tool_choice (a union's errors name its members)
     TAKES_TOOLS: ClassVar[bool] = True
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _one_tool_choice(cls, choice: Any) -> ToolChoice | None:
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice
+        try:
+            return NamedToolChoice.model_validate(choice)
+        except ValidationError:
+            raise ValueError(
+                'tool_choice is "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+            ) from None
 
     @model_validator(mode="after")
     def _tool_fields_where_they_belong(self):

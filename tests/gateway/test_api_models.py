@@ -90,7 +90,23 @@ def test_what_vllm_bench_serve_sends_validates():
         ({"use_beam_search": True}, "use_beam_search"),
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0.tool_call_id"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x", "tool_calls": []},
+                    {
+                        "role": "user",
+                        "content": "y",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                ]
+            },
+            "messages.1.tool_calls",
+        ),
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": float("inf")}, "top_p"),
         ({"user": "\ud800"}, "user"),
