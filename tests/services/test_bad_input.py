@@ -167,8 +167,7 @@ UNHONOURED = [
     ("top_logprobs", 2),
     ("best_of", 2),
     ("use_beam_search", True),
-    ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function"}]),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),  # tiny-llava's template has none
 ]
 
 

@@ -7,9 +7,12 @@ names (E+P+D, where every hand-off crosses processes, and hybrids, where some st
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
+import jsonschema
+import openai
 import pytest
 
 from common.checkpoints import write_checkpoint
@@ -95,3 +98,66 @@ def test_answers_match_hf_streaming_and_not(deployment, reference, num_images):
     )  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_text
     assert chunks[-1].usage.completion_tokens == want_tokens
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+NOOP = {"type": "function", "function": {"name": "noop", "description": "does nothing"}}
+
+
+def test_tools_are_called_whole_and_streamed_where_the_template_defines_them(deployment):
+    """A named tool_choice and `required` are enforced by the grammar: the answer is a call of the
+    template's format, read into tool_calls whole and streamed (id and name first, then argument
+    fragments). LLaVA-NeXT's template defines no tool calls: a 400 that says so."""
+    model, _, cluster = deployment
+    client = client_for(cluster)
+    messages = user_message([data_url(make_image(0, SIZES[0]))], "What is the weather there?")
+    asked = {
+        "model": model,
+        "messages": messages,
+        "tools": [WEATHER, NOOP],
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    if "qwen" not in model:
+        with pytest.raises(openai.BadRequestError, match="defines no tool calls"):
+            client.chat.completions.create(**asked)
+        return
+    named = client.chat.completions.create(
+        **asked, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
+    choice = named.choices[0]
+    (call,) = choice.message.tool_calls
+    assert (choice.finish_reason, call.function.name, choice.message.content) == ("stop", "get_weather", None)
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(client.chat.completions.create(**asked, tool_choice="required", stream=True))
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for part in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            got = calls.setdefault(part.index, {"name": part.function.name, "id": part.id, "arguments": ""})
+            got["arguments"] += part.function.arguments or ""
+    assert chunks[-1].choices[0].finish_reason in ("tool_calls", "length")
+    assert calls and all(c["id"] and c["name"] in ("get_weather", "noop") for c in calls.values())
+    if chunks[-1].choices[0].finish_reason == "tool_calls":
+        assert all(isinstance(json.loads(c["arguments"]), dict) for c in calls.values())
+    # The call and its result sent back: the template renders both, and the model answers.
+    back = [*messages, named.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"}]  # fmt: skip
+    reply = client.chat.completions.create(**{**asked, "messages": back, "tool_choice": "none"})
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
