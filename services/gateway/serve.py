@@ -40,7 +40,9 @@ async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
         raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
     clips = body.video_urls()
     sampling = video_sampling(gw, body, len(clips)) if clips else None
-    asked = await gw.off_loop(constraint, body.response_format, body.tools, body.tool_choice)
+    asked = Constraint()
+    if body.response_format or body.tools or body.tool_choice:  # compiling a grammar takes ms: off the loop
+        asked = await gw.off_loop(constraint, body.response_format, body.tools, body.tool_choice)
     prompt = gw.processor.chat_prompt(messages, asked.tools)
     async with _within(deadline):
         if urls or clips:  # on the image threads (preprocess.py), never ahead of text-only requests
@@ -83,7 +85,8 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
 async def completion(gw: Gateway, body: CompletionRequest, request: Request):
     deadline = deadline_of(gw, request)
     _check_model(gw, body.model)
-    asked = Constraint(await gw.off_loop(response_grammar, body.response_format))
+    fmt = body.response_format
+    asked = Constraint(await gw.off_loop(response_grammar, fmt) if fmt else None)
     async with _within(deadline):
         processed = await gw.off_loop(_process, gw, body.prompt)
     return await serve(gw, request, body, processed, "text", deadline, asked)
