@@ -17,7 +17,8 @@ from common.engine.sampling import SamplingParams
 from tests.engine.conftest import make_image
 from tests.schemas import MAX_TOKENS, SCHEMAS, grammar, valid
 
-PRESETS = ["tiny-qwen2.5-vl", "tiny-llava"]
+# LLaVA's answers go through the stage rigs too (tests/stages/test_structured.py): slow tier here.
+PRESETS = ["tiny-qwen2.5-vl", pytest.param("tiny-llava", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", params=PRESETS)
