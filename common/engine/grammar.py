@@ -99,9 +99,12 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos or None
-                )
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos or None
+                    )
+                except ValueError as exc:  # a slow (Python) tokenizer: llguidance reads fast ones only
+                    raise GrammarError(f"structured output needs a fast tokenizer here: {exc}") from exc
             return self._tokenizer
 
     def check(self, grammar: str) -> str | None:
