@@ -34,8 +34,8 @@ from common.stats import SLO
 from trident.bench import kv_overlap
 from trident.bench.compare import PLANNER, Comparison, System, compare, table
 from trident.bench.machine import single_thread_gflops
+from trident.bench.progress import progress_reporter
 from trident.bench.sweep import LoadSpec, parse_rates
-from trident.cli.bench_serve import progress_reporter
 
 ONE_TRANSFER = "1000000"  # layers per KV transfer: more than any model has, so all in one
 

@@ -48,7 +48,7 @@ from trident.bench.client import image_data_url
 from trident.bench.fault_load import Outcome, StreamingLoad
 from trident.bench.machine import matmul_gflops
 from trident.bench.oracle import Chat, hf_greedy
-from trident.launcher.local_up import LocalUp, model_or_tiny
+from trident.launcher.local_up import LocalUp, UpCommand, model_or_tiny
 
 STAGES = ("encoder", "prefill", "decode")  # the compose services scaled to REPLICAS
 WORKERS = {"encoder": "encode", "prefill": "prefill", "decoder": "decode"}  # fault name -> role
@@ -212,7 +212,7 @@ def main() -> None:
 
     scale = {service: REPLICAS for service in STAGES}
     env = {"TRIDENT_REQUEST_TIMEOUT": str(args.deadline + 15)}
-    d = LocalUp(model.resolve(), args.workdir.resolve(), scale, env, ha=args.ha)
+    d = LocalUp(UpCommand(model, args.workdir, scale=scale, env=env, ha=args.ha))
     rows: list[dict] = []
     try:
         d.wait_whole(300)

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from trident.bench.machine import matmul_gflops
-from trident.launcher.local_up import LocalUp, metric, model_or_tiny, rss_bytes
+from trident.launcher.local_up import LocalUp, UpCommand, metric, model_or_tiny, rss_bytes
 
 DEADLINE = 60.0  # the gateway's request timeout in this run
 SAMPLE = 5.0  # seconds between samples
@@ -233,7 +233,7 @@ def main() -> None:
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = model_or_tiny(args.model, args.workdir)
-    d = LocalUp(model.resolve(), args.workdir.resolve(), ONE, {"TRIDENT_REQUEST_TIMEOUT": str(DEADLINE)})
+    d = LocalUp(UpCommand(model, args.workdir, scale=ONE, env={"TRIDENT_REQUEST_TIMEOUT": str(DEADLINE)}))
     try:
         d.wait_whole(300)
         result = asyncio.run(run(d, args))

@@ -36,13 +36,12 @@ from collections import Counter
 from pathlib import Path
 
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
-from common.infra import free_port
 from common.secrets import DeploymentSecrets, with_credentials
 from common.store import Stage, Store, StoreConfig
 from trident.bench import client, deployments
 from trident.bench.machine import single_thread_gflops
 from trident.bench.sweep import LoadSpec
-from trident.launcher.local_up import state_processes
+from trident.launcher.local_up import UpCommand, state_processes
 
 TICKS = os.sysconf("SC_CLK_TCK")
 PATH = [s.value for s in Stage]  # the marks in path order
@@ -166,7 +165,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
     load = LoadSpec(rates=(args.rate,), duration=args.duration, workload="textcaps", seed=args.seed,
                     max_output_tokens=64)  # fmt: skip
     entries = load.entries(args.rate)
-    with deployments.trident(args.model, args.method, port=free_port(), log_dir=workdir) as served:
+    with deployments.trident(UpCommand(args.model, workdir, args.method)) as served:
         opts = client.RequestOptions(model=served.model, image_size=(336, 336), seed=args.seed)
         asyncio.run(client.run(served.url, entries[:2], opts))  # warm: not measured
         state = json.loads((workdir / ".trident" / "up.json").read_text())

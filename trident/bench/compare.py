@@ -22,6 +22,7 @@ from common.roles import InstanceKind
 from common.stats import SLO
 from trident.bench import deployments, llamacpp, plots
 from trident.bench.sweep import LoadSpec, SweepResult, run_sweep
+from trident.launcher.local_up import UpCommand
 
 PEER = "transformers-serve"
 PEERS = (PEER, PEER + "-cb", llamacpp.LLAMACPP)
@@ -219,9 +220,8 @@ def started(system: System, model: Path, slo: SLO, log_dir: Path) -> Iterator[de
         "TRIDENT_PLANNER_MIN_REQUESTS": "20",
         **system.env,
     }
-    with deployments.trident(
-        model, system.method, port=port, scale=system.scale, env=env, log_dir=log_dir
-    ) as served:
+    up = UpCommand(model, log_dir, system.method, scale=system.scale, env=env, port=port)
+    with deployments.trident(up) as served:
         yield served
 
 

@@ -56,9 +56,10 @@ def compare(
     from common.stats import SLO
     from trident.bench.compare import System
     from trident.bench.compare import compare as run_compare
+    from trident.bench.progress import progress_reporter
     from trident.bench.sweep import LoadSpec, parse_rates
     from trident.bench.workload import WorkloadError
-    from trident.cli.bench_serve import parse_size, progress_reporter
+    from trident.cli.bench_serve import parse_size
 
     try:
         slo = SLO(ttft_slo, tbt_slo, attainment)

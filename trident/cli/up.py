@@ -23,13 +23,9 @@ from trident.launcher.compose_follow import (
     default_gateway,
 )
 from trident.launcher.deployment import Deployment
-from trident.launcher.state import StateFile, clear_leftovers, is_alive, send, wait_gone
+from trident.launcher.state import HOME, STATE, StateFile, clear_leftovers, is_alive, send, wait_gone
 from trident.launcher.warm import WarmStarter
 
-# Everything `trident up` writes lives here, relative to the directory it runs in: models, logs, server
-# files, the state file (the same place `trident generate` keeps the tiny model).
-HOME = Path(".trident")
-STATE = HOME / "up.json"
 DEFAULT_PLANNER_PORT = 8100
 PORTS_FREED = 10.0  # seconds a dead run's ports get to be released after its processes are stopped
 
