@@ -32,7 +32,7 @@ from pathlib import Path
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.stats import SLO
 from trident.bench import kv_overlap
-from trident.bench.compare import PLANNER, Comparison, System, compare, table
+from trident.bench.compare import PLANNER, Bench, Comparison, System, compare, table
 from trident.bench.machine import single_thread_gflops
 from trident.bench.progress import progress_reporter
 from trident.bench.sweep import LoadSpec, parse_rates
@@ -131,7 +131,7 @@ def main() -> None:
         if unknown := wanted - {s.name for s in chosen}:
             ap.error(f"--only names systems not in this run: {sorted(unknown)}")
         chosen = [s for s in chosen if s.name in wanted]
-    result = compare(chosen, model, load, slo, args.out, image_size=size, reporter=progress_reporter)
+    result = compare(chosen, model, Bench(load, slo, args.out, image_size=size), progress_reporter)
     epd_rows = BATCHING_EPD + ([epd_capped(args.epd_token_cap).name] if args.epd_token_cap else [])
     tables = {"batching": BATCHING + (epd_rows if args.with_epd else []), "transfer": TRANSFER}
     report = {}

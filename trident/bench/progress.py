@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from trident.bench.sweep import Hooks
+
 
 @contextmanager
 def progress_reporter(label: str):
-    """A progress bar on stderr (stdout keeps the table and the JSON line) and the three callbacks
-    a sweep reports through: a rate starts, a request is done, a rate is summarised."""
+    """A progress bar on stderr (stdout keeps the table and the JSON line), and the hooks a sweep
+    reports through that move it and print each rate's summary."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -34,7 +36,7 @@ def progress_reporter(label: str):
         print(format_summary(label, s), flush=True)
 
     with bar:
-        yield on_start, on_done, on_rate
+        yield Hooks(on_start, on_done, on_rate)
 
 
 def _ms(value: float | None) -> str:

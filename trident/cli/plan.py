@@ -115,7 +115,7 @@ def plan(
 ) -> None:
     """Plan a deployment for a trace: simulate E+P+D, EP+D and ED+P splits and report each one's goodput;
     with --rate, first find how many instances serve that load."""
-    flags = PlanFlags(**locals())
+    flags = PlanFlags(**locals())  # first: locals() holds the flags alone
     inputs = _inputs(flags)
     with _progress_bar() as progress:
         result, capacity = _plan(flags, inputs, progress)
