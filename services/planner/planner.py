@@ -88,6 +88,18 @@ def load_profiles(source: str, published: list, trace: Sequence[TraceRecord] = (
 CPU_WINDOW = 60.0  # s: the host CPU a request costs is measured over at least this long
 
 
+@dataclass(frozen=True)
+class PlanInputs:
+    """What one plan is made from."""
+
+    trace: list[TraceEntry]  # the window's finished requests
+    profiles: ProfileSet  # calibrated, when they can be
+    calibration: ServiceCalibration | None
+    current: Deployment | None  # what the live instances form, if they form one
+    live: int  # live instances
+    instances: int  # how many to plan for
+
+
 class Planner:
     def __init__(self, settings: PlannerSettings) -> None:
         self.settings = settings
@@ -314,6 +326,49 @@ class Planner:
 
     # -- one plan --------------------------------------------------------------------------------
     async def replan(self, trigger: str) -> Decision:
+        on = await self._plan_inputs()
+        self.status = f"planning ({trigger})"
+        started = time.monotonic()
+        result, correction = await self._simulate(on)
+        duration = time.monotonic() - started
+        reason = f"{trigger}; {len(on.trace)} requests, {on.instances} instances"
+        if (runner := result.runner_up) is not None:
+            below = f"{result.margin:.0%} below"
+            reason += f"; runner-up {runner.deployment.label} at {runner.goodput:.3f} req/s ({below})"
+        decision_plan = await self.store.planning.put_plan(
+            result.deployment.method, result.deployment.counts, result.goodput, reason
+        )
+        await self.bus.events.plan(decision_plan)
+        inputs = {
+            **result.inputs,
+            "trace": summary(on.trace),
+            "current": on.current.to_dict() if on.current else None,
+            "live_instances": on.live,
+            "correction": dataclasses.asdict(correction),
+            "calibration": on.calibration.to_dict() if on.calibration else None,
+            "slo": dataclasses.asdict(self.slo),
+            "instances": on.instances,
+            "actuator": self.actuator.name,
+        }
+        self.decision = Decision(decision_plan, result, trigger, duration, inputs)
+        self.metrics.record(decision_plan, result, duration, trigger.split()[0])
+        self.planned_for, self.since_plan, self.planned_at = on.trace, 0, time.monotonic()
+        self.status = "planned"
+        log.info(
+            "plan %d (%s): %s, %.2f req/s at %.0f%% attainment, in %.1f s",
+            decision_plan.decision_id,
+            trigger,
+            result.deployment.label,
+            result.goodput,
+            100 * result.attainment,
+            duration,
+        )
+        await self._apply(decision_plan)
+        return self.decision
+
+    async def _plan_inputs(self) -> PlanInputs:
+        """The window as a trace, the profiles (calibrated when they can be), the deployment running
+        now and how many instances to plan for; NotPlanned when any is missing."""
         s = self.settings
         if len(self.window) < s.planner_min_requests:
             raise NotPlanned(f"need {s.planner_min_requests} finished requests, have {len(self.window)}")
@@ -326,19 +381,24 @@ class Planner:
         instances = s.planner_instances or self._instances(current, len(live))
         if instances < 1:
             raise NotPlanned("no live instances, and TRIDENT_PLANNER_INSTANCES is 0")
-        self.status = f"planning ({trigger})"
-        started = time.monotonic()
+        return PlanInputs(trace, profiles, calibration, current, len(live), instances)
+
+    async def _simulate(self, on: PlanInputs) -> tuple[PlanResult, Correction]:
+        """Algorithm 2 over the inputs, in a thread (it is CPU-bound), corrected by how the current
+        deployment's predictions compare with what it served."""
         correction = Correction()
-        if current is not None:
-            correction = await asyncio.to_thread(measure_correction, trace, current, profiles, self.slo)
-        self._profiles, self._correction = profiles, correction
+        if on.current is not None:
+            correction = await asyncio.to_thread(
+                measure_correction, on.trace, on.current, on.profiles, self.slo
+            )
+        self._profiles, self._correction = on.profiles, correction
         try:
             result = await asyncio.to_thread(
                 make_plan,
-                trace,
-                profiles,
+                on.trace,
+                on.profiles,
                 self.slo,
-                instances,
+                on.instances,
                 correction=correction,
                 progress=self._on_progress,
             )
@@ -346,37 +406,7 @@ class Planner:
             raise NotPlanned(str(exc)) from exc
         finally:
             self.progress = None
-        duration = time.monotonic() - started
-        reason = f"{trigger}; {len(trace)} requests, {instances} instances"
-        if (runner := result.runner_up) is not None:
-            below = f"{result.margin:.0%} below"
-            reason += f"; runner-up {runner.deployment.label} at {runner.goodput:.3f} req/s ({below})"
-        decision_plan = await self.store.planning.put_plan(
-            result.deployment.method, result.deployment.counts, result.goodput, reason
-        )
-        await self.bus.events.plan(decision_plan)
-        inputs = {
-            **result.inputs,
-            "trace": summary(trace),
-            "current": current.to_dict() if current else None,
-            "live_instances": len(live),
-            "correction": dataclasses.asdict(correction),
-            "calibration": calibration.to_dict() if calibration else None,
-            "slo": dataclasses.asdict(self.slo),
-            "instances": instances,
-            "actuator": self.actuator.name,
-        }
-        self.decision = Decision(decision_plan, result, trigger, duration, inputs)
-        self.metrics.record(decision_plan, result, duration, trigger.split()[0])
-        self.planned_for, self.since_plan, self.planned_at = trace, 0, time.monotonic()
-        self.status = "planned"
-        log.info(
-            "plan %d (%s): %s, %.2f req/s at %.0f%% attainment, in %.1f s",
-            decision_plan.decision_id, trigger, result.deployment.label, result.goodput,
-            100 * result.attainment, duration,
-        )  # fmt: skip
-        await self._apply(decision_plan)
-        return self.decision
+        return result, correction
 
     async def profiles(self, registered: list | None = None) -> tuple[ProfileSet, ServiceCalibration | None]:
         """The stage profiles plans use (TRIDENT_PLANNER_PROFILES) and, for the cluster's own, their
