@@ -50,7 +50,7 @@ from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.planner.workloads import SHAPES
 from common.stats import SLO
 from trident.bench.repeat import Repeats
-from trident.bench.validation import Comparison, Run, replay_folder, save, summary, validate
+from trident.bench.validation import Comparison, Run, Validation, replay_folder, save, summary, validate
 
 
 def _cell(name: str, c: Comparison) -> str:
@@ -172,11 +172,19 @@ def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
             for method in args.methods.split(","):
                 workdir = Path(tmp) / f"{preset}-{method.replace('+', '-')}"
                 workdir.mkdir()
-                calibration, comparisons = validate(
-                    model, method, rates, args.requests, workdir, slo, repeats=args.repeats,
-                    max_output=args.max_output, calibration_load=args.calibration_load,
-                    calibration_rate=args.calibration_rate, shape=args.shape, turns=turns(args),
-                )  # fmt: skip
+                run = Validation(
+                    method,
+                    rates,
+                    args.requests,
+                    slo,
+                    repeats=args.repeats,
+                    max_output=args.max_output,
+                    calibration_load=args.calibration_load,
+                    calibration_rate=args.calibration_rate,
+                    shape=args.shape,
+                    turns=turns(args),
+                )
+                calibration, comparisons = validate(model, workdir, run)
                 save(
                     args.out / f"{preset}-{method.replace('+', '-')}",
                     preset,

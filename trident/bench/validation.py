@@ -463,120 +463,143 @@ def _published_since(redis_url: str, since: float, instances: int, timeout: floa
         time.sleep(0.5)
 
 
-def validate(
-    model_dir: Path,
-    method: str,
-    rates: Sequence[float],
-    requests: int,
-    workdir: Path,
-    slo: SLO,
-    *,
-    repeats: int = 1,
-    shape: str = "mix",
-    max_output: int = 16,
-    calibration: int = 16,
-    calibration_rate: float | None = None,
-    calibration_load: int | None = None,
-    seed: int = 0,
-    starter: Starter | None = None,
-    turns: Repeats | None = None,
-) -> tuple[dict, list[Comparison]]:
-    """Measure `method` at each rate (requests/s), `repeats` times over, and compare with the
-    simulator's prediction (module docstring). Before measuring, `calibration` requests one at a
-    time and then `calibration_load` more (default: `requests`) at `calibration_rate` (default:
-    the middle rate), with seeds of their own, warm the deployment up and give the calibration its
-    steps in service. `starter`: how the deployment's processes start (trident/launcher/processes.py).
+@dataclass(frozen=True)
+class Validation:
+    """One method measured at each rate (requests/s), `repeats` times over, against the simulator's
+    prediction (module docstring). Before measuring, `calibration` requests one at a time and then
+    `calibration_load` more (default: `requests`) at `calibration_rate` (default: the middle rate),
+    with seeds of their own, warm the deployment up and give the calibration its steps in service.
     With `turns`, the measured requests are turns of conversations that repeat (a shared system
     prompt, history resent each turn: trident/bench/repeat.py), `requests` turns per rate and
     repeat, and the simulator finds cached what each turn's trace record says the server found."""
-    from trident.launcher.cluster import method_workers, running_cluster
 
-    tokens_per_image = load_config(model_dir).image_seq_length
-    cpus = len(os.sched_getaffinity(0))
-    env = {
-        "TRIDENT_TTFT_SLO": str(slo.ttft),
-        "TRIDENT_TBT_SLO": str(slo.tbt),
-        # Profiled as deployed (the test clusters profile each point once, to start fast; a curve
-        # timed once on cores the other workers are profiling on is too noisy to fit to).
-        "TRIDENT_PROFILE_REPEATS": str(WorkerSettings.model_fields["profile_repeats"].default),
-        # Threads as `trident up` gives them: a share of the cores each, and a core board from which
-        # the workers that encode or prefill take the cores the others leave idle.
-        "TRIDENT_NUM_THREADS": str(thread_split(cpus, len(method_workers(method)))),
-        "TRIDENT_CORE_BOARD": str(workdir / "cores"),
-        # The client lets an idle connection go after 5 s (httpx's default); a gateway that closed
-        # it at 5 s too would meet a request sent on it meanwhile, which fails unretried.
-        "TRIDENT_KEEP_ALIVE_TIMEOUT": "30",
-        "TRIDENT_HOST_CORES": str(cpus),
-        # The KV space the recorded runs (tests/data) had; conversations, whose prompts grow turn by
-        # turn and whose prefixes stay cached, get the deployed default.
-        "TRIDENT_KV_CACHE_BYTES": str(
-            WorkerSettings.model_fields["kv_cache_bytes"].default if turns else 16 << 20
-        ),
-    }
-    deployment = DEPLOYMENTS[method]
+    method: str
+    rates: Sequence[float]
+    requests: int
+    slo: SLO
+    repeats: int = 1
+    shape: str = "mix"
+    max_output: int = 16
+    calibration: int = 16
+    calibration_rate: float | None = None
+    calibration_load: int | None = None
+    seed: int = 0
+    turns: Repeats | None = None
 
-    def workload(rate: float, count: int, seed: int) -> list[TraceEntry]:
+    def workload(self, rate: float, count: int, seed: int, tokens_per_image: int) -> list[TraceEntry]:
         return generate(
-            shape,
+            self.shape,
             rate=rate,
             num_requests=count,
             seed=seed,
             image_tokens=tokens_per_image,
-            max_output_tokens=max_output,
+            max_output_tokens=self.max_output,
         )
 
-    with running_cluster(model_dir, workdir, method, env=env, starter=starter) as cluster:
-        model = model_dir.name
-        # Requests one at a time (none overlaps another): the fixed costs and the client's TBT.
-        quiet = workload(2.0, calibration, seed + 1000)
-        unloaded = asyncio.run(
-            send(cluster.url, model, quiet, tokens_per_image, seed=999, one_at_a_time=True)
-        )
-        _traced(cluster.redis.url, unloaded)
-        # Then a load, so that the steps the instances publish are steps in service; the workers'
-        # CPU counters before it and after it give what the load cost outside them.
-        before = _published_since(cluster.redis.url, time.time(), len(method_workers(method)))
-        middle = calibration_rate or sorted(rates)[len(rates) // 2]
-        loaded = asyncio.run(
-            send(
-                cluster.url,
-                model,
-                workload(middle, calibration_load or requests, seed + 2000),
-                tokens_per_image,
-                seed=998,
-            )
-        )
-        steps = _published_since(cluster.redis.url, time.time(), len(method_workers(method)))
-        _traced(cluster.redis.url, loaded)
-        profile_records, records, _ = asyncio.run(cluster_inputs(cluster.redis.url))
-        profiles, found = calibrated_profiles(
-            profile_records, steps, records, unloaded, loaded, deployment, slo, before
-        )
-        measured: dict[float, list[list[Measured]]] = {rate: [] for rate in rates}
-        # Each run's content from a seed of its own (past the calibration's 998 and 999): an image
-        # sent before would be found in the encoder's feature cache and not encoded at all.
-        contents = itertools.count(1000)
-        for _ in range(repeats):
-            for rate in rates:
-                # Requests of the same sizes at every rate and in every repeat, their arrival times
-                # scaled (`generate`), so the points of a sweep differ in rate alone.
-                if turns is None:
-                    sending = send(
-                        cluster.url, model, workload(rate, requests, seed), tokens_per_image,
-                        seed=next(contents),
-                    )  # fmt: skip
-                else:
-                    talks = workload(conversation_rate(rate, turns), max(1, requests // turns.turns), seed)
-                    sending = send_turns(cluster.url, model, talks, turns, seed=next(contents))
-                sent = asyncio.run(sending)
-                _traced(cluster.redis.url, sent)
-                measured[rate].append(sent)
+    def env(self, workdir: Path) -> dict[str, str]:
+        """The deployment's environment: as deployed, but for what a measurement needs fixed."""
+        from trident.launcher.cluster import method_workers
+
+        cpus = len(os.sched_getaffinity(0))
+        return {
+            "TRIDENT_TTFT_SLO": str(self.slo.ttft),
+            "TRIDENT_TBT_SLO": str(self.slo.tbt),
+            # Profiled as deployed (the test clusters profile each point once, to start fast; a curve
+            # timed once on cores the other workers are profiling on is too noisy to fit to).
+            "TRIDENT_PROFILE_REPEATS": str(WorkerSettings.model_fields["profile_repeats"].default),
+            # Threads as `trident up` gives them: a share of the cores each, and a core board from
+            # which the workers that encode or prefill take the cores the others leave idle.
+            "TRIDENT_NUM_THREADS": str(thread_split(cpus, len(method_workers(self.method)))),
+            "TRIDENT_CORE_BOARD": str(workdir / "cores"),
+            # The client lets an idle connection go after 5 s (httpx's default); a gateway that closed
+            # it at 5 s too would meet a request sent on it meanwhile, which fails unretried.
+            "TRIDENT_KEEP_ALIVE_TIMEOUT": "30",
+            "TRIDENT_HOST_CORES": str(cpus),
+            # The KV space the recorded runs (tests/data) had; conversations, whose prompts grow turn
+            # by turn and whose prefixes stay cached, get the deployed default.
+            "TRIDENT_KV_CACHE_BYTES": str(
+                WorkerSettings.model_fields["kv_cache_bytes"].default if self.turns else 16 << 20
+            ),
+        }
+
+
+def validate(
+    model_dir: Path, workdir: Path, run: Validation, starter: Starter | None = None
+) -> tuple[dict, list[Comparison]]:
+    """Measure and compare as `run` says; `starter`: how the deployment's processes start
+    (trident/launcher/processes.py). Returns what the calibration found and one comparison per rate."""
+    from trident.launcher.cluster import running_cluster
+
+    tokens_per_image = load_config(model_dir).image_seq_length
+    deployment = DEPLOYMENTS[run.method]
+    with running_cluster(model_dir, workdir, run.method, env=run.env(workdir), starter=starter) as cluster:
+        target = _Live(cluster.url, cluster.redis.url, model_dir.name, tokens_per_image)
+        profiles, found = _calibrate(target, run, deployment)
+        measured = _measure(target, run)
     comparisons = []
     for rate, runs in measured.items():
-        comparison = compare(rate, [measured_entries(run) for run in runs], deployment, profiles, slo)
-        comparison.marks = [[m.stages for m in run] for run in runs]
+        comparison = compare(rate, [measured_entries(r) for r in runs], deployment, profiles, run.slo)
+        comparison.marks = [[m.stages for m in r] for r in runs]
         comparisons.append(comparison)
     return found, comparisons
+
+
+@dataclass(frozen=True)
+class _Live:
+    """The deployment under measurement: its gateway, its Redis, the model it serves."""
+
+    url: str
+    redis_url: str
+    model: str
+    tokens_per_image: int
+
+
+def _calibrate(live: _Live, run: Validation, deployment: Deployment) -> tuple[ProfileSet, dict]:
+    """The calibration's requests sent, and the profiles calibrated on what they left."""
+    from trident.launcher.cluster import method_workers
+
+    workers = len(method_workers(run.method))
+    # Requests one at a time (none overlaps another): the fixed costs and the client's TBT.
+    quiet = run.workload(2.0, run.calibration, run.seed + 1000, live.tokens_per_image)
+    unloaded = asyncio.run(
+        send(live.url, live.model, quiet, live.tokens_per_image, seed=999, one_at_a_time=True)
+    )
+    _traced(live.redis_url, unloaded)
+    # Then a load, so that the steps the instances publish are steps in service; the workers'
+    # CPU counters before it and after it give what the load cost outside them.
+    before = _published_since(live.redis_url, time.time(), workers)
+    middle = run.calibration_rate or sorted(run.rates)[len(run.rates) // 2]
+    load = run.workload(middle, run.calibration_load or run.requests, run.seed + 2000, live.tokens_per_image)
+    loaded = asyncio.run(send(live.url, live.model, load, live.tokens_per_image, seed=998))
+    steps = _published_since(live.redis_url, time.time(), workers)
+    _traced(live.redis_url, loaded)
+    profile_records, records, _ = asyncio.run(cluster_inputs(live.redis_url))
+    return calibrated_profiles(profile_records, steps, records, unloaded, loaded, deployment, run.slo, before)
+
+
+def _measure(live: _Live, run: Validation) -> dict[float, list[list[Measured]]]:
+    """Every rate, `run.repeats` times over: the requests sent and their trace records attached."""
+    measured: dict[float, list[list[Measured]]] = {rate: [] for rate in run.rates}
+    # Each run's content from a seed of its own (past the calibration's 998 and 999): an image
+    # sent before would be found in the encoder's feature cache and not encoded at all.
+    contents = itertools.count(1000)
+    for _ in range(run.repeats):
+        for rate in run.rates:
+            # Requests of the same sizes at every rate and in every repeat, their arrival times
+            # scaled (`generate`), so the points of a sweep differ in rate alone.
+            if run.turns is None:
+                entries = run.workload(rate, run.requests, run.seed, live.tokens_per_image)
+                sending = send(live.url, live.model, entries, live.tokens_per_image, seed=next(contents))
+            else:
+                count = max(1, run.requests // run.turns.turns)
+                talks = run.workload(
+                    conversation_rate(rate, run.turns), count, run.seed, live.tokens_per_image
+                )
+                sending = send_turns(live.url, live.model, talks, run.turns, seed=next(contents))
+            sent = asyncio.run(sending)
+            _traced(live.redis_url, sent)
+            measured[rate].append(sent)
+    return measured
 
 
 def summary(runs: list[Run], slo: SLO) -> dict:
@@ -605,31 +628,12 @@ def summary(runs: list[Run], slo: SLO) -> dict:
                 everywhere[metric].append(c.errors.get(metric, 0.0))
                 if in_range:
                     errors[metric].append(c.errors.get(metric, 0.0))
-        repeats = len(comparisons[0].repeats)
-        per_repeat = [
-            goodput(rates, [c.repeats[k]["attainment"] for c in comparisons], slo.attainment)
-            for k in range(repeats)
-        ]
+        per_repeat, error, row = _goodputs(rates, comparisons, slo)
         measured_by_repeat[name] = per_repeat
-        median = sorted(per_repeat)[len(per_repeat) // 2]
-        predicted = goodput(rates, [c.predicted["attainment"] for c in comparisons], slo.attainment)
-        error = (predicted - median) / median if median else (0.0 if predicted == 0 else float("inf"))
         errors["goodput"].append(error)
-        report["goodput"][name] = {
-            "measured": per_repeat, "measured_median": median,
-            "predicted": predicted, "error": round(error, 4),
-        }  # fmt: skip
-    chosen = max(report["goodput"], key=lambda n: report["goodput"][n]["predicted"])
-    picked = report["goodput"][chosen]
-    repeats = len(measured_by_repeat[chosen])
-    best = [max(measured_by_repeat, key=lambda n: measured_by_repeat[n][k]) for k in range(repeats)]
-    within = [
-        measured_by_repeat[chosen][k] >= measured_by_repeat[best[k]][k] - step - 1e-9 for k in range(repeats)
-    ]
-    report["pick"] = {
-        "system": chosen, "predicted": picked["predicted"], "measured_median": picked["measured_median"],
-        "error": picked["error"], "best_by_repeat": best, "within_one_step": within, "step": step,
-    }  # fmt: skip
+        report["goodput"][name] = row
+    report["pick"] = _pick(report["goodput"], measured_by_repeat, step)
+    picked, within = report["pick"], report["pick"]["within_one_step"]
     worst = {k: round(max((abs(e) for e in v), default=0.0), 4) for k, v in errors.items()}
     report["max_abs_error"] = worst
     report["max_abs_error_all_rates"] = {k: round(max(abs(e) for e in v), 4) for k, v in everywhere.items()}
@@ -641,6 +645,47 @@ def summary(runs: list[Run], slo: SLO) -> dict:
         "pick_within_one_step_every_repeat": all(within),
     }
     return report
+
+
+def _goodputs(rates: list[float], comparisons: list[Comparison], slo: SLO) -> tuple[list[float], float, dict]:
+    """A system's goodput measured in each repeat and predicted; the prediction's error against the
+    measured median; the report's row."""
+    repeats = len(comparisons[0].repeats)
+    per_repeat = [
+        goodput(rates, [c.repeats[k]["attainment"] for c in comparisons], slo.attainment)
+        for k in range(repeats)
+    ]
+    median = sorted(per_repeat)[len(per_repeat) // 2]
+    predicted = goodput(rates, [c.predicted["attainment"] for c in comparisons], slo.attainment)
+    error = (predicted - median) / median if median else (0.0 if predicted == 0 else float("inf"))
+    row = {
+        "measured": per_repeat,
+        "measured_median": median,
+        "predicted": predicted,
+        "error": round(error, 4),
+    }
+    return per_repeat, error, row
+
+
+def _pick(goodputs: dict[str, dict], measured_by_repeat: dict[str, list[float]], step: float) -> dict:
+    """The system with the highest predicted goodput, and in each repeat whether its measured
+    goodput was within one rate step of the best measured."""
+    chosen = max(goodputs, key=lambda n: goodputs[n]["predicted"])
+    picked = goodputs[chosen]
+    repeats = len(measured_by_repeat[chosen])
+    best = [max(measured_by_repeat, key=lambda n: measured_by_repeat[n][k]) for k in range(repeats)]
+    within = [
+        measured_by_repeat[chosen][k] >= measured_by_repeat[best[k]][k] - step - 1e-9 for k in range(repeats)
+    ]
+    return {
+        "system": chosen,
+        "predicted": picked["predicted"],
+        "measured_median": picked["measured_median"],
+        "error": picked["error"],
+        "best_by_repeat": best,
+        "within_one_step": within,
+        "step": step,
+    }
 
 
 def save(folder: Path, preset: str, method: str, calibration: dict, comparisons: list[Comparison]) -> None:
