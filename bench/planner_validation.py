@@ -62,7 +62,7 @@ def _cell(name: str, c: Comparison) -> str:
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="small-llava")
     ap.add_argument("--methods", default="e+p+d,ep+d,ed+p")
@@ -116,9 +116,22 @@ def main() -> None:
     args = ap.parse_args()
     if args.sensitivity is not None and not (args.replay and args.sensitivity > 0):
         ap.error("--sensitivity takes a positive K, and --replay")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     slo = SLO(args.ttft_slo, args.tbt_slo, args.attainment)
     runs = list(replayed(args.replay, args.recalibrate) if args.replay else measured(args, slo))
     report = summary(runs, slo)
+    print_runs(runs, report)
+    if args.sensitivity is not None:
+        report["sensitivity"] = sensitivity(args.replay, args.recalibrate, args.sensitivity, runs)
+    print(json.dumps(report))
+
+
+def print_runs(runs: list[Run], report: dict) -> None:
+    """Each run's calibration, its comparisons rate by rate and its goodput; then the pick."""
     for preset, method, calibration, comparisons in runs:
         service = calibration.get("service", {})
         print(f"{preset} {method}: service factors {service.get('factors')} jitter {service.get('jitter')}")
@@ -136,9 +149,6 @@ def main() -> None:
         f"({pick['error']:+.0%}); measured best by repeat {pick['best_by_repeat']}, "
         f"within one step: {pick['within_one_step']}"
     )
-    if args.sensitivity is not None:
-        report["sensitivity"] = sensitivity(args.replay, args.recalibrate, args.sensitivity, runs)
-    print(json.dumps(report))
 
 
 def sensitivity(root: Path, recalibrated: bool, slower: float, runs: list[Run]) -> dict:
