@@ -78,7 +78,7 @@ def subset(result: Comparison, names: list[str]) -> Comparison:
     return part
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small-llava")
     ap.add_argument("--model", type=Path, help="a checkpoint directory instead of a preset")
@@ -102,19 +102,17 @@ def main() -> None:
         help="only the overlap table, at these prompt lengths (e.g. 128,512,2000)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="with --overlap: runs per length")
-    args = ap.parse_args()
+    return ap
 
+
+def main() -> None:
+    ap = parser()
+    args = ap.parse_args()
     model = args.model or Path(".trident/models") / args.preset
     if args.model is None and not is_checkpoint_dir(model):
         write_checkpoint(model, args.preset, seed=0)
     if args.overlap:
-        lengths = [int(x) for x in args.overlap.split(",")]
-        rate = single_thread_gflops()
-        rows = asyncio.run(
-            kv_overlap.measure(model, lengths, args.repeats, group=4, wire="native", backend="auto")
-        )
-        print(f"## overlap\n\n{kv_overlap.table(rows)}", flush=True)
-        print(json.dumps({"matmul_gflops": round(rate, 1), "overlap": rows}))
+        overlap(model, [int(x) for x in args.overlap.split(",")], args.repeats)
         return
     slo = SLO(args.ttft_slo, args.tbt_slo)
     load = LoadSpec(
@@ -140,6 +138,14 @@ def main() -> None:
         print(f"\n## {name}\n\n{table(part)}", flush=True)
         report[name] = {"goodput": part.goodputs(), "notes": part.notes}
     print(json.dumps({"slo": {"ttft": slo.ttft, "tbt": slo.tbt}, "load": load.describe(), **report}))
+
+
+def overlap(model: Path, lengths: list[int], repeats: int) -> None:
+    """The overlap table alone: how much of each prompt length's KV transfer the prefill hides."""
+    rate = single_thread_gflops()
+    rows = asyncio.run(kv_overlap.measure(model, lengths, repeats, group=4, wire="native", backend="auto"))
+    print(f"## overlap\n\n{kv_overlap.table(rows)}", flush=True)
+    print(json.dumps({"matmul_gflops": round(rate, 1), "overlap": rows}))
 
 
 if __name__ == "__main__":
