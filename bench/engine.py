@@ -271,8 +271,13 @@ class FlopModel:
     def of(cls, engine: Engine) -> FlopModel:
         lm = engine.model.language_model
         linear = sum(m.weight.numel() for m in lm.layers.modules() if isinstance(m, nn.Linear))
-        return cls(linear, lm.lm_head.weight.numel(), engine.kv_spec.num_layers,
-                   lm.config.num_attention_heads, engine.kv_spec.head_dim)  # fmt: skip
+        return cls(
+            linear,
+            lm.lm_head.weight.numel(),
+            engine.kv_spec.num_layers,
+            lm.config.num_attention_heads,
+            engine.kv_spec.head_dim,
+        )
 
     def attention(self, keys: int) -> int:
         """QKᵀ and PV for one query over `keys` keys, all layers and heads."""

@@ -86,13 +86,21 @@ def _row(model: str, slo_name: str, slo: SLO, shape: str, trace, n: int, profile
     result = plan(trace, profiles, slo, n)
     baseline = goodput(trace, _even(n), profiles, slo)
     row = {
-        "model": model, "slo": slo_name, "ttft_slo": slo.ttft, "tbt_slo": slo.tbt, "shape": shape,
-        "instances": n, "method": result.deployment.method, "split": result.deployment.label,
-        "goodput": result.goodput, "baseline": baseline.deployment.label,
+        "model": model,
+        "slo": slo_name,
+        "ttft_slo": slo.ttft,
+        "tbt_slo": slo.tbt,
+        "shape": shape,
+        "instances": n,
+        "method": result.deployment.method,
+        "split": result.deployment.label,
+        "goodput": result.goodput,
+        "baseline": baseline.deployment.label,
         "baseline_goodput": baseline.goodput,
         "gain": round(result.goodput / baseline.goodput, 3) if baseline.goodput else None,
-        "best_by_method": _best_by_method(result), "seconds": round(time.monotonic() - started, 1),
-    }  # fmt: skip
+        "best_by_method": _best_by_method(result),
+        "seconds": round(time.monotonic() - started, 1),
+    }
     print(
         f"{model:10} {slo_name:10} {shape:9} N={n:<3} {row['split']:>9} {row['goodput']:8.2f} req/s"
         f"  vs {row['baseline']:>9} {row['baseline_goodput']:8.2f}  x{row['gain']}"

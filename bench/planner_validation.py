@@ -76,19 +76,24 @@ def parse_args() -> argparse.Namespace:
         "(default: --requests)",
     )
     ap.add_argument(
-        "--calibration-rate", type=float,
+        "--calibration-rate",
+        type=float,
         help="the calibration load's rate (default: the middle of --rates); below capacity, as a "
         "deployment's planner calibrates on the load it serves",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--shape", default="mix", choices=sorted(SHAPES),
+        "--shape",
+        default="mix",
+        choices=sorted(SHAPES),
         help="the requests' shape (common/planner/workloads.py): mix is half text, half one image",
-    )  # fmt: skip
+    )
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument(
-        "--turns", type=int, default=1,
+        "--turns",
+        type=int,
+        default=1,
         help="over 1: conversations of this many turns, each resending its history (rates count turns)",
-    )  # fmt: skip
+    )
     ap.add_argument(
         "--system-prompt-tokens", type=int, default=0, help="a system prompt every request shares"
     )
@@ -210,9 +215,12 @@ def turns(args: argparse.Namespace) -> Repeats | None:
     if args.turns <= 1 and not args.system_prompt_tokens:
         return None
     return Repeats(
-        system_tokens=args.system_prompt_tokens, turns=args.turns, think_time=args.think_time,
-        image_prob=args.image_prob, seed=1,
-    )  # fmt: skip
+        system_tokens=args.system_prompt_tokens,
+        turns=args.turns,
+        think_time=args.think_time,
+        image_prob=args.image_prob,
+        seed=1,
+    )
 
 
 def replayed(root: Path, recalibrated: bool = False, slower: float = 1.0) -> Iterator[Run]:

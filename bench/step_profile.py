@@ -139,8 +139,10 @@ def main() -> None:
             row |= profiled(engine, phase, batch, args, calls, seconds)
             rows.append(row)
             tokens = batch * args.prompt if phase == "prefill" else batch
-            print(f"{phase} batch {batch} ({tokens} tokens): {seconds * 1000:.1f} ms a step "
-                  f"({row['profiled_step_s'] * 1000:.1f} ms profiled)")  # fmt: skip
+            print(
+                f"{phase} batch {batch} ({tokens} tokens): {seconds * 1000:.1f} ms a step "
+                f"({row['profiled_step_s'] * 1000:.1f} ms profiled)"
+            )
             for group, s in row["groups_s"].items():
                 print(f"    {group:18} {s * 1000:8.2f} ms  {s / sum(row['groups_s'].values()):6.1%}")
             print("    top ops: " + ", ".join(f"{op} {s * 1000:.2f}" for op, s in row["top_ops_s"].items()))

@@ -132,15 +132,28 @@ def main() -> None:
         lines.append(f"| {step} | {median:.3f} | {low:.3f}–{high:.3f} |")
     print("\n".join(lines))
     clip_figures = {"clip_bytes": len(data), "seconds": args.seconds, "size": args.size}
-    print(json.dumps({
-        **clip_figures, "source_fps": args.source_fps,
-        "sampled_frames": len(frames), "decode_s": round(dec, 4), "decode_min_s": round(dec_lo, 4),
-        "decode_max_s": round(dec_hi, 4), "preset": args.preset, "temporal_patches": len(images),
-        "tokens": tokens, "encode_s": round(enc, 4), "encode_min_s": round(enc_lo, 4),
-        "encode_max_s": round(enc_hi, 4), "decode_over_encode": round(dec / enc, 3),
-        "goal_decode_below_encode": dec < enc, "threads": args.threads,
-        "matmul_gflops": [round(rate_before, 1), round(rate_after, 1)],
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                **clip_figures,
+                "source_fps": args.source_fps,
+                "sampled_frames": len(frames),
+                "decode_s": round(dec, 4),
+                "decode_min_s": round(dec_lo, 4),
+                "decode_max_s": round(dec_hi, 4),
+                "preset": args.preset,
+                "temporal_patches": len(images),
+                "tokens": tokens,
+                "encode_s": round(enc, 4),
+                "encode_min_s": round(enc_lo, 4),
+                "encode_max_s": round(enc_hi, 4),
+                "decode_over_encode": round(dec / enc, 3),
+                "goal_decode_below_encode": dec < enc,
+                "threads": args.threads,
+                "matmul_gflops": [round(rate_before, 1), round(rate_after, 1)],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -54,9 +54,15 @@ def make_clip(frames: int, size: int) -> Clip:
     """`frames` random frames of size×size at 2 fps (the pixels do not change what a step costs)."""
     pixels = np.random.default_rng(0).integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
     return Clip(
-        frames=pixels, indices=list(range(frames)), timestamps=[i / 2 for i in range(frames)],
-        sample_fps=2.0, source_fps=2.0, duration_s=frames / 2, source_frames=frames, codec="raw",
-    )  # fmt: skip
+        frames=pixels,
+        indices=list(range(frames)),
+        timestamps=[i / 2 for i in range(frames)],
+        sample_fps=2.0,
+        source_fps=2.0,
+        duration_s=frames / 2,
+        source_frames=frames,
+        codec="raw",
+    )
 
 
 def clip_prompt(encoder: Engine, decoder: Engine, clip: Clip):

@@ -33,9 +33,13 @@ class APIError(Exception):
     `retry_after` (seconds) becomes a Retry-After header."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
         retry_after: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after = retry_after
@@ -81,8 +85,9 @@ def explain(errors: Sequence[Any], body: Any = None) -> APIError:
     path, chosen = deepest[0]
     param = ".".join(path) or (chosen.get("ctx") or {}).get("param")
     reasons = list(dict.fromkeys(_reason(e) for p, e in deepest if p == path))
-    return APIError(400, f"{param + ': ' if param else ''}{'; or '.join(reasons)}", param=param,
-                    code=chosen.get("type"))  # fmt: skip
+    return APIError(
+        400, f"{param + ': ' if param else ''}{'; or '.join(reasons)}", param=param, code=chosen.get("type")
+    )
 
 
 def _field_path(error: Any) -> list[str]:

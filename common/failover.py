@@ -88,10 +88,15 @@ def instance_name(kind: str) -> str:
 
 class Reaper:
     def __init__(
-        self, bus: Bus, store: Store, me: str, after: float = 1.5,
-        on_fence: Callable[[str], None] | None = None, unresponsive_after: float = 5.0,
+        self,
+        bus: Bus,
+        store: Store,
+        me: str,
+        after: float = 1.5,
+        on_fence: Callable[[str], None] | None = None,
+        unresponsive_after: float = 5.0,
         tls: Tls | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.tls = tls
         self.bus = bus
         self.store = store
@@ -188,8 +193,10 @@ class Reaper:
                 self._hanging.add(instance_id)
                 log.warning(
                     "%s silent for %.1fs and its /health hangs; dead at %.1fs unless it answers",
-                    instance_id, silent, self.unresponsive_after,
-                )  # fmt: skip
+                    instance_id,
+                    silent,
+                    self.unresponsive_after,
+                )
             return
         try:
             mine = await self.store.registry.claim_death(instance_id)
@@ -276,9 +283,11 @@ class Reaper:
         except NotFoundError:
             return False  # settled before the instance died
         await self.bus.tasks.restore(  # a task sent to its mailbox goes to the shared queue
-            self.bus.subjects.shared(stored.subject), stored.data, msg_id=f"failover:{dead}:{seq}",
+            self.bus.subjects.shared(stored.subject),
+            stored.data,
+            msg_id=f"failover:{dead}:{seq}",
             headers={FAILOVER_HEADER: dead},
-        )  # fmt: skip
+        )
         with contextlib.suppress(NotFoundError):
             await js.delete_msg(stream, seq)
         return True

@@ -107,9 +107,13 @@ class ServiceSettings(BaseSettings):
 
     def bus_config(self, name: str) -> BusConfig:
         return BusConfig(
-            url=self.nats_url, prefix=self.namespace, name=name, ack_wait=self.task_ack_wait,
-            stream_replicas=self.nats_stream_replicas, tls=self.tls,
-        )  # fmt: skip
+            url=self.nats_url,
+            prefix=self.namespace,
+            name=name,
+            ack_wait=self.task_ack_wait,
+            stream_replicas=self.nats_stream_replicas,
+            tls=self.tls,
+        )
 
     @property
     def served_model_name(self) -> str:
@@ -288,9 +292,11 @@ class GatewaySettings(ServiceSettings):
     allow_private_image_urls: bool = False
     default_max_tokens: int = 256
     request_timeout: float = Field(
-        300.0, gt=0, description="Seconds a request may take in all (image fetch and processing "
+        300.0,
+        gt=0,
+        description="Seconds a request may take in all (image fetch and processing "
         "included); past it, 504 and the request is cancelled everywhere",
-    )  # fmt: skip
+    )
     max_in_flight: int = Field(1024, description="Requests served at once; beyond it, 429")
     max_queued_tasks: int = Field(
         512, description="Tasks waiting in any stage's queue beyond which new requests get 429"
@@ -307,15 +313,17 @@ class GatewaySettings(ServiceSettings):
         64, ge=1, description="Cached prefix tokens a request must find at an instance to be sent there"
     )
     kv_routing_load_tokens: int = Field(
-        256, ge=0,
+        256,
+        ge=0,
         description="Prompt tokens one request waiting at an instance is taken to cost, when its "
         "queue is weighed against the tokens its cache saves",
-    )  # fmt: skip
+    )
     kv_routing_take_back: float = Field(
-        1.0, gt=0,
+        1.0,
+        gt=0,
         description="Seconds a request sent to one instance waits for it (busy, slow or dead) before it "
         "goes to the shared queue",
-    )  # fmt: skip
+    )
 
 
 class PlannerSettings(ServiceSettings):

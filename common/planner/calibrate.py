@@ -201,9 +201,13 @@ def fit_step_gap(entries: Sequence, deployment, profiles: ProfileSet, slo, round
 
 
 def calibrate_from_service(
-    stats: Sequence, profiles: ProfileSet, served: Sequence = (), deployment=None, slo=None,
+    stats: Sequence,
+    profiles: ProfileSet,
+    served: Sequence = (),
+    deployment=None,
+    slo=None,
     host_cpu: HostCpu | None = None,
-) -> ServiceCalibration:  # fmt: skip
+) -> ServiceCalibration:
     """How a deployment's planner calibrates `profiles`: the stage curves and jitter fitted to the
     steps its instances ran in service (`service_factors`); and, given the requests it served
     (TraceEntry with the measured `tbt_p90`) and the deployment that served them, two things more:
@@ -279,9 +283,13 @@ class ServiceCalibration:
         if self.host_cpu:
             transfer = dataclasses.replace(transfer, host_cpu=self.host_cpu)
         return scale_profiles(
-            profiles, self.factors, transfer, jitter=max(profiles.jitter, self.jitter),
-            thread_exponent=self.thread_exponent or None, interference=self.interference or None,
-        )  # fmt: skip
+            profiles,
+            self.factors,
+            transfer,
+            jitter=max(profiles.jitter, self.jitter),
+            thread_exponent=self.thread_exponent or None,
+            interference=self.interference or None,
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

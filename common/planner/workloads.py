@@ -259,9 +259,17 @@ def qwen2_vl_tokens(
 
 
 def qwen2_vl_clip_tokens(
-    seconds: float, width: int, height: int, *, fps: float = 2.0, max_frames: int = 32, source_fps: int = 10,
-    factor: int = 28, min_pixels: int = 128 * 28 * 28, max_pixels: int = 768 * 28 * 28,
-) -> int:  # fmt: skip
+    seconds: float,
+    width: int,
+    height: int,
+    *,
+    fps: float = 2.0,
+    max_frames: int = 32,
+    source_fps: int = 10,
+    factor: int = 28,
+    min_pixels: int = 128 * 28 * 28,
+    max_pixels: int = 768 * 28 * 28,
+) -> int:
     """Qwen2-VL / Qwen2.5-VL: a clip's tokens at the server's default sampling (`fps` frames per
     second of video, at least 4, at most `max_frames` and the clip's own, an even count), two
     frames to a temporal patch, each patch as many tokens as one frame resized within the video

@@ -136,8 +136,9 @@ class KvLocation(Record):
     def tail_ref(self, num_outputs: int) -> TensorRef:
         """The outcome's reference, for a request that comes with `num_outputs` tokens (one more
         is made in the prefill)."""
-        return TensorRef(owner=self.owner, address=self.address, handle=self.tail,
-                         shape=(num_outputs + 2,), dtype="int64")  # fmt: skip
+        return TensorRef(
+            owner=self.owner, address=self.address, handle=self.tail, shape=(num_outputs + 2,), dtype="int64"
+        )
 
     def refs(self) -> list[TensorRef]:
         """One pullable reference per layer group, in layer order, as the buffer travels."""

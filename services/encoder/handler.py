@@ -49,9 +49,12 @@ class EncodeHandler(StageHandler):
             # shared by every request with this image, so they live out their TTL, not the request.
             handle = ctx.transfer.publish(features, ttl=FEATURE_TTL, sliding=True)  # each pull extends it
             ref = TensorRef(
-                owner=ctx.instance_id, address=ctx.transfer.address, handle=handle,
-                shape=tuple(features.shape), dtype=dtype_name(features.dtype),
-            )  # fmt: skip
+                owner=ctx.instance_id,
+                address=ctx.transfer.address,
+                handle=handle,
+                shape=tuple(features.shape),
+                dtype=dtype_name(features.dtype),
+            )
             entries.append(FeatureEntry(content_hash=img.content_hash, ref=ref, created=time.time()))
             small = features.numel() * features.element_size() <= ctx.transfer.config.inline_max_bytes
             carried = share(ctx.transfer, features, ctx.instance_id) if small else ref

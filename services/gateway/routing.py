@@ -79,17 +79,25 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         # instance that cannot fetch the features later recomputes from them.
         pixels = gw.transfer.publish(img.pixel_values.contiguous(), ttl=PIXEL_TTL)
         ref = TensorRef(
-            owner=gw.instance_id, address=gw.transfer.address, handle=pixels,
-            shape=tuple(img.pixel_values.shape), dtype=dtype_name(img.pixel_values.dtype),
-        )  # fmt: skip
+            owner=gw.instance_id,
+            address=gw.transfer.address,
+            handle=pixels,
+            shape=tuple(img.pixel_values.shape),
+            dtype=dtype_name(img.pixel_values.dtype),
+        )
         features = None if needs_encode else stored[img.content_hash].ref
         images.append(
             ImageSpec(
-                content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=ref, features=features,
-                grid_thw=img.grid_thw, image_size=img.image_size, video=img.video,
+                content_hash=img.content_hash,
+                num_tokens=img.num_tokens,
+                pixels=ref,
+                features=features,
+                grid_thw=img.grid_thw,
+                image_size=img.image_size,
+                video=img.video,
                 seconds_per_patch=img.seconds_per_patch,
             )
-        )  # fmt: skip
+        )
     spec = RequestSpec(
         request_id=rid,
         prompt_token_ids=tuple(prompt.token_ids),
@@ -99,10 +107,14 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         gateway=gw.instance_id,
     )
     gw.record.create(
-        rid, arrival=spec.arrival_time, prompt_tokens=len(prompt.token_ids), num_images=len(images),
-        image_tokens=sum(i.num_tokens for i in images), max_tokens=sampling.max_tokens,
+        rid,
+        arrival=spec.arrival_time,
+        prompt_tokens=len(prompt.token_ids),
+        num_images=len(images),
+        image_tokens=sum(i.num_tokens for i in images),
+        max_tokens=sampling.max_tokens,
         encoded_images=sum(h in stored for h in hashes),
-    )  # fmt: skip
+    )
     to = _prefix_holder(gw, spec)  # an encoder sends the prefill task there once it has encoded
     task = EncodeTask(request=spec, prefill_to=to or "") if needs_encode else PrefillTask(request=spec)
     try:

@@ -56,9 +56,11 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
     s = gw.settings
     if gw.processor.videos is None:
         raise APIError(
-            400, f"the served model ({gw.processor.family}) takes no video; send images",
-            param="messages", code="video_unsupported",
-        )  # fmt: skip
+            400,
+            f"the served model ({gw.processor.family}) takes no video; send images",
+            param="messages",
+            code="video_unsupported",
+        )
     if clips > s.max_videos:
         raise APIError(400, f"at most {s.max_videos} videos per request", param="messages")
     asked = body.mm_processor_kwargs
@@ -71,9 +73,12 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
             400, f"max_frames may be at most {s.video_max_frames}", param="mm_processor_kwargs.max_frames"
         )
     limits = VideoLimits(
-        max_bytes=s.max_video_bytes, max_duration_s=s.video_max_seconds, deadline_s=s.video_decode_timeout,
-        max_fps=s.video_max_fps, max_frames=s.video_max_frames,
-    )  # fmt: skip
+        max_bytes=s.max_video_bytes,
+        max_duration_s=s.video_max_seconds,
+        deadline_s=s.video_decode_timeout,
+        max_fps=s.video_max_fps,
+        max_frames=s.video_max_frames,
+    )
     return VideoSampling(limits, fps, frames, gw.processor.videos.rule)
 
 
@@ -86,9 +91,13 @@ async def completion(gw: Gateway, body: CompletionRequest, request: Request):
 
 
 async def serve(
-    gw: Gateway, request: Request, body: SamplingFields, processed: ProcessedPrompt, kind: str,
+    gw: Gateway,
+    request: Request,
+    body: SamplingFields,
+    processed: ProcessedPrompt,
+    kind: str,
     deadline: float,
-):  # fmt: skip
+):
     params = body.sampling_params(gw.settings.default_max_tokens)
     try:
         check_fits(len(processed.token_ids), params.max_tokens, max_model_len=gw.max_model_len)
@@ -102,14 +111,18 @@ async def serve(
         await stream.close()
         raise
     collector = OutputCollector(
-        stream, gw.processor.tokenizer, params.stop, deadline=deadline,
+        stream,
+        gw.processor.tokenizer,
+        params.stop,
+        deadline=deadline,
         arrival=getattr(request.state, "arrived", time.perf_counter()),
         keepalive=gw.settings.sse_keepalive if body.stream else None,
         on_tokens=lambda ids: gw.journal.add(rid, ids),
         ask=lambda index: gw.bus.events.resend(Resend(request_id=rid, index=index)),
         reconnects=lambda: gw.bus.reconnects,
-        fenced=gw.reaper.fenced, owner=spec.gateway,
-    )  # fmt: skip
+        fenced=gw.reaper.fenced,
+        owner=spec.gateway,
+    )
     reply = Reply(gw, spec, kind, body, collector)
     request.state.on_end = reply.end  # whatever becomes of the response, the request ends (door.py)
     if body.stream:

@@ -50,9 +50,14 @@ class PrefillHandler(StageHandler):
         self.ctx.metrics.ran(self.role, held.marks, Stage.PREFILL_STARTED)
 
     def __init__(
-        self, ctx: StageContext, *, prefetch: bool = True, kv_layer_group: int = 4, kv_wire: str = "native",
+        self,
+        ctx: StageContext,
+        *,
+        prefetch: bool = True,
+        kv_layer_group: int = 4,
+        kv_wire: str = "native",
         kv_stream: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(ctx)
         self.prefetch = prefetch
         self.kv_layer_group = kv_layer_group
@@ -65,9 +70,12 @@ class PrefillHandler(StageHandler):
     @classmethod
     def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> PrefillHandler:
         return cls(
-            ctx, prefetch=settings.prefetch, kv_layer_group=settings.kv_layer_group, kv_wire=settings.kv_wire,
+            ctx,
+            prefetch=settings.prefetch,
+            kv_layer_group=settings.kv_layer_group,
+            kv_wire=settings.kv_wire,
             kv_stream=settings.kv_stream,
-        )  # fmt: skip
+        )
 
     def finished(self, held: Held) -> None:
         """A request whose first token ended it here: a decoder that has its streamed KV learns so."""
@@ -127,10 +135,16 @@ class PrefillHandler(StageHandler):
             for g, handle, shape in zip(layers, stream.handles, stream.shapes, strict=True)
         ]
         task = self._decode_task(
-            held, groups, stream.prompt_token_ids, stream.output_token_ids, num_tokens=stream.num_tokens,
-            rope_delta=stream.rope_delta, cached_tokens=stream.cached_tokens, wire=stream.wire,
+            held,
+            groups,
+            stream.prompt_token_ids,
+            stream.output_token_ids,
+            num_tokens=stream.num_tokens,
+            rope_delta=stream.rope_delta,
+            cached_tokens=stream.cached_tokens,
+            wire=stream.wire,
             tail=stream.tail,
-        )  # fmt: skip
+        )
         try:
             await ctx.dispatch.send(task, held.source)
         except Exception as exc:
@@ -160,33 +174,58 @@ class PrefillHandler(StageHandler):
         for layers, shape, buf in zip(layer_groups(spec.num_layers, group), shapes, buffers, strict=True):
             if buf.numel() * buf.element_size() <= ctx.transfer.config.inline_max_bytes:
                 # Rides inline in the decode task: nothing to pull, nothing to release.
-                kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, shape=shape,
-                                   inline=InlineTensor.from_tensor(buf))  # fmt: skip
+                kv_group = KvGroup(
+                    layer_start=layers.start,
+                    layer_end=layers.stop,
+                    shape=shape,
+                    inline=InlineTensor.from_tensor(buf),
+                )
             else:
                 handles.append(ctx.transfer.publish(buf))  # served until released: the ledger owns it
-                kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, handle=handles[-1],
-                                   shape=shape)  # fmt: skip
+                kv_group = KvGroup(
+                    layer_start=layers.start, layer_end=layers.stop, handle=handles[-1], shape=shape
+                )
             groups.append(kv_group)
         ctx.ledger.keep_kv(held, tuple(handles), KV_TTL)  # before any await: a cancel releases them
         task = self._decode_task(
-            held, groups, tuple(req.prompt_token_ids), tuple(req.output_token_ids),
-            num_tokens=req.num_computed_tokens, rope_delta=req.rope_delta,
-            cached_tokens=req.num_cached_tokens, wire=wire,
-        )  # fmt: skip
+            held,
+            groups,
+            tuple(req.prompt_token_ids),
+            tuple(req.output_token_ids),
+            num_tokens=req.num_computed_tokens,
+            rope_delta=req.rope_delta,
+            cached_tokens=req.num_cached_tokens,
+            wire=wire,
+        )
         await ctx.dispatch.send(task, held.source)
         await ctx.ledger.settle(rid)  # the KV stays until decode says it has it
 
     def _decode_task(
-        self, held: Held, groups: list[KvGroup], prompt: tuple[int, ...], outputs: tuple[int, ...], *,
-        num_tokens: int, rope_delta: int, cached_tokens: int, wire: str, tail: str = "",
-    ) -> DecodeTask:  # fmt: skip
+        self,
+        held: Held,
+        groups: list[KvGroup],
+        prompt: tuple[int, ...],
+        outputs: tuple[int, ...],
+        *,
+        num_tokens: int,
+        rope_delta: int,
+        cached_tokens: int,
+        wire: str,
+        tail: str = "",
+    ) -> DecodeTask:
         """The request's decode task, its KV served here in `groups` (`tail`: it is streaming)."""
         ctx, spec = self.ctx, self.ctx.engine.engine.kv_spec
         location = KvLocation(
-            owner=ctx.instance_id, address=ctx.transfer.address, groups=tuple(groups), num_tokens=num_tokens,
-            block_size=spec.block_size, dtype=dtype_name(spec.dtype), rope_delta=rope_delta, wire=wire,
+            owner=ctx.instance_id,
+            address=ctx.transfer.address,
+            groups=tuple(groups),
+            num_tokens=num_tokens,
+            block_size=spec.block_size,
+            dtype=dtype_name(spec.dtype),
+            rope_delta=rope_delta,
+            wire=wire,
             tail=tail,
-        )  # fmt: skip
+        )
         request = held.spec.model_copy(update={"prompt_token_ids": prompt, "output_token_ids": outputs})
         return DecodeTask(request=request, kv=location, cached_tokens=cached_tokens)
 

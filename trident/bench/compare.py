@@ -186,9 +186,11 @@ class Comparison:
 def planner_pick(planner_url: str, key: str, timeout: float = 300.0) -> dict:
     """The planner service's recommendation now (POST /plan/replan?wait=true, a write: `key`)."""
     response = httpx.post(
-        planner_url.rstrip("/") + "/plan/replan", params={"wait": "true"}, timeout=timeout,
+        planner_url.rstrip("/") + "/plan/replan",
+        params={"wait": "true"},
+        timeout=timeout,
         headers={"Authorization": f"Bearer {key}"},
-    )  # fmt: skip
+    )
     if response.status_code != 200:
         raise RuntimeError(f"the planner gave no plan ({response.status_code}): {response.text[:300]}")
     return response.json()

@@ -127,9 +127,14 @@ def transformers_serve(
     # A local checkpoint: never wait on the Hub (there may be no network).
     env = {"HF_HUB_OFFLINE": "1"}
     with peer_server(
-        argv, env=env, log=log, url=url, model=model if warm_up else None,
-        ready_timeout=ready_timeout, stop_timeout=stop_timeout,
-    ) as proc:  # fmt: skip
+        argv,
+        env=env,
+        log=log,
+        url=url,
+        model=model if warm_up else None,
+        ready_timeout=ready_timeout,
+        stop_timeout=stop_timeout,
+    ) as proc:
         yield Served(name, PEER, url, model, proc.pid, log)
 
 

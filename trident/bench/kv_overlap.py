@@ -64,8 +64,14 @@ class Harness:
     """The prefill side: engine loop, transfer, sink; the puller process on the other end."""
 
     def __init__(self, model: Path, group: int, wire: str, backend: str, threads: int) -> None:
-        config = EngineConfig(roles=frozenset({Role.PREFILL}), num_threads=threads, token_budget=8192,
-                              kv_cache_bytes=1 << 30, prefix_caching=False, detokenize=False)  # fmt: skip
+        config = EngineConfig(
+            roles=frozenset({Role.PREFILL}),
+            num_threads=threads,
+            token_budget=8192,
+            kv_cache_bytes=1 << 30,
+            prefix_caching=False,
+            detokenize=False,
+        )
         self.engine = Engine(model, config)
         # Nothing rides inline: every prompt's KV travels by handle, however small the model.
         config = TransferConfig(backend=backend, inline_max_bytes=0)  # type: ignore[arg-type]
@@ -152,8 +158,9 @@ async def _pull_loop(backend: str, conn) -> None:
     await puller.close()
 
 
-async def measure(model: Path, lengths: list[int], repeats: int, group: int, wire: str, backend: str,
-                  threads: int = 1) -> dict:  # fmt: skip
+async def measure(
+    model: Path, lengths: list[int], repeats: int, group: int, wire: str, backend: str, threads: int = 1
+) -> dict:
     harness = Harness(model, group, wire, backend, threads)
     await harness.start()
     rows = {}
@@ -173,23 +180,31 @@ async def measure(model: Path, lengths: list[int], repeats: int, group: int, wir
                 steps[True].append(e.step_seconds)
             rows[length] = {
                 "kv_bytes": size,
-                "transfer_ms": _stat(after, 1000), "exposed_ms": _stat(exposed, 1000),
+                "transfer_ms": _stat(after, 1000),
+                "exposed_ms": _stat(exposed, 1000),
                 "hidden": _stat(hidden, 1),
-                "step_ms": _stat(steps[False], 1000), "streamed_step_ms": _stat(steps[True], 1000),
-            }  # fmt: skip
+                "step_ms": _stat(steps[False], 1000),
+                "streamed_step_ms": _stat(steps[True], 1000),
+            }
     finally:
         await harness.close()
     return rows
 
 
 def _stat(values: list[float], scale: float) -> dict:
-    return {"median": round(statistics.median(values) * scale, 3),
-            "min": round(min(values) * scale, 3), "max": round(max(values) * scale, 3)}  # fmt: skip
+    return {
+        "median": round(statistics.median(values) * scale, 3),
+        "min": round(min(values) * scale, 3),
+        "max": round(max(values) * scale, 3),
+    }
 
 
 def table(rows: dict) -> str:
-    lines = ["| prompt tokens | KV bytes | prefill step, ms (streamed) | transfer after prefill, ms "
-             "| exposed when streamed, ms | hidden |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| prompt tokens | KV bytes | prefill step, ms (streamed) | transfer after prefill, ms "
+        "| exposed when streamed, ms | hidden |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for length, r in rows.items():
         t, e, h = r["transfer_ms"], r["exposed_ms"], r["hidden"]
         lines.append(
@@ -222,5 +237,14 @@ def main() -> None:
         measure(model, lengths, args.repeats, args.group, args.wire, args.backend, args.threads)
     )
     print(table(rows))
-    print(json.dumps({"matmul_gflops": round(rate, 1), "wire": args.wire, "group": args.group,
-                      "backend": args.backend, "overlap": rows}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "matmul_gflops": round(rate, 1),
+                "wire": args.wire,
+                "group": args.group,
+                "backend": args.backend,
+                "overlap": rows,
+            }
+        )
+    )

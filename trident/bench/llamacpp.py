@@ -88,8 +88,10 @@ def converted(model_dir: Path, cache: Path = Path(".trident/gguf")) -> Gguf:
     script = THIRD_PARTY / "llamacpp_convert.py"
     run = subprocess.run(
         [str(python), str(script), str(model_dir), str(tmp), "--converter", str(converter)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if run.returncode != 0:
         raise RuntimeError(f"converting {model_dir} to GGUF failed:\n{run.stderr[-3000:]}")
     tmp.replace(out)

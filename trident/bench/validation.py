@@ -367,9 +367,15 @@ def calibrated_profiles(
         "host_cpu": host_cpu.to_dict() if host_cpu else None,
     }
     profiles, found = calibrate(
-        base, step_records, transfer, measured_entries(quiet), measured_entries(loaded), deployment, slo,
+        base,
+        step_records,
+        transfer,
+        measured_entries(quiet),
+        measured_entries(loaded),
+        deployment,
+        slo,
         host_cpu=host_cpu,
-    )  # fmt: skip
+    )
     return profiles, {**found, **kept}
 
 

@@ -264,9 +264,10 @@ class Deployment:
         workers = set(self.config.compose.all_workers)
         busy = {c.name for c in self._pending[1]} if self._pending else set()
         active = [
-            c for c in self.children
+            c
+            for c in self.children
             if c.spec.service in workers and c.name not in self._retiring and c.name not in busy
-        ]  # fmt: skip
+        ]
         used: dict[str, set[int]] = {}
         for c in self.children:
             used.setdefault(c.spec.service, set()).add(int(c.name.rsplit("-", 1)[1]))
