@@ -80,9 +80,13 @@ def llama_steps(
 def config(threads: int, packed: str, kv_cache_dtype: str | None = None) -> EngineConfig:
     """As bench/step_profile.py's engine: 1 GiB of KV holds batches of 32 at a few thousand tokens."""
     return EngineConfig(
-        num_threads=threads, prefix_caching=False, adapt_budgets=False, kv_cache_bytes=1 << 30,
-        packed_weights=packed, kv_cache_dtype=kv_cache_dtype,
-    )  # fmt: skip
+        num_threads=threads,
+        prefix_caching=False,
+        adapt_budgets=False,
+        kv_cache_bytes=1 << 30,
+        packed_weights=packed,
+        kv_cache_dtype=kv_cache_dtype,
+    )
 
 
 def layer_weights(engine: Engine) -> int:
@@ -93,8 +97,11 @@ def layer_weights(engine: Engine) -> int:
 
 
 def summary(samples: list[float]) -> dict:
-    return {"median_ms": round(statistics.median(samples) * 1e3, 2),
-            "min_ms": round(min(samples) * 1e3, 2), "max_ms": round(max(samples) * 1e3, 2)}  # fmt: skip
+    return {
+        "median_ms": round(statistics.median(samples) * 1e3, 2),
+        "min_ms": round(min(samples) * 1e3, 2),
+        "max_ms": round(max(samples) * 1e3, 2),
+    }
 
 
 def ratio(ours: list[float], theirs: list[float]) -> float:
@@ -134,7 +141,7 @@ def measure(args: argparse.Namespace, batches: list[int], model_dir: Path) -> tu
     return samples, engines[BASE]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small-llava")
     ap.add_argument("--model", type=Path, help="a checkpoint directory (instead of --preset)")
@@ -149,7 +156,11 @@ def main() -> None:
         choices=("float16", "bfloat16"),
         help="also time an engine with its KV cache in it",
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = resolve_model(args.model or args.preset, REPO / ".trident" / "models")
     torch.set_num_threads(args.threads)
@@ -163,14 +174,39 @@ def main() -> None:
         for name, by_phase in samples.items()
     }
     over = {
-        name: {phase: {b: ratio(samples[BASE][phase][b], s) for b, s in by_batch.items()}
-               for phase, by_batch in by_phase.items()}
-        for name, by_phase in samples.items() if name != BASE
-    }  # fmt: skip
+        name: {
+            phase: {b: ratio(samples[BASE][phase][b], s) for b, s in by_batch.items()}
+            for phase, by_batch in by_phase.items()
+        }
+        for name, by_phase in samples.items()
+        if name != BASE
+    }
     share = {
         name: {b: round(flops * b / (statistics.median(s) * rate), 3) for b, s in by_phase["prefill"].items()}
         for name, by_phase in samples.items()
     }
+    print_tables(args, table, over, share)
+    print(f"machine: single-thread fp32 matmul {before:.1f} GFLOP/s before, {after:.1f} after")
+    print(
+        json.dumps(
+            {
+                "model": model_dir.name,
+                "threads": args.threads,
+                "context": args.context,
+                "rounds": args.rounds,
+                "packed_bytes": engine.packed_bytes,
+                "steps": table,
+                "trident_over": over,
+                "prefill_matmul_share": share,
+                "matmul_gflops": [round(before, 1), round(after, 1)],
+            }
+        )
+    )
+
+
+def print_tables(args: argparse.Namespace, table: dict, over: dict, share: dict) -> None:
+    """Each engine's step times by phase and batch, Trident's ratio to each other, and the prefill's
+    share of the matmul rate."""
     heading = f"context {args.context}, {args.threads} thread(s); ms a step, median [min-max] of rounds"
     print(heading)
     for phase in PHASES:
@@ -185,12 +221,6 @@ def main() -> None:
             print(f"  {BASE} / {name}, {phase}: " + ", ".join(f"B={b} {r:.2f}x" for b, r in by_batch.items()))
     for name, by_batch in share.items():
         print(f"  prefill at {name}: " + ", ".join(f"B={b} {r:.0%} of matmul" for b, r in by_batch.items()))
-    print(f"machine: single-thread fp32 matmul {before:.1f} GFLOP/s before, {after:.1f} after")
-    print(json.dumps({
-        "model": model_dir.name, "threads": args.threads, "context": args.context, "rounds": args.rounds,
-        "packed_bytes": engine.packed_bytes, "steps": table, "trident_over": over,
-        "prefill_matmul_share": share, "matmul_gflops": [round(before, 1), round(after, 1)],
-    }))  # fmt: skip
 
 
 if __name__ == "__main__":

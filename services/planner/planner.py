@@ -29,6 +29,7 @@ from common.planner.algorithm import plan as make_plan
 from common.planner.calibrate import ServiceCalibration, calibrate_from_service, transfer_model
 from common.planner.capacity import Capacity, recommend
 from common.planner.drift import current_deployment, kind_counts, measure_correction, workload_distance
+from common.planner.forecast import Forecast
 from common.planner.host_cpu import measure_host_cpu
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
@@ -206,48 +207,74 @@ class Planner:
         plan interval has passed since the last sizing (services/planner/capacity.py)."""
         s = self.settings
         predicted = forecast_load(self.window, s.forecast_config())
-        last = self.capacity
         if trigger is None:
-            since = time.monotonic() - self._sized_at
-            if last is not None and since < s.planner_capacity_min_interval:
-                return None  # a noisy forecast does not keep the planner's core busy
-            if moved(last, predicted, s.planner_capacity_change):
-                trigger = (
-                    "first"
-                    if last is None
-                    else f"forecast {last.forecast.rate:.3g} → {predicted.rate:.3g} req/s"
-                )
-            elif since >= s.planner_interval:
-                trigger = "interval"
-            else:
+            trigger = self._capacity_due(predicted)
+            if trigger is None:
                 return None
         started = time.monotonic()
         registered = await self.store.registry.instances()
         live = kind_counts(hb.roles for hb in registered if not hb.draining)
         running = {str(kind): n for kind, n in live.items() if kind}
         queued = await self._queued()
-        rate = max(predicted.rate, MIN_RATE)
         try:
-            capacity, error = await asyncio.to_thread(
-                recommend, from_records(self.window), self._profiles, self.slo, rate, s.capacity_limits(),
-                queued=queued, running=running, correction=self._correction,
-            ), None  # fmt: skip
+            capacity, error = await self._recommend(max(predicted.rate, MIN_RATE), queued, running), None
         except (OutOfReach, ValueError) as exc:
             capacity, error = None, str(exc)
         self.capacity = CapacityDecision(
-            time.time(), trigger, predicted, capacity, error,
-            {str(r): n for r, n in queued.items()}, running, time.monotonic() - started,
-        )  # fmt: skip
+            time.time(),
+            trigger,
+            predicted,
+            capacity,
+            error,
+            {str(r): n for r, n in queued.items()},
+            running,
+            time.monotonic() - started,
+        )
         self._sized_at = time.monotonic()
         self.metrics.record_capacity(self.capacity)
         if capacity is not None:
-            log.info("capacity (%s): %.3g req/s forecast → %s%s", trigger, predicted.rate,
-                     capacity.deployment.label, f" ({capacity.short})" if capacity.short else "")  # fmt: skip
+            log.info(
+                "capacity (%s): %.3g req/s forecast → %s%s",
+                trigger,
+                predicted.rate,
+                capacity.deployment.label,
+                f" ({capacity.short})" if capacity.short else "",
+            )
             if s.planner_follow_capacity:
                 await self._follow(capacity, running)
         else:
             log.warning("capacity (%s): none fits: %s", trigger, error)
         return self.capacity
+
+    def _capacity_due(self, predicted: Forecast) -> str | None:
+        """Why capacity is sized again now, if it is: the forecast moved (or there was none), or a
+        plan interval passed; never sooner than the minimum interval after the last sizing."""
+        s, last = self.settings, self.capacity
+        since = time.monotonic() - self._sized_at
+        if last is not None and since < s.planner_capacity_min_interval:
+            return None  # a noisy forecast does not keep the planner's core busy
+        if moved(last, predicted, s.planner_capacity_change):
+            return (
+                "first" if last is None else f"forecast {last.forecast.rate:.3g} → {predicted.rate:.3g} req/s"
+            )
+        if since >= s.planner_interval:
+            return "interval"
+        return None
+
+    async def _recommend(self, rate: float, queued: dict[Role, int], running: dict[str, int]) -> Capacity:
+        """The fewest instances that serve `rate` within the limits (common/planner/capacity.py), in a
+        thread: it simulates."""
+        return await asyncio.to_thread(
+            recommend,
+            from_records(self.window),
+            self._profiles,
+            self.slo,
+            rate,
+            self.settings.capacity_limits(),
+            queued=queued,
+            running=running,
+            correction=self._correction,
+        )
 
     async def _follow(self, capacity: Capacity, running: dict[str, int]) -> None:
         """Hand a recommendation that differs from what runs to the actuator, as a plan of its own
