@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,21 @@ from services.worker.stage import StageHandler
 log = logging.getLogger(__name__)
 KV_TTL = 120.0  # seconds prefill keeps exported KV when no release notice comes
 TURN_POLL = 0.02  # seconds between looks at the engine while a task waits its turn
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What a decode task says of the prefill: the tokens, how many of them have KV, the rope
+    offset, the prompt tokens found cached, the KV's wire format and, while it streams, the handle
+    of the prefill's outcome (`tail`)."""
+
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    num_tokens: int
+    rope_delta: int
+    cached_tokens: int
+    wire: str
+    tail: str = ""
 
 
 class PrefillHandler(StageHandler):
@@ -134,17 +150,16 @@ class PrefillHandler(StageHandler):
             KvGroup(layer_start=g.start, layer_end=g.stop, handle=handle, shape=shape)
             for g, handle, shape in zip(layers, stream.handles, stream.shapes, strict=True)
         ]
-        task = self._decode_task(
-            held,
-            groups,
+        prefilled = Prefilled(
             stream.prompt_token_ids,
             stream.output_token_ids,
-            num_tokens=stream.num_tokens,
-            rope_delta=stream.rope_delta,
-            cached_tokens=stream.cached_tokens,
-            wire=stream.wire,
-            tail=stream.tail,
+            stream.num_tokens,
+            stream.rope_delta,
+            stream.cached_tokens,
+            stream.wire,
+            stream.tail,
         )
+        task = self._decode_task(held, groups, prefilled)
         try:
             await ctx.dispatch.send(task, held.source)
         except Exception as exc:
@@ -187,47 +202,38 @@ class PrefillHandler(StageHandler):
                 )
             groups.append(kv_group)
         ctx.ledger.keep_kv(held, tuple(handles), KV_TTL)  # before any await: a cancel releases them
-        task = self._decode_task(
-            held,
-            groups,
+        prefilled = Prefilled(
             tuple(req.prompt_token_ids),
             tuple(req.output_token_ids),
-            num_tokens=req.num_computed_tokens,
-            rope_delta=req.rope_delta,
-            cached_tokens=req.num_cached_tokens,
-            wire=wire,
+            req.num_computed_tokens,
+            req.rope_delta,
+            req.num_cached_tokens,
+            wire,
         )
+        task = self._decode_task(held, groups, prefilled)
         await ctx.dispatch.send(task, held.source)
         await ctx.ledger.settle(rid)  # the KV stays until decode says it has it
 
-    def _decode_task(
-        self,
-        held: Held,
-        groups: list[KvGroup],
-        prompt: tuple[int, ...],
-        outputs: tuple[int, ...],
-        *,
-        num_tokens: int,
-        rope_delta: int,
-        cached_tokens: int,
-        wire: str,
-        tail: str = "",
-    ) -> DecodeTask:
-        """The request's decode task, its KV served here in `groups` (`tail`: it is streaming)."""
+    def _decode_task(self, held: Held, groups: list[KvGroup], prefilled: Prefilled) -> DecodeTask:
+        """The request's decode task, its KV served here in `groups`."""
         ctx, spec = self.ctx, self.ctx.engine.engine.kv_spec
         location = KvLocation(
             owner=ctx.instance_id,
             address=ctx.transfer.address,
             groups=tuple(groups),
-            num_tokens=num_tokens,
+            num_tokens=prefilled.num_tokens,
             block_size=spec.block_size,
             dtype=dtype_name(spec.dtype),
-            rope_delta=rope_delta,
-            wire=wire,
-            tail=tail,
+            rope_delta=prefilled.rope_delta,
+            wire=prefilled.wire,
+            tail=prefilled.tail,
         )
-        request = held.spec.model_copy(update={"prompt_token_ids": prompt, "output_token_ids": outputs})
-        return DecodeTask(request=request, kv=location, cached_tokens=cached_tokens)
+        update = {
+            "prompt_token_ids": prefilled.prompt_token_ids,
+            "output_token_ids": prefilled.output_token_ids,
+        }
+        request = held.spec.model_copy(update=update)
+        return DecodeTask(request=request, kv=location, cached_tokens=prefilled.cached_tokens)
 
     async def watch(self) -> None:
         """Decode has pulled a request's KV: free it here."""
