@@ -339,56 +339,45 @@ def replay(
     return compare(rate, runs, deployment, profiles, slo)
 
 
-def calibrated_profiles(
-    profile_records: list,
-    step_records: list,
-    trace_records: list,
-    quiet: Sequence[Measured],
-    loaded: Sequence[Measured],
-    deployment: Deployment,
-    slo: SLO,
-    steps_before: Sequence[StepStats] = (),
-) -> tuple[ProfileSet, dict]:
-    """`calibrate` on what a live deployment published: the instances' profiles, their steps in
-    service, and the stage marks of the unloaded requests (hops and pulls, medians); with
-    `steps_before` (their steps read before the calibration load), what the load cost outside
-    them (`measure_host_cpu`). Returns the profiles and what the calibration found and was found
-    from (to calibrate it again offline)."""
-    base = ProfileSet.from_records(profile_records)
-    transfer = transfer_model(trace_records, base.transfer, quantile=50)
-    host_cpu = measure_host_cpu(steps_before, step_records, trace_records)
+@dataclass(frozen=True)
+class Measurements:
+    """What a calibration is found from: the instances' profiles as published (`base`), their steps
+    in service, the fixed costs from the unloaded requests' stage marks (hops and pulls, medians),
+    the requests sent one at a time (`quiet`) and under the calibration load (`loaded`), and what
+    that load cost outside the instances (`host_cpu`; None: not charged)."""
 
-    kept = {
-        "base_profiles": base.to_dict(),
-        "marks_transfer": dataclasses.asdict(transfer),
-        "step_stats": [st.model_dump(mode="json") for st in step_records],
-        "quiet": [entry_json(e) for e in measured_entries(quiet)],
-        "loaded": [entry_json(e) for e in measured_entries(loaded)],
-        "host_cpu": host_cpu.to_dict() if host_cpu else None,
-    }
-    profiles, found = calibrate(
-        base,
-        step_records,
-        transfer,
-        measured_entries(quiet),
-        measured_entries(loaded),
-        deployment,
-        slo,
-        host_cpu=host_cpu,
-    )
-    return profiles, {**found, **kept}
+    base: ProfileSet
+    step_records: Sequence[StepStats]
+    transfer: TransferModel
+    quiet: Sequence[TraceEntry]
+    loaded: Sequence[TraceEntry]
+    host_cpu: HostCpu | None = None
+
+    def to_dict(self) -> dict:
+        """Kept with a run, to calibrate it again offline (`recalibrate`)."""
+        return {
+            "base_profiles": self.base.to_dict(),
+            "marks_transfer": dataclasses.asdict(self.transfer),
+            "step_stats": [st.model_dump(mode="json") for st in self.step_records],
+            "quiet": [entry_json(e) for e in self.quiet],
+            "loaded": [entry_json(e) for e in self.loaded],
+            "host_cpu": self.host_cpu.to_dict() if self.host_cpu else None,
+        }
+
+    @classmethod
+    def from_dict(cls, kept: dict) -> Measurements:
+        return cls(
+            ProfileSet.from_dict(kept["base_profiles"]),
+            [StepStats(**s) for s in kept["step_stats"]],
+            TransferModel(**kept["marks_transfer"]),
+            [entry_from_json(e) for e in kept["quiet"]],
+            [entry_from_json(e) for e in kept["loaded"]],
+            HostCpu(**kept["host_cpu"]) if kept.get("host_cpu") else None,  # runs before: none
+        )
 
 
 def calibrate(
-    base: ProfileSet,
-    step_records: Sequence[StepStats],
-    transfer: TransferModel,
-    quiet: Sequence[TraceEntry],
-    loaded: Sequence[TraceEntry],
-    deployment: Deployment,
-    slo: SLO,
-    host_cores: int | None = None,
-    host_cpu: HostCpu | None = None,
+    measured: Measurements, deployment: Deployment, slo: SLO, host_cores: int | None = None
 ) -> tuple[ProfileSet, dict]:
     """What the planner service does, plus the fixed costs its stage curves cannot see: the curves
     fitted to the steps the instances ran in service and the spread of steps of one shape
@@ -397,11 +386,15 @@ def calibrate(
     (`fit_step_gap` on `loaded`, as the planner fits it on its window); then the gateway's
     dispatch, from what the unloaded requests' TTFT has beyond a replay with all of that
     (`fit_dispatch` on `quiet`); the instances share `host_cores` (default: this machine's), less
-    what requests cost outside them (`host_cpu`, as the planner measures it; None: not charged)."""
-    base = dataclasses.replace(base, transfer=transfer, host_cores=host_cores or os.cpu_count() or 1)
-    service = calibrate_from_service(step_records, base, loaded, deployment, slo, host_cpu)
+    what requests cost outside them (`host_cpu`, as the planner measures it)."""
+    base = dataclasses.replace(
+        measured.base, transfer=measured.transfer, host_cores=host_cores or os.cpu_count() or 1
+    )
+    service = calibrate_from_service(
+        measured.step_records, base, measured.loaded, deployment, slo, measured.host_cpu
+    )
     profiles = service.apply(base)
-    profiles = dataclasses.replace(profiles, transfer=fit_dispatch(quiet, deployment, profiles, slo))
+    profiles = dataclasses.replace(profiles, transfer=fit_dispatch(measured.quiet, deployment, profiles, slo))
     found = {
         "service": service.to_dict(),
         "transfer": dataclasses.asdict(profiles.transfer),
@@ -413,20 +406,11 @@ def calibrate(
 
 
 def recalibrate(calibration: dict, method: str) -> tuple[ProfileSet, dict]:
-    """`calibrate` again on what a recorded run kept (`calibrated_profiles`): the calibration as
+    """`calibrate` again on what a recorded run kept (`Measurements.to_dict`): the calibration as
     the code now does it, on the same data."""
     slo = SLO(**calibration["slo"])
-    return calibrate(
-        ProfileSet.from_dict(calibration["base_profiles"]),
-        [StepStats(**s) for s in calibration["step_stats"]],
-        TransferModel(**calibration["marks_transfer"]),
-        [entry_from_json(e) for e in calibration["quiet"]],
-        [entry_from_json(e) for e in calibration["loaded"]],
-        DEPLOYMENTS[method],
-        slo,
-        calibration["host_cores"],  # the recorded machine's
-        HostCpu(**calibration["host_cpu"]) if calibration.get("host_cpu") else None,  # runs before: none
-    )
+    # The recorded machine's cores.
+    return calibrate(Measurements.from_dict(calibration), DEPLOYMENTS[method], slo, calibration["host_cores"])
 
 
 GOAL = 0.20  # the issue's bound on every prediction error
@@ -580,7 +564,17 @@ def _calibrate(live: _Live, run: Validation, deployment: Deployment) -> tuple[Pr
     steps = _published_since(live.redis_url, time.time(), workers)
     _traced(live.redis_url, loaded)
     profile_records, records, _ = asyncio.run(cluster_inputs(live.redis_url))
-    return calibrated_profiles(profile_records, steps, records, unloaded, loaded, deployment, run.slo, before)
+    base = ProfileSet.from_records(profile_records)
+    measured = Measurements(
+        base,
+        steps,
+        transfer_model(records, base.transfer, quantile=50),
+        measured_entries(unloaded),
+        measured_entries(loaded),
+        measure_host_cpu(before, steps, records),
+    )
+    profiles, found = calibrate(measured, deployment, run.slo)
+    return profiles, {**found, **measured.to_dict()}
 
 
 def _measure(live: _Live, run: Validation) -> dict[float, list[list[Measured]]]:
