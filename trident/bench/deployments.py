@@ -87,14 +87,7 @@ def trident(command: UpCommand, stop_timeout: float = 150.0) -> Iterator[Served]
 
 @contextlib.contextmanager
 def transformers_serve(
-    model_dir: Path,
-    *,
-    port: int,
-    continuous_batching: bool = False,
-    log_dir: Path,
-    ready_timeout: float = 300.0,
-    stop_timeout: float = 30.0,
-    warm_up: bool = True,
+    model_dir: Path, *, port: int, log_dir: Path, continuous_batching: bool = False
 ) -> Iterator[Served]:
     """`transformers serve` with `model_dir` preloaded, on CPU, until the block ends.
 
@@ -102,8 +95,8 @@ def transformers_serve(
     Requests must name the model as the path it was started with (`Served.model`), or none.
     Continuous batching applies to text-only models alone: for LLaVA it logs that it falls back to
     sequential generation, one request at a time, exactly as without the flag.
-    `warm_up` sends one short request before yielding, so the first measured one pays no first-call
-    costs (Trident's workers are warm from their start-up profiling).
+    One short request is sent before yielding, so the first measured one pays no first-call costs
+    (Trident's workers are warm from their start-up profiling).
     """
     if importlib.util.find_spec("accelerate") is None:
         raise RuntimeError(
@@ -125,44 +118,41 @@ def transformers_serve(
     name = PEER + ("-cb" if continuous_batching else "")
     log = log_dir / f"{name}.log"
     # A local checkpoint: never wait on the Hub (there may be no network).
-    env = {"HF_HUB_OFFLINE": "1"}
-    with peer_server(
-        argv,
-        env=env,
-        log=log,
-        url=url,
-        model=model if warm_up else None,
-        ready_timeout=ready_timeout,
-        stop_timeout=stop_timeout,
-    ) as proc:
+    peer = PeerServer(argv, log, url, env={"HF_HUB_OFFLINE": "1"}, warm_model=model)
+    with peer_server(peer) as proc:
         yield Served(name, PEER, url, model, proc.pid, log)
 
 
 # -- processes --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PeerServer:
+    """A peer's server process: its command, its log (it runs in the log's folder), its base URL
+    (ready once GET /health answers 200), what is added to its environment, the model one short
+    request warms it up with (None: no warm-up), and how long it may take to start and to stop."""
+
+    argv: list[str]
+    log: Path
+    url: str
+    env: Mapping[str, str] | None = None
+    warm_model: str | None = None
+    ready_timeout: float = 300.0
+    stop_timeout: float = 30.0
+
+
 @contextlib.contextmanager
-def peer_server(
-    argv: list[str],
-    *,
-    env: Mapping[str, str] | None,
-    log: Path,
-    url: str,
-    model: str | None,
-    ready_timeout: float,
-    stop_timeout: float,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A peer's server process (`argv`, in the log's folder, output to `log`), once GET `url`/health
-    answers 200 and, with `model`, one short request has warmed it up; stopped when the block ends."""
-    proc = child_server.start(argv, child_server.child_env(env), log.parent, log)
+def peer_server(peer: PeerServer) -> Iterator[subprocess.Popen[bytes]]:
+    """`peer` started, ready and warm; stopped when the block ends."""
+    proc = child_server.start(peer.argv, child_server.child_env(peer.env), peer.log.parent, peer.log)
     try:
         # the model loads before it listens
-        child_server.wait_until_ok(f"{url}/health", proc, log, ready_timeout)
-        if model is not None:
-            _warm_up(url, model, log, ready_timeout)
+        child_server.wait_until_ok(f"{peer.url}/health", proc, peer.log, peer.ready_timeout)
+        if peer.warm_model is not None:
+            _warm_up(peer.url, peer.warm_model, peer.log, peer.ready_timeout)
         yield proc
     finally:
-        child_server.stop(proc, stop_timeout)
+        child_server.stop(proc, peer.stop_timeout)
 
 
 def _served_model(url: str, model_dir: Path) -> str:

@@ -107,7 +107,6 @@ def llama_server(
     slots: int = 8,
     slot_context: int = 4096,  # a four-turn chat with LLaVA images reaches ~3,200 tokens
     threads: int | None = None,
-    ready_timeout: float = 300.0,
 ) -> Iterator[deployments.Served]:
     """`llama-server` on the converted checkpoint until the block ends: `slots` requests decode
     together (continuous batching), each with up to `slot_context` tokens; `threads` defaults to
@@ -128,9 +127,8 @@ def llama_server(
     url = f"http://127.0.0.1:{port}"
     log = log_dir / "llama-server.log"
     model = Path(model_dir).resolve().name
-    with deployments.peer_server(
-        argv, env=None, log=log, url=url, model=model, ready_timeout=ready_timeout, stop_timeout=30.0
-    ) as proc:
+    peer = deployments.PeerServer(argv, log, url, warm_model=model)
+    with deployments.peer_server(peer) as proc:
         yield deployments.Served(LLAMACPP, LLAMACPP, url, model, proc.pid, log)
 
 
