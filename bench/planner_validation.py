@@ -50,7 +50,8 @@ from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.planner.workloads import SHAPES
 from common.stats import SLO
 from trident.bench.repeat import Repeats
-from trident.bench.validation import Comparison, Run, Validation, replay_folder, save, summary, validate
+from trident.bench.validation import Comparison, Run, replay_folder, save, summary
+from trident.bench.validation_run import Validation, validate
 
 
 def _cell(name: str, c: Comparison) -> str:

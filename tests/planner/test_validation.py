@@ -16,7 +16,8 @@ import pytest
 
 from common.stats import SLO
 from tests.deploy import WARM
-from trident.bench.validation import METRICS, Validation, validate
+from trident.bench.validation import METRICS
+from trident.bench.validation_run import Validation, validate
 
 FACTOR = 3.0
 RATES = (1.0, 4.0)  # unloaded-ish and loaded; bench/planner_validation.py sweeps more
