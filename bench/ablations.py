@@ -143,7 +143,7 @@ def main() -> None:
 def overlap(model: Path, lengths: list[int], repeats: int) -> None:
     """The overlap table alone: how much of each prompt length's KV transfer the prefill hides."""
     rate = single_thread_gflops()
-    rows = asyncio.run(kv_overlap.measure(model, lengths, repeats, group=4, wire="native", backend="auto"))
+    rows = asyncio.run(kv_overlap.measure(kv_overlap.Prefill(model, group=4), lengths, repeats))
     print(f"## overlap\n\n{kv_overlap.table(rows)}", flush=True)
     print(json.dumps({"matmul_gflops": round(rate, 1), "overlap": rows}))
 

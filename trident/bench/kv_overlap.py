@@ -60,23 +60,35 @@ class Sample:
         return max(0.0, self.landed - self.step_end)
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """The prefill side as measured: the checkpoint, layers per KV transfer, the KV's wire format,
+    the transfer backend, the engine's torch threads."""
+
+    model: Path
+    group: int = 4
+    wire: str = "native"
+    backend: str = "auto"
+    threads: int = 1
+
+
 class Harness:
     """The prefill side: engine loop, transfer, sink; the puller process on the other end."""
 
-    def __init__(self, model: Path, group: int, wire: str, backend: str, threads: int) -> None:
+    def __init__(self, prefill: Prefill) -> None:
         config = EngineConfig(
             roles=frozenset({Role.PREFILL}),
-            num_threads=threads,
+            num_threads=prefill.threads,
             token_budget=8192,
             kv_cache_bytes=1 << 30,
             prefix_caching=False,
             detokenize=False,
         )
-        self.engine = Engine(model, config)
+        self.engine = Engine(prefill.model, config)
         # Nothing rides inline: every prompt's KV travels by handle, however small the model.
-        config = TransferConfig(backend=backend, inline_max_bytes=0)  # type: ignore[arg-type]
+        config = TransferConfig(backend=prefill.backend, inline_max_bytes=0)  # type: ignore[arg-type]
         self.transfer = create_backend(config)
-        self.kv_layer_group, self.kv_wire, self.kv_stream = group, wire, True
+        self.kv_layer_group, self.kv_wire, self.kv_stream = prefill.group, prefill.wire, True
         self.ctx = self  # the sink reads handler.ctx.transfer
         self.step_end = self.step_seconds = 0.0  # the last step's end (its first token sampled) and length
         self.engine.on_step = self._stepped
@@ -158,10 +170,8 @@ async def _pull_loop(backend: str, conn) -> None:
     await puller.close()
 
 
-async def measure(
-    model: Path, lengths: list[int], repeats: int, group: int, wire: str, backend: str, threads: int = 1
-) -> dict:
-    harness = Harness(model, group, wire, backend, threads)
+async def measure(prefill: Prefill, lengths: list[int], repeats: int) -> dict:
+    harness = Harness(prefill)
     await harness.start()
     rows = {}
     try:
@@ -234,7 +244,7 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     rate = single_thread_gflops()
     rows = asyncio.run(
-        measure(model, lengths, args.repeats, args.group, args.wire, args.backend, args.threads)
+        measure(Prefill(model, args.group, args.wire, args.backend, args.threads), lengths, args.repeats)
     )
     print(table(rows))
     print(
