@@ -30,6 +30,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -107,11 +108,20 @@ async def closed_loop(url: str, tokens: int, streams: int, seconds: float) -> fl
     return tally["completed"] / (time.monotonic() - start)
 
 
-async def open_loop(
-    url: str, tokens: int, rate: float, seconds: float, abandon: float, tally: Counter
-) -> float:
-    """Poisson arrivals at `rate` for `seconds` of wall time; returns the rate actually sent (less
-    when this client cannot keep up: it then sends as fast as it can)."""
+@dataclass(frozen=True)
+class Offered:
+    """The overload: Poisson arrivals at `rate` for `seconds` of wall time, the share `abandon` of
+    clients leaving early."""
+
+    rate: float
+    seconds: float
+    abandon: float
+
+
+async def open_loop(url: str, tokens: int, offered: Offered, tally: Counter) -> float:
+    """The offered load sent; returns the rate actually sent (less when this client cannot keep up:
+    it then sends as fast as it can)."""
+    rate, seconds, abandon = offered.rate, offered.seconds, offered.abandon
     rng = random.Random(0)
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     sent, start, due = 0, time.monotonic(), 0.0
@@ -196,7 +206,7 @@ async def run(d: LocalUp, args: argparse.Namespace) -> dict:
     stop = asyncio.Event()
     watch = asyncio.create_task(sampler(d, samples, stop))
     started = time.monotonic()
-    load = asyncio.create_task(open_loop(url, args.tokens, rate, args.duration, args.abandon, tally))
+    load = asyncio.create_task(open_loop(url, args.tokens, Offered(rate, args.duration, args.abandon), tally))
     while not load.done():  # the samples of the overload itself, not of its tail
         await asyncio.sleep(1.0)
         if time.monotonic() - started >= args.duration:

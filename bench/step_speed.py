@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,10 +60,18 @@ def trident_steps(engine: Engine, batch: int, context: int, repeats: int) -> dic
     }
 
 
-def llama_steps(
-    binary: Path, gguf: Path, batches: list[int], context: int, threads: int, kv: str
-) -> dict[int, dict[str, float]]:
-    """{batch: {phase: seconds a step}} from one llama-batched-bench run."""
+@dataclass(frozen=True)
+class LlamaBench:
+    """llama.cpp's llama-batched-bench on the converted checkpoint, with `threads` threads."""
+
+    binary: Path
+    gguf: Path
+    threads: int
+
+
+def llama_steps(bench: LlamaBench, batches: list[int], context: int, kv: str) -> dict[int, dict[str, float]]:
+    """{batch: {phase: seconds a step}} from one llama-batched-bench run, its KV cache in `kv`."""
+    binary, gguf, threads = bench.binary, bench.gguf, bench.threads
     argv = [
         str(binary), "-m", str(gguf), "-c", str(max(batches) * (context + LLAMA_STEPS) + 64),
         "-b", "2048", "-ub", "512", "-npp", str(context), "-ntg", str(LLAMA_STEPS),
@@ -135,7 +144,8 @@ def measure(args: argparse.Namespace, batches: list[int], model_dir: Path) -> tu
             for batch in batches:
                 add(name, batch, trident_steps(engine, batch, args.context, args.repeats))
         for kv in LLAMA_KV if gguf is not None else ():
-            for batch, steps in llama_steps(binary, gguf, batches, args.context, args.threads, kv).items():
+            bench = LlamaBench(binary, gguf, args.threads)
+            for batch, steps in llama_steps(bench, batches, args.context, kv).items():
                 add(f"llama.cpp kv={kv}", batch, steps)
         print(f"round {round_ + 1} of {args.rounds} done", flush=True)
     return samples, engines[BASE]
