@@ -10,6 +10,7 @@ TCP connection. A dead peer's endpoint is closed and its pulls fail at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch
 
 from common.transfer.base import Pulled, pack_request
 from common.transfer.errors import PeerLost, TransferError
+from common.transfer.handles import Lease
 from common.transfer.liveness import ProcessId, checkable, known_dead
 from common.transfer.pool import PoolBuffer
 from common.transfer.ucx_thread import UcxThread
@@ -40,6 +42,9 @@ class PullState:
     future: asyncio.Future[Pulled]
     abort_error: TransferError | None = None
     buffer: PoolBuffer | None = None
+    stream_only: bool = False  # asks for the bytes (a host-local copy of it failed)
+    copy: concurrent.futures.Future[None] | None = None  # a host-local copy in flight
+    copy_failed: str | None = None  # why the host-local copy failed, once it did
 
 
 @dataclass(eq=False)
@@ -50,13 +55,14 @@ class Peer:
     process: ProcessId | None
     pulls: set[PullState] = field(default_factory=set)
     sends: int = 0  # replies we are still sending to it
+    leases: dict[int, Lease] = field(default_factory=dict)  # memory lent to it (host-local), by tag
     busy_since: float = 0.0
     pinging: bool = False
     watches: list[Any] = field(default_factory=list)  # its requests' watches, while it is busy
 
     @property
     def busy(self) -> bool:
-        return bool(self.pulls) or self.sends > 0
+        return bool(self.pulls) or self.sends > 0 or bool(self.leases)
 
 
 class Peers:
@@ -117,7 +123,11 @@ class Peers:
         peer = self._peers.pop(address, None)
         if peer is None:
             return
+        dead = dead or known_dead(peer.process)  # a send failed because it died: nothing will cancel
         log.debug("closing the UCX endpoint to a peer: %s", error)
+        for lease in peer.leases.values():  # whatever it copies now, it no longer needs to
+            lease.end()
+        peer.leases.clear()
         for pull in peer.pulls:
             pull.abort_error = pull.abort_error or error
         try:
