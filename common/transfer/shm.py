@@ -66,6 +66,7 @@ class Segment:
             last = self._refs == 0
         if last:
             os.close(self.fd)  # a puller that mapped it keeps its mapping; no new one can open it
+            self.data = None  # unmapped here once no tensor over it is left either
 
     @property
     def closed(self) -> bool:

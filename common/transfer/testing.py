@@ -30,6 +30,9 @@ class TensorSpec:
     device: str = "cpu"  # where the owner keeps it ("cuda:0": a GPU tensor, pulled by CUDA IPC)
     # Published as a view this many elements into a larger tensor (a storage offset to honour).
     offset: int = 0
+    # On a GPU: published with this many pairs of XORs over its bytes still queued behind it (its
+    # bytes are right only once they have run).
+    busy: int = 0
 
 
 def make_tensor(spec: TensorSpec) -> torch.Tensor:
@@ -55,7 +58,12 @@ def published(spec: TensorSpec) -> torch.Tensor:
             [torch.zeros(spec.offset, dtype=flat.dtype), flat, torch.zeros(3, dtype=flat.dtype)]
         )
         tensor = padded.to(spec.device)[spec.offset : spec.offset + flat.numel()].view(tensor.shape)
-    return tensor.to(spec.device)
+    tensor = tensor.to(spec.device)
+    raw = tensor.view(-1).view(torch.uint8)
+    for _ in range(spec.busy):
+        raw.bitwise_xor_(0x5A)
+        raw.bitwise_xor_(0x5A)
+    return tensor
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -180,8 +188,10 @@ async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -
     secret = os.environ.get("TRIDENT_TRANSFER_SECRET", "")
     host = os.environ.get("TRIDENT_BIND_HOST", "127.0.0.1")
     host_local = os.environ.get("TRIDENT_TRANSFER_HOST_LOCAL", "1") not in ("0", "false")
+    device_bytes = int(os.environ.get("TRIDENT_TRANSFER_DEVICE_BYTES", 4 << 30))
     config = TransferConfig(
         backend=backend_name, secret=secret, host=host, tls=tls_from_env(), host_local=host_local,  # type: ignore[arg-type]
+        device_bytes=device_bytes,
     )  # fmt: skip
     backend = create_backend(config)
     await backend.start()

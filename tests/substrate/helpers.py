@@ -119,3 +119,28 @@ def pull_unprivileged(backend: str, address: str, handle: str, conn: Connection)
         await puller.close()
 
     asyncio.run(main())
+
+
+def pull_held_until_told(
+    backend: str, address: str, handle: str, device: str | None, conn: Connection
+) -> None:
+    """A same-host puller that says "mapped" once it has the owner's memory open, waits for "go",
+    then finishes its pull and reports how it ended: ("ok", path) or (error type, message). For a
+    reader whose owner dies under it, in a process of its own (a GPU fault would end only it)."""
+    from common.transfer import TransferConfig, create_backend
+
+    def hold() -> None:
+        conn.send("mapped")
+        conn.recv()
+
+    async def main() -> None:
+        puller = create_backend(TransferConfig(backend=backend, timeout=20, device=device))  # type: ignore[arg-type]
+        puller.on_mapped = hold
+        await puller.start()
+        try:
+            pulled = await puller.pull(address, handle)
+            conn.send(("ok", str(pulled.path)))
+        except Exception as exc:
+            conn.send((type(exc).__name__, str(exc)))
+
+    asyncio.run(main())
