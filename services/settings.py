@@ -42,6 +42,12 @@ class ServiceSettings(BaseSettings):
     transfer_inline_max_bytes: int = Field(
         256 * 1024, ge=0, description="Tensors up to this size ride inside the NATS message, not by handle"
     )
+    transfer_host_local: bool = Field(
+        True,
+        description="Pulls between processes of one host copy straight from the owner's memory (shared "
+        "memory for CPU tensors, CUDA IPC GPU to GPU) instead of taking the bytes over the transfer port; "
+        "off: every pull streams",
+    )
     # The gateway's API and the planner's write endpoints ask for one of them; empty: open.
     api_keys: str = Field("", description="Comma-separated Bearer keys; empty disables auth")
     # The operator's key: the planner's writes take it, and the gateway's /v1/cluster shows the
@@ -192,6 +198,12 @@ class WorkerSettings(ServiceSettings):
         "from HF's at near-ties); refused on a GPU unless it is the model's dtype",
     )
     transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")
+    transfer_device_bytes: int = Field(
+        4 << 30,
+        ge=0,
+        description="Bytes of published KV and features a GPU instance keeps on its GPU for host-local "
+        "pullers (past it the oldest move to host memory); 0: all are served from host memory",
+    )
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
     kv_wire: Literal["native", "int8"] = Field(
         "native",

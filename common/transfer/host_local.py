@@ -50,6 +50,8 @@ def copy(desc: object, data: torch.Tensor, device: str | None, on_mapped: Callab
         if device is None:
             raise TransferError("a CUDA IPC handle, and no CUDA device to open it on")
         target = data.device if data.device.type == "cuda" else torch.device(device)
+        if target.index is None:  # "cuda": the current device
+            target = torch.device("cuda", torch.cuda.current_device())
         copy_from(CudaHandle.from_wire(desc), data, target, on_mapped)
     else:
         raise TransferError(f"unknown kind of host-local handle: {kind!r}")

@@ -17,7 +17,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from common.transfer.base import TransferConfig
+    from common.transfer.config import TransferConfig
 
 
 class Kind(StrEnum):

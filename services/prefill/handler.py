@@ -24,12 +24,13 @@ from common.protocol import DecodeTask, EncodeTask, InlineTensor, KvGroup, KvLoc
 from common.roles import Role
 from common.store import Stage
 from common.store.features import FEATURE_TTL
-from common.transfer import TransferError
+from common.transfer import TransferError, TransferPath
 from services.prefill.kv_stream import StreamedKv, StreamSink
 from services.settings import WorkerSettings
 from services.worker.context import StageContext
 from services.worker.ledger import Held
 from services.worker.stage import StageHandler
+from services.worker.stage_metrics import path_label
 
 log = logging.getLogger(__name__)
 KV_TTL = 120.0  # seconds prefill keeps exported KV when no release notice comes
@@ -216,6 +217,7 @@ class PrefillHandler(StageHandler):
             return []
         ctx.ledger.mark(held, Stage.EP_TRANSFER_STARTED)
         out: list[torch.Tensor | None] = []
+        paths: list[TransferPath] = []
         for img in held.spec.images:
             ref = img.features
             if ref is None:
@@ -224,7 +226,9 @@ class PrefillHandler(StageHandler):
             try:
                 if ref is None:
                     raise TransferError(f"no features registered for image {img.content_hash[:12]}")
-                out.append(await ctx.pull(held, ref))
+                tensor, path = await ctx.pull_with_path(held, ref)
+                out.append(tensor)
+                paths.append(path)
             except TransferError as exc:
                 log.warning(
                     "features of %s for %s unavailable (%s); recomputing", img.content_hash[:12], rid, exc
@@ -233,9 +237,10 @@ class PrefillHandler(StageHandler):
                 if isinstance(ref, TensorRef):
                     await ctx.store.features.remove(img.content_hash, ref.owner)
                 return None
-        ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED)
+        nbytes, path = sum(t.numel() * t.element_size() for t in out), path_label(paths)
+        ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED, ep_path=path, ep_bytes=str(nbytes))
         seconds = held.marks[Stage.EP_TRANSFER_ENDED] - held.marks[Stage.EP_TRANSFER_STARTED]
-        ctx.metrics.transferred("ep", seconds, sum(t.numel() * t.element_size() for t in out))
+        ctx.metrics.transferred("ep", seconds, nbytes, path)
         return out
 
     async def _pull_pixels(self, held: Held) -> list[torch.Tensor | None] | None:
