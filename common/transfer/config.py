@@ -33,7 +33,11 @@ class TransferConfig:
     # memory (shared memory for CPU tensors, CUDA IPC for GPU ones) instead of taking the bytes
     # over the transport. Off on either side: the bytes stream.
     host_local: bool = True
-    host_local_min_bytes: int = 1 << 20  # CPU tensors smaller than this stream (a mapping costs more)
+    # CPU tensors too (through a memfd), from owners whose bytes would otherwise cross a socket (TCP);
+    # None: so, but not from UCX owners, whose shared-memory transport already pipelines the two
+    # copies that a memfd makes one after the other. True: from any owner (the tests, on UCX).
+    host_local_cpu: bool | None = None
+    host_local_min_bytes: int = 1 << 20  # CPU tensors smaller than this stream (a copy costs more)
     # The CUDA device this process pulls GPU tensors onto (its engine's); None: it opens no CUDA
     # IPC handle, and GPU tensors reach it through host memory.
     device: str | None = None

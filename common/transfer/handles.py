@@ -4,11 +4,12 @@ threads that publish (an engine's, streaming KV).
 A CUDA tensor stays on its GPU (up to `TransferConfig.device_bytes`; past it the oldest go to host
 memory), with an event recorded on the publishing thread's stream after it was written. An entry is
 prepared for the pull that asks, off the serving thread (`prepare`): a same-host puller with a GPU
-gets a CUDA IPC export (once the event has completed), one without gets the tensor in host memory,
-and a CPU tensor moves into a memfd once a same-host puller asks (shm.py). Meanwhile the pull waits,
-as a pull of a reserved handle waits for its fill. A host-local reply comes with a `Lease`: the
-reader's hold on the export, ended by its acknowledgement or by its connection dropping. An export
-is freed when its entry is released (or expires) and its last lease has ended, never before.
+gets a CUDA IPC export (made once, after the event has completed), one without gets the tensor in
+host memory, and for a same-host puller of a CPU tensor it is copied into a memfd of its own
+(shm.py). Meanwhile the pull waits, as a pull of a reserved handle waits for its fill. A host-local
+reply comes with a `Lease`: the reader's hold on that memory, ended by its acknowledgement or by its
+going away. A CUDA export is freed when its entry is released (or expires) and its last lease has
+ended, never before; a memfd goes back to the pool when its lease ends.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from common.protocol.tensors import dtype_name
 from common.transfer import same_host
 from common.transfer.config import TransferConfig
 from common.transfer.same_host import Kind
-from common.transfer.shm import Segment
+from common.transfer.shm import Segment, SegmentPool
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class Entry:
     # Pulls waiting for its fill, or for the job preparing it, woken when that ends.
     waiters: list[Callable[[], None]] = field(default_factory=list)
     ready: torch.cuda.Event | None = None  # CUDA: completes once the tensor is written
-    shared: object | None = None  # its Segment or CudaExport, once a same-host puller asked; one ref ours
+    shared: object | None = None  # its CudaExport, once a same-host puller asked; one reference ours
+    segment: Segment | None = None  # a copy made for the next same-host pull (that pull's to take)
     busy: bool = False  # a job prepares it (to host memory, into a memfd, waiting for `ready`)
     no_ipc: bool = False  # its CUDA IPC export failed: served from host memory instead
     retired: bool = False  # released or expired: a job that ends on it frees what it made
@@ -101,6 +103,7 @@ class HandleTable:
         self._device_bytes = 0
         self._leases = 0
         self._jobs: ThreadPoolExecutor | None = None
+        self._segments = SegmentPool(self.config.max_cached_bytes)
 
     # -- publishing (any thread) -------------------------------------------------------------------
     def put(self, tensor: torch.Tensor, handle: str | None, ttl: float | None, sliding: bool = False) -> str:
@@ -198,9 +201,10 @@ class HandleTable:
             if entry.on_device:  # a puller that cannot map it: its bytes leave from host memory
                 return self._start_locked(entry, self._to_host, wake)
             if kind is Kind.FD:
-                if entry.shared is None:
+                if entry.segment is None:
                     return self._start_locked(entry, self._to_segment, wake)
-                return self._lease_locked(entry, kind)
+                segment, entry.segment = entry.segment, None  # this pull's: it alone maps it
+                return self._lend_locked(segment, kind)
             return None
 
     # -- releasing (any thread) --------------------------------------------------------------------
@@ -221,6 +225,7 @@ class HandleTable:
         """Release everything (the backend closes)."""
         for handle in list(self._entries):
             self.pop(handle)
+        self._segments.close()
         if self._jobs is not None:
             self._jobs.shutdown(wait=False, cancel_futures=True)
 
@@ -234,6 +239,11 @@ class HandleTable:
         """Same-host readers holding an export now."""
         with self._lock:
             return self._leases
+
+    @property
+    def idle_segments(self) -> int:
+        """memfds kept for the next same-host pulls (each lent to one pull at a time)."""
+        return self._segments.idle
 
     @property
     def device_bytes(self) -> int:
@@ -254,17 +264,22 @@ class HandleTable:
     def _retire_locked(self, entry: Entry) -> list[Callable[[], None]]:
         entry.retired = True
         self._untrack_locked(entry)
-        if entry.shared is not None:
-            entry.shared.drop()  # freed now, or when its last lease ends
-            entry.shared = None
+        for made in (entry.shared, entry.segment):
+            if made is not None:
+                made.drop()  # freed now, or when its last lease ends
+        entry.shared = entry.segment = None
         waiters, entry.waiters = entry.waiters, []
         return waiters
 
     # -- preparing (under the lock; the jobs run on their own threads) ------------------------------
     def _lease_locked(self, entry: Entry, kind: Kind) -> Lease:
         entry.shared.hold()
+        return self._lend_locked(entry.shared, kind)
+
+    def _lend_locked(self, shared, kind: Kind) -> Lease:
+        """A lease holding one reference to `shared` (taken by the caller)."""
         self._leases += 1
-        return Lease(self, entry.shared, kind)
+        return Lease(self, shared, kind)
 
     def _export_locked(self, entry: Entry) -> bool:
         from common.transfer.cuda_ipc import CudaExport
@@ -312,12 +327,12 @@ class HandleTable:
             shared.drop()
 
     def _to_segment(self, entry: Entry) -> None:
-        segment, view = Segment.holding(entry.tensor)
+        segment = self._segments.copy_of(entry.tensor)
         with self._lock:
-            if entry.retired:
-                segment.drop()
-                return
-            entry.shared, entry.tensor = segment, view  # the original is freed with its last user
+            if not entry.retired and entry.segment is None:
+                entry.segment, segment = segment, None
+        if segment is not None:
+            segment.drop()  # released meanwhile: back to the pool
 
     # -- GPU memory --------------------------------------------------------------------------------
     def _track_locked(self, entry: Entry) -> None:

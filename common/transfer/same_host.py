@@ -48,11 +48,15 @@ def host_key() -> str:
     return f"{boot}:{ipc}:{pid}"
 
 
-def puller_kinds(config: TransferConfig) -> list[str]:
-    """The kinds of handle this process can open, as its pulls name them (none: never host-local)."""
-    if not config.host_local or not host_key() or not hasattr(os, "memfd_create"):
+def puller_kinds(config: TransferConfig, by_socket: bool = True) -> list[str]:
+    """The kinds of handle this process asks for, as its pulls name them (none: never host-local).
+    `by_socket`: the owner's bytes would cross a socket (TCP), not UCX's shared memory."""
+    if not config.host_local or not host_key():
         return []
-    kinds = [Kind.FD.value]
+    kinds = []
+    cpu = by_socket if config.host_local_cpu is None else config.host_local_cpu
+    if cpu and hasattr(os, "memfd_create"):
+        kinds.append(Kind.FD.value)
     if config.device is not None and config.device.startswith("cuda"):
         import torch
 
@@ -61,9 +65,9 @@ def puller_kinds(config: TransferConfig) -> list[str]:
     return kinds
 
 
-def offer(config: TransferConfig) -> dict[str, object]:
+def offer(config: TransferConfig, by_socket: bool = True) -> dict[str, object]:
     """The fields a pull request adds to ask for a host-local copy; empty when it cannot take one."""
-    kinds = puller_kinds(config)
+    kinds = puller_kinds(config, by_socket)
     return {"hk": host_key(), "hl": kinds, "pp": os.getpid()} if kinds else {}
 
 

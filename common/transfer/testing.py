@@ -121,6 +121,13 @@ class OwnerProcess:
     def publish(self, spec: TensorSpec) -> str:
         return str(self._ask("publish", spec))
 
+    def republish(self) -> list[str]:
+        """Release the start-up tensors' handles and publish the same tensors afresh: each pull of
+        the new handles is a first one (a GPU tensor shared, or moved to host, anew), as a request's
+        KV is pulled once."""
+        self.handles = list(self._ask("republish", ""))  # type: ignore[call-overload]
+        return self.handles
+
     def _ask(self, op: str, arg: object) -> object:
         assert self._conn is not None
         self._conn.send((op, arg))
@@ -195,7 +202,8 @@ async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -
     )  # fmt: skip
     backend = create_backend(config)
     await backend.start()
-    handles = [backend.publish(published(s)) for s in specs]
+    tensors = [published(s) for s in specs]
+    handles = [backend.publish(t) for t in tensors]
     await asyncio.to_thread(conn.send, (backend.address, handles))
     try:
         while True:
@@ -214,6 +222,11 @@ async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -
                 await asyncio.to_thread(conn.send, backend.publish(published(arg)))
             elif op == "stats":
                 await asyncio.to_thread(conn.send, _stats(backend))
+            elif op == "republish":
+                for handle in handles:
+                    backend.release(handle)
+                handles = [backend.publish(t) for t in tensors]
+                await asyncio.to_thread(conn.send, handles)
     except EOFError:
         return  # the parent went away
     finally:
@@ -223,7 +236,7 @@ async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -
 def _stats(backend) -> dict[str, int]:  # type: ignore[no-untyped-def]
     stats = {
         "handles": len(backend.handles), "leases": backend.handles.leases,
-        "device_bytes": backend.handles.device_bytes,
+        "device_bytes": backend.handles.device_bytes, "idle_segments": backend.handles.idle_segments,
     }  # fmt: skip
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -51,6 +51,7 @@ from common.transfer.errors import (
     TransferTimeout,
     error_from_code,
 )
+from common.transfer.handles import Lease
 from common.transfer.liveness import ProcessId, known_dead, this_process
 from common.transfer.same_host import TransferPath
 from common.transfer.tcp import TcpClient
@@ -102,6 +103,7 @@ class UcxBackend(TransferBackend):
         self._process = this_process()
         self._worker_address = b""
         self._tags = itertools.count(random.getrandbits(40) << 20, 2)  # even: T for the header, T+1 for data
+        self._lent: dict[tuple[bytes, int], tuple[Lease, ProcessId | None]] = {}  # host-local holds, by pull
         self._closed = False
 
     @property
@@ -162,7 +164,7 @@ class UcxBackend(TransferBackend):
         tag = next(self._tags)
         header = np.empty(CONTROL_SIZE, dtype=np.uint8)
         me = self._process.encode() if self._process else ""
-        offer = {} if pull.stream_only else same_host.offer(self.config)
+        offer = {} if pull.stream_only else same_host.offer(self.config, by_socket=False)
         request = frame(
             pack_request(
                 pull.handle,
@@ -327,19 +329,23 @@ class UcxBackend(TransferBackend):
             sends.append(reply.data.numpy())
         self._peers.start_work(peer)
         if reply.lease is not None:  # held until the puller acknowledges, or is found dead
-            peer.leases[tag] = reply.lease
+            self._lent[(address, tag)] = (reply.lease, peer.process)
         self._send_all(peer, address, sends, tag)
 
     def _on_ack(self, message: dict) -> None:
         """A same-host puller is done with the memory it was lent: end its hold, and confirm."""
         address, tag = bytes(message["ra"]), int(message["rt"])
-        peer = self._peers.lookup(address)
-        lease = peer.leases.pop(tag, None) if peer is not None else None
-        if lease is None:
-            return  # its peer was aborted meanwhile, which ended the hold
-        lease.end()
+        lent = self._lent.pop((address, tag), None)
+        if lent is None:
+            return  # not ours, or its reader was found dead meanwhile, which ended the hold
+        lent[0].end()
         if not message.get("ok"):
             log.debug("a same-host puller could not open a handle: %s", message.get("m"))
+        try:
+            peer = self._peers.get(address, lent[1])
+        except Exception as exc:
+            log.debug("cannot confirm to a puller: %r", exc)
+            return
         self._peers.start_work(peer)
         self._send_all(peer, address, [frame(CONFIRM)], tag + 1)
 
@@ -363,8 +369,17 @@ class UcxBackend(TransferBackend):
 
     def _periodic(self) -> None:
         self._peers.check()
+        # Memory lent to a reader that died is let go (a live one's hold ends only with its ack:
+        # it may still be copying, even after its endpoint here was closed).
+        for key, (lease, process) in list(self._lent.items()):
+            if known_dead(process):
+                del self._lent[key]
+                lease.end()
 
     def _shutdown(self) -> None:
+        for lease, _ in self._lent.values():
+            lease.end()
+        self._lent.clear()
         closed = TransferClosed("transfer backend closed")
         for peer in self._peers.close_all(closed):
             for pull in list(peer.pulls):

@@ -22,7 +22,6 @@ import torch
 
 from common.transfer.base import Pulled, pack_request
 from common.transfer.errors import PeerLost, TransferError
-from common.transfer.handles import Lease
 from common.transfer.liveness import ProcessId, checkable, known_dead
 from common.transfer.pool import PoolBuffer
 from common.transfer.ucx_thread import UcxThread
@@ -55,14 +54,13 @@ class Peer:
     process: ProcessId | None
     pulls: set[PullState] = field(default_factory=set)
     sends: int = 0  # replies we are still sending to it
-    leases: dict[int, Lease] = field(default_factory=dict)  # memory lent to it (host-local), by tag
     busy_since: float = 0.0
     pinging: bool = False
     watches: list[Any] = field(default_factory=list)  # its requests' watches, while it is busy
 
     @property
     def busy(self) -> bool:
-        return bool(self.pulls) or self.sends > 0 or bool(self.leases)
+        return bool(self.pulls) or self.sends > 0
 
 
 class Peers:
@@ -125,9 +123,6 @@ class Peers:
             return
         dead = dead or known_dead(peer.process)  # a send failed because it died: nothing will cancel
         log.debug("closing the UCX endpoint to a peer: %s", error)
-        for lease in peer.leases.values():  # whatever it copies now, it no longer needs to
-            lease.end()
-        peer.leases.clear()
         for pull in peer.pulls:
             pull.abort_error = pull.abort_error or error
         try:

@@ -90,7 +90,8 @@ def pull_and_hold(backend: str, address: str, handle: str, device: str | None, c
         threading.Event().wait()  # the copy never starts
 
     async def main() -> None:
-        puller = create_backend(TransferConfig(backend=backend, timeout=600, device=device))  # type: ignore[arg-type]
+        config = TransferConfig(backend=backend, timeout=600, device=device, host_local_cpu=True)  # type: ignore[arg-type]
+        puller = create_backend(config)
         puller.on_mapped = hold
         await puller.start()
         await puller.pull(address, handle)
@@ -110,7 +111,7 @@ def pull_unprivileged(backend: str, address: str, handle: str, conn: Connection)
     from common.transfer import TransferConfig, create_backend
 
     async def main() -> None:
-        puller = create_backend(TransferConfig(backend=backend, timeout=30))  # type: ignore[arg-type]
+        puller = create_backend(TransferConfig(backend=backend, timeout=30, host_local_cpu=True))  # type: ignore[arg-type]
         await puller.start()
         with await puller.pull(address, handle) as tensor:
             paths = {str(path): stats.pulls for path, stats in puller.stats.items()}
@@ -134,7 +135,8 @@ def pull_held_until_told(
         conn.recv()
 
     async def main() -> None:
-        puller = create_backend(TransferConfig(backend=backend, timeout=20, device=device))  # type: ignore[arg-type]
+        config = TransferConfig(backend=backend, timeout=20, device=device, host_local_cpu=True)  # type: ignore[arg-type]
+        puller = create_backend(config)
         puller.on_mapped = hold
         await puller.start()
         try:

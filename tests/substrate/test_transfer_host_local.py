@@ -47,7 +47,8 @@ SETTLE = 5.0  # bound on waiting for an owner to notice a dead reader (UCX: its 
 
 
 def _config(backend: str, **kw) -> TransferConfig:
-    return TransferConfig(backend=backend, timeout=kw.pop("timeout", 10.0), **kw)  # type: ignore[arg-type]
+    # CPU tensors host-local over UCX too (by default UCX's own shared memory carries them).
+    return TransferConfig(backend=backend, timeout=kw.pop("timeout", 10.0), host_local_cpu=True, **kw)  # type: ignore[arg-type]
 
 
 def _dev_shm() -> set[str]:
@@ -96,21 +97,10 @@ def test_same_host_pulls_copy_from_the_owners_memory(owner: OwnerProcess) -> Non
         await puller.close()
 
     run(main())
-    assert owner.stats()["leases"] == 0  # every hold ended with its acknowledgement
-    # The owner keeps a served tensor's memfd while it serves it, and closes it on release.
-    assert len(open_segments(owner.pid)) == 3
-    handle = owner.publish(SPECS[BIG])
-
-    async def pull_then_release() -> None:
-        puller = create_backend(_config(owner.backend))
-        await puller.start()
-        with await puller.pull(owner.address, handle) as got:
-            assert same_bytes(got, make_tensor(SPECS[BIG]))
-        assert await asyncio.to_thread(owner.release, handle)
-        await puller.close()
-
-    run(pull_then_release())
-    assert _until(lambda: len(open_segments(owner.pid)) == 3), open_segments(owner.pid)
+    stats = owner.stats()
+    assert stats["leases"] == 0  # every hold ended with its acknowledgement
+    # Nine pulls, at most three at once: their memfds went back to the pool and were used again.
+    assert 1 <= stats["idle_segments"] <= 3 and len(open_segments(owner.pid)) == stats["idle_segments"]
     assert _dev_shm() == shm_before  # nothing named in /dev/shm, ever
 
 
@@ -182,7 +172,7 @@ def test_a_reader_killed_holding_the_memory_leaves_nothing_behind(backend: str) 
         try:
             assert conn.poll(60) and conn.recv() == "mapped"
             assert owner.stats()["leases"] == 1  # the owner holds the memory for it
-            assert len(mapped_segments(proc.pid)) == 1
+            assert len(open_segments(proc.pid)) == 1  # it has the owner's memfd open
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(10)
         finally:
@@ -191,8 +181,9 @@ def test_a_reader_killed_holding_the_memory_leaves_nothing_behind(backend: str) 
         # Its connection dropped (TCP) or its process is found gone (UCX): the hold ends.
         assert _until(lambda: owner.stats()["leases"] == 0), "the dead reader's hold was kept"
         assert owner.release(owner.handles[0])
-        assert _until(lambda: open_segments(owner.pid) == []), open_segments(owner.pid)
-        assert owner.stats()["handles"] == 0
+        # What it held went back to the pool, to be lent again (the owner's only memfd).
+        assert owner.stats()["handles"] == 0 and owner.stats()["idle_segments"] == 1
+        assert len(open_segments(owner.pid)) == 1
         # And it serves on: a new pull of a new tensor is copied as before.
         handle = owner.publish(SPECS[BIG])
 
@@ -205,6 +196,7 @@ def test_a_reader_killed_holding_the_memory_leaves_nothing_behind(backend: str) 
             await puller.close()
 
         run(again())
+        assert len(open_segments(owner.pid)) == 1  # the same one
     assert _dev_shm() == shm_before
 
 
@@ -277,4 +269,4 @@ def test_a_puller_without_the_secret_is_lent_nothing(backend: str) -> None:
             await puller.close()
 
         run(main())
-        assert owner.stats()["leases"] == 0 and open_segments(owner.pid) == []
+        assert owner.stats()["leases"] == 0 and open_segments(owner.pid) == []  # nothing was copied

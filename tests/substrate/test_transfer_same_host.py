@@ -52,6 +52,11 @@ def test_a_same_host_puller_is_offered_what_it_can_open_and_nothing_else() -> No
     assert choose({"h": "x"}, "cpu", 2 * MIB, owner) is None  # an older puller asks nothing of it
     assert choose(cpu_puller, "cpu", 2 * MIB, TransferConfig(host_local=False)) is None  # owner opted out
     assert offer(TransferConfig(host_local=False)) == {}  # puller opted out
+    # CPU tensors go host-local from owners whose bytes would cross a socket; UCX's shared memory
+    # already carries them, unless asked.
+    assert puller_kinds(TransferConfig(), by_socket=False) == []
+    assert puller_kinds(TransferConfig(host_local_cpu=True), by_socket=False) == ["fd"]
+    assert puller_kinds(TransferConfig(host_local_cpu=False)) == []
     # Here (no CUDA) a puller configured for a GPU still only opens memfds.
     expected = ["fd", "cuda"] if torch.cuda.is_available() else ["fd"]
     assert puller_kinds(TransferConfig(device="cuda:0")) == expected
@@ -128,36 +133,46 @@ def _prepared(table: HandleTable, handle: str, request: dict) -> Lease | None:
     raise AssertionError("still not prepared")
 
 
-def test_a_released_tensor_stays_readable_until_its_reader_lets_go() -> None:
+def test_each_same_host_pull_is_lent_a_copy_that_outlives_the_release_until_it_lets_go() -> None:
     table = HandleTable()
     tensor = make_tensor(TensorSpec((2, MIB), "float32", 7))  # 8 MiB
     handle = table.put(tensor, None, ttl=None)
     assert _prepared(table, handle, {}) is None  # a puller elsewhere: its bytes stream
-    lease = _prepared(table, handle, offer(TransferConfig()))
-    assert isinstance(lease, Lease) and lease.kind is Kind.FD and table.leases == 1
-    assert len(open_segments()) == 1
-    assert table.pop(handle) and handle not in table  # released while the reader holds it
-    dest = torch.empty(tensor.numel() * 4, dtype=torch.uint8)
-    read_into(lease.descriptor, dest)  # still there for it
-    assert torch.equal(dest, as_bytes(tensor))
-    lease.end()
-    lease.end()  # idempotent
-    assert table.leases == 0 and open_segments() == []  # the owner's descriptor closed with the last hold
+    first = _prepared(table, handle, offer(TransferConfig()))
+    second = _prepared(table, handle, offer(TransferConfig()))
+    assert isinstance(first, Lease) and isinstance(second, Lease) and first.kind is second.kind is Kind.FD
+    assert first.descriptor["fd"] != second.descriptor["fd"] and table.leases == 2  # one copy each
+    assert table.pop(handle) and handle not in table  # released while both hold theirs
+    for lease in (first, second):
+        dest = torch.empty(tensor.numel() * 4, dtype=torch.uint8)
+        read_into(lease.descriptor, dest)  # still there for it
+        assert torch.equal(dest, as_bytes(tensor))
+    first.end()
+    first.end()  # idempotent
+    second.end()
+    assert table.leases == 0 and table.idle_segments == 2  # back in the pool, for the next pulls
+    again = table.put(tensor, None, ttl=None)
+    third = _prepared(table, again, offer(TransferConfig()))
+    assert third is not None and third.descriptor["fd"] in (first.descriptor["fd"], second.descriptor["fd"])
+    third.end()
+    table.clear()  # the backend closes
+    assert open_segments() == [] and mapped_segments() == []
 
 
-def test_an_expired_tensor_is_freed_once_its_last_lease_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_expired_tensor_leaves_its_lent_copy_to_its_reader(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
     monkeypatch.setattr("common.transfer.handles.time.monotonic", lambda: now[0])
     table = HandleTable()
-    handle = table.put(make_tensor(TensorSpec((MIB,), "int64", 8)), None, ttl=30)
-    first = _prepared(table, handle, offer(TransferConfig()))
-    second = _prepared(table, handle, offer(TransferConfig()))
-    assert first is not None and second is not None and table.leases == 2
-    assert first.descriptor == second.descriptor  # one segment, made once, lent twice
+    tensor = make_tensor(TensorSpec((MIB,), "int64", 8))
+    handle = table.put(tensor, None, ttl=30)
+    lease = _prepared(table, handle, offer(TransferConfig()))
+    assert lease is not None
     now[0] += 31  # its time is up
-    assert len(table) == 0
-    first.end()
-    assert len(open_segments()) == 1
-    second.end()
-    assert open_segments() == [] and table.leases == 0
-    assert mapped_segments() == []  # and with its last tensor gone, the owner's mapping
+    assert len(table) == 0 and table.leases == 1
+    dest = torch.empty(tensor.numel() * 8, dtype=torch.uint8)
+    read_into(lease.descriptor, dest)
+    assert torch.equal(dest, as_bytes(tensor))
+    lease.end()
+    assert table.leases == 0
+    table.clear()
+    assert open_segments() == [] and mapped_segments() == []
