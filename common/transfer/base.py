@@ -120,12 +120,14 @@ class TransferBackend(abc.ABC):
     async def close(self) -> None: ...
 
     def publish(
-        self, tensor: torch.Tensor, handle: str | None = None, ttl: float | None = None, sliding: bool = False
-    ) -> str:
+        self, tensor: torch.Tensor, handle: str | None = None, ttl: float | None = None,
+        sliding: bool = False, ready: torch.cuda.Event | None = None,
+    ) -> str:  # fmt: skip
         """Serve `tensor` (kept by reference, no copy if contiguous; a CUDA tensor stays on its GPU
         within `config.device_bytes`) until released or `ttl` passes; `sliding`: `ttl` from its last
-        pull instead of from now."""
-        return self.handles.put(tensor, handle, ttl, sliding)
+        pull instead of from now. `ready`: a CUDA event recorded where the tensor's writes were
+        queued, when that was another thread or stream than this one's."""
+        return self.handles.put(tensor, handle, ttl, sliding, ready)
 
     def reserve(self) -> str:
         """A handle to advertise now and `fill` later (from any thread); pulls wait for the fill."""

@@ -106,8 +106,11 @@ class HandleTable:
         self._segments = SegmentPool(self.config.max_cached_bytes)
 
     # -- publishing (any thread) -------------------------------------------------------------------
-    def put(self, tensor: torch.Tensor, handle: str | None, ttl: float | None, sliding: bool = False) -> str:
-        tensor, ready = self._servable(tensor)
+    def put(
+        self, tensor: torch.Tensor, handle: str | None, ttl: float | None, sliding: bool = False,
+        ready: torch.cuda.Event | None = None,
+    ) -> str:  # fmt: skip
+        tensor, ready = self._servable(tensor, ready)
         handle = handle or uuid.uuid4().hex
         expires = time.monotonic() + ttl if ttl else None
         entry = Entry(tensor, expires, ttl if sliding and ttl else None, ready=ready)
@@ -145,15 +148,21 @@ class HandleTable:
         self._trim_device()
         return True
 
-    def _servable(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def _servable(
+        self, tensor: torch.Tensor, ready: torch.cuda.Event | None = None
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """What is kept of a published tensor, and (CUDA) the event that completes once it is
+        written: `ready` if the publisher recorded one where it queued the writes, else one recorded
+        now on this thread's stream, after everything this thread queued."""
         dtype_name(tensor.dtype)  # refuse dtypes that cannot travel, at publish time
         tensor = tensor.detach()
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.device.type == "cuda" and 0 < nbytes <= self.config.device_bytes:
-            tensor = tensor.contiguous()
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(tensor.device))  # after the writes this thread queued
-            return tensor, ready
+            contiguous = tensor.contiguous()
+            if ready is None or contiguous is not tensor:  # a copy made here: behind it
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(tensor.device))
+            return contiguous, ready
         return tensor.to("cpu").contiguous(), None
 
     # -- looking up (any thread) -------------------------------------------------------------------

@@ -154,7 +154,9 @@ class PrefillHandler(StageHandler):
                 held.sent = []  # the decoder answers for them once it has the outcome
                 return
             held.kv_stream = None  # its decode task was not queued: hand it on as if unstreamed
-        req, shapes, buffers = await ctx.engine.call(lambda: _export(ctx.engine.engine, rid, group, wire))
+        req, shapes, buffers, ready = await ctx.engine.call(
+            lambda: _export(ctx.engine.engine, rid, group, wire)
+        )
         ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
         groups, handles = [], []
         spec = ctx.engine.engine.kv_spec
@@ -164,7 +166,9 @@ class PrefillHandler(StageHandler):
                 kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, shape=shape,
                                    inline=InlineTensor.from_tensor(buf))  # fmt: skip
             else:
-                handles.append(ctx.transfer.publish(buf))  # served until released: the ledger owns it
+                handles.append(
+                    ctx.transfer.publish(buf, ready=ready)
+                )  # served until released: the ledger owns it
                 kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, handle=handles[-1],
                                    shape=shape)  # fmt: skip
             groups.append(kv_group)
@@ -268,12 +272,18 @@ class PrefillHandler(StageHandler):
 
 def _export(
     engine: Engine, rid: str, group: int, wire: str
-) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor]]:
+) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor], torch.cuda.Event | None]:
     """On the engine thread: the handed-off request, and its KV by group of layers: each buffer's
-    shape, and the buffer as it travels (`wire` "int8": packed by kv_quant)."""
+    shape, the buffer as it travels (`wire` "int8": packed by kv_quant), and on a GPU the event
+    behind the copies on the engine's stream (a same-host decoder reads them only after it)."""
     req = engine.handed_off(rid)
     if req is None:
-        return None, [], []
+        return None, [], [], None
     buffers = engine.export_kv(rid, group)
     shapes = [tuple(b.shape) for b in buffers]
-    return req, shapes, [kv_quant.pack(b) for b in buffers] if wire == "int8" else buffers
+    buffers = [kv_quant.pack(b) for b in buffers] if wire == "int8" else buffers
+    ready = None
+    if buffers and buffers[0].device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(buffers[0].device))
+    return req, shapes, buffers, ready

@@ -36,7 +36,9 @@ SETTLE = 5.0
 
 
 def _puller(backend: str, device: str | None = GPU, **kw):  # type: ignore[no-untyped-def]
-    return create_backend(TransferConfig(backend=backend, timeout=20.0, device=device, **kw))  # type: ignore[arg-type]
+    # host_local_cpu: a GPU tensor moved to host memory goes by memfd over UCX too, as over TCP.
+    config = TransferConfig(backend=backend, timeout=20.0, device=device, host_local_cpu=True, **kw)  # type: ignore[arg-type]
+    return create_backend(config)
 
 
 def _until(check: Callable[[], bool], timeout: float = SETTLE) -> bool:
