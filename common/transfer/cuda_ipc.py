@@ -10,11 +10,13 @@ on a side stream, waits for the copy, and closes the mapping before it returns.
 Lifetimes. torch counts a shared storage's readers in a shared-memory file: sharing sets its
 counter to 1, a reader decrements it when it drops the storage, and the owner frees the memory only
 at 0 (else it parks the block until the counter gets there, for ever if a reader died holding it).
-Here the owner alone keeps that count: readers are handed a counter name that does not exist
-(torch's reader-side decrement is best effort and skips a missing file), and the owner decrements
-once, when the export's last holder (its entry and each open lease) lets go. Until then the owner
-holds the tensor itself, so its memory is not reused while a reader may copy it: a lease ends on
-the reader's acknowledgement, sent after its copy finished, or when its connection drops.
+Here that count is set back to 0 at once, and readers are handed a counter name that does not
+exist (torch's reader-side decrement is best effort and skips a missing file), so torch never
+parks the block: what keeps the memory from being reused while a reader may copy it is the owner
+holding the tensor itself, as long as the export's holders (its entry, each open lease) last. A
+lease ends on the reader's acknowledgement, sent after its copy finished, or when it is gone.
+torch's counter file (/dev/shm/torch_<pid>_..., one per 10,000 shares) is torch's: it is removed
+when the owner exits, except after a SIGKILL.
 
 Stream order: the owner answers only once the event recorded after the tensor was written has
 completed (handles.py), so the reader needs no IPC event and waits on nothing of the owner's.
@@ -88,7 +90,8 @@ class CudaExport:
             offset=tensor.storage_offset() * tensor.element_size(),
             nbytes=tensor.numel() * tensor.element_size(), event=bytes(event),
         )  # fmt: skip
-        self._counter = (counter, counter_offset)
+        # Readers are not counted by torch (see above): its count is back to 0 from now on.
+        torch.UntypedStorage._release_ipc_counter_cuda(counter, counter_offset)
         self._tensor: torch.Tensor | None = tensor  # its memory stays ours while anyone holds this
         self._refs = 1
         self._lock = threading.Lock()
@@ -107,10 +110,7 @@ class CudaExport:
             self._refs -= 1
             last = self._refs == 0
         if last:
-            # torch's count back to 0 before the last reference goes: the memory is then freed
-            # (back to the caching allocator) when the tensor is, not parked for readers.
-            torch.UntypedStorage._release_ipc_counter_cuda(*self._counter)
-            self._tensor = None
+            self._tensor = None  # freed (back to the caching allocator) with its last reference
 
     @property
     def closed(self) -> bool:
