@@ -47,7 +47,9 @@ class Entry:
     segment: Segment | None = None  # a copy made for the next same-host pull (that pull's to take)
     busy: bool = False  # a job prepares it (to host memory, into a memfd, waiting for `ready`)
     no_ipc: bool = False  # its CUDA IPC export failed: served from host memory instead
+    no_fd: bool = False  # copying it into a memfd failed: its bytes stream instead
     retired: bool = False  # released or expired: a job that ends on it frees what it made
+    broken: bool = False  # a job preparing it failed: answered "not found" (the puller recomputes)
 
     @property
     def filled(self) -> bool:
@@ -195,8 +197,10 @@ class HandleTable:
         stream from host memory), WAITING (a job prepares it first; `wake()` when it ends), or GONE
         (released meanwhile, and not in host memory)."""
         with self._lock:
+            if entry.broken or (entry.retired and entry.on_device):
+                return GONE
             if entry.retired:  # released since it was looked up: what is in host memory still goes
-                return GONE if entry.on_device else None
+                return None
             if entry.busy:
                 entry.waiters.append(wake)
                 return WAITING
@@ -209,7 +213,7 @@ class HandleTable:
                 return self._lease_locked(entry, kind)
             if entry.on_device:  # a puller that cannot map it: its bytes leave from host memory
                 return self._start_locked(entry, self._to_host, wake)
-            if kind is Kind.FD:
+            if kind is Kind.FD and not entry.no_fd:
                 if entry.segment is None:
                     return self._start_locked(entry, self._to_segment, wake)
                 segment, entry.segment = entry.segment, None  # this pull's: it alone maps it
@@ -314,6 +318,7 @@ class HandleTable:
             job(entry)
         except Exception:
             log.exception("preparing a served tensor failed")
+            entry.broken = True  # not tried again and again: its pulls fail, and recompute
         finally:
             with self._lock:
                 entry.busy = False
@@ -336,7 +341,12 @@ class HandleTable:
             shared.drop()
 
     def _to_segment(self, entry: Entry) -> None:
-        segment = self._segments.copy_of(entry.tensor)
+        try:
+            segment = self._segments.copy_of(entry.tensor)
+        except OSError as exc:  # out of memory or descriptors: the byte stream still works
+            log.warning("copying a served tensor into shared memory failed (%r); streaming it", exc)
+            entry.no_fd = True
+            return
         with self._lock:
             if not entry.retired and entry.segment is None:
                 entry.segment, segment = segment, None
