@@ -94,6 +94,12 @@ class ServiceSettings(BaseSettings):
         description="Tensors (image features, KV) up to this many bytes ride inside the NATS message; larger "
         "ones are pulled by handle over the transfer port. 0: every tensor by handle",
     )
+    transfer_host_local: bool = Field(
+        True,
+        description="Pulls between processes of one host copy straight from the owner's memory (shared "
+        "memory for CPU tensors, CUDA IPC GPU to GPU) instead of taking the bytes over the transfer port; "
+        "off: every pull streams",
+    )
     # The gateway's API and the planner's write endpoints ask for one of them; empty: open.
     api_keys: str = Field(
         "",
@@ -320,6 +326,12 @@ class WorkerSettings(ServiceSettings):
     )
     transfer: str = Field(
         "auto", description="Bulk transfer backend: auto (UCX when it loads, TCP with TLS) | ucx | tcp"
+    )
+    transfer_device_bytes: int = Field(
+        4 << 30,
+        ge=0,
+        description="Bytes of published KV and features a GPU instance keeps on its GPU for host-local "
+        "pullers (past it the oldest move to host memory); 0: all are served from host memory",
     )
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
     kv_wire: KvWire = Field(

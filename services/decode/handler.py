@@ -22,9 +22,10 @@ from common.protocol import DecodeTask, PrefillTask, Release
 from common.protocol.tensors import KvWire, torch_dtype
 from common.roles import Role
 from common.store import Stage
-from common.transfer import TransferError
+from common.transfer import TransferError, TransferPath
 from services.worker.ledger import Held
 from services.worker.stage import StageHandler
+from services.worker.stage_metrics import path_label
 
 log = logging.getLogger(__name__)
 BLOCKS_POLL = 0.02  # seconds between looks at the engine while a task waits for KV blocks
@@ -75,7 +76,7 @@ class DecodeHandler(StageHandler):
         ctx.ledger.mark(held, Stage.PD_TRANSFER_STARTED, decode_instance=ctx.instance_id)
         ctx.metrics.taken(self.role, task.stored, at=held.marks[Stage.PD_TRANSFER_STARTED])
         try:
-            buffers, outcome = await self._pull_kv(held, msg)
+            buffers, outcome, path = await self._pull_kv(held, msg)
         except TransferError as exc:
             # The prefill instance is gone or dropped the KV (or released it to a decoder that
             # died): prefill the request again over its prompt and the tokens the client has seen.
@@ -85,9 +86,10 @@ class DecodeHandler(StageHandler):
             ctx.counters.kv_pull_failures += 1
             await self._back_to_prefill(held, await ctx.streamed(rid, spec.output_token_ids))
             return
-        ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED)
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED, pd_path=path, pd_bytes=str(nbytes))
         seconds = held.marks[Stage.PD_TRANSFER_ENDED] - held.marks[Stage.PD_TRANSFER_STARTED]
-        ctx.metrics.transferred("pd", seconds, sum(b.numel() * b.element_size() for b in buffers))
+        ctx.metrics.transferred("pd", seconds, nbytes, path)
         outputs = list(spec.output_token_ids)
         if outcome is not None:  # streamed: the prefill's outcome comes last
             ended, outputs = bool(outcome[0]), outcome[1:].tolist()
@@ -121,18 +123,27 @@ class DecodeHandler(StageHandler):
         ctx.ledger.mark(held, Stage.DECODE_STARTED)
         ctx.counters.decodes_admitted += 1
 
-    async def _pull_kv(self, held: Held, msg: DecodeTask) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Every group's buffer, pulled all at once (002 §3.3), and for streamed KV the prefill's
-        outcome too (int64 [ended, *outputs]); the first failure raises once all have ended."""
+    async def _pull_kv(
+        self, held: Held, msg: DecodeTask
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, str]:
+        """Every group's buffer, pulled all at once (002 §3.3) — from a GPU prefill on this host,
+        GPU to GPU onto this instance's device —, for streamed KV the prefill's outcome too (int64
+        [ended, *outputs]), and the path the groups took; the first failure raises once all have
+        ended."""
         ctx, kv = self.ctx, msg.kv
         refs = kv.refs() + ([kv.tail_ref(len(msg.request.output_token_ids))] if kv.tail else [])
-        pulled = await asyncio.gather(*(ctx.pull(held, ref) for ref in refs), return_exceptions=True)
+        pulled = await asyncio.gather(
+            *(ctx.pull_with_path(held, ref) for ref in refs), return_exceptions=True
+        )
         for result in pulled:
             if isinstance(result, BaseException):
                 raise result
         by_handle = iter(pulled)
-        buffers = [g.inline.to_tensor() if g.inline else next(by_handle) for g in kv.groups]
-        return buffers, next(by_handle) if kv.tail else None
+        groups = [
+            (g.inline.to_tensor(), TransferPath.INLINE) if g.inline else next(by_handle) for g in kv.groups
+        ]
+        outcome = next(by_handle)[0] if kv.tail else None
+        return [buffer for buffer, _ in groups], outcome, path_label([path for _, path in groups])
 
     async def _release_at_owner(self, msg: DecodeTask) -> None:
         """Tell the prefill instance that holds the request's KV to free it."""

@@ -121,6 +121,7 @@ class Links:
             secret=s.transfer_secret,
             inline_max_bytes=s.transfer_inline_max_bytes,
             tls=s.tls,
+            host_local=s.transfer_host_local,
         )
         runtime = await Runtime.connect(s, instance_id, transfer=transfer)
         return cls(runtime, s.max_queued_tasks, queued)

@@ -33,12 +33,13 @@ from common.protocol import (
 from common.roles import Role
 from common.store import Stage
 from common.store.features import FEATURE_TTL
-from common.transfer import TransferError
+from common.transfer import TransferError, TransferPath
 from services.prefill.kv_stream import StreamedKv, StreamSink
 from services.settings import WorkerSettings
 from services.worker.context import StageContext
 from services.worker.ledger import Held
 from services.worker.stage import StageHandler
+from services.worker.stage_metrics import path_label
 
 log = logging.getLogger(__name__)
 KV_TTL = 120.0  # seconds prefill keeps exported KV when no release notice comes
@@ -167,7 +168,9 @@ class PrefillHandler(StageHandler):
                 held.sent = []  # the decoder answers for them once it has the outcome
                 return
             held.kv_stream = None  # its decode task was not queued: hand it on as if unstreamed
-        req, shapes, buffers = await ctx.engine.call(lambda: _export(ctx.engine.engine, rid, group, wire))
+        req, shapes, buffers, ready = await ctx.engine.call(
+            lambda: _export(ctx.engine.engine, rid, group, wire)
+        )
         ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
         groups, handles = [], []
         spec = ctx.engine.engine.kv_spec
@@ -177,7 +180,9 @@ class PrefillHandler(StageHandler):
                 kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, shape=shape,
                                    inline=InlineTensor.from_tensor(buf))  # fmt: skip
             else:
-                handles.append(ctx.transfer.publish(buf))  # served until released: the ledger owns it
+                handles.append(
+                    ctx.transfer.publish(buf, ready=ready)
+                )  # served until released: the ledger owns it
                 kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, handle=handles[-1],
                                    shape=shape)  # fmt: skip
             groups.append(kv_group)
@@ -230,6 +235,7 @@ class PrefillHandler(StageHandler):
             return []
         ctx.ledger.mark(held, Stage.EP_TRANSFER_STARTED)
         out: list[torch.Tensor | None] = []
+        paths: list[TransferPath] = []
         for img in held.spec.images:
             ref = img.features
             if ref is None:
@@ -238,7 +244,9 @@ class PrefillHandler(StageHandler):
             try:
                 if ref is None:
                     raise TransferError(f"no features registered for image {img.content_hash[:12]}")
-                out.append(await ctx.pull(held, ref))
+                tensor, path = await ctx.pull_with_path(held, ref)
+                out.append(tensor)
+                paths.append(path)
             except TransferError as exc:
                 log.warning(
                     "features of %s for %s unavailable (%s); recomputing", img.content_hash[:12], rid, exc
@@ -247,9 +255,10 @@ class PrefillHandler(StageHandler):
                 if isinstance(ref, TensorRef):
                     await ctx.store.features.remove(img.content_hash, ref.owner)
                 return None
-        ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED)
+        nbytes, path = sum(t.numel() * t.element_size() for t in out), path_label(paths)
+        ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED, ep_path=path, ep_bytes=str(nbytes))
         seconds = held.marks[Stage.EP_TRANSFER_ENDED] - held.marks[Stage.EP_TRANSFER_STARTED]
-        ctx.metrics.transferred("ep", seconds, sum(t.numel() * t.element_size() for t in out))
+        ctx.metrics.transferred("ep", seconds, nbytes, path)
         return out
 
     async def _pull_pixels(self, held: Held) -> list[torch.Tensor | None] | None:
@@ -277,12 +286,18 @@ class PrefillHandler(StageHandler):
 
 def _export(
     engine: Engine, rid: str, group: int, wire: KvWire
-) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor]]:
+) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor], torch.cuda.Event | None]:
     """On the engine thread: the handed-off request, and its KV by group of layers: each buffer's
-    shape, and the buffer as it travels (packed by kv_quant on the INT8 wire)."""
+    shape, the buffer as it travels (packed by kv_quant on the INT8 wire), and on a GPU the event
+    behind the copies on the engine's stream (a same-host decoder reads them only after it)."""
     req = engine.handoff.handed_off(rid)
     if req is None:
-        return None, [], []
+        return None, [], [], None
     buffers = engine.handoff.export_kv(rid, group)
     shapes = [tuple(b.shape) for b in buffers]
-    return req, shapes, [kv_quant.pack(b) for b in buffers] if wire == KvWire.INT8 else buffers
+    buffers = [kv_quant.pack(b) for b in buffers] if wire == KvWire.INT8 else buffers
+    ready = None
+    if buffers and buffers[0].device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(buffers[0].device))
+    return req, shapes, buffers, ready

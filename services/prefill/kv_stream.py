@@ -44,8 +44,8 @@ class StreamedKv:
     cached_tokens: int
 
     def group(self, index: int, buffer: torch.Tensor) -> None:
-        """On the engine thread, inside the forward."""
-        buffer = buffer.to("cpu")
+        """On the engine thread, inside the forward. A GPU buffer stays on the GPU (within the
+        transfer's device budget): a decoder on this host copies it GPU to GPU."""
         self.transfer.fill(self.handles[index], kv_quant.pack(buffer) if self.wire == KvWire.INT8 else buffer)
 
     def finish(self, ended: bool, outputs: list[int]) -> bool:

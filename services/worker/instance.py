@@ -62,6 +62,9 @@ def transfer_config(s: WorkerSettings) -> TransferConfig:
         secret=s.transfer_secret,
         inline_max_bytes=s.transfer_inline_max_bytes,
         tls=s.tls,
+        host_local=s.transfer_host_local,
+        device=s.device if s.device.startswith("cuda") else None,  # where GPU tensors it pulls land
+        device_bytes=s.transfer_device_bytes,
     )
 
 

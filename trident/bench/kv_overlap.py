@@ -109,8 +109,8 @@ class Harness:
         handles, streamed = [], rid in self._announced  # small KV does not stream
         if not streamed:  # the hand-off as the prefill stage does it when the KV did not stream
             group, wire = self.kv_layer_group, self.kv_wire
-            _, _, buffers = await self.loop.call(lambda: _export(self.engine, rid, group, wire))
-            handles = [self.transfer.publish(b) for b in buffers]
+            _, _, buffers, ready = await self.loop.call(lambda: _export(self.engine, rid, group, wire))
+            handles = [self.transfer.publish(b, ready=ready) for b in buffers]
             self.conn.send((self.transfer.address, handles))
         landed, nbytes = await asyncio.to_thread(self.conn.recv)
         await self.loop.call(lambda: self.engine.abort(rid))
