@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
+from common.protocol import KvWire
 from common.stats import SLO
 from trident.bench import kv_overlap
 from trident.bench.compare import PLANNER, Bench, Comparison, System, compare, table
@@ -143,7 +144,9 @@ def main() -> None:
 def overlap(model: Path, lengths: list[int], repeats: int) -> None:
     """The overlap table alone: how much of each prompt length's KV transfer the prefill hides."""
     rate = single_thread_gflops()
-    rows = asyncio.run(kv_overlap.measure(kv_overlap.Prefill(model, group=4), lengths, repeats))
+    rows = asyncio.run(
+        kv_overlap.measure(kv_overlap.Prefill(model, group=4, wire=KvWire.NATIVE), lengths, repeats)
+    )
     print(f"## overlap\n\n{kv_overlap.table(rows)}", flush=True)
     print(json.dumps({"matmul_gflops": round(rate, 1), "overlap": rows}))
 

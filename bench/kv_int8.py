@@ -169,13 +169,13 @@ class Decoders:
         decoder = Engine(self.model, EngineConfig(roles=frozenset({Role.DECODE}), **self.config))
         native_bytes = wire_bytes = 0
         for req in reqs:
-            kv = prefill.export_kv(req.request_id, self.group)
+            kv = prefill.handoff.export_kv(req.request_id, self.group)
             if rounded:
                 native_bytes += sum(b.numel() * b.element_size() for b in kv)
                 trips = [self.round_trip(b) for b in kv]
                 wire_bytes += sum(n for _, n in trips)
                 kv = [t for t, _ in trips]
-            decoder.add_prefilled(
+            decoder.handoff.add_prefilled(
                 req.request_id, req.prompt_token_ids, req.output_token_ids, self.params, kv, req.rope_delta
             )
         return decoder, native_bytes, wire_bytes

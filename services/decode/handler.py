@@ -19,12 +19,13 @@ from common.engine import AdmissionError, kv_quant
 from common.engine.admission import check_fits, decode_room
 from common.engine.spec_prompt import spec_prompt
 from common.protocol import DecodeTask, PrefillTask, Release, RequestSpec
-from common.protocol.tensors import torch_dtype
+from common.protocol.tensors import KvWire, torch_dtype
 from common.roles import Role
 from common.store import Stage
-from common.transfer import TransferError
+from common.transfer import TransferError, TransferPath
 from services.worker.ledger import Held
 from services.worker.stage import StageHandler
+from services.worker.stage_metrics import path_label
 
 log = logging.getLogger(__name__)
 BLOCKS_POLL = 0.02  # seconds between looks at the engine while a task waits for KV blocks
@@ -54,7 +55,7 @@ class DecodeHandler(StageHandler):
                 len(spec.prompt_token_ids),
                 spec.sampling.max_tokens,
                 max_model_len=engine.max_model_len,
-                kv_tokens=engine.kv_tokens,
+                kv_tokens=engine.handoff.kv_tokens,
             )
         except AdmissionError as exc:
             await ctx.fail(spec.request_id, "service_unavailable", str(exc))
@@ -95,7 +96,7 @@ class DecodeHandler(StageHandler):
         """Until the engine has room for `need` tokens of KV; False if the instance drains meanwhile
         (the task is given back: another replica takes it)."""
         ctx, engine = self.ctx, self.ctx.engine.engine
-        while not await ctx.engine.call(lambda: engine.can_admit(need)):
+        while not await ctx.engine.call(lambda: engine.handoff.can_admit(need)):
             if ctx.draining.is_set():
                 await ctx.ledger.give_back(held.request_id)
                 return False
@@ -110,7 +111,7 @@ class DecodeHandler(StageHandler):
         the request went back to prefill."""
         ctx, rid = self.ctx, held.request_id
         try:
-            buffers, outcome = await self._pull_kv(held, msg)
+            buffers, outcome, path = await self._pull_kv(held, msg)
         except TransferError as exc:
             # The prefill instance is gone or dropped the KV (or released it to a decoder that
             # died): prefill the request again over its prompt and the tokens the client has seen.
@@ -120,9 +121,10 @@ class DecodeHandler(StageHandler):
             ctx.counters.kv_pull_failures += 1
             await self._back_to_prefill(held, await ctx.streamed(rid, msg.request.output_token_ids))
             return None
-        ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED)
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED, pd_path=path, pd_bytes=str(nbytes))
         seconds = held.marks[Stage.PD_TRANSFER_ENDED] - held.marks[Stage.PD_TRANSFER_STARTED]
-        ctx.metrics.transferred("pd", seconds, sum(b.numel() * b.element_size() for b in buffers))
+        ctx.metrics.transferred("pd", seconds, nbytes, path)
         return buffers, outcome
 
     async def _admit(
@@ -131,7 +133,7 @@ class DecodeHandler(StageHandler):
         """Into the engine with the pulled KV, then release it at its owner."""
         ctx, rid, engine = self.ctx, held.request_id, self.ctx.engine.engine
         try:
-            if msg.kv.wire == "int8":  # back into the cache's dtype (kv_quant.py)
+            if msg.kv.wire == KvWire.INT8:  # back into the cache's dtype (kv_quant.py)
                 dtype = torch_dtype(msg.kv.dtype)
                 groups = msg.kv.groups
                 buffers = [kv_quant.unpack(b, g.shape, dtype) for b, g in zip(buffers, groups, strict=True)]
@@ -141,7 +143,7 @@ class DecodeHandler(StageHandler):
             prompt = spec_prompt(spec, engine.processor.placeholder_ids, none, none)
 
             def admit(e):
-                return e.add_prefilled(
+                return e.handoff.add_prefilled(
                     rid,
                     prompt.token_ids,
                     outputs,
@@ -161,18 +163,27 @@ class DecodeHandler(StageHandler):
         ctx.ledger.mark(held, Stage.DECODE_STARTED)
         ctx.counters.decodes_admitted += 1
 
-    async def _pull_kv(self, held: Held, msg: DecodeTask) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Every group's buffer, pulled all at once (002 §3.3), and for streamed KV the prefill's
-        outcome too (int64 [ended, *outputs]); the first failure raises once all have ended."""
+    async def _pull_kv(
+        self, held: Held, msg: DecodeTask
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, str]:
+        """Every group's buffer, pulled all at once (002 §3.3) — from a GPU prefill on this host,
+        GPU to GPU onto this instance's device —, for streamed KV the prefill's outcome too (int64
+        [ended, *outputs]), and the path the groups took; the first failure raises once all have
+        ended."""
         ctx, kv = self.ctx, msg.kv
         refs = kv.refs() + ([kv.tail_ref(len(msg.request.output_token_ids))] if kv.tail else [])
-        pulled = await asyncio.gather(*(ctx.pull(held, ref) for ref in refs), return_exceptions=True)
+        pulled = await asyncio.gather(
+            *(ctx.pull_with_path(held, ref) for ref in refs), return_exceptions=True
+        )
         for result in pulled:
             if isinstance(result, BaseException):
                 raise result
         by_handle = iter(pulled)
-        buffers = [g.inline.to_tensor() if g.inline else next(by_handle) for g in kv.groups]
-        return buffers, next(by_handle) if kv.tail else None
+        groups = [
+            (g.inline.to_tensor(), TransferPath.INLINE) if g.inline else next(by_handle) for g in kv.groups
+        ]
+        outcome = next(by_handle)[0] if kv.tail else None
+        return [buffer for buffer, _ in groups], outcome, path_label([path for _, path in groups])
 
     async def _release_at_owner(self, msg: DecodeTask) -> None:
         """Tell the prefill instance that holds the request's KV to free it."""

@@ -21,16 +21,26 @@ from common.engine import Engine, kv_quant
 from common.engine.admission import PREFILL_WAITING, prefill_room
 from common.engine.kv_cache import layer_groups
 from common.engine.request import Request
-from common.protocol import DecodeTask, EncodeTask, InlineTensor, KvGroup, KvLocation, TensorRef, dtype_name
+from common.protocol import (
+    DecodeTask,
+    EncodeTask,
+    InlineTensor,
+    KvGroup,
+    KvLocation,
+    KvWire,
+    TensorRef,
+    dtype_name,
+)
 from common.roles import Role
 from common.store import Stage
 from common.store.features import FEATURE_TTL
-from common.transfer import TransferError
+from common.transfer import TransferError, TransferPath
 from services.prefill.kv_stream import StreamedKv, StreamSink
 from services.settings import WorkerSettings
 from services.worker.context import StageContext
 from services.worker.ledger import Held
 from services.worker.stage import StageHandler
+from services.worker.stage_metrics import path_label
 
 log = logging.getLogger(__name__)
 KV_TTL = 120.0  # seconds prefill keeps exported KV when no release notice comes
@@ -48,7 +58,7 @@ class Prefilled:
     num_tokens: int
     rope_delta: int
     cached_tokens: int
-    wire: str
+    wire: KvWire
     tail: str = ""
 
 
@@ -71,7 +81,7 @@ class PrefillHandler(StageHandler):
         *,
         prefetch: bool = True,
         kv_layer_group: int = 4,
-        kv_wire: str = "native",
+        kv_wire: KvWire = KvWire.NATIVE,
         kv_stream: bool = True,
     ) -> None:
         super().__init__(ctx)
@@ -81,7 +91,7 @@ class PrefillHandler(StageHandler):
         self.kv_stream = kv_stream  # read by the sink at each request's last prefill step
         engine = ctx.engine.engine
         sink = StreamSink(self, ctx.engine, dtype_name(engine.kv_spec.dtype))
-        ctx.engine.post(lambda: engine.stream_kv(sink, kv_layer_group))
+        ctx.engine.post(lambda: engine.handoff.stream_kv(sink, kv_layer_group))
 
     @classmethod
     def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> PrefillHandler:
@@ -182,7 +192,9 @@ class PrefillHandler(StageHandler):
                 held.sent = []  # the decoder answers for them once it has the outcome
                 return
             held.kv_stream = None  # its decode task was not queued: hand it on as if unstreamed
-        req, shapes, buffers = await ctx.engine.call(lambda: _export(ctx.engine.engine, rid, group, wire))
+        req, shapes, buffers, ready = await ctx.engine.call(
+            lambda: _export(ctx.engine.engine, rid, group, wire)
+        )
         ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
         groups, handles = [], []
         spec = ctx.engine.engine.kv_spec
@@ -196,7 +208,8 @@ class PrefillHandler(StageHandler):
                     inline=InlineTensor.from_tensor(buf),
                 )
             else:
-                handles.append(ctx.transfer.publish(buf))  # served until released: the ledger owns it
+                # Served until released: the ledger owns it.
+                handles.append(ctx.transfer.publish(buf, ready=ready))
                 kv_group = KvGroup(
                     layer_start=layers.start, layer_end=layers.stop, handle=handles[-1], shape=shape
                 )
@@ -261,6 +274,7 @@ class PrefillHandler(StageHandler):
             return []
         ctx.ledger.mark(held, Stage.EP_TRANSFER_STARTED)
         out: list[torch.Tensor | None] = []
+        paths: list[TransferPath] = []
         for img in held.spec.images:
             ref = img.features
             if ref is None:
@@ -269,7 +283,9 @@ class PrefillHandler(StageHandler):
             try:
                 if ref is None:
                     raise TransferError(f"no features registered for image {img.content_hash[:12]}")
-                out.append(await ctx.pull(held, ref))
+                tensor, path = await ctx.pull_with_path(held, ref)
+                out.append(tensor)
+                paths.append(path)
             except TransferError as exc:
                 log.warning(
                     "features of %s for %s unavailable (%s); recomputing", img.content_hash[:12], rid, exc
@@ -278,9 +294,10 @@ class PrefillHandler(StageHandler):
                 if isinstance(ref, TensorRef):
                     await ctx.store.features.remove(img.content_hash, ref.owner)
                 return None
-        ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED)
+        nbytes, path = sum(t.numel() * t.element_size() for t in out), path_label(paths)
+        ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED, ep_path=path, ep_bytes=str(nbytes))
         seconds = held.marks[Stage.EP_TRANSFER_ENDED] - held.marks[Stage.EP_TRANSFER_STARTED]
-        ctx.metrics.transferred("ep", seconds, sum(t.numel() * t.element_size() for t in out))
+        ctx.metrics.transferred("ep", seconds, nbytes, path)
         return out
 
     async def _pull_pixels(self, held: Held) -> list[torch.Tensor | None] | None:
@@ -307,13 +324,19 @@ class PrefillHandler(StageHandler):
 
 
 def _export(
-    engine: Engine, rid: str, group: int, wire: str
-) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor]]:
+    engine: Engine, rid: str, group: int, wire: KvWire
+) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor], torch.cuda.Event | None]:
     """On the engine thread: the handed-off request, and its KV by group of layers: each buffer's
-    shape, and the buffer as it travels (`wire` "int8": packed by kv_quant)."""
-    req = engine.handed_off(rid)
+    shape, the buffer as it travels (packed by kv_quant on the INT8 wire), and on a GPU the event
+    behind the copies on the engine's stream (a same-host decoder reads them only after it)."""
+    req = engine.handoff.handed_off(rid)
     if req is None:
-        return None, [], []
-    buffers = engine.export_kv(rid, group)
+        return None, [], [], None
+    buffers = engine.handoff.export_kv(rid, group)
     shapes = [tuple(b.shape) for b in buffers]
-    return req, shapes, [kv_quant.pack(b) for b in buffers] if wire == "int8" else buffers
+    buffers = [kv_quant.pack(b) for b in buffers] if wire == KvWire.INT8 else buffers
+    ready = None
+    if buffers and buffers[0].device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(buffers[0].device))
+    return req, shapes, buffers, ready

@@ -21,7 +21,7 @@ from common.engine.spec_prompt import spec_prompt
 from common.protocol import ErrorOutput, InlineTensor, RequestSpec, TensorRef
 from common.roles import Role
 from common.store import Store
-from common.transfer import TransferBackend, TransferError, fetch
+from common.transfer import TransferBackend, TransferError, TransferPath, fetch
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
 from services.worker.ledger import Held, Ledger
@@ -48,13 +48,19 @@ class StageContext:
     async def pull(self, held: Held, ref: InlineTensor | TensorRef | None) -> torch.Tensor:
         """A tensor a task points to, copied out of the transfer pool. Raises TransferError when it
         cannot be had, and Cancelled when the request was cancelled while it came."""
+        return (await self.pull_with_path(held, ref))[0]
+
+    async def pull_with_path(
+        self, held: Held, ref: InlineTensor | TensorRef | None
+    ) -> tuple[torch.Tensor, TransferPath]:
+        """`pull`, and how the tensor came (host-local, stream, inline): the transfer metrics say it.
+        A GPU tensor copied host-local lands on this instance's GPU, no copy more."""
         if ref is None:
             raise TransferError("nothing to pull")
         pulled = await fetch(self.transfer, ref)
-        tensor = pulled.tensor.clone()  # the pool buffer goes back for reuse
-        pulled.release()
+        tensor = pulled.take()  # out of the pool buffer, which goes back for reuse
         self.ledger.check_live(held)
-        return tensor
+        return tensor, pulled.path
 
     async def admit(
         self, held: Held, pixels: list[torch.Tensor | None], features: list[torch.Tensor | None]
@@ -67,9 +73,10 @@ class StageContext:
             outputs = list(spec.output_token_ids)
             await self.ledger.enter(
                 held,
-                lambda e: e.add_request(prompt, params=spec.sampling, request_id=spec.request_id,
-                                        output_token_ids=outputs),
-            )  # fmt: skip
+                lambda e: e.add_request(
+                    prompt, params=spec.sampling, request_id=spec.request_id, output_token_ids=outputs
+                ),
+            )
         except (AdmissionError, InputError, ValueError) as exc:
             await self.fail(spec.request_id, "invalid_request_error", str(exc))
 

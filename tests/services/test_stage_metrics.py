@@ -83,6 +83,19 @@ def test_transfers_count_each_pull_and_its_bytes(served):
         assert m[role][f"trident_{hop}_transfer_bytes_sum"] > 0, hop
 
 
+def test_each_pull_is_counted_under_the_path_it_took(e_p_d, served):
+    """The `path` label says how each request's tensors came (host-local, stream, inline, mixed)."""
+    for hop, role in (("ep", "prefill"), ("pd", "decode")):
+        text = httpx.get(instances(e_p_d, role)[0]["http_address"] + "/metrics", timeout=5).text
+        by_path: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == f"trident_{hop}_transfer_bytes_count":
+                    by_path[s.labels["path"]] = by_path.get(s.labels["path"], 0.0) + s.value
+        assert by_path and set(by_path) <= {"host_local", "stream", "inline", "mixed"}, by_path
+        assert sum(by_path.values()) >= REQUESTS, by_path
+
+
 def test_gateway_counts_every_gap_between_tokens(served):
     answers, _, gateway = served
     assert gateway["trident_gateway_tbt_seconds_count"] == sum(a.usage.completion_tokens - 1 for a in answers)

@@ -37,8 +37,11 @@ class ServingThread:
     """A TCP transfer backend that serves from a thread and event loop of its own. `freeze()` stops
     it answering (its loop blocks) until `thaw()`, the way a stalled owner would."""
 
-    def __init__(self, inline_max_bytes: int = INLINE_MAX) -> None:
-        self.backend = TcpBackend(TransferConfig(backend="tcp", inline_max_bytes=inline_max_bytes))
+    def __init__(self, inline_max_bytes: int = INLINE_MAX, host_local_min_bytes: int = 1 << 20) -> None:
+        config = TransferConfig(
+            backend="tcp", inline_max_bytes=inline_max_bytes, host_local_min_bytes=host_local_min_bytes
+        )
+        self.backend = TcpBackend(config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="serving", daemon=True)
         self._open = threading.Event()
@@ -120,14 +123,14 @@ class StageRig:
 @contextlib.asynccontextmanager
 async def stage_rig(
     roles: frozenset[Role], model: Path, nats: NatsServer, redis: RedisServer,
-    finals_window: float = FINALS_WINDOW, **engine: object,
+    finals_window: float = FINALS_WINDOW, host_local_min_bytes: int = 1 << 20, **engine: object,
 ) -> AsyncIterator[StageRig]:  # fmt: skip
     config = EngineConfig(roles=roles, detokenize=False, kv_cache_bytes=16 << 20, **engine)
     loaded = await asyncio.to_thread(Engine, model, config)
     store = await Store.connect(StoreConfig(url=redis.url, prefix=NAMESPACE))
     name = f"{letters(roles)}-rig"
     bus = await Bus.connect(BusConfig(url=nats.url, prefix=NAMESPACE, name=name, ack_wait=5), store)
-    serving = ServingThread()
+    serving = ServingThread(host_local_min_bytes=host_local_min_bytes)
     transfer = serving.start()
     record = StageRecorder(store)
     steps: asyncio.Queue = asyncio.Queue()

@@ -28,7 +28,7 @@ from trident.bench.clips import clip_data_url
 from trident.bench.metrics import RequestResult
 from trident.bench.repeat import ImageSeed, Repeats
 
-TIMEOUT = 600.0  # seconds a request may take, its whole stream included
+TIMEOUT = 600.0  # seconds a request may take, its whole stream included, unless the caller says
 _TEXT = "the cat sat on a red mat near the old blue door while small birds sang in tall green trees"
 DEFAULT_IMAGE_SIZE = (640, 480)
 DEFAULT_CLIP = (8.0, 640, 360)  # (seconds, width, height) of a clip a trace gives no size for
@@ -204,6 +204,7 @@ async def run(
     opts: RequestOptions,
     *,
     api_key: str = "",
+    timeout: float = TIMEOUT,
     on_done: Callable[[RequestResult], None] | None = None,
 ) -> list[RequestResult]:
     """Send `entries` at their arrival times to `base_url`/v1/chat/completions; one result each,
@@ -215,7 +216,7 @@ async def run(
         bodies = await asyncio.to_thread(lambda: [chat_body(e, i, opts) for i, e in enumerate(entries)])
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         session = _Session(client, url, time.perf_counter() + 0.2, on_done)
 
         async def one(i: int, e: TraceEntry) -> list[RequestResult]:

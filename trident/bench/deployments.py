@@ -87,9 +87,15 @@ def trident(command: UpCommand, stop_timeout: float = 150.0) -> Iterator[Served]
 
 @contextlib.contextmanager
 def transformers_serve(
-    model_dir: Path, *, port: int, log_dir: Path, continuous_batching: bool = False
+    model_dir: Path,
+    *,
+    port: int,
+    log_dir: Path,
+    continuous_batching: bool = False,
+    device: str = "cpu",
+    ready_timeout: float = 300.0,
 ) -> Iterator[Served]:
-    """`transformers serve` with `model_dir` preloaded, on CPU, until the block ends.
+    """`transformers serve` with `model_dir` preloaded, on `device`, until the block ends.
 
     It needs `accelerate` (transformers' `serving` extra): it always loads with a device_map.
     Requests must name the model as the path it was started with (`Served.model`), or none.
@@ -108,7 +114,7 @@ def transformers_serve(
     model = str(Path(model_dir).resolve())
     argv = [
         sys.executable, "-m", "transformers.cli.transformers", "serve", model,
-        "--device", "cpu",
+        "--device", device,
         "--host", "127.0.0.1",
         "--port", str(port),
         "--log-level", "info",
@@ -118,7 +124,9 @@ def transformers_serve(
     name = PEER + ("-cb" if continuous_batching else "")
     log = log_dir / f"{name}.log"
     # A local checkpoint: never wait on the Hub (there may be no network).
-    peer = PeerServer(argv, log, url, env={"HF_HUB_OFFLINE": "1"}, warm_model=model)
+    peer = PeerServer(
+        argv, log, url, env={"HF_HUB_OFFLINE": "1"}, warm_model=model, ready_timeout=ready_timeout
+    )
     with peer_server(peer) as proc:
         yield Served(name, PEER, url, model, proc.pid, log)
 

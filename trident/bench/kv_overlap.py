@@ -37,7 +37,7 @@ from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.engine import Engine, EngineConfig
 from common.engine.processor import ProcessedPrompt
 from common.engine.sampling import SamplingParams
-from common.protocol.tensors import dtype_name
+from common.protocol.tensors import KvWire, dtype_name
 from common.roles import Role
 from common.transfer import TransferConfig, create_backend
 from services.prefill.handler import _export
@@ -67,7 +67,7 @@ class Prefill:
 
     model: Path
     group: int = 4
-    wire: str = "native"
+    wire: KvWire = KvWire.NATIVE
     backend: str = "auto"
     threads: int = 1
 
@@ -100,7 +100,7 @@ class Harness:
         self.loop = EngineLoop(self.engine, self._on_outputs)
         self.loop.start()
         sink = StreamSink(self, self.loop, dtype_name(self.engine.kv_spec.dtype))
-        await self.loop.call(lambda: self.engine.stream_kv(sink, self.kv_layer_group))
+        await self.loop.call(lambda: self.engine.handoff.stream_kv(sink, self.kv_layer_group))
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.puller = ctx.Process(target=_puller, args=(self.transfer.config.backend, child), daemon=True)
@@ -127,8 +127,8 @@ class Harness:
         handles, streamed = [], rid in self._announced  # small KV does not stream
         if not streamed:  # the hand-off as the prefill stage does it when the KV did not stream
             group, wire = self.kv_layer_group, self.kv_wire
-            _, _, buffers = await self.loop.call(lambda: _export(self.engine, rid, group, wire))
-            handles = [self.transfer.publish(b) for b in buffers]
+            _, _, buffers, ready = await self.loop.call(lambda: _export(self.engine, rid, group, wire))
+            handles = [self.transfer.publish(b, ready=ready) for b in buffers]
             self.conn.send((self.transfer.address, handles))
         landed, nbytes = await asyncio.to_thread(self.conn.recv)
         await self.loop.call(lambda: self.engine.abort(rid))
@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="128,512,1024,2048")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--group", type=int, default=4, help="layers per KV transfer")
-    ap.add_argument("--wire", choices=["native", "int8"], default="native")
+    ap.add_argument("--wire", type=KvWire, choices=list(KvWire), default=KvWire.NATIVE)
     ap.add_argument("--backend", choices=["auto", "ucx", "tcp"], default="auto")
     ap.add_argument("--threads", type=int, default=1, help="the prefill engine's torch threads")
     args = ap.parse_args()
