@@ -166,19 +166,24 @@ async def _wait_for_roles(gw, needed: set[Role]) -> None:
         return
     if roles.held >= s.max_held:
         raise APIError(
-            503, f"{problem}; {roles.held} requests already wait for an instance, the most this gateway "
-            "holds (TRIDENT_MAX_HELD): retry later", code="no_instance", retry_after=5,
-        )  # fmt: skip
+            503,
+            f"{problem}; {roles.held} requests already wait for an instance, the most this gateway "
+            "holds (TRIDENT_MAX_HELD): retry later",
+            code="no_instance",
+            retry_after=5,
+        )
     roles.held += 1
     try:
         deadline = time.monotonic() + s.hold_timeout
         while missing:
             if time.monotonic() >= deadline:
                 raise APIError(
-                    503, f"{problem} after {s.hold_timeout:g} s held for one (TRIDENT_HOLD_TIMEOUT): "
-                    "start one, or let the autoscaler bring one up, and retry", code="no_instance",
+                    503,
+                    f"{problem} after {s.hold_timeout:g} s held for one (TRIDENT_HOLD_TIMEOUT): "
+                    "start one, or let the autoscaler bring one up, and retry",
+                    code="no_instance",
                     retry_after=5,
-                )  # fmt: skip
+                )
             await asyncio.sleep(POLL)
             missing, problem = await _missing(roles, needed)
     finally:
