@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt
-from common.errors import APIError
+from common.errors import APIError, clip
 from common.protocol import Resend
 from common.video import VideoLimits
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -140,7 +140,7 @@ class _within:
 def _check_model(gw: Gateway, model: str) -> None:
     if model != gw.model_name:
         raise APIError(
-            404, f"model {model!r} does not exist; this server serves {gw.model_name!r}", param="model"
+            404, f"model {clip(model)!r} does not exist; this server serves {gw.model_name!r}", param="model"
         )
 
 
