@@ -21,6 +21,7 @@ from services.gateway.collector import OutputCollector
 from services.gateway.images import fetch_image
 from services.gateway.preprocess import VideoSampling
 from services.gateway.reply import Reply
+from services.gateway.request_context import trace_of
 from services.gateway.routing import route
 from services.gateway.state import Gateway
 
@@ -95,9 +96,10 @@ async def serve(
     except AdmissionError as exc:
         raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from exc
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    request.state.completion_id = rid  # on the gateway's span, beside the client's X-Request-Id
     stream = await gw.bus.events.outputs(rid)  # subscribed before the task exists: nothing is missed
     try:
-        spec = await route(gw, rid, processed, params)
+        spec = await route(gw, rid, processed, params, trace_of(request.scope.get("state", {})))
     except BaseException:
         await stream.close()
         raise
