@@ -39,6 +39,7 @@ class DecodeHandler(StageHandler):
         instance also prefilled)."""
         began = Stage.DECODE_STARTED if Stage.DECODE_STARTED in held.marks else Stage.FIRST_TOKEN
         self.ctx.metrics.ran(self.role, held.marks, began)
+        self.ctx.spans.record(held, "decode", began, output_tokens=len(held.sent))
 
     async def take(self, task: Task) -> None:
         ctx = self.ctx
@@ -87,7 +88,11 @@ class DecodeHandler(StageHandler):
             return
         ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED)
         seconds = held.marks[Stage.PD_TRANSFER_ENDED] - held.marks[Stage.PD_TRANSFER_STARTED]
-        ctx.metrics.transferred("pd", seconds, sum(b.numel() * b.element_size() for b in buffers))
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        ctx.metrics.transferred("pd", seconds, nbytes)
+        ctx.spans.record(
+            held, "transfer", Stage.PD_TRANSFER_STARTED, Stage.PD_TRANSFER_ENDED, hop="pd", bytes=nbytes
+        )
         outputs = list(spec.output_token_ids)
         if outcome is not None:  # streamed: the prefill's outcome comes last
             ended, outputs = bool(outcome[0]), outcome[1:].tolist()

@@ -57,6 +57,8 @@ class PrefillHandler(StageHandler):
         self.ctx.ledger.mark(held, Stage.PREFILL_ENDED)
         self.ctx.ledger.mark(held, Stage.FIRST_TOKEN)
         self.ctx.metrics.ran(self.role, held.marks, Stage.PREFILL_STARTED)
+        prompt = len(held.spec.prompt_token_ids)
+        self.ctx.spans.record(held, "prefill", Stage.PREFILL_STARTED, Stage.FIRST_TOKEN, prompt_tokens=prompt)
 
     def __init__(
         self,
@@ -249,7 +251,11 @@ class PrefillHandler(StageHandler):
                 return None
         ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED)
         seconds = held.marks[Stage.EP_TRANSFER_ENDED] - held.marks[Stage.EP_TRANSFER_STARTED]
-        ctx.metrics.transferred("ep", seconds, sum(t.numel() * t.element_size() for t in out))
+        nbytes = sum(t.numel() * t.element_size() for t in out)
+        ctx.metrics.transferred("ep", seconds, nbytes)
+        ctx.spans.record(
+            held, "transfer", Stage.EP_TRANSFER_STARTED, Stage.EP_TRANSFER_ENDED, hop="ep", bytes=nbytes
+        )
         return out
 
     async def _pull_pixels(self, held: Held) -> list[torch.Tensor | None] | None:
