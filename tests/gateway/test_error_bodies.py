@@ -1,8 +1,9 @@
 """Every answer the gateway's door gives a malformed request is one a person can act on: a property
 test over the real app in process (request models, door middleware, image fetch and decode, the
-processor; real NATS and Redis, no worker), with bodies built from a valid request by breaking it
-in one to three places — wrong JSON types, strings and integers of every size, 10 MB URLs, bad
-base64, lone surrogates — and raw bytes that are not JSON at all.
+processor; real NATS and Redis, no worker), with bodies built from a valid request with any of the
+image URLs below (bad base64, 10 MB URLs, not an image) by breaking it in up to three places —
+wrong JSON types, strings and integers of every size, lone surrogates — and raw bytes that are not
+JSON at all.
 
 Each answer must be a 4xx OpenAI error body of at most MAX_ERROR_BYTES that quotes no internals, or
 the 503 `no_instance` a request gets once it has passed every check (no worker runs here, and the
@@ -129,10 +130,10 @@ def paths(value, prefix=()) -> Iterator[tuple]:
 
 
 @st.composite
-def broken(draw, base: dict, fields: list[str]) -> dict:
-    """`base` with one to three places replaced by junk, removed, or a new field set."""
-    body = json.loads(json.dumps(base))
-    for _ in range(draw(st.integers(1, 3))):
+def broken(draw, base: st.SearchStrategy[dict], fields: list[str]) -> dict:
+    """A body drawn from `base` with up to three places replaced by junk, removed, or a new field set."""
+    body = json.loads(json.dumps(draw(base)))
+    for _ in range(draw(st.integers(0, 3))):
         places = list(paths(body))
         action = draw(st.sampled_from(["replace", "remove", "add"]))
         if action == "add" or not places:
@@ -212,8 +213,10 @@ def check(resp: httpx.Response, sent: bytes) -> None:
 
 def test_every_malformed_request_gets_a_short_4xx_a_person_can_act_on(door_url):
     bodies = (
-        broken(chat_body(IMAGE_URLS[0]), CHAT_FIELDS).map(lambda b: ("/v1/chat/completions", encode(b)))
-        | broken(completion_body(), CHAT_FIELDS).map(lambda b: ("/v1/completions", encode(b)))
+        broken(st.sampled_from(IMAGE_URLS).map(chat_body), CHAT_FIELDS).map(
+            lambda b: ("/v1/chat/completions", encode(b))
+        )
+        | broken(st.just(completion_body()), CHAT_FIELDS).map(lambda b: ("/v1/completions", encode(b)))
         | st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions"]), RAW)
     )
     answered: dict[int, int] = {}
