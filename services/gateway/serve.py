@@ -10,6 +10,7 @@ import uuid
 import torch
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
 
 from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt
@@ -39,7 +40,11 @@ async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
         raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
     clips = body.video_urls()
     sampling = video_sampling(gw, body, len(clips)) if clips else None
-    prompt = gw.processor.chat_prompt(messages)
+    try:
+        prompt = gw.processor.chat_prompt(messages)
+    except TemplateError as exc:  # the checkpoint's template refuses them (its raise_exception)
+        message = f"messages: the model's chat template refuses them: {clip(str(exc), 200)}"
+        raise APIError(400, message, param="messages", code="chat_template") from None
     async with _within(deadline):
         if urls or clips:  # on the image threads (preprocess.py), never ahead of text-only requests
             blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))

@@ -15,6 +15,7 @@ import base64
 import io
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from PIL import Image
 from common.infra import NatsServer, RedisServer, free_port
 from services.gateway.app import create_app
 from services.settings import GatewaySettings
+from tests.gateway.in_process import gateway
 
 CASES = int(os.environ.get("TRIDENT_FUZZ_CASES", "250"))
 MAX_ERROR_BYTES = 4096  # the gateway cuts a message at 500 characters, however many bytes each
@@ -237,3 +239,33 @@ def test_every_malformed_request_gets_a_short_4xx_a_person_can_act_on(door_url):
             assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_instance", reply.text
     print(f"answers by status: {dict(sorted(answered.items()))}")
     assert sum(n for status, n in answered.items() if 400 <= status < 500) > CASES // 2, answered
+
+
+REFUSING = (
+    "{%- if messages[0]['role'] == 'assistant' %}"
+    "{{ raise_exception('Conversation roles must start with user or system') }}{%- endif %}"
+)
+
+
+async def test_messages_the_chat_template_refuses_are_a_400_naming_them(
+    tiny_model_dir: Path, tmp_path: Path, nats_server, redis_server
+) -> None:
+    """A release's template may refuse a conversation (Qwen's raise when there is no user turn):
+    that is the client's to change, not a 500."""
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "tiny-llava"))
+    template = model / "chat_template.jinja"
+    template.write_text(REFUSING + template.read_text())
+    settings = GatewaySettings(
+        model=model, model_name="tiny-llava", nats_url=nats_server.url, redis_url=redis_server.url, max_held=0
+    )
+    async with gateway(settings) as (url, _), httpx.AsyncClient(base_url=url, timeout=30) as http:
+        refused = await http.post("/v1/chat/completions", json={
+            "model": "tiny-llava", "messages": [{"role": "assistant", "content": "hi"}],
+        })  # fmt: skip
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["param"], error["code"]) == ("messages", "chat_template")
+        assert error["message"].endswith("refuses them: Conversation roles must start with user or system")
+        taken = await http.post("/v1/chat/completions", json=completion_body() | {"messages": [
+            {"role": "user", "content": "hi"}]})  # fmt: skip
+        assert taken.json()["error"]["code"] == "no_instance", taken.text  # it passed every check
