@@ -233,6 +233,10 @@ def test_every_malformed_request_gets_a_short_4xx_a_person_can_act_on(door_url):
             check(resp, data)
 
         case()
+        # The issue's own case: a 10 MB image_url came back as a 10 MB 400.
+        huge = chat_body("http://h:" + "9" * (10 << 20) + "/x.png")
+        reply = http.post("/v1/chat/completions", json=huge)
+        assert reply.status_code == 400 and len(reply.content) < 300, reply.text[:300]
         # Afterwards a good request, its image inline or wrapped at 76 columns, still passes every check.
         for url in IMAGE_URLS[:2]:
             reply = http.post("/v1/chat/completions", json=chat_body(url))
