@@ -138,6 +138,12 @@ class ServiceSettings(BaseSettings):
     )
     instance_id: str = Field("", description="Unique id in the registry; empty: <roles>-<host>-<pid>")
     log_level: str = Field("INFO", description="Log level (compose interpolates it from your shell)")
+    otlp_endpoint: str = Field(
+        "",
+        description="OTLP/HTTP collector spans are exported to (a base URL: /v1/traces is added), one span "
+        "per stage of each request under the client's W3C trace; empty: the standard "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing",
+    )
     transfer_port: int = Field(
         0,
         ge=0,

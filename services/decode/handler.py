@@ -40,6 +40,7 @@ class DecodeHandler(StageHandler):
         instance also prefilled)."""
         began = Stage.DECODE_STARTED if Stage.DECODE_STARTED in held.marks else Stage.FIRST_TOKEN
         self.ctx.metrics.ran(self.role, held.marks, began)
+        self.ctx.spans.record(held, "decode", began, output_tokens=len(held.sent))
 
     async def take(self, task: Task) -> None:
         ctx = self.ctx
@@ -125,6 +126,9 @@ class DecodeHandler(StageHandler):
         ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED, pd_path=path, pd_bytes=str(nbytes))
         seconds = held.marks[Stage.PD_TRANSFER_ENDED] - held.marks[Stage.PD_TRANSFER_STARTED]
         ctx.metrics.transferred("pd", seconds, nbytes, path)
+        ctx.spans.record(
+            held, "transfer", Stage.PD_TRANSFER_STARTED, Stage.PD_TRANSFER_ENDED, hop="pd", bytes=nbytes
+        )
         return buffers, outcome
 
     async def _admit(

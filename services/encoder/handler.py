@@ -62,6 +62,7 @@ class EncodeHandler(StageHandler):
             images.append(img.model_copy(update={"pixels": pixels, "features": carried}))
         ctx.ledger.mark(held, Stage.ENCODE_ENDED, encode_instance=ctx.instance_id)
         ctx.metrics.ran(self.role, held.marks, Stage.ENCODE_STARTED)
+        ctx.spans.record(held, "encode", Stage.ENCODE_STARTED, Stage.ENCODE_ENDED, images=len(images))
         encoded = held.spec.model_copy(update={"images": tuple(images)})
         to = held.task.message.prefill_to if held.task is not None else ""  # the gateway's choice
         await ctx.dispatch.send(PrefillTask(request=encoded), held.source, to=to or None)

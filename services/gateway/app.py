@@ -14,6 +14,7 @@ from common.roles import Role
 from services.gateway import serve
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
 from services.gateway.door import Admission, ApiKeys, BodyReader, BodyRules
+from services.gateway.request_context import RequestContext
 from services.gateway.routing import live_roles
 from services.gateway.state import Gateway
 from services.settings import GatewaySettings
@@ -99,7 +100,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = FastAPI(title="Trident", lifespan=lifespan)
     app.state.gateway = gw
     install_error_handlers(app)
-    # Outermost last: keys, then the whole body, then admission (door.py).
+    # Outermost last: the request's id and trace, keys, then the whole body, then admission (door.py).
     app.add_middleware(
         Admission,
         limit=lambda: gw.settings.max_in_flight,
@@ -110,5 +111,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     rules = BodyRules(s.max_body_bytes, s.body_timeout_floor, s.body_timeout_per_mb)
     app.add_middleware(BodyReader, rules=rules)
     app.add_middleware(ApiKeys, keys=gw.api_keys, operator=gw.settings.planner_key)
+    app.add_middleware(RequestContext, tracing=gw.tracing)
     app.include_router(router)
     return app

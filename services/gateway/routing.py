@@ -26,6 +26,7 @@ from common.protocol import (
     RequestSpec,
     SamplingParams,
     TensorRef,
+    TraceContext,
     dtype_name,
 )
 from common.roles import Role
@@ -71,9 +72,11 @@ class LiveRoles:
         return roles
 
 
-async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> RequestSpec:
+async def route(
+    gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams, trace: TraceContext | None = None
+) -> RequestSpec:
     """Pick the first stage, wait until an instance can serve it, record the request and queue the
-    task; returns the request as sent."""
+    task (carrying `trace`, the request's trace context); returns the request as sent."""
     hashes = [img.content_hash for img in prompt.images]
     stored = await _stored_features(gw, hashes)
     needs_encode = any(h not in stored for h in hashes)
@@ -110,6 +113,7 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         sampling=sampling,
         arrival_time=time.time(),
         gateway=gw.instance_id,
+        trace=trace,
     )
     gw.record.create(
         rid,

@@ -10,10 +10,11 @@ import uuid
 import torch
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
 
 from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt
-from common.errors import APIError
+from common.errors import APIError, clip
 from common.protocol import Resend
 from common.video import VideoLimits
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -21,6 +22,7 @@ from services.gateway.collector import OutputCollector
 from services.gateway.images import fetch_image
 from services.gateway.preprocess import VideoSampling
 from services.gateway.reply import Reply
+from services.gateway.request_context import trace_of
 from services.gateway.routing import route
 from services.gateway.state import Gateway
 
@@ -38,7 +40,11 @@ async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
         raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
     clips = body.video_urls()
     sampling = video_sampling(gw, body, len(clips)) if clips else None
-    prompt = gw.processor.chat_prompt(messages)
+    try:
+        prompt = gw.processor.chat_prompt(messages)
+    except TemplateError as exc:  # the checkpoint's template refuses them (its raise_exception)
+        message = f"messages: the model's chat template refuses them: {clip(str(exc), 200)}"
+        raise APIError(400, message, param="messages", code="chat_template") from None
     async with _within(deadline):
         if urls or clips:  # on the image threads (preprocess.py), never ahead of text-only requests
             blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))
@@ -104,9 +110,10 @@ async def serve(
     except AdmissionError as exc:
         raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from exc
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    request.state.completion_id = rid  # on the gateway's span, beside the client's X-Request-Id
     stream = await gw.bus.events.outputs(rid)  # subscribed before the task exists: nothing is missed
     try:
-        spec = await route(gw, rid, processed, params)
+        spec = await route(gw, rid, processed, params, trace_of(request.scope.get("state", {})))
     except BaseException:
         await stream.close()
         raise
@@ -153,7 +160,7 @@ class _within:
 def _check_model(gw: Gateway, model: str) -> None:
     if model != gw.model_name:
         raise APIError(
-            404, f"model {model!r} does not exist; this server serves {gw.model_name!r}", param="model"
+            404, f"model {clip(model)!r} does not exist; this server serves {gw.model_name!r}", param="model"
         )
 
 

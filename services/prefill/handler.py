@@ -74,6 +74,8 @@ class PrefillHandler(StageHandler):
         self.ctx.ledger.mark(held, Stage.PREFILL_ENDED)
         self.ctx.ledger.mark(held, Stage.FIRST_TOKEN)
         self.ctx.metrics.ran(self.role, held.marks, Stage.PREFILL_STARTED)
+        prompt = len(held.spec.prompt_token_ids)
+        self.ctx.spans.record(held, "prefill", Stage.PREFILL_STARTED, Stage.FIRST_TOKEN, prompt_tokens=prompt)
 
     def __init__(
         self,
@@ -298,6 +300,9 @@ class PrefillHandler(StageHandler):
         ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED, ep_path=path, ep_bytes=str(nbytes))
         seconds = held.marks[Stage.EP_TRANSFER_ENDED] - held.marks[Stage.EP_TRANSFER_STARTED]
         ctx.metrics.transferred("ep", seconds, nbytes, path)
+        ctx.spans.record(
+            held, "transfer", Stage.EP_TRANSFER_STARTED, Stage.EP_TRANSFER_ENDED, hop="ep", bytes=nbytes
+        )
         return out
 
     async def _pull_pixels(self, held: Held) -> list[torch.Tensor | None] | None:

@@ -26,6 +26,7 @@ from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
 from services.worker.ledger import Held, Ledger
 from services.worker.stage_metrics import StageMetrics
+from services.worker.stage_spans import StageSpans
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class StageContext:
     draining: asyncio.Event = field(default_factory=asyncio.Event)  # set when the worker drains
     fenced: asyncio.Event = field(default_factory=asyncio.Event)  # set once taken for dead: do nothing
     metrics: StageMetrics = field(default_factory=StageMetrics.unregistered)
+    spans: StageSpans = field(default_factory=StageSpans.off)  # each stage's span, when tracing is on
 
     async def pull(self, held: Held, ref: InlineTensor | TensorRef | None) -> torch.Tensor:
         """A tensor a task points to, copied out of the transfer pool. Raises TransferError when it

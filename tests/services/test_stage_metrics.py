@@ -107,3 +107,20 @@ def test_instances_expose_budgets_scale_and_feature_cache(e_p_d, served):
     for role in ("encode", "prefill", "decode"):
         assert m[role]["trident_budget_scale"] > 0
         assert m[role]["trident_feature_cache_capacity_bytes"] >= 0
+
+
+def test_each_worker_serves_the_model_server_protocols_metrics_under_vllms_names(e_p_d, served):
+    """What a Gateway API Inference Extension endpoint picker scrapes by default (its flags' default
+    names): one gauge each, labelled with the served model, on every worker's /metrics."""
+    for role in ("encode", "prefill", "decode"):
+        text = httpx.get(instances(e_p_d, role)[0]["http_address"] + "/metrics", timeout=5).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+            (sample,) = families[name].samples
+            assert families[name].type == "gauge" and sample.labels == {"model_name": "tiny-llava"}, role
+            assert sample.value >= 0
+        assert 0 <= families["vllm:kv_cache_usage_perc"].samples[0].value <= 1
+        (info,) = families["vllm:cache_config_info"].samples
+        assert int(info.labels["block_size"]) > 0 and (
+            role == "encode" or int(info.labels["num_gpu_blocks"]) > 0
+        )
