@@ -50,7 +50,10 @@ class StageMetrics:
         self._labels = labels
 
         def by_path(name: str, doc: str, buckets: tuple[float, ...] = SECONDS):
-            return Histogram(name, doc, [*labels, "path"], registry=registry, buckets=buckets)
+            family = Histogram(name, doc, [*labels, "path"], registry=registry, buckets=buckets)
+            for path in TransferPath:  # every path's series exists from the start, at zero
+                family.labels(**labels, path=path)
+            return family
 
         self.transfer = {
             hop: (
