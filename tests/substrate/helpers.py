@@ -1,4 +1,5 @@
-"""Helpers for the substrate tests: running coroutines, and worker processes that can be killed."""
+"""Helpers for the substrate tests: running coroutines, worker processes that can be killed, taking
+tasks from a queue, and the transfer backends to run each case over."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from collections.abc import Awaitable, Callable, Coroutine
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from common.bus import Bus, BusConfig
+import pytest
+
+from common.bus import Bus, BusConfig, Task, TaskConsumer
 from common.protocol import PrefillTask, RequestSpec
+from common.transfer import ucx_available
 
 T = TypeVar("T")
 
@@ -76,3 +80,29 @@ def pull_forever(backend: str, address: str, handle: str, conn: Connection) -> N
             await asyncio.to_thread(conn.send, "pulled")
 
     asyncio.run(main())
+
+
+async def take(consumer: TaskConsumer, n: int, ack: bool, within: float = 10.0) -> list[Task]:
+    """`n` distinct tasks, acked as they come or held. A fetch returns *up to* what it asks for
+    (under load, fewer), so ask again for the rest, within a bound; a held task that comes back
+    meanwhile (its ack wait lapsed) is taken once. A fetch can also bring more than it asked for (a
+    late message of an earlier fetch that timed out): what is past `n` goes back to the queue."""
+    got: dict[str, Task] = {}
+    deadline = time.monotonic() + within
+    while len(got) < n and time.monotonic() < deadline:
+        for task in await consumer.fetch(n - len(got), timeout=1.0):
+            rid = task.message.request.request_id
+            if rid not in got and len(got) >= n:
+                await task.nak()
+                continue
+            if ack:
+                assert await task.ack()
+            got.setdefault(rid, task)
+    return list(got.values())
+
+
+# The transfer backends a test runs each of its cases over (UCX only where ucxx loads).
+BACKENDS = [
+    pytest.param("ucx", marks=pytest.mark.skipif(not ucx_available(), reason="ucxx does not load here")),
+    "tcp",
+]

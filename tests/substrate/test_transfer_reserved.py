@@ -19,8 +19,7 @@ from common.transfer import (
     create_backend,
 )
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
-from tests.substrate.helpers import run
-from tests.substrate.test_transfer import BACKENDS
+from tests.substrate.helpers import BACKENDS, run
 
 pytestmark = pytest.mark.timeout(120)
 
