@@ -62,6 +62,7 @@ def test_the_recorded_suite_splits_into_lanes_within_ten_percent():
         (["python", "-c", "import typer; from trident.cli.up import up; typer.run(up)", "--file",
           "/t/compose.test.yaml"], "trident up (stand-ins)"),
         (["python", "-m", "celery", "--app=services.planner.jobs", "worker"], "service process"),
+        (["python", "-m", "services.worker.probe", "/ready"], None),
         (["/v/bin/transformers", "serve", "--port", "1"], "peer server"),
         (["docker", "compose", "up", "-d"], None),  # counted by the stack fixture
         (["python", "-m", "pytest"], None),

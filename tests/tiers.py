@@ -41,8 +41,10 @@ def deployment_kind(argv: list[str]) -> str | None:
     if not starts_a_deployment(argv) or PurePath(argv[0]).name == "docker":
         return None
     args = " ".join(argv[1:])
-    if "services." in args and " up" not in f" {args}":
-        return "service process"
+    if any(a.startswith(("services.", "--app=services.")) for a in argv[1:]):
+        # A service's own process (`-m services.gateway`, the planner's Celery app), not the probe
+        # run inside one (`-m services.worker.probe`, as Kubernetes runs it).
+        return None if any(a.endswith(".probe") for a in argv[1:]) else "service process"
     if "serve" in argv[1:]:
         return "peer server"
     return "trident up (stand-ins)" if "compose.test.yaml" in args else "trident up"
