@@ -18,11 +18,14 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 # The Kubernetes manifests' offline checks (tests/kubernetes): kubernetes-validate and checkov in a
 # venv of their own (checkov pins much that the project also uses), and the @kubernetes-models npm
-# packages, which carry KEDA's and the Prometheus operator's CRD schemas compiled to validators.
+# packages, which carry KEDA's, the Prometheus operator's and cert-manager's CRD schemas compiled to
+# validators (KEDA's 2.x models know the fallback's `behavior`). `kubectl kustomize` (the test that
+# renders every overlay) is the machine's own kubectl.
 TOOLS := .venv-tools
 K8S_TOOLS := checkov==3.3.30 kubernetes-validate==1.37.0
-CRD_MODELS := @kubernetes-models/keda@0.4.2 @kubernetes-models/prometheus-operator@6.0.0
-TOOLS_STAMP := $(TOOLS)/.installed-$(subst ==,-,$(subst $(eval) ,_,$(K8S_TOOLS)))-keda0.4.2-po6.0.0
+CRD_MODELS := @kubernetes-models/keda@2.0.0 @kubernetes-models/prometheus-operator@6.0.0 \
+	@kubernetes-models/cert-manager@6.0.0
+TOOLS_STAMP := $(TOOLS)/.installed-$(subst ==,-,$(subst $(eval) ,_,$(K8S_TOOLS)))-keda2.0.0-po6.0.0-cm6.0.0
 
 $(TOOLS_STAMP):
 	rm -rf $(TOOLS)

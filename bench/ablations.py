@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
+from common.protocol import KvWire
 from common.stats import SLO
 from trident.bench import kv_overlap
 from trident.bench.compare import PLANNER, Comparison, System, compare, table
@@ -111,7 +112,7 @@ def main() -> None:
         lengths = [int(x) for x in args.overlap.split(",")]
         rate = single_thread_gflops()
         rows = asyncio.run(
-            kv_overlap.measure(model, lengths, args.repeats, group=4, wire="native", backend="auto")
+            kv_overlap.measure(model, lengths, args.repeats, group=4, wire=KvWire.NATIVE, backend="auto")
         )
         print(f"## overlap\n\n{kv_overlap.table(rows)}", flush=True)
         print(json.dumps({"matmul_gflops": round(rate, 1), "overlap": rows}))

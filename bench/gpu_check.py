@@ -27,6 +27,17 @@ Steps, each timed and recorded whether it passes or fails (one failing does not 
    beyond their sum is the gaps between them.
 7. `kv`: one request's KV (2,048 tokens) exported from the paged cache as the prefill instance
    sends it and imported back, with the bytes and GB/s of each.
+8. `kernels`: which decoder ops the engine runs (common/engine/decoder_ops.py): Triton's fused
+   kernels and decode attention read in place, or the eager ops each fell back to, and why.
+   Steps 4 and 6 time and count the decode step with them and again with the old path (torch's
+   ops, contexts gathered): `decode_ms_old`, `goals` (batch 1's roofline share, goal ≥ 70 %;
+   batch 32 over batch 1, goal ≤ 1.8×) and `decode_kernels.old`.
+9. `inplace_identity`: a float32 checkpoint (small-llava; tiny-llava with --cpu) generating
+   greedily through the new path (graphs, kernels) and through the eager path: the share of
+   tokens that agree, which must be 1.0.
+
+On `--cpu` the new path runs the ops' torch references (decoder_ops.REFERENCE_OPS), so every step
+above runs the same code paths as on the GPU but the kernels.
 
 The script aims to finish in well
 under 8 minutes on an H100 (the 7B checkpoint's first write is most of it). On `--cpu` it runs the
@@ -51,12 +62,13 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.decode_graphs import DecodeGraphs
+from common.engine.decoder_ops import REFERENCE_OPS
 from common.engine.engine import Engine
 from common.engine.kv_cache import layer_groups
 from common.engine.profiler import BudgetProfiler, synthetic_request
 from common.engine.sampling import SamplingParams
 from common.models import resolve_model
-from trident.bench.machine import least_seconds
+from trident.bench.machine import device_rates, least_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 DECODE_BATCHES = (1, 8, 32)
@@ -93,6 +105,12 @@ def environment(device: torch.device) -> dict:
     except ImportError as exc:
         info["flash_attn"] = None
         info["flash_attn_missing"] = str(exc)
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
     return info
 
 
@@ -102,7 +120,7 @@ def contract_tests(timeout: float) -> dict:
         report = Path(tmp) / "junit.xml"
         run = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-             "tests/engine/test_gpu_contracts.py"],
+             "tests/engine/test_gpu_contracts.py", "tests/engine/test_triton_kernels.py"],
             cwd=REPO, capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
         suite = ET.parse(report).getroot().find("testsuite")
@@ -122,23 +140,12 @@ def contract_tests(timeout: float) -> dict:
 
 def machine(device: torch.device, dtype: torch.dtype, cpu: bool) -> dict:
     """Memory bandwidth (read + write of a large copy), host↔device, and the dense matmul rate."""
-    n_bytes = (64 if cpu else 2048) << 20
-    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy = seconds(lambda: dst.copy_(src), device)
-    out = {"memory_gbps": round(2 * n_bytes / copy / 1e9, 1)}  # each byte read once and written once
-    if device.type == "cuda":
-        host = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
-        out["host_to_device_gbps"] = round(
-            n_bytes / seconds(lambda: src.copy_(host, non_blocking=True), device) / 1e9, 1
-        )
-        out["device_to_host_gbps"] = round(
-            n_bytes / seconds(lambda: host.copy_(src, non_blocking=True), device) / 1e9, 1
-        )
-    n = 1024 if cpu else 8192
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    out["matmul_tflops"] = round(2 * n**3 / seconds(lambda: a @ b, device) / 1e12, 3)
-    return out
+    return device_rates(device, dtype, small=cpu)
+
+
+def figures(x: float, n: int = 3) -> float:
+    """x to `n` significant figures."""
+    return float(f"{x:.{n}g}")
 
 
 def engine_steps(engine: Engine, measured: dict) -> dict:
@@ -161,9 +168,23 @@ def engine_steps(engine: Engine, measured: dict) -> dict:
         }
     finally:
         engine.runner.graphs = graphs
+    old = BudgetProfiler(engine, repeats=3)
+    out["decode_ms_old"] = with_ops(
+        engine, None, lambda: {b: round(old.decode_latency(b, CONTEXT) * 1000, 3) for b in DECODE_BATCHES}
+    )
     decode_1 = out["decode_ms"][1] / 1000
     out["decode_1_weight_gbps"] = round(weight_bytes / decode_1 / 1e9, 1)
-    out["decode_1_of_memory_roofline"] = round(weight_bytes / decode_1 / 1e9 / measured["memory_gbps"], 3)
+    # Three significant figures: on a CPU rehearsal the share is a small fraction of a percent.
+    out["decode_1_of_memory_roofline"] = figures(weight_bytes / decode_1 / 1e9 / measured["memory_gbps"])
+    out["goals"] = {}
+    for path, ms in (("new", out["decode_ms"]), ("old", out["decode_ms_old"])):
+        out["goals"][path] = {
+            "decode_1_of_memory_roofline": figures(
+                weight_bytes / ms[1] * 1000 / 1e9 / measured["memory_gbps"]
+            ),
+            "decode_32_over_1": round(ms[32] / ms[1], 3),
+        }
+    out["goals"]["want"] = {"decode_1_of_memory_roofline": ">= 0.70", "decode_32_over_1": "<= 1.8"}
     prefill = timer.prefill_latency(PREFILL_TOKENS)
     out["prefill_ms"] = round(prefill * 1000, 2)
     out["prefill_tokens_per_s"] = round(PREFILL_TOKENS / prefill, 1)
@@ -210,27 +231,47 @@ def decode_graph_agreement(engine: Engine, requests: int = 8, max_tokens: int = 
     return out
 
 
-def decode_kernels(engine: Engine, top: int = 8) -> dict:
-    """Kernels (on the CPU: ops) of one padded decode step at batch 1, their count and summed time."""
-    from torch.profiler import ProfilerActivity, profile
+def with_ops(engine: Engine, ops, fn: Callable[[], object]):
+    """`fn()` with the language model running `ops` (None: the old path, torch's ops), then the
+    engine's own again; decode graphs capture anew for each (decode_graphs.py)."""
+    lm = engine.model.language_model
+    before = lm.ops
+    lm.set_ops(ops)
+    try:
+        return fn()
+    finally:
+        lm.set_ops(before)
 
-    cuda = engine.device.type == "cuda"
+
+def decode_kernels(engine: Engine, top: int = 8) -> dict:
+    """Kernels (on the CPU: ops) of one padded decode step at batch 1, their count and summed time:
+    the engine's path at the top level, the old path (torch's ops) under `old`."""
     req = synthetic_request(engine, "gpu-check-kernels", CONTEXT, 1)
     if engine.blocks.allocate(req.request_id, CONTEXT + 1) is None:
         return {"ok": False, "error": f"no room for {CONTEXT + 1} tokens of KV"}
     configured = engine.runner.graphs
     engine.runner.graphs = DecodeGraphs(engine.model, engine.cache, engine.max_model_len, capture=False)
     try:
-        with torch.inference_mode():
-            engine.runner.forward([], [req])  # warm: the bucket's buffers, lazy initialisation
-            sync(engine.device)
-            activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-            with profile(activities=[activity]) as prof:
-                engine.runner.forward([], [req])
-                sync(engine.device)
+        out = profile_step(engine, req, top)
+        out["old"] = with_ops(engine, None, lambda: profile_step(engine, req, top))
     finally:
         engine.runner.graphs = configured
         engine.blocks.free(req.request_id)
+    out["fewer_per_step"] = round(out["old"]["count"] / max(1, out["count"]), 2)
+    return out
+
+
+def profile_step(engine: Engine, req, top: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    with torch.inference_mode():
+        engine.runner.forward([], [req])  # warm: the bucket's buffers, lazy initialisation, compiles
+        sync(engine.device)
+        activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+        with profile(activities=[activity]) as prof:
+            engine.runner.forward([], [req])
+            sync(engine.device)
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     rows = [e for e in prof.key_averages() if e.device_type == kind and (cuda or e.key.startswith("aten::"))]
 
@@ -249,6 +290,50 @@ def decode_kernels(engine: Engine, top: int = 8) -> dict:
     }
 
 
+def kernel_choice(engine: Engine) -> dict:
+    """Which decoder ops the engine runs, and why any fell back (decoder_ops.py, op_checks.py)."""
+    ops = engine.model.language_model.ops
+    if ops is None:
+        return {"ops": None, "why": "torch's ops: a CPU engine, GpuKernels.TORCH, or Triton did not import"}
+    return {"ops": ops.names, "fallbacks": ops.fallbacks}
+
+
+def inplace_identity(device: torch.device, models: Path, cpu: bool) -> dict:
+    """Greedy tokens of a float32 checkpoint through the new path (kernels, decode graphs) and the
+    eager path (torch's ops, no graphs) on the same device: they must agree everywhere."""
+    preset = "tiny-llava" if cpu else "small-llava"
+    config = EngineConfig(
+        device=device.type, dtype="float32", prefix_caching=False, adapt_budgets=False,
+        decode_graphs="eager" if cpu else "auto", gpu_memory_fraction=0.3,
+    )  # fmt: skip
+    engine = Engine(resolve_model(preset, models), config)
+    if cpu:
+        engine.model.language_model.set_ops(REFERENCE_OPS)  # the kernels' semantics, where none runs
+    try:
+        out = {"preset": preset, **(both_paths(engine, 4, 16) if cpu else both_paths(engine))}
+    finally:
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if out["agreement"] < 1.0:
+        raise AssertionError(f"the in-place path parts from the eager path in float32: {out}")
+    return out
+
+
+def both_paths(engine: Engine, requests: int = 8, max_tokens: int = 32) -> dict:
+    lm = engine.model.language_model
+    prompts = [engine.chat_prompt(f"Question {i}: tell me about the number {i}.") for i in range(requests)]
+    params = SamplingParams(max_tokens=max_tokens)
+    out = {"ops": lm.ops.names if lm.ops else None, "graphs": engine.runner.graphs is not None}
+    new = [t for c in engine.generate(prompts, [[]] * requests, params) for t in c.token_ids]
+    engine.runner.graphs = None
+    eager = with_ops(engine, None, lambda: engine.generate(prompts, [[]] * requests, params))
+    old = [t for c in eager for t in c.token_ids]
+    pairs = list(zip(new, old, strict=False))
+    agreement = sum(a == b for a, b in pairs) / max(1, len(pairs)) if len(new) == len(old) else 0.0
+    return out | {"tokens": len(old), "agreement": round(agreement, 4)}
+
+
 def kv_round_trip(engine: Engine, group_size: int = 4) -> dict:
     """One request's KV out of the paged cache in layer groups (as a prefill instance exports it) and
     back in, with bytes and GB/s."""
@@ -259,9 +344,9 @@ def kv_round_trip(engine: Engine, group_size: int = 4) -> dict:
     try:
         table = blocks.table(rid)
         groups = layer_groups(engine.kv_spec.num_layers, group_size)
-        exported = engine.export_kv(rid, group_size)
+        exported = engine.handoff.export_kv(rid, group_size)
         nbytes = sum(b.numel() * b.element_size() for b in exported)
-        out_s = seconds(lambda: engine.export_kv(rid, group_size), engine.device)
+        out_s = seconds(lambda: engine.handoff.export_kv(rid, group_size), engine.device)
 
         def back() -> None:
             for g, buf in zip(groups, exported, strict=True):
@@ -316,21 +401,27 @@ def main() -> None:
     engine: list[Engine] = []
 
     def load() -> dict:
-        # On the CPU the padded decode step runs uncaptured: the same code as the graphs, rehearsed.
+        # On the CPU the padded decode step runs uncaptured: the same code as the graphs, rehearsed;
+        # and the new path runs the ops' references, where no kernel runs.
         graphs = "eager" if args.cpu else "auto"
         config = EngineConfig(
             device=device.type, prefix_caching=False, adapt_budgets=False, decode_graphs=graphs
         )
         engine.append(Engine(resolve_model(preset, args.models), config))
+        if args.cpu:
+            engine[0].model.language_model.set_ops(REFERENCE_OPS)
         return {"kv_blocks": engine[0].blocks.num_blocks}
 
     step(results, "load", load, args.out)
+    if engine:
+        step(results, "kernels", lambda: kernel_choice(engine[0]), args.out)
     if engine and results["machine"]["ok"]:
         step(results, "engine", lambda: engine_steps(engine[0], results["machine"]), args.out)
     if engine:
         step(results, "decode_graphs", lambda: decode_graph_agreement(engine[0]), args.out)
         step(results, "decode_kernels", lambda: decode_kernels(engine[0]), args.out)
         step(results, "kv", lambda: kv_round_trip(engine[0]), args.out)
+    step(results, "inplace_identity", lambda: inplace_identity(device, args.models, args.cpu), args.out)
     results["ok"] = all(v["ok"] for v in results.values() if isinstance(v, dict))
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"results in {args.out}")

@@ -162,13 +162,13 @@ def measure(preset: str, prompts: int, max_tokens: int, compare: str = "int8", g
     for way in ("native", "forced", "free"):
         decoder = Engine(model, EngineConfig(roles=frozenset({Role.DECODE}), **config))
         for req in reqs:
-            kv = prefill.export_kv(req.request_id, group)
+            kv = prefill.handoff.export_kv(req.request_id, group)
             if way != "native":
                 native_bytes += sum(b.numel() * b.element_size() for b in kv)
                 trips = [round_trip(b) for b in kv]
                 wire_bytes += sum(n for _, n in trips)
                 kv = [t for t, _ in trips]
-            decoder.add_prefilled(
+            decoder.handoff.add_prefilled(
                 req.request_id, req.prompt_token_ids, req.output_token_ids, params, kv, req.rope_delta
             )
         if way != "forced":

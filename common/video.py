@@ -24,13 +24,15 @@ import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import av
-import av.error
 import numpy as np
 import torch
 
 from common.engine.processor import InputError
+
+if TYPE_CHECKING:
+    import av
 
 MIN_FRAMES = 4  # the Qwen-VL processors' least
 FRAME_FACTOR = 2  # frames per temporal patch: a count is rounded to a multiple of it
@@ -120,6 +122,7 @@ def decode_video(
         raise VideoError(f"fps must be above 0 and at most {limits.max_fps:g}, not {fps:g}")
     if not 1 <= max_frames <= limits.max_frames:
         raise VideoError(f"max_frames must be 1 to {limits.max_frames}, not {max_frames}")
+    av = _pyav()
     deadline = clock() + limits.deadline_s
     try:
         with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
@@ -158,6 +161,20 @@ def decode_video(
         source_frames=len(times),
         codec=codec,
     )
+
+
+def _pyav():
+    """PyAV, imported when a clip is first decoded: a server without it (an offline bundle leaves it
+    out: 35 MB) serves text and images, and says so to a request that sends a clip."""
+    try:
+        import av
+        import av.error
+    except ImportError:
+        raise VideoError(
+            "this server cannot decode video: PyAV (the `av` package) is not installed here; "
+            "send the clip's frames as images, or ask the operator to install it"
+        ) from None
+    return av
 
 
 def frame_indices(total: int, count: int) -> list[int]:
@@ -206,7 +223,7 @@ def _declared_duration(stream, container) -> float | None:
     if stream.duration is not None and stream.time_base is not None:
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
-        return container.duration / av.time_base
+        return container.duration / _pyav().time_base
     return None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
@@ -10,10 +11,39 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.bus import BusConfig
+from common.engine.config import DecodeGraphMode, PackedWeightMode, Policy
 from common.planner.forecast import ForecastConfig
 from common.planner.limits import Limits, parse_counts
+from common.protocol.tensors import KvWire
+from common.roles import InstanceKind, parse_roles
 from common.secrets import DeploymentSecrets, with_credentials
 from common.tls import Tls
+
+
+def parse_memory_shares(text: str) -> dict[InstanceKind, float]:
+    """TRIDENT_GPU_MEMORY_SHARE: `0.4` (every kind) or `e=0.08,p=0.42` (per kind) → a share per kind,
+    each in (0, 1]; empty → none. A ValueError names the part that is wrong."""
+    text = text.strip()
+    if not text:
+        return {}
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if "=" not in text:  # one share for every kind
+        parts = [f"{kind.value}={text}" for kind in InstanceKind]
+    shares: dict[InstanceKind, float] = {}
+    for part in parts:
+        name, _, value = part.partition("=")
+        shown = part if "=" in text else text
+        try:
+            kind, share = InstanceKind(name.strip().lower()), float(value)
+        except ValueError:
+            raise ValueError(
+                f"TRIDENT_GPU_MEMORY_SHARE: {shown!r} is neither one share (0.4) nor KIND=SHARE with KIND "
+                f"one of {', '.join(InstanceKind)}"
+            ) from None
+        if not 0 < share <= 1:
+            raise ValueError(f"TRIDENT_GPU_MEMORY_SHARE: {shown!r}: a share is above 0 and at most 1")
+        shares[kind] = share
+    return shares
 
 
 class ServiceSettings(BaseSettings):
@@ -22,28 +52,54 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRIDENT_", env_file=None, extra="ignore")
 
     model: Path = Field(Path(".trident/models/tiny-llava"), description="HF-format checkpoint directory")
-    model_name: str = Field("", description="Name served in the API; default: the directory's name")
-    nats_url: str = "nats://127.0.0.1:4222"
-    nats_stream_replicas: int = Field(
-        1, ge=1, le=5, description="Copies JetStream keeps of the task stream: 3 on a three-node NATS cluster"
+    model_name: str = Field("", description="The model name served in the API; empty: the directory's name")
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222",
+        description="NATS (JetStream) server; a cluster's nodes comma-separated: the client takes any and "
+        "moves to another when one dies",
     )
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    nats_stream_replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="Copies JetStream keeps of the task stream and its consumers: 3 on a three-node NATS "
+        "cluster (`trident up --ha` and the Kubernetes manifests set it)",
+    )
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis server and database; or `redis+sentinel://h1:26379,h2:26379/SERVICE/DB`: the "
+        "primary the sentinels name for SERVICE, asked again at every connect, so a failover is followed",
+    )
     secrets_dir: Path | None = Field(
         None,
-        description="Folder of the deployment's secrets (nats-token, redis-password, transfer-secret, "
-        "planner-key)",
+        description="Folder of the deployment's secrets, a file each: nats-token, redis-password, "
+        "transfer-secret, planner-key (compose's secrets-init or `trident up` make them). Each goes into the "
+        "NATS and Redis URLs, TRIDENT_TRANSFER_SECRET and TRIDENT_PLANNER_KEY unless those carry their own",
     )
-    transfer_secret: str = Field("", description="Asked of every bulk-transfer pull; empty: none")
+    transfer_secret: str = Field(
+        "",
+        description="Asked of every bulk-transfer pull (UCX and TCP): a puller without it is refused and "
+        "recomputes; empty: the transfer port answers anyone who reaches it",
+    )
     tls_dir: Path | None = Field(
         None,
         description="Folder of the deployment's TLS files (ca.pem, cert.pem, key.pem; `trident certs` "
-        "writes them): NATS, Redis, bulk transfers and the workers' HTTP then speak mutual TLS; empty: plain",
+        "writes them): NATS, Redis, bulk transfers (TCP: UCX has no encryption, so `auto` never picks it "
+        "and `ucx` is refused) and the workers' HTTP speak mutual TLS, each end accepting only the "
+        "deployment CA's certificate; a missing file stops the service at start; unset: plain",
     )
     transfer_inline_max_bytes: int = Field(
-        256 * 1024, ge=0, description="Tensors up to this size ride inside the NATS message, not by handle"
+        256 * 1024,
+        ge=0,
+        description="Tensors (image features, KV) up to this many bytes ride inside the NATS message; larger "
+        "ones are pulled by handle over the transfer port. 0: every tensor by handle",
     )
     # The gateway's API and the planner's write endpoints ask for one of them; empty: open.
-    api_keys: str = Field("", description="Comma-separated Bearer keys; empty disables auth")
+    api_keys: str = Field(
+        "",
+        description="Comma-separated Bearer keys: the gateway asks one of every API call, the planner takes "
+        "them for its writes; empty: the gateway is open (for one behind its own authenticating proxy)",
+    )
     # The operator's key: the planner's writes take it, and the gateway's /v1/cluster shows the
     # instances' addresses only to it.
     planner_key: str = Field(
@@ -58,30 +114,69 @@ class ServiceSettings(BaseSettings):
         return {k.strip() for k in self.api_keys.split(",") if k.strip()}
 
     # The prefix of every NATS subject and Redis key, so several deployments can share servers.
-    namespace: str = "trident"
-    bind_host: str = "127.0.0.1"  # compose sets 0.0.0.0
-    advertise_host: str = "127.0.0.1"  # what peers dial to reach this instance (compose: its hostname)
-    http_port: int = Field(0, description="Health/metrics port; 0 picks a free one")
-    instance_id: str = Field("", description="Unique id; default: <roles>-<host>-<pid>")
-    log_level: str = "INFO"
+    namespace: str = Field(
+        "trident", description="Prefix of every NATS subject and Redis key, so deployments can share servers"
+    )
+    bind_host: str = Field(
+        "127.0.0.1", description="Address the service's servers listen on (compose: 0.0.0.0)"
+    )
+    advertise_host: str = Field(
+        "127.0.0.1",
+        description="Host peers dial to reach this instance, carried by the registry and every transfer "
+        "handle; `auto`: this machine's hostname (compose, Kubernetes)",
+    )
+    http_port: int = Field(
+        0,
+        description="Health, readiness and metrics port (the planner's REST too); 0 picks a free one "
+        "(compose: 9000 on workers)",
+    )
+    instance_id: str = Field("", description="Unique id in the registry; empty: <roles>-<host>-<pid>")
+    log_level: str = Field("INFO", description="Log level (compose interpolates it from your shell)")
+    transfer_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port the bulk-transfer server listens on (a gateway's pixels, a worker's features and "
+        "KV, over TCP); 0 picks a free one. Fixed where a firewall or NetworkPolicy must name it",
+    )
     # The latency objectives (seconds). Workers size their per-iteration budgets from them; the
     # gateway judges each request against them. The defaults suit the tiny model on a CPU.
-    ttft_slo: float = Field(5.0, gt=0, description="Time-to-first-token objective, seconds")
-    tbt_slo: float = Field(0.5, gt=0, description="Time-between-tokens objective (p90), seconds")
+    ttft_slo: float = Field(
+        5.0,
+        gt=0,
+        description="Time-to-first-token objective, seconds: workers without decode keep a step under half "
+        "of it; the gateway judges each request and the planner plans against it",
+    )
+    tbt_slo: float = Field(
+        0.5,
+        gt=0,
+        description="Time-between-tokens objective (p90 of a request's gaps), seconds: workers with decode "
+        "keep a step under it",
+    )
     # A task whose instance stops answering (killed, frozen) is redelivered after this long; a
     # live instance extends its held tasks every third of it. Failover (below) hands a dead
     # instance's tasks on much sooner; this is the backstop.
-    task_ack_wait: float = Field(10.0, ge=1, description="Seconds before a dead instance's task is retried")
-    heartbeat_interval: float = Field(0.5, gt=0, description="Seconds between heartbeats")
+    task_ack_wait: float = Field(
+        10.0,
+        ge=1,
+        description="Seconds before a task held by an instance that stopped answering goes to another, "
+        "whatever else happens: the backstop behind failover. Live instances extend their tasks every third "
+        "of it; the consumers take the last starting service's value, so give every service the same",
+    )
+    heartbeat_interval: float = Field(
+        0.5, gt=0, description="Seconds between heartbeats (to Redis for the registry, on NATS for failover)"
+    )
     failover_after: float = Field(
         1.5,
         gt=0,
-        description="Seconds of silence after which an instance is taken for dead and its work handed on",
+        description="Seconds of heartbeat silence after which an instance that refuses its /health (or "
+        "answers as another) is taken for dead: fenced, and its tasks handed to live replicas at once",
     )
     unresponsive_after: float = Field(
         5.0,
         gt=0,
-        description="Seconds of silence after which one whose /health hangs (frozen) is taken for dead",
+        description="Seconds of silence after which an instance whose /health hangs (frozen, or its host "
+        "cut off) is taken for dead",
     )
 
     @property
@@ -116,27 +211,48 @@ class ServiceSettings(BaseSettings):
         return self.model_name or self.model.name
 
 
+class ProfileMode(StrEnum):
+    """Where a worker's stage profile (its budgets and curves) comes from (services/worker/profiling.py)."""
+
+    AUTO = "auto"  # a profile in Redis with the same fingerprint, else measured and stored
+    MEASURE = "measure"  # measured at every start
+    OFF = "off"  # the budgets as configured; nothing published
+
+
 class WorkerSettings(ServiceSettings):
     """An encoder, prefill or decode instance, or a hybrid of them."""
 
-    roles: str = Field("encode,prefill,decode", description="Subset of encode,prefill,decode")
-    policy: str = Field("stage", description="stage | prefill-first | decode-first")
-    device: str = "cpu"
-    num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default")
+    roles: str = Field(
+        "encode,prefill,decode",
+        description="This instance's roles, a subset of encode,prefill,decode (`python -m services.worker`; "
+        "each stage's own entry point sets its own)",
+    )
+    policy: Policy = Field(
+        Policy.STAGE,
+        description="Batching policy: stage (Algorithm 1) | prefill-first | decode-first (ablations)",
+    )
+    device: str = Field("cpu", description="torch device (`cuda` under compose.gpu.yaml)")
+    num_threads: int = Field(
+        0, description="torch CPU threads; 0 keeps torch's default (`trident up` splits the cores)"
+    )
     core_board: str = Field(
         "",
         description="A file every worker on this host shares: each step then takes the cores the others "
         "leave idle (services/worker/cores.py); empty: num_threads throughout",
     )
     host_cores: int = Field(0, ge=0, description="Cores the core board shares out; 0: this process's CPUs")
-    kv_cache_bytes: int = 256 << 20
-    block_size: int = 16
+    kv_cache_bytes: int = Field(256 << 20, description="Bytes of the paged KV cache, allocated once at start")
+    block_size: int = Field(16, description="Tokens per KV block")
     # Upper caps: with profiling on, the budgets in use are the largest within the SLO-derived
     # iteration latency limit, at most these.
-    token_budget: int = 2048
-    image_budget: int = 8
-    profile: Literal["auto", "measure", "off"] = Field(
-        "auto",
+    token_budget: int = Field(
+        2048, description="Most tokens in one engine step (τt); with profiling on, the cap of its search"
+    )
+    image_budget: int = Field(
+        8, description="Most images encoded in one engine step (τe); with profiling on, the cap of its search"
+    )
+    profile: ProfileMode = Field(
+        ProfileMode.AUTO,
         description="auto (reuse a profile in Redis with the same fingerprint, else measure and store it) "
         "| measure (always) | off (use the budgets as configured, publish nothing)",
     )
@@ -154,7 +270,7 @@ class WorkerSettings(ServiceSettings):
     )
     long_prefill: int = Field(1024, ge=1, description="Prompts longer than this many tokens are paced")
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = Field(256, description="Most sequences an engine holds at once")
     prefix_caching: bool = Field(
         True,
         description="Keep full KV blocks for reuse by the hash of what they hold: a request computes "
@@ -173,13 +289,13 @@ class WorkerSettings(ServiceSettings):
         description="Bytes of image features an engine keeps by content hash; unset: 512 MiB on an "
         "encode-only instance (which holds no KV), 64 MiB on any other",
     )
-    decode_graphs: Literal["auto", "off", "eager"] = Field(
-        "auto",
+    decode_graphs: DecodeGraphMode = Field(
+        DecodeGraphMode.AUTO,
         description="Decode-only steps padded to fixed batch and context buckets and replayed from CUDA "
         "graphs: auto (on CUDA devices; the CPU path stays as it is) | off | eager (padded, not captured)",
     )
-    packed_weights: Literal["auto", "off"] = Field(
-        "auto",
+    packed_weights: PackedWeightMode = Field(
+        PackedWeightMode.AUTO,
         description="auto: on a CPU in float32, a decoding instance also keeps the language model's "
         "weights packed for MKL's GEMM (decode batches of 2-64 sequences about twice as fast, for a "
         "second copy of the decoder's weights in memory) | off",
@@ -191,10 +307,23 @@ class WorkerSettings(ServiceSettings):
         "faster decode attention, for keys and values rounded to half precision (greedy outputs may part "
         "from HF's at near-ties); refused on a GPU unless it is the model's dtype",
     )
-    transfer: str = Field("auto", description="auto (UCX when importable) | ucx | tcp")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="The dtype the engine computes in: auto (float32 on a CPU, bfloat16 on a GPU) | float32 "
+        "(on a GPU too: answers token-identical to HF's float32 model) | bfloat16 | float16",
+    )
+    gpu_memory_share: str = Field(
+        "",
+        description="Where instances share one GPU: the share of its memory this instance holds in all "
+        "(weights, KV cache, working memory), as one number (0.4) or per instance kind (e=0.08,p=0.42,"
+        "d=0.45; kinds: e p d ep ed epd, one absent takes what is free); empty: the GPU is this instance's",
+    )
+    transfer: str = Field(
+        "auto", description="Bulk transfer backend: auto (UCX when it loads, TCP with TLS) | ucx | tcp"
+    )
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
-    kv_wire: Literal["native", "int8"] = Field(
-        "native",
+    kv_wire: KvWire = Field(
+        KvWire.NATIVE,
         description="How a prefill instance sends KV to decode: native (the KV cache's dtype) | int8 (int8 "
         "values with a float32 scale per layer, block and head: about half a bfloat16 cache's bytes, a "
         "quarter of a float32 one's; decoders of either setting read both)",
@@ -210,8 +339,12 @@ class WorkerSettings(ServiceSettings):
         description="Fetch a prefill task's image features as soon as it arrives (002 §3.2); "
         "off: only when the engine would run it",
     )
-    heartbeat_ttl: float = 5.0
-    drain_timeout: float = 30.0
+    heartbeat_ttl: float = Field(5.0, description="Seconds a silent worker stays in the registry")
+    drain_timeout: float = Field(
+        30.0,
+        description="Seconds to finish held work on SIGTERM; what is still held then goes back to its queue "
+        "(at once on a second signal). Draining, /ready answers 503 while /health and /metrics answer",
+    )
     finals_window: float = Field(
         120.0,
         gt=0,
@@ -230,15 +363,30 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(f"TRIDENT_TBT_STRETCH must be above 1 (or 0: off), not {self.tbt_stretch}")
         return self
 
+    @model_validator(mode="after")
+    def _check_share(self) -> WorkerSettings:
+        self.memory_share()  # a bad share stops the worker at start, saying which part
+        return self
+
+    def memory_share(self) -> float | None:
+        """This instance's share of a shared GPU's memory (TRIDENT_GPU_MEMORY_SHARE), by its roles."""
+        kind = InstanceKind.of(parse_roles(self.roles))
+        return parse_memory_shares(self.gpu_memory_share).get(kind) if kind else None
+
 
 class GatewaySettings(ServiceSettings):
     """The OpenAI-compatible front door."""
 
-    port: int = 8000
+    port: int = Field(
+        8000, description="The gateway's API port (compose publishes it on the host as ${TRIDENT_PORT:-8000})"
+    )
     http_port: int = 8000
-    max_images: int = 8
-    max_image_bytes: int = 20 << 20
-    max_image_pixels: int = Field(50_000_000, description="Pixels an image may declare in its header")
+    max_images: int = Field(8, description="Most images in one request")
+    max_image_bytes: int = Field(20 << 20, description="Largest image, fetched or inline; beyond it, 413")
+    max_image_pixels: int = Field(
+        50_000_000,
+        description="Pixels an image may declare in its header, checked before decoding; beyond, 413",
+    )
     max_request_pixels: int = Field(
         100_000_000,
         gt=0,
@@ -264,8 +412,10 @@ class GatewaySettings(ServiceSettings):
     keep_alive_timeout: float = Field(
         5.0, gt=0, description="Seconds an idle keep-alive connection stays open between requests"
     )
-    image_fetch_timeout: float = Field(10.0, description="Seconds for one image URL's whole fetch")
-    max_videos: int = Field(2, ge=0, description="Video clips one request may carry (Qwen2-VL, Qwen2.5-VL)")
+    image_fetch_timeout: float = Field(
+        10.0, description="Seconds for one image URL's whole fetch (connect, every byte), not per read"
+    )
+    max_videos: int = Field(2, ge=0, description="Video clips one request may carry (Qwen-VL families)")
     max_video_bytes: int = Field(
         64 << 20, gt=0, description="Largest video file, fetched or inline; beyond it, 413"
     )
@@ -285,15 +435,32 @@ class GatewaySettings(ServiceSettings):
     video_decode_timeout: float = Field(
         30.0, gt=0, description="Seconds a clip's reading and decoding may take; beyond it, 413"
     )
-    allow_private_image_urls: bool = False
-    default_max_tokens: int = 256
+    allow_private_image_urls: bool = Field(
+        False,
+        description="Allow image and video URLs on addresses that are not global (private, loopback, "
+        "link-local, CGNAT, reserved); every address a name resolves to is checked",
+    )
+    default_max_tokens: int = Field(256, description="`max_tokens` of a request that gives none")
     request_timeout: float = Field(
         300.0, gt=0, description="Seconds a request may take in all (image fetch and processing "
         "included); past it, 504 and the request is cancelled everywhere",
     )  # fmt: skip
-    max_in_flight: int = Field(1024, description="Requests served at once; beyond it, 429")
+    max_in_flight: int = Field(
+        1024, description="Requests served at once, counted once a body has arrived whole; beyond it, 429"
+    )
+    hold_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds a request waits at the gateway for a live instance of a stage it needs (one "
+        "scaled to zero, or starting); past it, 503",
+    )
+    max_held: int = Field(
+        256, ge=0, description="Requests waiting for an instance at once; beyond it, 503 at once"
+    )
     max_queued_tasks: int = Field(
-        512, description="Tasks waiting in any stage's queue beyond which new requests get 429"
+        512,
+        description="Undelivered tasks in any stage's queue (read every 0.25 s) beyond which new requests "
+        "get 429 with Retry-After",
     )
     sse_keepalive: float = Field(
         10.0, gt=0, description="Seconds of silence after which a stream gets an SSE comment"
@@ -352,7 +519,9 @@ class PlannerSettings(ServiceSettings):
         description="Cores (or GPUs: planner_budget_unit) all instances may take together; capacity is "
         "never recommended beyond it. 0: this host's cores (with gpus, 0 is refused)",
     )
-    planner_budget_unit: Literal["cores", "gpus"] = "cores"
+    planner_budget_unit: Literal["cores", "gpus"] = Field(
+        "cores", description="What the budget and the instance cost count: cores | gpus"
+    )
     planner_instance_cost: float = Field(
         1.0, gt=0, description="Cores (or GPUs) one instance takes, as the budget counts them"
     )
@@ -360,6 +529,12 @@ class PlannerSettings(ServiceSettings):
         "", description="Per-kind minimum replicas, e.g. `d=1,ep=1` (kinds: e p d ep ed epd)"
     )
     planner_max_replicas: str = Field("", description="Per-kind maximum replicas, e.g. `e=2,d=8`")
+    planner_start: str = Field(
+        "",
+        description="Per-kind counts published as trident_planner_desired_instances until the first sizing, "
+        "with whatever runs besides: the method a deployment starts with, e.g. `ep=1,d=1`. Empty: what "
+        "runs, or no count at all (an autoscaler then keeps what runs)",
+    )
     planner_forecast_bin: float = Field(
         10.0, gt=0, description="Seconds per point of the arrival-rate series"
     )
@@ -375,7 +550,11 @@ class PlannerSettings(ServiceSettings):
     planner_capacity_min_interval: float = Field(
         30.0, ge=0, description="Fewest seconds between two sizings that a forecast change triggers"
     )
-    planner_actuator: Literal["advisory", "launcher", "compose"] = "advisory"
+    planner_actuator: Literal["advisory", "launcher", "compose"] = Field(
+        "advisory",
+        description="What a decision does beyond being published: advisory (nothing) | launcher (`trident up "
+        "--follow-plan` applies it) | compose (logs, or runs, the `docker compose` command that applies it)",
+    )
     planner_follow_capacity: bool = Field(
         False,
         description="Hand each capacity recommendation that differs from what runs to the actuator, so "

@@ -13,7 +13,10 @@ prompt prefix, then its own), and a gathered copy otherwise — copying a contex
 much as attending to it.
 Elsewhere decodes run as one batched call over their contexts gathered to the longest one and
 masked; on CUDA with flash-attn installed (and a half-precision cache), everything runs as one
-varlen call over gathered contexts.
+varlen call over gathered contexts. Where the model runs fused ops (decoder_ops.py: on CUDA), a
+paged decode kernel reads every decode's context where it lies instead (`paged_decode`, with
+each decode's block table and context length), and a varlen call, if any, covers the prefill
+chunks alone.
 
 The varlen call goes through whatever kernel `varlen_kernel` picks for the iteration: flash-attn's
 in production. `use_varlen_kernel` forces the varlen path with another kernel on any device and
@@ -124,6 +127,10 @@ class AttentionMetadata:
     flash_slots: torch.Tensor | None = None  # [total_context] for the varlen call
     max_q: int = 0
     max_k: int = 0
+    # Set: decodes attend through this paged kernel (paged_decode.py) over `decode_blocks` (int32
+    # block tables) and `decode_lens` (int32 context lengths), read in place; decode_bias is None.
+    paged_decode: Callable[..., torch.Tensor] | None = None
+    decode_lens: torch.Tensor | None = None
 
     @property
     def use_flash(self) -> bool:
@@ -139,12 +146,21 @@ def paged_attention(
     # EngineConfig.kv_cache_dtype) takes keys and values rounded to it, and is read back as below.
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    if meta.use_flash:
+    return attend(q, k_cache, v_cache, meta)
+
+
+def attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """`paged_attention` once this step's keys and values are in the cache (a fused op wrote them)."""
+    if meta.use_flash and meta.paged_decode is None:
         return _flash(q, k_cache, v_cache, meta)
     if not meta.prefills:  # decodes only: their output is the whole output, with no copy into it
         return _decode_batch(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
-    for seq in meta.prefills:
+    if meta.use_flash:  # the prefill chunks' rows, one varlen call
+        out[: meta.num_prefill_tokens] = _flash(q[: meta.num_prefill_tokens], k_cache, v_cache, meta)
+    for seq in meta.prefills if not meta.use_flash else ():
         out[seq.q_start : seq.q_start + seq.q_len] = _prefill_one(q, k_cache, v_cache, seq)
     if len(q) > meta.num_prefill_tokens:
         out[meta.num_prefill_tokens :] = _decode_batch(q[meta.num_prefill_tokens :], k_cache, v_cache, meta)
@@ -173,6 +189,8 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """All decodes at once. Whole blocks are gathered (one index per block, not per token), and
     each KV head's group of query heads is laid out as a short query sequence, so SDPA runs with
     no GQA expansion of K and V."""
+    if meta.paged_decode is not None:
+        return meta.paged_decode(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, meta.block_size)
     if meta.decode_contexts is not None:
         return _decode_each(q, k_cache, v_cache, meta)
     batch, heads, dim = q.shape

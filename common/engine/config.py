@@ -16,10 +16,36 @@ class Policy(StrEnum):
     DECODE_FIRST = "decode-first"  # Sarathi: decodes, then chunked prefill; encodes unbudgeted, inline
 
 
-DECODE_GRAPH_MODES = ("auto", "off", "eager")
-PACKED_WEIGHT_MODES = ("auto", "off")
-# The dtypes an engine computes in (`dtype`) or keeps its KV cache in (`kv_cache_dtype`).
-DTYPES = ("float32", "bfloat16", "float16")
+class DecodeGraphMode(StrEnum):
+    """Decode-only steps padded to fixed buckets and replayed from CUDA graphs (decode_graphs.py)."""
+
+    AUTO = "auto"  # captured on CUDA, where launching kernels from Python bounds a decode step
+    OFF = "off"  # never padded
+    EAGER = "eager"  # padded, not captured, on any device: its CPU tests (on a GPU: a capture fault or not)
+
+
+class PackedWeightMode(StrEnum):
+    """The decoder's projections kept packed for MKL's GEMM as well (packed.py)."""
+
+    AUTO = "auto"  # on a CPU, in float32, on an instance that decodes: where it pays
+    OFF = "off"
+
+
+class Dtype(StrEnum):
+    """The dtypes an engine computes in (`dtype`) or keeps its KV cache in (`kv_cache_dtype`)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class GpuKernels(StrEnum):
+    """Which ops a CUDA engine's decoder runs (decoder_ops.py)."""
+
+    # Triton's fused kernels and decode attention read in place, each checked on the device at
+    # load (one that fails falls back); torch's ops on a CPU, whose path is tuned as it is.
+    AUTO = "auto"
+    TORCH = "torch"  # torch's ops everywhere: the path before the fused kernels, kept to compare
 
 
 @dataclass(frozen=True)
@@ -34,6 +60,11 @@ class EngineConfig:
     # CPU: the KV cache is sized by a byte cap. GPU: by a fraction of free memory after weights.
     kv_cache_bytes: int = 256 << 20
     gpu_memory_fraction: float = 0.85
+    # The share of the GPU's memory this engine may hold in all (weights, KV, working memory), where
+    # several instances share one GPU: the KV cache then takes `gpu_memory_fraction` of what is left
+    # of that share once the weights are in, so instances that start at once cannot take each
+    # other's memory. None: the GPU is this engine's alone.
+    gpu_memory_share: float | None = None
     # τt: tokens in one LLM iteration (decodes count one each, prefill chunks their length).
     token_budget: int = 2048
     # τe: images encoded in one iteration.
@@ -66,21 +97,22 @@ class EngineConfig:
     # machine should split the cores: oversubscribed torch threads spin and slow everyone down.
     num_threads: int | None = None
     # None: float32 on CPU (exact parity with HF), bfloat16 on CUDA.
-    dtype: str | None = None
+    dtype: Dtype | None = None
     # Decode-only steps padded to fixed buckets and replayed from CUDA graphs (decode_graphs.py):
     # "auto" captures them on CUDA, where launching kernels from Python bounds a decode step, and
     # leaves the CPU path as it is; "off" never pads; "eager" runs the padded step uncaptured on any
     # device (its CPU tests; on a GPU, it tells a capture fault from a padding fault).
-    decode_graphs: str = "auto"
+    decode_graphs: DecodeGraphMode = DecodeGraphMode.AUTO
     # CPU, float32, an instance that decodes: the language model's projections also keep their
     # weights packed for MKL's GEMM (packed.py), which decode batches of 2-64 rows run about twice as
     # fast from, for a second copy of the decoder's weights in memory. "off": never.
-    packed_weights: str = "auto"
+    packed_weights: PackedWeightMode = PackedWeightMode.AUTO
     # The KV cache's dtype; None: the model's. On a CPU, "float16" or "bfloat16" under a float32
     # model halves the cache's bytes (twice the sequences in the same memory) and what a decode step
     # reads of it, for keys and values rounded to half precision: greedy outputs may then part from
     # HF's at near-ties (docs/engine.md, "A half-precision KV cache").
-    kv_cache_dtype: str | None = None
+    kv_cache_dtype: Dtype | None = None
+    kernels: GpuKernels = GpuKernels.AUTO
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -89,15 +121,25 @@ class EngineConfig:
             raise ValueError("block_size, token_budget and image_budget must be positive")
         if self.tbt_stretch is not None and self.tbt_stretch <= 1.0:
             raise ValueError(f"tbt_stretch must be above 1 (or None), not {self.tbt_stretch}")
-        if self.packed_weights not in PACKED_WEIGHT_MODES:
-            raise ValueError(
-                f"packed_weights must be one of {', '.join(PACKED_WEIGHT_MODES)}: {self.packed_weights!r}"
-            )
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(DTYPES)} or unset, not {self.kv_cache_dtype!r}"
-            )
-        if self.decode_graphs not in DECODE_GRAPH_MODES:
-            raise ValueError(
-                f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}: {self.decode_graphs!r}"
-            )
+        for name, (kind, may_be_unset) in _ENUMS.items():
+            value = getattr(self, name)
+            if value is None and may_be_unset:
+                continue
+            if value not in set(kind):
+                unset = " or unset" if may_be_unset else ""
+                raise ValueError(f"{name} must be one of {', '.join(kind)}{unset}, not {value!r}")
+            object.__setattr__(self, name, kind(value))  # a string becomes its member: still frozen after
+        if self.gpu_memory_share is not None and not 0 < self.gpu_memory_share <= 1:
+            raise ValueError(f"gpu_memory_share must be in (0, 1] or unset, not {self.gpu_memory_share}")
+
+
+# EngineConfig's enum fields, and whether each may be None (unset); each takes its values' strings too
+# (settings, tests and benchmarks pass them).
+_ENUMS: dict[str, tuple[type[StrEnum], bool]] = {
+    "policy": (Policy, False),
+    "decode_graphs": (DecodeGraphMode, False),
+    "packed_weights": (PackedWeightMode, False),
+    "dtype": (Dtype, True),
+    "kv_cache_dtype": (Dtype, True),
+    "kernels": (GpuKernels, False),
+}

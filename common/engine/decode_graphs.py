@@ -13,7 +13,9 @@ A graph's shapes are fixed, so a step is padded to a bucket:
   alone; its logits are dropped.
 - the context to the next of `context_buckets` (in blocks, at most a quarter more than the
   longest context). Each row's block table is padded with
-  the scratch block, and a mask hides every key past the row's context.
+  the scratch block, and a mask hides every key past the row's context — or, where the model
+  runs a paged decode kernel (decoder_ops.py), the kernel reads each row's table and length from
+  the step's buffers and stops at its context.
 
 Graphs are captured on the first step of their bucket and share one memory pool: they never run
 at once. A step that holds prefill work, or is longer or wider than the largest bucket, runs
@@ -68,8 +70,8 @@ class _Step:
     ids: torch.Tensor  # [batch] the token each row feeds
     positions: torch.Tensor  # [batch], or [3, batch] with M-RoPE
     slots: torch.Tensor  # [batch] where each row's new K/V goes
-    blocks: torch.Tensor  # [batch, width] block tables, padded with the scratch block
-    context: torch.Tensor  # [batch] tokens each row attends to (its own new one included)
+    blocks: torch.Tensor  # [batch, width] int32 block tables, padded with the scratch block
+    context: torch.Tensor  # [batch] int32 tokens each row attends to (its own new one included)
     logits: torch.Tensor | None = None  # [batch, vocab] float32, the captured step's output
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -89,6 +91,7 @@ class DecodeGraphs:
         self.steps: dict[tuple[int, int], _Step] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.runs = 0  # steps run through a bucket, since start
+        self.ops = model.language_model.ops  # what the steps were captured with (decoder_ops.py)
         self.capture_failures = 0
 
     def fits(self, batch: int, max_blocks: int) -> bool:
@@ -102,10 +105,13 @@ class DecodeGraphs:
         writes its K/V at flat slot `slots[i]` and attends to the first `context[i]` tokens of the
         blocks `tables[i]`. Call `fits` first."""
         n = len(ids)
+        if self.model.language_model.ops is not self.ops:  # the model's ops changed: capture anew
+            self.steps.clear()
+            self.ops = self.model.language_model.ops
         size = (bucket(n, self.batches), bucket(max(len(t) for t in tables), self.widths))
         step = self.steps.get(size) or self._new_step(*size)
         scratch = self.cache.scratch_block
-        blocks = torch.full(step.blocks.shape, scratch, dtype=torch.long)
+        blocks = torch.full(step.blocks.shape, scratch, dtype=torch.int32)
         for i, table in enumerate(tables):
             blocks[i, : len(table)] = torch.as_tensor(table)
         step.ids.copy_(_padded(torch.as_tensor(ids), size[0], 0))
@@ -126,8 +132,8 @@ class DecodeGraphs:
             ids=torch.zeros(batch, dtype=torch.long, device=dev),
             positions=torch.zeros(rows, dtype=torch.long, device=dev),
             slots=torch.full((batch,), scratch * self.block_size, dtype=torch.long, device=dev),
-            blocks=torch.full((batch, width), scratch, dtype=torch.long, device=dev),
-            context=torch.ones(batch, dtype=torch.long, device=dev),
+            blocks=torch.full((batch, width), scratch, dtype=torch.int32, device=dev),
+            context=torch.ones(batch, dtype=torch.int32, device=dev),
         )
         if self.capture:
             try:
@@ -156,15 +162,17 @@ class DecodeGraphs:
 
     def _forward(self, step: _Step) -> torch.Tensor:
         lm = self.model.language_model
-        width = step.blocks.shape[1] * self.block_size
-        keys = torch.arange(width, device=self.device)
-        hidden_mask = keys[None, :] >= step.context[:, None]
-        # In the queries' dtype, which a half-precision cache under a float32 model is not.
-        bias = torch.zeros(hidden_mask.shape, dtype=lm.embed_tokens.weight.dtype, device=self.device)
-        bias.masked_fill_(hidden_mask, float("-inf"))
-        meta = AttentionMetadata(
-            step.slots, [], 0, step.blocks, bias[:, None, None, :], block_size=self.block_size
-        )
+        meta = AttentionMetadata(step.slots, [], 0, step.blocks, None, block_size=self.block_size)
+        if lm.ops is not None and lm.ops.paged_decode is not None:
+            # Read in place: the kernel takes the buffers themselves, so a replay reads what
+            # `run` wrote into them, and masks past each row's context by its length.
+            meta.paged_decode, meta.decode_lens = lm.ops.paged_decode, step.context
+        else:
+            width = step.blocks.shape[1] * self.block_size
+            hidden_mask = torch.arange(width, device=self.device)[None, :] >= step.context[:, None]
+            # In the queries' dtype, which a half-precision cache under a float32 model is not.
+            bias = torch.zeros(hidden_mask.shape, dtype=lm.embed_tokens.weight.dtype, device=self.device)
+            meta.decode_bias = bias.masked_fill_(hidden_mask, float("-inf"))[:, None, None, :]
         hidden = lm(lm.embed_tokens(step.ids), step.positions, self.cache, meta)
         return lm.logits(hidden)
 

@@ -40,9 +40,15 @@ class KVCache:
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks  # the extra block: never handed out
         self.kv = torch.zeros(
-            spec.num_layers, 2, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=spec.dtype, device=device,
-        )  # fmt: skip
+            spec.num_layers,
+            2,
+            num_blocks + 1,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            dtype=spec.dtype,
+            device=device,
+        )
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value slot views of one layer: each [(num_blocks + 1) * block_size, kv_heads, head_dim]."""
@@ -76,3 +82,12 @@ def layer_groups(num_layers: int, group_size: int) -> list[range]:
 def num_blocks_for(spec: KVSpec, cache_bytes: int) -> int:
     """How many blocks fit in a byte cap."""
     return max(0, cache_bytes // spec.bytes_per_block)
+
+
+def gpu_kv_bytes(free: int, total: int, held: int, fraction: float, share: float | None) -> int:
+    """Bytes for the KV cache on a GPU with `free` of `total` bytes free, this process holding `held`
+    already (its weights): `fraction` of what is free or, with a `share` of the device (instances
+    sharing one GPU), of what is left of that share, and never more than is free. Each instance's
+    room then follows from its own share, whatever the others took first."""
+    room = free if share is None else min(free, int(share * total) - held)
+    return max(0, int(room * fraction))

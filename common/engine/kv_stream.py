@@ -8,7 +8,7 @@ stream and where each group's buffer goes. All of it runs on the engine thread, 
     step ─ prepare: sink.begin(req, shapes) for each request whose prefill ends in this step
          ─ forward: after layer g.stop - 1, stream.group(i, buffer) for every group g ending there
 
-A buffer equals what `Engine.export_kv` gives after the prefill, byte for byte: the same blocks of
+A buffer equals what `Handoff.export_kv` gives after the prefill, byte for byte: the same blocks of
 the same cache, read once the last chunk's keys and values for those layers are written.
 """
 

@@ -172,7 +172,9 @@ class ModelRunner:
             s.context_slots = s.context_slots.to(dev)
         meta = AttentionMetadata(slot_mapping, seqs, num_prefill, None, None, block_size=self.block_size)
         kernel = varlen_kernel(dev, self.cache.spec.dtype)
-        if decodes and dev.type == "cpu" and kernel is None:
+        ops = self.model.language_model.ops
+        meta.paged_decode = ops.paged_decode if ops is not None else None
+        if decodes and dev.type == "cpu" and kernel is None and meta.paged_decode is None:
             meta.decode_contexts = [
                 decode_context(self.block_tables(req.request_id), ctx, self.block_size)
                 for req, ctx in zip(decodes, decode_ctx, strict=True)
@@ -180,16 +182,20 @@ class ModelRunner:
         elif decodes:
             tables = [self.block_tables(req.request_id) for req in decodes]
             width = max(len(t) for t in tables)
-            grid = torch.zeros(len(decodes), width, dtype=torch.long)
+            grid = torch.zeros(len(decodes), width, dtype=torch.int32)
             for i, table in enumerate(tables):
                 grid[i, : len(table)] = torch.as_tensor(table)
-            valid = torch.arange(max(decode_ctx))[None, :] < torch.as_tensor(decode_ctx)[:, None]
-            dtype = self.model.language_model.embed_tokens.weight.dtype  # the queries', not the cache's
-            bias = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
             meta.decode_blocks = grid.to(dev)
-            meta.decode_bias = bias[:, None, None, :].to(dev)
-        if kernel is not None:
-            self._flash_metadata(meta, seqs, decode_ctx, kernel)
+            if meta.paged_decode is not None:  # read in place: each decode's table and length
+                meta.decode_lens = torch.tensor(decode_ctx, dtype=torch.int32).to(dev)
+            else:
+                valid = torch.arange(max(decode_ctx))[None, :] < torch.as_tensor(decode_ctx)[:, None]
+                dtype = self.model.language_model.embed_tokens.weight.dtype  # the queries', not the cache's
+                bias = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
+                meta.decode_bias = bias[:, None, None, :].to(dev)
+        if kernel is not None and (seqs or meta.paged_decode is None):
+            # With a paged decode kernel the varlen call covers the prefill chunks alone.
+            self._flash_metadata(meta, seqs, decode_ctx if meta.paged_decode is None else [], kernel)
         return meta
 
     def _flash_metadata(self, meta, seqs, decode_ctx, kernel) -> None:

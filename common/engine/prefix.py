@@ -14,6 +14,7 @@ import bisect
 import hashlib
 from array import array
 
+from common.engine.block_manager import BlockManager
 from common.engine.request import Request
 
 ROOT = b"trident prefix cache, v1"
@@ -53,3 +54,46 @@ def _image_rows(req: Request) -> tuple[list[int], list[int]]:
         starts.append(total)
         total += img.num_tokens
     return starts, req.image_positions.tolist()
+
+
+class PrefixReuse:
+    """Prefix caching as a request sees it: where its computing starts (the scheduler's lookup, as
+    it is admitted) and which of its computed blocks are findable (the engine's, as they fill).
+    The planner's simulator answers the lookup from a trace instead (common/planner/simulator.py)."""
+
+    def __init__(self, blocks: BlockManager) -> None:
+        self.blocks = blocks
+
+    def lookup(self, req: Request) -> tuple[int, int]:
+        """A request about to compute its first tokens starts from its longest cached prefix, and
+        computes at least its last token (whose logits it samples from). Returns (tokens looked up,
+        tokens found), for the hit rate once the request is admitted ((0, 0): no lookup)."""
+        blocks = self.blocks
+        if not blocks.caching or not req.cacheable or req.num_computed_tokens or blocks.table(req.request_id):
+            return 0, 0
+        size = blocks.block_size
+        found = blocks.longest_prefix(block_hashes(req, (req.num_tokens - 1) // size, size))
+        blocks.attach(req.request_id, found)
+        req.num_remembered = len(found)  # its attached blocks are findable already
+        req.num_computed_tokens = len(found) * size
+        return req.num_tokens, req.num_computed_tokens
+
+    def admitted(self, req: Request, looked: tuple[int, int]) -> None:
+        """Admitted after a `lookup`: count it, and what it found is the request's."""
+        if looked[0]:
+            self.blocks.count_lookup(*looked)
+            req.num_cached_tokens = looked[1]
+
+    def give_back(self, req: Request, running: list[Request]) -> None:
+        """Not admitted after all: a request that computed nothing holds no blocks while it waits."""
+        if req.num_computed_tokens and all(req is not r for r in running):
+            self.blocks.free(req.request_id)
+            req.num_computed_tokens = req.num_remembered = 0
+
+    def remember(self, req: Request) -> None:
+        """Make the request's newly computed full blocks findable by their keys."""
+        full = req.num_computed_tokens // self.blocks.block_size
+        if self.blocks.caching and req.cacheable and full > req.num_remembered:
+            hashes = block_hashes(req, full, self.blocks.block_size)
+            self.blocks.remember(req.request_id, hashes, start=req.num_remembered)
+            req.num_remembered = full

@@ -154,9 +154,13 @@ class BudgetProfiler:
         self._image: ImageInput | None = None
 
     def profile(
-        self, ttft_slo: float, tbt_slo: float, max_images: int = 32, max_tokens: int = 8192,
+        self,
+        ttft_slo: float,
+        tbt_slo: float,
+        max_images: int = 32,
+        max_tokens: int = 8192,
         encode_curve_to: int = 32,
-    ) -> StageProfile:  # fmt: skip
+    ) -> StageProfile:
         """Budgets up to `max_images` / `max_tokens` (the configured caps), and the curves: encode
         at 1..τe and powers of two up to `encode_curve_to`, prefill at powers of two up to the token
         cap plus the search points, decode on a batch × context grid that fits the KV cache."""
@@ -177,9 +181,15 @@ class BudgetProfiler:
             self.decode_grid(limit, max_batch=token_budget)
             self.decode_again()
         return StageProfile(
-            sorted(r.value for r in e.config.roles), limit, image_budget, token_budget,
-            self._points("encode"), self._points("prefill"), self._points("decode"), **self.sizes(),
-        )  # fmt: skip
+            sorted(r.value for r in e.config.roles),
+            limit,
+            image_budget,
+            token_budget,
+            self._points("encode"),
+            self._points("prefill"),
+            self._points("decode"),
+            **self.sizes(),
+        )
 
     def sizes(self) -> dict[str, int]:
         """The engine's memory and length limits, as the profile records them."""

@@ -29,9 +29,11 @@ def spec_prompt(
     images = []
     for img, px, ft in zip(spec.images, pixels, features, strict=True):
         extra = {  # families whose images vary; clips
-            "grid_thw": img.grid_thw, "image_size": img.image_size, "video": img.video,
+            "grid_thw": img.grid_thw,
+            "image_size": img.image_size,
+            "video": img.video,
             "seconds_per_patch": img.seconds_per_patch,
-        }  # fmt: skip
+        }
         images.append(ImageInput(img.content_hash, img.num_tokens, pixel_values=px, features=ft, **extra))
     expected = sum(img.num_tokens for img in spec.images)
     if len(positions) != expected:

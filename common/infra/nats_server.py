@@ -14,10 +14,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 from common.infra.process import InfraError, LocalServer, free_port
+from common.infra.settings import NATS
 from common.tls import Tls
 
-# NATS's default max_payload is 1 MB; an inline image (3x336x336 fp32 = 1.35 MB) must fit in a task.
-DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+DEFAULT_MAX_PAYLOAD = NATS.max_payload  # common/infra/settings.py says why
 
 
 def nats_server_binary() -> str:
@@ -150,6 +150,7 @@ class NatsServer(LocalServer):
             f"listen: {json.dumps(f'{self.host}:{self.port}')}",
             f"http: {json.dumps(f'{self.host}:{self.monitor_port}')}",
             f"max_payload: {self.max_payload}",
+            *NATS.config_lines()[1:],  # lame duck
             f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))} }}",
         ]
         if self.cluster is not None:

@@ -10,13 +10,13 @@ import redis
 
 from common.infra.process import LocalServer
 from common.infra.redis_server import listen_settings, probe_client, redis_server_binary
+from common.infra.settings import SENTINEL
 from common.tls import Tls
 
 # How long a primary may be silent before a sentinel calls it down, and how long a failover may take
-# before another sentinel tries again. Redis's defaults (30 s, 3 min) are for wide-area links; a
-# deployment's own network answers within milliseconds, and every second here is a second of stall.
-DOWN_AFTER_MS = 1000
-FAILOVER_TIMEOUT_MS = 5000
+# before another sentinel tries again: common/infra/settings.py, shared with compose and Kubernetes.
+DOWN_AFTER_MS = SENTINEL.down_after_ms
+FAILOVER_TIMEOUT_MS = SENTINEL.failover_timeout_ms
 
 
 class RedisSentinel(LocalServer):
@@ -67,9 +67,7 @@ class RedisSentinel(LocalServer):
             'logfile ""',
             f"dir {json.dumps(str(self.workdir))}",
             f"sentinel monitor {name} {self.primary[0]} {self.primary[1]} {self.quorum}",
-            f"sentinel down-after-milliseconds {name} {DOWN_AFTER_MS}",
-            f"sentinel failover-timeout {name} {FAILOVER_TIMEOUT_MS}",
-            f"sentinel parallel-syncs {name} 1",
+            *SENTINEL.lines(name),
         ]
         if self.password:
             secret = json.dumps(self.password)

@@ -27,6 +27,7 @@ from common.engine.admission import Load, decode_room, encode_room, prefill_room
 from common.engine.block_manager import BlockManager, blocks_needed
 from common.engine.config import EngineConfig, Policy
 from common.engine.governor import BudgetGovernor, budget_share
+from common.engine.prefix import PrefixReuse
 from common.engine.profiler import budget_target, latency_limit
 from common.engine.request import ImageInput, Request, Status
 from common.engine.sampling import SamplingParams
@@ -105,16 +106,16 @@ class SimResult:
         return quantile(self.gaps.tolist(), q / 100) if len(self.gaps) else 0.0
 
 
-class _CachedPrefixes(Scheduler):
-    """The engine's scheduler, with its prefix-cache lookup answered by the trace: a request finds
-    the cached tokens its entry says (a measured count, or a workload's ideal), in whole blocks and
-    never its last token, as `Scheduler._reuse_prefix` would; the blocks then count as its own."""
+class _TracePrefixes(PrefixReuse):
+    """The engine's prefix lookup answered by the trace: a request finds the cached tokens its entry
+    says (a measured count, or a workload's ideal), in whole blocks and never its last token, as
+    `PrefixReuse.lookup` would; the blocks then count as its own."""
 
-    def __init__(self, config: EngineConfig, blocks: BlockManager, cached: dict[str, int] | None) -> None:
-        super().__init__(config, blocks)
+    def __init__(self, blocks: BlockManager, cached: dict[str, int] | None) -> None:
+        super().__init__(blocks)
         self.cached = cached if cached is not None else {}
 
-    def _reuse_prefix(self, req: Request) -> tuple[int, int]:
+    def lookup(self, req: Request) -> tuple[int, int]:
         found = self.cached.get(req.request_id, 0)
         if not found or req.num_computed_tokens or self.blocks.table(req.request_id):
             return 0, 0
@@ -122,7 +123,7 @@ class _CachedPrefixes(Scheduler):
         req.num_computed_tokens = min(found, req.num_tokens - 1) // size * size
         return req.num_tokens, req.num_computed_tokens
 
-    def _count_lookup(self, req: Request, looked: tuple[int, int]) -> None:
+    def admitted(self, req: Request, looked: tuple[int, int]) -> None:
         if looked[0]:
             req.num_cached_tokens = looked[1]
 
@@ -148,7 +149,7 @@ class _Instance:
             max_num_seqs=curves.max_num_seqs,
         )
         self.blocks = BlockManager(curves.num_kv_blocks, curves.block_size)
-        self.scheduler = _CachedPrefixes(config, self.blocks, cached)
+        self.scheduler = Scheduler(config, self.blocks, _TracePrefixes(self.blocks, cached))
         # τe counts what the engine's does: images, or image tokens in units of the profiled image.
         self.scheduler.image_unit = curves.tokens_per_image or None
         # The workers' budget governor, by default on there too: it shrinks the budgets while full

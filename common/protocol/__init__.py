@@ -34,7 +34,15 @@ from common.protocol.tasks import (
     RequestSpec,
     StageTask,
 )
-from common.protocol.tensors import DTYPE_SIZES, InlineTensor, TensorRef, dtype_name, nbytes_of, torch_dtype
+from common.protocol.tensors import (
+    DTYPE_SIZES,
+    InlineTensor,
+    KvWire,
+    TensorRef,
+    dtype_name,
+    nbytes_of,
+    torch_dtype,
+)
 
 __all__ = [
     "DTYPE_SIZES",
@@ -54,6 +62,7 @@ __all__ = [
     "InlineTensor",
     "KvGroup",
     "KvLocation",
+    "KvWire",
     "Message",
     "Method",
     "Plan",

@@ -8,13 +8,13 @@ their owner); the decode task carries the tokens so far and where the KV blocks 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from common.protocol.codec import Message, Record
 from common.protocol.sampling import SamplingParams, TokenId
-from common.protocol.tensors import Dtype, InlineTensor, Shape, TensorRef, int8_kv_nbytes
+from common.protocol.tensors import Dtype, InlineTensor, KvWire, Shape, TensorRef, int8_kv_nbytes
 from common.roles import Role
 
 
@@ -125,9 +125,9 @@ class KvLocation(Record):
     dtype: Dtype
     # M-RoPE (Qwen2-VL): every token after the prompt sits at its index plus this; 0 elsewhere.
     rope_delta: int = Field(0, ge=-(2**31), le=2**31)
-    # "native": each group's buffer in `dtype`; "int8": int8 values and per-block, per-head scales
+    # NATIVE: each group's buffer in `dtype`; INT8: int8 values and per-block, per-head scales
     # (common/engine/kv_quant.py), turned back into `dtype` by the decoder.
-    wire: Literal["native", "int8"] = "native"
+    wire: KvWire = KvWire.NATIVE
     # Set when the KV streams while the prefill still runs (services/prefill/kv_stream.py): the
     # handle of the prefill's outcome, int64 [ended at prefill (0 | 1), *output token ids], served
     # once its step is over. The groups' handles are served as the forward finishes each.
@@ -149,7 +149,7 @@ class KvLocation(Record):
 
     def wire_form(self, shape: tuple[int, ...]) -> dict:
         """The shape and dtype a group's buffer of `shape` travels as."""
-        if self.wire == "int8":
+        if self.wire == KvWire.INT8:
             return {"shape": (int8_kv_nbytes(shape),), "dtype": "uint8"}
         return {"shape": shape, "dtype": self.dtype}
 

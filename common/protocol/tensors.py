@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field, model_validator
@@ -26,6 +27,13 @@ Dtype = Annotated[str, Field(pattern="^(" + "|".join(DTYPE_SIZES) + ")$")]
 def nbytes_of(shape: tuple[int, ...], dtype: str) -> int:
     """Bytes of a dense tensor of this shape and dtype."""
     return math.prod(shape) * DTYPE_SIZES[dtype]
+
+
+class KvWire(StrEnum):
+    """How a prefill instance's KV travels to decode (`TRIDENT_KV_WIRE`); decoders read both."""
+
+    NATIVE = "native"  # each layer group's buffer in the KV cache's dtype
+    INT8 = "int8"  # int8 values and a float32 scale per layer, block and head (common/engine/kv_quant.py)
 
 
 def int8_kv_scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

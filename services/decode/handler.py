@@ -19,7 +19,7 @@ from common.engine import AdmissionError, kv_quant
 from common.engine.admission import check_fits, decode_room
 from common.engine.spec_prompt import spec_prompt
 from common.protocol import DecodeTask, PrefillTask, Release
-from common.protocol.tensors import torch_dtype
+from common.protocol.tensors import KvWire, torch_dtype
 from common.roles import Role
 from common.store import Stage
 from common.transfer import TransferError
@@ -53,7 +53,7 @@ class DecodeHandler(StageHandler):
         need = len(spec.prompt_token_ids) + spec.sampling.max_tokens
         try:
             check_fits(len(spec.prompt_token_ids), spec.sampling.max_tokens,
-                       max_model_len=engine.max_model_len, kv_tokens=engine.kv_tokens)  # fmt: skip
+                       max_model_len=engine.max_model_len, kv_tokens=engine.handoff.kv_tokens)  # fmt: skip
         except AdmissionError as exc:
             await ctx.fail(rid, "service_unavailable", str(exc))
             return
@@ -66,7 +66,7 @@ class DecodeHandler(StageHandler):
                 await self._release_at_owner(msg)
                 await self._back_to_prefill(held, streamed)
                 return
-        while not await ctx.engine.call(lambda: engine.can_admit(need)):
+        while not await ctx.engine.call(lambda: engine.handoff.can_admit(need)):
             if ctx.draining.is_set():
                 await ctx.ledger.give_back(rid)  # another replica takes it
                 return
@@ -98,7 +98,7 @@ class DecodeHandler(StageHandler):
             held.sent = list(outputs)
             held.spec = spec = spec.model_copy(update={"output_token_ids": tuple(outputs)})
         try:
-            if msg.kv.wire == "int8":  # back into the cache's dtype (kv_quant.py)
+            if msg.kv.wire == KvWire.INT8:  # back into the cache's dtype (kv_quant.py)
                 dtype = torch_dtype(msg.kv.dtype)
                 groups = msg.kv.groups
                 buffers = [kv_quant.unpack(b, g.shape, dtype) for b, g in zip(buffers, groups, strict=True)]
@@ -108,7 +108,7 @@ class DecodeHandler(StageHandler):
             prompt = spec_prompt(spec, engine.processor.placeholder_ids, none, none)
 
             def admit(e):
-                return e.add_prefilled(
+                return e.handoff.add_prefilled(
                     rid, prompt.token_ids, outputs, spec.sampling, buffers, msg.kv.rope_delta,
                     msg.cached_tokens, prompt.images, prompt.image_positions,
                 )  # fmt: skip

@@ -39,7 +39,7 @@ class EncodeHandler(StageHandler):
         """Publish each image's features, index them by content hash, and queue the prefill task."""
         ctx = self.ctx
         rid = held.request_id
-        req = await ctx.engine.call(lambda: ctx.engine.engine.handed_off(rid))
+        req = await ctx.engine.call(lambda: ctx.engine.engine.handoff.handed_off(rid))
         ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
         images, entries = [], []
         for img, done in zip(held.spec.images, req.images, strict=True):

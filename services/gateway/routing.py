@@ -3,7 +3,12 @@ image features are all in the feature store, go straight to prefill; the rest go
 
 Redis holds what routing reads (the registry, the feature index) but is not needed to route: while
 it restarts, features count as not stored and routing waits, a bounded time, for the registry to
-show an instance of every stage the request needs before answering 503."""
+show an instance of every stage the request needs before answering 503.
+
+A stage with no live instance (scaled to zero, its first instance still loading, or its last one
+dead) is waited for the same way: the request is held (TRIDENT_HOLD_TIMEOUT, at most
+TRIDENT_MAX_HELD at once) and goes on as soon as an instance registers, or ends with a 503 that says
+which stage it waited for."""
 
 from __future__ import annotations
 
@@ -28,8 +33,7 @@ from common.store.features import FEATURE_TTL
 
 log = logging.getLogger(__name__)
 PIXEL_TTL = 300.0  # seconds the gateway serves pixels at most (released when the request ends)
-ROUTE_WAIT = 5.0  # seconds to wait for a stage's instance (or the registry) to come back
-POLL = 0.1
+POLL = 0.1  # seconds between looks at the registry while a request is held
 
 
 def live_roles(beats) -> set[Role]:
@@ -49,6 +53,7 @@ class LiveRoles:
         self.beats: list = []  # the registry's heartbeats as last read (routing by prefix weighs them)
         self._at = float("-inf")
         self._reading: asyncio.Future[set[Role]] | None = None  # one read, shared by all who ask
+        self.held = 0  # requests waiting for a stage's instance now
 
     async def get(self) -> set[Role]:
         if time.monotonic() - self._at <= self.max_age:
@@ -141,15 +146,37 @@ async def _stored_features(gw, hashes: list[str]) -> dict:
 
 
 async def _wait_for_roles(gw, needed: set[Role]) -> None:
-    deadline = time.monotonic() + ROUTE_WAIT
-    while True:
-        try:
-            missing = sorted(needed - await gw.live_roles.get())
-            problem = f"no live instance serves {', '.join(missing)}; start one and retry"
-        except Exception as exc:
-            missing, problem = ["?"], f"the instance registry cannot be read ({type(exc).__name__})"
-        if not missing:
-            return
-        if time.monotonic() >= deadline:
-            raise APIError(503, problem, code="no_instance", retry_after=1)
-        await asyncio.sleep(POLL)
+    """Return once a live instance serves each stage in `needed`; hold the request meanwhile, up to
+    the gateway's hold timeout and with at most its max_held requests held at once."""
+    s, roles = gw.settings, gw.live_roles
+    missing, problem = await _missing(roles, needed)
+    if not missing:
+        return
+    if roles.held >= s.max_held:
+        raise APIError(
+            503, f"{problem}; {roles.held} requests already wait for an instance, the most this gateway "
+            "holds (TRIDENT_MAX_HELD): retry later", code="no_instance", retry_after=5,
+        )  # fmt: skip
+    roles.held += 1
+    try:
+        deadline = time.monotonic() + s.hold_timeout
+        while missing:
+            if time.monotonic() >= deadline:
+                raise APIError(
+                    503, f"{problem} after {s.hold_timeout:g} s held for one (TRIDENT_HOLD_TIMEOUT): "
+                    "start one, or let the autoscaler bring one up, and retry", code="no_instance",
+                    retry_after=5,
+                )  # fmt: skip
+            await asyncio.sleep(POLL)
+            missing, problem = await _missing(roles, needed)
+    finally:
+        roles.held -= 1
+
+
+async def _missing(roles: LiveRoles, needed: set[Role]) -> tuple[list[str], str]:
+    """The stages in `needed` no live instance serves, and what to tell the client about them."""
+    try:
+        missing = sorted(needed - await roles.get())
+        return missing, f"no live instance serves {', '.join(missing)}"
+    except Exception as exc:
+        return ["?"], f"the instance registry cannot be read ({type(exc).__name__})"

@@ -48,6 +48,7 @@ class Metrics:
     queued: Gauge
     failovers: Gauge
     handed_on: Gauge
+    held: Gauge
     ttft: Histogram
     latency: Histogram
     tbt: Histogram
@@ -83,6 +84,11 @@ class Metrics:
             ),
             Gauge("trident_failovers", "Dead instances whose work this gateway handed on", registry=r),
             Gauge("trident_tasks_handed_on", "Tasks of dead instances this gateway queued again", registry=r),
+            Gauge(
+                "trident_gateway_held_requests",
+                "Requests waiting for a live instance of a stage they need (TRIDENT_HOLD_TIMEOUT)",
+                registry=r,
+            ),
             Histogram("trident_gateway_ttft_seconds", "Time to first token", registry=r),
             Histogram("trident_gateway_latency_seconds", "Request latency", registry=r),
             Histogram(
@@ -111,6 +117,7 @@ class Links:
             backend="tcp",
             host=s.bind_host,
             advertise_host=host,
+            port=s.transfer_port,
             secret=s.transfer_secret,
             inline_max_bytes=s.transfer_inline_max_bytes,
             tls=s.tls,
@@ -238,6 +245,7 @@ class Gateway:
         rt.on_fence(self._on_fence)
         self.metrics.failovers.set_function(lambda: rt.reaper.reaped)
         self.metrics.handed_on.set_function(lambda: rt.reaper.handed_on)
+        self.metrics.held.set_function(lambda: links.live_roles.held)
         rt.start(self.heartbeat)
         rt.supervise("journal", links.journal.run)
         rt.supervise("queues", links.queues.run)

@@ -31,6 +31,9 @@ class CapacityDecision:
     queued: dict[str, int] = field(default_factory=dict)  # tasks waiting per stage
     running: dict[str, int] = field(default_factory=dict)  # live instances per kind
     duration: float = 0.0
+    # What was last published for an autoscaler: the desired counts handed over against what runs
+    # (common/planner/handover.py); None until then.
+    published: dict[str, int] | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -41,6 +44,7 @@ class CapacityDecision:
             "error": self.error,
             "queued": self.queued,
             "running": self.running,
+            "published": self.published,
             "duration": round(self.duration, 3),
         }
 

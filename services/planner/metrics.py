@@ -82,19 +82,25 @@ class Metrics:
         )
         for kind in KIND_ROLES:
             m.replicas.labels(kind).set(0)
-            m.desired.labels(kind).set(0)
+        # No desired count until one is known (planner.py: what runs, the deployment's starting
+        # method, or a sizing): an autoscaler reads a missing series as "keep what runs", and 0 as
+        # "stop everything".
         for method in METHOD_KINDS:
             m.method.labels(method).set(0)
         return m
 
     def record_capacity(self, sized: CapacityDecision) -> None:
+        """The sizing's figures; its desired counts are published by `publish_desired` (planner.py
+        hands them over first, common/planner/handover.py)."""
         self.forecast.set(sized.forecast.rate)
         if sized.capacity is None:  # nothing fits the limits: the desired counts are left as they were
             self.short.set(1)
             return
-        for kind, n in sized.capacity.desired.items():
-            self.desired.labels(kind).set(n)
         self.short.set(1 if sized.capacity.short else 0)
+
+    def publish_desired(self, counts: dict[str, int]) -> None:
+        for kind, n in counts.items():
+            self.desired.labels(kind).set(n)
 
     def record(self, plan: Plan, result: PlanResult, duration: float, trigger: str) -> None:
         for kind in KIND_ROLES:

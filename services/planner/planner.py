@@ -29,7 +29,9 @@ from common.planner.algorithm import plan as make_plan
 from common.planner.calibrate import ServiceCalibration, calibrate_from_service, transfer_model
 from common.planner.capacity import Capacity, recommend
 from common.planner.drift import current_deployment, kind_counts, measure_correction, workload_distance
+from common.planner.handover import hand_over, standing
 from common.planner.host_cpu import measure_host_cpu
+from common.planner.limits import MIN_INSTANCES, parse_counts
 from common.planner.paper_profiles import profiles_from
 from common.planner.profiles import ProfileError, ProfileSet
 from common.planner.simulator import Correction
@@ -169,6 +171,7 @@ class Planner:
             self._wake.clear()
 
     async def step(self) -> Decision | None:
+        await self.publish_desired()
         await self.read_trace()
         requested, self._requested = self._requested, []
         trigger = "requested" if requested else self.due()
@@ -184,9 +187,35 @@ class Planner:
                 _settle(requested, error=exc)
                 raise
             _settle(requested, decision)
-        if self.decision is not None:
-            await self.resize("plan" if decision is not None else None)
+        if self.decision is not None and await self.resize("plan" if decision is not None else None):
+            await self.publish_desired()
         return decision
+
+    async def publish_desired(self) -> None:
+        """trident_planner_desired_instances, what an autoscaler follows (KEDA on Kubernetes): the last
+        sizing's counts handed over against what runs now (common/planner/handover.py); before the
+        first sizing, what runs or the method the deployment starts with (TRIDENT_PLANNER_START)."""
+        live = await self._live_counts()
+        if live is None:
+            return  # the registry cannot be read now: what was published stands
+        sized = self.capacity.capacity if self.capacity is not None else None
+        if sized is None:
+            counts = standing(live, parse_counts(self.settings.planner_start, "TRIDENT_PLANNER_START"))
+        else:
+            counts = hand_over(sized.desired, live, self.settings.capacity_limits().maximum)
+        if counts is not None:
+            self.metrics.publish_desired(counts)
+            if self.capacity is not None:
+                self.capacity.published = counts
+
+    async def _live_counts(self) -> dict[str, int] | None:
+        try:
+            registered = await self.store.registry.instances()
+        except Exception as exc:  # Redis away
+            log.debug("registry unreadable: %r", exc)
+            return None
+        live = kind_counts(hb.roles for hb in registered if not hb.draining)
+        return {str(kind): n for kind, n in live.items() if kind}
 
     # -- capacity ----------------------------------------------------------------------------------
     async def resize(self, trigger: str | None) -> CapacityDecision | None:
@@ -431,12 +460,16 @@ class Planner:
     def _instances(self, current: Deployment | None, live: int) -> int:
         """N when TRIDENT_PLANNER_INSTANCES leaves it to the cluster: the live deployment's size; while
         the live instances form no one method (a deployment moving to the last plan: new replicas up,
-        old ones not yet drained), the last plan's size, so a transition does not inflate N."""
+        old ones not yet drained), the last plan's size, so a transition does not inflate N. A lone
+        EPD instance counts as the fewest a split takes: its plan, and the capacity sized after it,
+        are what move such a deployment on (an autoscaler follows the capacity)."""
         if current is not None:
-            return current.instances
-        if self.decision is not None:
-            return self.decision.result.deployment.instances
-        return live
+            n = current.instances
+        elif self.decision is not None:
+            n = self.decision.result.deployment.instances
+        else:
+            n = live
+        return max(n, MIN_INSTANCES) if n else 0
 
     def _on_progress(self, fraction: float, message: str) -> None:
         self.progress = (fraction, message)  # from the planning thread; a tuple is replaced atomically

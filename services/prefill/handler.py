@@ -20,7 +20,16 @@ from common.engine import Engine, kv_quant
 from common.engine.admission import PREFILL_WAITING, prefill_room
 from common.engine.kv_cache import layer_groups
 from common.engine.request import Request
-from common.protocol import DecodeTask, EncodeTask, InlineTensor, KvGroup, KvLocation, TensorRef, dtype_name
+from common.protocol import (
+    DecodeTask,
+    EncodeTask,
+    InlineTensor,
+    KvGroup,
+    KvLocation,
+    KvWire,
+    TensorRef,
+    dtype_name,
+)
 from common.roles import Role
 from common.store import Stage
 from common.store.features import FEATURE_TTL
@@ -50,9 +59,14 @@ class PrefillHandler(StageHandler):
         self.ctx.metrics.ran(self.role, held.marks, Stage.PREFILL_STARTED)
 
     def __init__(
-        self, ctx: StageContext, *, prefetch: bool = True, kv_layer_group: int = 4, kv_wire: str = "native",
+        self,
+        ctx: StageContext,
+        *,
+        prefetch: bool = True,
+        kv_layer_group: int = 4,
+        kv_wire: KvWire = KvWire.NATIVE,
         kv_stream: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(ctx)
         self.prefetch = prefetch
         self.kv_layer_group = kv_layer_group
@@ -60,7 +74,7 @@ class PrefillHandler(StageHandler):
         self.kv_stream = kv_stream  # read by the sink at each request's last prefill step
         engine = ctx.engine.engine
         sink = StreamSink(self, ctx.engine, dtype_name(engine.kv_spec.dtype))
-        ctx.engine.post(lambda: engine.stream_kv(sink, kv_layer_group))
+        ctx.engine.post(lambda: engine.handoff.stream_kv(sink, kv_layer_group))
 
     @classmethod
     def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> PrefillHandler:
@@ -178,7 +192,7 @@ class PrefillHandler(StageHandler):
 
     def _decode_task(
         self, held: Held, groups: list[KvGroup], prompt: tuple[int, ...], outputs: tuple[int, ...], *,
-        num_tokens: int, rope_delta: int, cached_tokens: int, wire: str, tail: str = "",
+        num_tokens: int, rope_delta: int, cached_tokens: int, wire: KvWire, tail: str = "",
     ) -> DecodeTask:  # fmt: skip
         """The request's decode task, its KV served here in `groups` (`tail`: it is streaming)."""
         ctx, spec = self.ctx, self.ctx.engine.engine.kv_spec
@@ -262,13 +276,13 @@ class PrefillHandler(StageHandler):
 
 
 def _export(
-    engine: Engine, rid: str, group: int, wire: str
+    engine: Engine, rid: str, group: int, wire: KvWire
 ) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor]]:
     """On the engine thread: the handed-off request, and its KV by group of layers: each buffer's
-    shape, and the buffer as it travels (`wire` "int8": packed by kv_quant)."""
-    req = engine.handed_off(rid)
+    shape, and the buffer as it travels (packed by kv_quant on the INT8 wire)."""
+    req = engine.handoff.handed_off(rid)
     if req is None:
         return None, [], []
-    buffers = engine.export_kv(rid, group)
+    buffers = engine.handoff.export_kv(rid, group)
     shapes = [tuple(b.shape) for b in buffers]
-    return req, shapes, [kv_quant.pack(b) for b in buffers] if wire == "int8" else buffers
+    return req, shapes, [kv_quant.pack(b) for b in buffers] if wire == KvWire.INT8 else buffers

@@ -20,7 +20,7 @@ import torch
 
 from common.engine import kv_quant
 from common.engine.request import Request
-from common.protocol.tensors import int8_kv_nbytes, nbytes_of
+from common.protocol.tensors import KvWire, int8_kv_nbytes, nbytes_of
 from common.transfer import TransferBackend
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class StreamedKv:
 
     request_id: str
     transfer: TransferBackend
-    wire: str
+    wire: KvWire
     shapes: list[tuple[int, ...]]
     handles: list[str]  # one per group of layers, in layer order
     tail: str
@@ -46,7 +46,7 @@ class StreamedKv:
     def group(self, index: int, buffer: torch.Tensor) -> None:
         """On the engine thread, inside the forward."""
         buffer = buffer.to("cpu")
-        self.transfer.fill(self.handles[index], kv_quant.pack(buffer) if self.wire == "int8" else buffer)
+        self.transfer.fill(self.handles[index], kv_quant.pack(buffer) if self.wire == KvWire.INT8 else buffer)
 
     def finish(self, ended: bool, outputs: list[int]) -> bool:
         """Serve the outcome: `ended` here (the first token finished it), with these outputs."""
@@ -75,7 +75,7 @@ class StreamSink:
         """On the engine thread, before the forward of the request's last prompt chunk."""
         handler, transfer = self.handler, self.handler.ctx.transfer
         wire = handler.kv_wire
-        nbytes = int8_kv_nbytes(shapes[0]) if wire == "int8" else nbytes_of(shapes[0], self.dtype)
+        nbytes = int8_kv_nbytes(shapes[0]) if wire == KvWire.INT8 else nbytes_of(shapes[0], self.dtype)
         if not handler.kv_stream or nbytes <= transfer.config.inline_max_bytes:
             return None
         if len(req.output_token_ids) + 1 >= req.params.max_tokens:

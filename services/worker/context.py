@@ -67,9 +67,10 @@ class StageContext:
             outputs = list(spec.output_token_ids)
             await self.ledger.enter(
                 held,
-                lambda e: e.add_request(prompt, params=spec.sampling, request_id=spec.request_id,
-                                        output_token_ids=outputs),
-            )  # fmt: skip
+                lambda e: e.add_request(
+                    prompt, params=spec.sampling, request_id=spec.request_id, output_token_ids=outputs
+                ),
+            )
         except (AdmissionError, InputError, ValueError) as exc:
             await self.fail(spec.request_id, "invalid_request_error", str(exc))
 

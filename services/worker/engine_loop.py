@@ -53,9 +53,12 @@ class EngineStats:
     def load(self) -> Load:
         """What a stage's pull rule reads (common/engine/admission.py)."""
         return Load(
-            waiting=self.waiting, free_blocks=self.free_blocks, image_budget=self.image_budget,
-            running=self.running, token_budget=self.token_budget,
-        )  # fmt: skip
+            waiting=self.waiting,
+            free_blocks=self.free_blocks,
+            image_budget=self.image_budget,
+            running=self.running,
+            token_budget=self.token_budget,
+        )
 
     @classmethod
     def of(cls, e: Engine) -> EngineStats:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from fastapi import FastAPI, Response
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -11,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from common.failover import INSTANCE_HEADER
 
 if TYPE_CHECKING:
+    from common.engine.engine import Engine
     from services.worker.instance import WorkerInstance
 
 
@@ -21,11 +23,27 @@ class WorkerCollector:
         self.w = worker
 
     def collect(self):
-        w, c, stats = self.w, self.w.counters, self.w.loop.stats
+        w = self.w
         labels = ["instance", "roles"]
         values = [w.instance_id, ",".join(sorted(w.roles))]
-        held = list(w.ledger)
-        for name, value, doc in [
+        for kind, table in ((CounterMetricFamily, self.counters()), (GaugeMetricFamily, self.gauges())):
+            for name, value, doc in table:
+                metric = kind(f"trident_{name}", doc, labels=labels)
+                metric.add_metric(values, value)
+                yield metric
+        info = GaugeMetricFamily(
+            "trident_profile_info",
+            "The stage profile in use (1; no sample with profiling off)",
+            labels=[*labels, "profile_id"],
+        )
+        if w.profile_id:
+            info.add_metric([*values, w.profile_id], 1)
+        yield info
+
+    def counters(self) -> list[tuple[str, float, str]]:
+        """(name, value, help) of each counter, named trident_<name>."""
+        w, c, stats = self.w, self.w.counters, self.w.loop.stats
+        return [
             ("images_encoded", stats.images_encoded, "Images the vision tower ran on"),
             (
                 "images_to_encode",
@@ -64,11 +82,13 @@ class WorkerCollector:
                 stats.graph_capture_failures,
                 "Decode buckets whose CUDA graph could not be captured (they run uncaptured)",
             ),
-        ]:
-            metric = CounterMetricFamily(f"trident_{name}", doc, labels=labels)
-            metric.add_metric(values, value)
-            yield metric
-        for name, value, doc in [
+        ]
+
+    def gauges(self) -> list[tuple[str, float, str]]:
+        """(name, value, help) of each gauge, named trident_<name>."""
+        w, stats = self.w, self.w.loop.stats
+        held = list(w.ledger)
+        return [
             ("free_kv_blocks", stats.free_blocks, "Free KV cache blocks (cached ones nobody holds included)"),
             ("cached_kv_blocks", stats.cached_blocks, "KV blocks findable by their prefix key"),
             ("total_kv_blocks", stats.total_blocks, "KV cache blocks in all"),
@@ -86,17 +106,24 @@ class WorkerCollector:
             ("budget_scale", stats.budget_scale, "The governor's scale of the profiled budgets"),
             ("feature_cache_bytes", stats.feature_cache_bytes, "Bytes of image features cached"),
             ("feature_cache_capacity_bytes", stats.feature_cache_capacity, "The feature cache's byte cap"),
-        ]:
-            metric = GaugeMetricFamily(f"trident_{name}", doc, labels=labels)
-            metric.add_metric(values, value)
-            yield metric
-        info = GaugeMetricFamily(
-            "trident_profile_info", "The stage profile in use (1; no sample with profiling off)",
-            labels=[*labels, "profile_id"],
-        )  # fmt: skip
-        if w.profile_id:
-            info.add_metric([*values, w.profile_id], 1)
-        yield info
+            *memory(w.loop.engine),
+        ]
+
+
+def memory(engine: Engine) -> list[tuple[str, float, str]]:
+    """What the engine holds: its KV cache's bytes and, on a GPU, this process's device memory as
+    torch's allocator counts it (the CUDA context's own is outside it)."""
+    cache = engine.cache
+    kv = cache.kv.numel() * cache.kv.element_size() if cache is not None else 0
+    rows = [("kv_cache_bytes", kv, "Bytes of the KV cache")]
+    device = engine.device
+    if device.type == "cuda":
+        rows += [
+            ("device_memory_allocated_bytes", torch.cuda.memory_allocated(device), "GPU memory in tensors"),
+            ("device_memory_reserved_bytes", torch.cuda.memory_reserved(device), "GPU memory torch holds"),
+            ("device_memory_peak_bytes", torch.cuda.max_memory_reserved(device), "The most torch has held"),
+        ]
+    return rows
 
 
 def unhealthy(worker: WorkerInstance) -> str | None:

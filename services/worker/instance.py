@@ -13,13 +13,14 @@ import os
 import socket
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from common.aio import raise_if_cancelled
 from common.bus import keep_alive
-from common.engine import Engine, EngineConfig, Policy, RequestOutput
+from common.engine import Engine, RequestOutput
 from common.engine.scheduler import Batch
 from common.failover import instance_name
 from common.protocol import Budgets, Heartbeat
@@ -32,6 +33,7 @@ from services.worker.context import StageContext
 from services.worker.cores import CoreBoard
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
+from services.worker.engine_settings import continues_turns, engine_config, engine_roles
 from services.worker.kv_announce import PrefixAnnouncer
 from services.worker.ledger import Ledger
 from services.worker.outputs import OutputPublisher
@@ -50,83 +52,38 @@ def advertise_host(value: str) -> str:
     return socket.gethostname() if value == "auto" else value
 
 
-ENCODER_FEATURE_CACHE = 512 << 20  # an encode-only instance's feature cache: its memory holds no KV
-FEATURE_CACHE = 64 << 20  # beside a KV cache
-
-
-def feature_cache_bytes(s: WorkerSettings, roles: frozenset[Role]) -> int:
-    if s.feature_cache_bytes is not None:
-        return s.feature_cache_bytes
-    return ENCODER_FEATURE_CACHE if roles == {Role.ENCODE} else FEATURE_CACHE
-
-
-def continues_turns(s: WorkerSettings, roles: frozenset[Role]) -> bool:
-    """Whether a decode instance also prefills the conversations' next turns sent to it (decoder-side
-    reuse, docs/architecture.md): its prefix cache keeps the turns it decoded."""
-    return (
-        Role.DECODE in roles
-        and Role.PREFILL not in roles
-        and s.decode_prefill_tokens > 0
-        and s.prefix_caching
-    )
-
-
-def engine_roles(s: WorkerSettings, roles: frozenset[Role]) -> frozenset[Role]:
-    """What the engine runs: the instance's roles, and prefill on a decoder that continues turns."""
-    return roles | {Role.PREFILL} if continues_turns(s, roles) else roles
-
-
-def engine_config(s: WorkerSettings, roles: frozenset[Role]) -> EngineConfig:
-    return EngineConfig(
-        roles=engine_roles(s, roles),
-        policy=Policy(s.policy),
-        block_size=s.block_size,
-        kv_cache_bytes=s.kv_cache_bytes,
-        token_budget=s.token_budget,
-        image_budget=s.image_budget,
-        max_num_seqs=s.max_num_seqs,
-        prefix_caching=s.prefix_caching,
-        feature_cache_bytes=feature_cache_bytes(s, roles),
-        detokenize=False,  # the gateway makes the text
-        device=s.device,
-        num_threads=s.num_threads or None,
-        adapt_budgets=s.adapt_budgets,
-        tbt_stretch=s.tbt_stretch or None,
-        long_prefill=s.long_prefill,
-        decode_graphs=s.decode_graphs,
-        packed_weights=s.packed_weights,
-        kv_cache_dtype=None if s.kv_cache_dtype == "auto" else s.kv_cache_dtype,
-    )
-
-
 def transfer_config(s: WorkerSettings) -> TransferConfig:
     host = advertise_host(s.advertise_host)
     return TransferConfig(
         backend=s.transfer,
         host="0.0.0.0" if s.bind_host == "0.0.0.0" else host,
         advertise_host=host,
+        port=s.transfer_port,
         secret=s.transfer_secret,
         inline_max_bytes=s.transfer_inline_max_bytes,
         tls=s.tls,
     )
 
 
+@dataclass(frozen=True)
+class Started:
+    """What `WorkerInstance.build` brings up before anything is wired: the engine (loaded on a
+    thread), the runtime's clients, and the id of the stage profile its budgets came from."""
+
+    engine: Engine
+    runtime: Runtime
+    profile_id: str
+
+
 class WorkerInstance:
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        stages: Stages,
-        engine: Engine,
-        runtime: Runtime,
-        profile_id: str,
-        http_address: str,
-    ) -> None:
+    def __init__(self, settings: WorkerSettings, stages: Stages, started: Started, http_address: str) -> None:
+        engine, runtime = started.engine, started.runtime
         assert runtime.transfer is not None, "a worker serves tensors: its runtime has a transfer endpoint"
         self.settings = settings
         self.roles = parse_roles(settings.roles)
         self.instance_id = runtime.instance_id
         self.runtime = runtime
-        self.profile_id = profile_id
+        self.profile_id = started.profile_id
         self.http_address = http_address
         self.counters = Counters()
         self.registry = CollectorRegistry()  # what /metrics serves (services/worker/http.py)
@@ -137,13 +94,31 @@ class WorkerInstance:
         engine.on_step = self._on_step
         # A task taken is a task the failover must know of: the heartbeat says so at once.
         self.ledger = Ledger(
-            self.loop, runtime.transfer, runtime.record, on_begin=runtime.heartbeats.poke,
+            self.loop,
+            runtime.transfer,
+            runtime.record,
+            on_begin=runtime.heartbeats.poke,
             finals_window=settings.finals_window,
-        )  # fmt: skip
+        )
         self.ctx = StageContext(
-            self.instance_id, self.roles, self.loop, self.ledger, runtime.bus, runtime.store,
-            runtime.transfer, runtime.dispatch, self.counters, metrics=self.metrics,
-        )  # fmt: skip
+            instance_id=self.instance_id,
+            roles=self.roles,
+            engine=self.loop,
+            ledger=self.ledger,
+            bus=runtime.bus,
+            store=runtime.store,
+            transfer=runtime.transfer,
+            dispatch=runtime.dispatch,
+            counters=self.counters,
+            metrics=self.metrics,
+        )
+        self._wire_stages(stages)
+        self._wire_upkeep()
+        runtime.on_fence(self._fenced)
+
+    def _wire_stages(self, stages: Stages) -> None:
+        """The handlers of the engine's roles, their outputs, and the intake that pulls their tasks."""
+        settings = self.settings
         self.handlers = {
             role: stages[role].from_settings(self.ctx, settings)
             for role in in_path_order(engine_roles(settings, self.roles))
@@ -153,25 +128,43 @@ class WorkerInstance:
             self.handlers[Role.PREFILL].shared_queue = False
             self.prefills_up_to = settings.decode_prefill_tokens
         self.outputs = OutputPublisher.for_handlers(self.ctx, self.handlers.values())
-        fenced_gateways = runtime.reaper.fenced
         self.intake = StageWorker(
-            self.ctx, self.handlers, fenced_gateways, runtime.heartbeats.poke, settings.drain_timeout
+            self.ctx,
+            self.handlers,
+            self.runtime.reaper.fenced,
+            self.runtime.heartbeats.poke,
+            settings.drain_timeout,
         )
-        self.upkeep = Housekeeping(
-            self.instance_id, self.ledger, self.loop, runtime.bus, runtime.store,
-            fenced_gateways, self._fenced, self.ctx.fenced.is_set, settings.failover_after,
-            settings.check_integrity,
-        )  # fmt: skip
-        self.step_publisher = StepPublisher(
-            self.instance_id, self.roles, profile_id, self.steps, self.loop, runtime.store,
-            self._shared_cores(),
-        )  # fmt: skip
-        runtime.on_fence(self._fenced)
         # Where prefixes live, for gateways routing by them: what a prefill instance caches.
         routed = [h for h in self.handlers.values() if h.routed_by_prefix]
         self.announcer = None
-        if routed and engine.blocks.caching:
-            self.announcer = PrefixAnnouncer(self.instance_id, self.loop, runtime.bus)
+        if routed and self.loop.engine.blocks.caching:
+            self.announcer = PrefixAnnouncer(self.instance_id, self.loop, self.runtime.bus)
+
+    def _wire_upkeep(self) -> None:
+        """The periodic loops: housekeeping, and the steps published for the planner."""
+        runtime = self.runtime
+        self.upkeep = Housekeeping(
+            instance_id=self.instance_id,
+            ledger=self.ledger,
+            engine=self.loop,
+            bus=runtime.bus,
+            store=runtime.store,
+            fenced_gateways=runtime.reaper.fenced,
+            on_fenced=self._fenced,
+            is_fenced=self.ctx.fenced.is_set,
+            failover_after=self.settings.failover_after,
+            check=self.settings.check_integrity,
+        )
+        self.step_publisher = StepPublisher(
+            instance_id=self.instance_id,
+            roles=self.roles,
+            profile_id=self.profile_id,
+            steps=self.steps,
+            engine=self.loop,
+            store=runtime.store,
+            cores=self._shared_cores(),
+        )
 
     @classmethod
     async def build(cls, settings: WorkerSettings, stages: Stages, http_address: str) -> WorkerInstance:
@@ -181,15 +174,18 @@ class WorkerInstance:
         instance_id = settings.instance_id or instance_name(letters(roles))
         engine = await asyncio.to_thread(Engine, settings.model, engine_config(settings, roles))
         runtime = await Runtime.connect(
-            settings, instance_id, transfer=transfer_config(settings),
-            heartbeat_ttl=settings.heartbeat_ttl, registered=True,
-        )  # fmt: skip
+            settings,
+            instance_id,
+            transfer=transfer_config(settings),
+            heartbeat_ttl=settings.heartbeat_ttl,
+            registered=True,
+        )
         try:
             profile_id = await profiling.establish(engine, runtime.store, settings, instance_id)
         except BaseException:
             await runtime.close()
             raise
-        return cls(settings, stages, engine, runtime, profile_id, http_address)
+        return cls(settings, stages, Started(engine, runtime, profile_id), http_address)
 
     # -- running -----------------------------------------------------------------------------------
 

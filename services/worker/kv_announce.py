@@ -22,9 +22,13 @@ KEYS_PER_MESSAGE = 8192  # 32-byte keys: ~270 KB a message, well under NATS's 1 
 
 class PrefixAnnouncer:
     def __init__(
-        self, instance_id: str, loop: EngineLoop, bus: Bus,
-        interval: float = INTERVAL, snapshot_every: float = SNAPSHOT_EVERY,
-    ) -> None:  # fmt: skip
+        self,
+        instance_id: str,
+        loop: EngineLoop,
+        bus: Bus,
+        interval: float = INTERVAL,
+        snapshot_every: float = SNAPSHOT_EVERY,
+    ) -> None:
         self.instance_id = instance_id
         self.loop = loop
         self.bus = bus
@@ -60,9 +64,13 @@ class PrefixAnnouncer:
         self.seq += 1
         for part, chunk in enumerate(chunks):
             await self._publish(
-                seq=self.seq, block_size=blocks.block_size, snapshot=True, part=part, parts=len(chunks),
+                seq=self.seq,
+                block_size=blocks.block_size,
+                snapshot=True,
+                part=part,
+                parts=len(chunks),
                 gained=tuple(chunk),
-            )  # fmt: skip
+            )
 
     async def _delta(self, block_size: int, gained: list[bytes], dropped: list[bytes]) -> None:
         while gained or dropped:

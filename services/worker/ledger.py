@@ -90,27 +90,23 @@ class Held:
         return self.task.stream_seq if self.task is not None else "local"
 
 
+@dataclass(eq=False)
 class Ledger:
-    def __init__(
-        self,
-        engine: EngineLoop,
-        transfer: TransferBackend,
-        record: StageRecorder | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        on_begin: Callable[[], None] | None = None,
-        finals_window: float = FINALS_WINDOW,
-    ) -> None:
-        self.engine = engine
-        self.transfer = transfer
-        self.record = record
-        self.clock = clock
-        self.on_begin = on_begin  # told when a request is taken on (a heartbeat says so at once)
-        self._held: dict[str, Held] = {}
-        self.finals = Finals(finals_window, clock)  # the last outputs of requests that ended here
-        self.changes = 0  # counts records begun and dropped: "has anything happened since I looked"
-        # Requests cancelled while not held here (queued, or still on their way): their tasks are
-        # dropped unrun when they come. Bounded in time and in number.
-        self._cancelled: OrderedDict[str, float] = OrderedDict()
+    engine: EngineLoop
+    transfer: TransferBackend
+    record: StageRecorder | None = None  # each request's stage times, into its trace
+    clock: Callable[[], float] = time.monotonic
+    on_begin: Callable[[], None] | None = None  # told when a request is taken on (a heartbeat says so)
+    finals_window: float = FINALS_WINDOW  # seconds a request that ended here keeps its outputs
+    _held: dict[str, Held] = field(default_factory=dict, init=False)
+    finals: Finals = field(init=False)  # the last outputs of requests that ended here
+    changes: int = field(default=0, init=False)  # records begun and dropped: has anything happened?
+    # Requests cancelled while not held here (queued, or still on their way): their tasks are
+    # dropped unrun when they come. Bounded in time and in number.
+    _cancelled: OrderedDict[str, float] = field(default_factory=OrderedDict, init=False)
+
+    def __post_init__(self) -> None:
+        self.finals = Finals(self.finals_window, self.clock)
 
     # -- reading -----------------------------------------------------------------------------------
 

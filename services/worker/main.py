@@ -18,8 +18,9 @@ from common.roles import parse_roles
 from common.runtime import EXIT_LOOP_FAILED
 from common.tls import Tls
 from services.settings import WorkerSettings
+from services.worker.engine_settings import engine_roles
 from services.worker.http import make_app
-from services.worker.instance import Stages, WorkerInstance, advertise_host, engine_roles
+from services.worker.instance import Stages, WorkerInstance, advertise_host
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from common.engine import Engine
 from common.engine.profiler import BudgetProfiler, StageProfile
 from common.roles import letters
 from common.store import Store
-from services.settings import WorkerSettings
+from services.settings import ProfileMode, WorkerSettings
 
 log = logging.getLogger(__name__)
 # Bump when the profiler measures differently, so profiles cached by an older build are not reused.
@@ -73,21 +73,27 @@ async def establish(engine: Engine, store: Store, s: WorkerSettings, instance_id
     """Measure or reuse this instance's profile as `settings.profile` says, apply its budgets to
     `engine` and publish it; returns the profile id ("" with profiling off). Runs before the engine
     serves anything."""
-    if s.profile == "off":
+    if s.profile == ProfileMode.OFF:
         return ""
     hw = hardware(engine.device)
     pid = profile_id(s, engine, hw)
     started = time.monotonic()
     job = _Measurement(engine, store, s, instance_id, pid, hw)
-    profile, how = (
-        (await job.measure(), "measured") if s.profile == "measure" else await job.reuse_or_measure()
-    )
+    if s.profile == ProfileMode.MEASURE:
+        profile, how = await job.measure(), "measured"
+    else:
+        profile, how = await job.reuse_or_measure()
     engine.apply_profile(profile)
     log.info(
         "%s profile %s %s in %.1fs: image budget %d, token budget %d (iteration limit %.3fs)",
-        instance_id, pid, how, time.monotonic() - started, profile.image_budget,
-        profile.token_budget, profile.latency_limit,
-    )  # fmt: skip
+        instance_id,
+        pid,
+        how,
+        time.monotonic() - started,
+        profile.image_budget,
+        profile.token_budget,
+        profile.latency_limit,
+    )
     return pid
 
 
@@ -124,7 +130,7 @@ class _Measurement:
         )
         while not measuring.done():
             await asyncio.wait({measuring}, timeout=CLAIM_TTL / 3)
-            if not measuring.done() and s.profile == "auto":
+            if not measuring.done() and s.profile == ProfileMode.AUTO:
                 try:
                     await self.store.planning.claim_profile(pid, self.instance_id, CLAIM_TTL)
                 except Exception as exc:  # at worst another instance measures the same profile too

@@ -52,9 +52,12 @@ class StageMetrics:
             for hop in HOPS
         }
         steps = Histogram(
-            "trident_engine_step_seconds", "One engine iteration, by what its batch held",
-            [*labels, "kind"], registry=registry, buckets=SECONDS,
-        )  # fmt: skip
+            "trident_engine_step_seconds",
+            "One engine iteration, by what its batch held",
+            [*labels, "kind"],
+            registry=registry,
+            buckets=SECONDS,
+        )
         self.steps = {kind: steps.labels(**labels, kind=kind) for kind in STEP_KINDS}
 
     @classmethod

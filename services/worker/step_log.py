@@ -9,13 +9,10 @@ idle (Redis `<p>:steps`, docs/substrate.md).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 from common.engine.scheduler import Batch
-from common.protocol import StepStats
 from common.protocol.records import Step
-from services.worker.cpu_use import CpuUse
 
 KEPT = 512  # steps in the window
 PUBLISH_EVERY = 5.0  # seconds
@@ -35,24 +32,22 @@ class StepLog:
         torch threads the step ran with, averaged over its layers where they changed mid-step;
         `overlap`: how many other workers' steps ran beside it on average (None: not known)."""
         images = batch.image_cost(image_unit) / (image_unit or 1)
-        self._steps.append(Step(
-            kind=batch.kind, images=round(images, 4), prefill_tokens=batch.prefill_tokens,
-            decodes=len(batch.decodes), decode_context=round(batch.decode_context, 1),
-            seconds=round(seconds, 6), threads=round(threads, 3),
-            overlap=-1.0 if overlap is None else round(overlap, 3),
-        ))  # fmt: skip
+        self._steps.append(
+            Step(
+                kind=batch.kind,
+                images=round(images, 4),
+                prefill_tokens=batch.prefill_tokens,
+                decodes=len(batch.decodes),
+                decode_context=round(batch.decode_context, 1),
+                seconds=round(seconds, 6),
+                threads=round(threads, 3),
+                overlap=-1.0 if overlap is None else round(overlap, 3),
+            )
+        )
 
     def __len__(self) -> int:
         return len(self._steps)
 
-    def stats(
-        self, instance_id: str, roles, profile_id: str, budgets: tuple[int, int], scale: float,
-        cpu: CpuUse | None = None,
-    ) -> StepStats:  # fmt: skip
-        busy, own = cpu.counters() if cpu is not None else (0.0, 0.0)
-        return StepStats(
-            instance_id=instance_id, roles=tuple(sorted(roles)), profile_id=profile_id, time=time.time(),
-            image_budget=budgets[0], token_budget=budgets[1], budget_scale=scale, steps=tuple(self._steps),
-            host=cpu.host if cpu is not None and busy else "", host_cores=cpu.cores if cpu is not None else 0,
-            host_cpu_seconds=round(busy, 3), process_cpu_seconds=round(own, 3),
-        )  # fmt: skip
+    def window(self) -> tuple[Step, ...]:
+        """The steps kept, oldest first (StepPublisher sends them with the budgets in force)."""
+        return tuple(self._steps)

@@ -8,9 +8,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from common.aio import raise_if_cancelled
 from common.bus import Bus
+from common.protocol import StepStats
 from common.roles import Role
 from common.store import Store
 from services.worker.cpu_use import CpuUse
@@ -22,33 +24,21 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING = 0.5  # seconds between looks for expired KV, a failed engine and (in tests) integrity
 
 
+@dataclass(kw_only=True, eq=False)
 class Housekeeping:
-    def __init__(
-        self,
-        instance_id: str,
-        ledger: Ledger,
-        engine: EngineLoop,
-        bus: Bus,
-        store: Store,
-        fenced_gateways: set[str],
-        on_fenced: Callable[[str], None],
-        is_fenced: Callable[[], bool],
-        failover_after: float,
-        check_integrity: bool,
-    ) -> None:
-        self.instance_id = instance_id
-        self.ledger = ledger
-        self.engine = engine
-        self.bus = bus
-        self.store = store
-        self.fenced_gateways = fenced_gateways
-        self.on_fenced = on_fenced  # told when the registry says this instance was taken for dead
-        self.is_fenced = is_fenced
-        self.failover_after = failover_after
-        self.check = check_integrity
-        self.integrity_failures = 0
-        self._checked = -1  # the ledger's change count at the last integrity check
-        self._reconnects = 0  # NATS reconnects after which it asked whether it was fenced
+    instance_id: str
+    ledger: Ledger
+    engine: EngineLoop
+    bus: Bus
+    store: Store
+    fenced_gateways: set[str]  # gateways found dead: their requests are dropped here
+    on_fenced: Callable[[str], None]  # told when the registry says this instance was taken for dead
+    is_fenced: Callable[[], bool]
+    failover_after: float  # seconds of silence after which others take an instance for dead
+    check: bool  # check the ledger's integrity whenever it changed (TRIDENT_CHECK_INTEGRITY: tests)
+    integrity_failures: int = field(default=0, init=False)
+    _checked: int = field(default=-1, init=False)  # the ledger's change count at the last integrity check
+    _reconnects: int = field(default=0, init=False)  # NATS reconnects after which it asked if fenced
 
     async def run(self) -> None:
         """Free KV nobody came for and finals past their window, drop the requests of dead gateways,
@@ -93,27 +83,22 @@ class Housekeeping:
             log.error("%s: integrity check failed: %s", self.instance_id, exc)
 
 
+@dataclass(kw_only=True, eq=False)
 class StepPublisher:
     """The engine's last steps and the budgets in force, for the planner's calibration; a Redis
     outage skips a round (the planner uses what it has)."""
 
-    def __init__(
-        self,
-        instance_id: str,
-        roles: frozenset[Role],
-        profile_id: str,
-        steps: StepLog,
-        engine: EngineLoop,
-        store: Store,
-        cores: int = 0,
-    ) -> None:
-        self.instance_id = instance_id
-        self.roles = roles
-        self.profile_id = profile_id
-        self.steps = steps
-        self.engine = engine
-        self.store = store
-        self.cpu = CpuUse(cores)
+    instance_id: str
+    roles: frozenset[Role]
+    profile_id: str  # the stage profile the budgets came from
+    steps: StepLog
+    engine: EngineLoop
+    store: Store
+    cores: int = 0  # the host's cores this worker's steps share with others (0: on a GPU)
+    cpu: CpuUse = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cpu = CpuUse(self.cores)
 
     async def run(self) -> None:
         published, published_at = -1, 0.0
@@ -123,17 +108,27 @@ class StepPublisher:
             fresh = time.monotonic() - published_at < REPUBLISH_EVERY
             if not len(self.steps) or (self.engine.steps == published and fresh):
                 continue
-            s = self.engine.stats
-            stats = self.steps.stats(
-                self.instance_id,
-                self.roles,
-                self.profile_id,
-                (s.image_budget, s.token_budget),
-                s.budget_scale,
-                self.cpu,
-            )
             try:
-                await self.store.planning.put_steps(stats)
+                await self.store.planning.put_steps(self._stats())
                 published, published_at = self.engine.steps, time.monotonic()
             except Exception as exc:
                 log.warning("%s: step stats not published (%r)", self.instance_id, exc)
+
+    def _stats(self) -> StepStats:
+        """The window of steps, the budgets in force and the CPU time the host and this process took."""
+        s, cpu = self.engine.stats, self.cpu
+        busy, own = cpu.counters()
+        return StepStats(
+            instance_id=self.instance_id,
+            roles=tuple(sorted(self.roles)),
+            profile_id=self.profile_id,
+            time=time.time(),
+            image_budget=s.image_budget,
+            token_budget=s.token_budget,
+            budget_scale=s.budget_scale,
+            steps=self.steps.window(),
+            host=cpu.host if busy else "",
+            host_cores=cpu.cores,
+            host_cpu_seconds=round(busy, 3),
+            process_cpu_seconds=round(own, 3),
+        )

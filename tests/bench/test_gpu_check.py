@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.engine.decoder_ops import REFERENCE_OPS
 from tests.bench import run_bench
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
@@ -35,6 +36,19 @@ def test_the_gpu_check_rehearses_every_step_on_the_cpu(tiny_model_dir: Path, tmp
     assert kernels["what"] == "cpu aten ops" and kernels["count"] > kernels["per_layer"] > 0
     assert kernels["sum_ms"] > 0 and kernels["top"][0]["count"] > 0
     assert result["kv"]["bytes"] > 0 and result["kv"]["export_gbps"] > 0 and result["kv"]["import_gbps"] > 0
+    # The new decode path (on the CPU: the fused ops' references, decode attention through block
+    # tables) against the old one: timed, counted, and token-identical in float32.
+    assert result["kernels"]["ops"] == dict.fromkeys(REFERENCE_OPS.names, "reference")
+    assert set(engine["decode_ms_old"]) == {"1", "8", "32"} and all(
+        v > 0 for v in engine["decode_ms_old"].values()
+    )
+    goals = engine["goals"]
+    assert goals["new"]["decode_32_over_1"] > 0 and goals["old"]["decode_1_of_memory_roofline"] > 0
+    old = kernels["old"]
+    assert old["count"] > 0 and old["count"] != kernels["count"] and kernels["fewer_per_step"] > 0
+    identity = result["inplace_identity"]
+    assert identity["agreement"] == 1.0 and identity["tokens"] > 0 and identity["graphs"]
+    assert identity["ops"]["paged_decode"] == "reference"
 
 
 def test_without_a_gpu_it_says_how_to_rehearse() -> None:

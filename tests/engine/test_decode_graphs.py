@@ -11,7 +11,7 @@ from common.engine.config import EngineConfig
 from common.engine.decode_graphs import BATCH_BUCKETS, bucket, context_buckets
 from common.engine.sampling import SamplingParams
 from services.settings import WorkerSettings
-from services.worker.instance import engine_config
+from services.worker.engine_settings import engine_config
 
 
 def test_context_buckets_pad_by_at_most_a_quarter_and_end_at_the_longest_context():

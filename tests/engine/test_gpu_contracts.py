@@ -455,8 +455,9 @@ def test_flash_attn_matches_the_reference(dtype, heads, kv_heads, dim):
 @needs_flash
 def test_cuda_engine_flash_path_matches_the_reference_kernel(make_engine, float32_sdpa_runs):
     """The production path (bf16, flash-attn, the vision stream): its metadata as on CPU, its
-    first-token logits close to the reference kernel's on the same GPU and to CPU float32's."""
-    kw = {"token_budget": BUDGET, "device": "cuda", "gpu_memory_fraction": 0.1}
+    first-token logits close to the reference kernel's on the same GPU and to CPU float32's. With
+    torch's decoder ops: the fused ones give the varlen call the prefill chunks alone."""
+    kw = {"token_budget": BUDGET, "device": "cuda", "gpu_memory_fraction": 0.1, "kernels": "torch"}
     real = drive(make_engine(**kw))
     reference = drive(make_engine(**kw), flash=True)
     assert [r.shape for r in real] == [r.shape for r in reference]

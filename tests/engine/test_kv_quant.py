@@ -85,10 +85,10 @@ def test_decoding_from_int8_kv_stays_close_to_the_native_kv(tiny_model_dir):
         for wire in ("native", "int8"):
             decoder = build(roles=frozenset({Role.DECODE}))
             for req in reqs:
-                kv = prefill.export_kv(req.request_id, 2)
+                kv = prefill.handoff.export_kv(req.request_id, 2)
                 if wire == "int8":
                     kv = [kv_quant.unpack(kv_quant.pack(b), tuple(b.shape), b.dtype) for b in kv]
-                decoder.add_prefilled(
+                decoder.handoff.add_prefilled(
                     req.request_id, req.prompt_token_ids, req.output_token_ids, params, kv, req.rope_delta
                 )
             with torch.inference_mode():

@@ -63,7 +63,7 @@ def test_streamed_groups_equal_the_export_after_prefill(model_dir):
         layers = engine.kv_spec.num_layers
         group = max(1, layers // 2)
         sink = Sink(refuse={"q-2"})
-        engine.stream_kv(sink, group)
+        engine.handoff.stream_kv(sink, group)
         rids = []
         for i in range(5):  # prompts of different lengths, some with images the chunks cut through
             prompt = engine.chat_prompt(f"Question {i}: " + "describe this " * (3 * i), i % 3)
@@ -80,13 +80,13 @@ def test_streamed_groups_equal_the_export_after_prefill(model_dir):
                 assert last[rid].finished
                 continue
             assert last[rid].next_stage == Role.DECODE and engine.requests[rid].status == Status.HANDED_OFF
-            exported = engine.export_kv(rid, group)
+            exported = engine.handoff.export_kv(rid, group)
             assert [tuple(b.shape) for _, b in stream.buffers] == stream.shapes
             for (_, got), want in zip(stream.buffers, exported, strict=True):
                 assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         for rid in rids:
             engine.abort(rid)
-        engine.stream_kv(None, group)
+        engine.handoff.stream_kv(None, group)
         assert not any(
             h for layer in engine.model.language_model.layers for h in layer._forward_hooks.values()
         )
@@ -96,7 +96,7 @@ def test_an_instance_that_also_decodes_streams_nothing(tiny_model_dir):
     with engines(tiny_model_dir) as build:
         engine = build(token_budget=48)  # every role: decode runs here, nothing leaves
         sink = Sink()
-        engine.stream_kv(sink, 1)
+        engine.handoff.stream_kv(sink, 1)
         prompts = [engine.chat_prompt(f"Question {i}", 1) for i in range(2)]
         engine.generate(prompts, [[make_image(i)] for i in range(2)], SamplingParams(max_tokens=4))
         assert sink.streams == {}

@@ -82,7 +82,7 @@ def test_an_engine_packs_where_it_decodes_in_float32(tiny_model_dir, overrides, 
 
 
 def test_an_engine_without_mkl_runs_unpacked(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr("common.engine.engine.packing_available", lambda: False)
+    monkeypatch.setattr("common.engine.build.packing_available", lambda: False)
     with engines(tiny_model_dir) as build:
         engine = build()
         assert engine.packed_bytes == 0 and type(engine.model.language_model.lm_head) is nn.Linear

@@ -100,9 +100,9 @@ def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, images):
     while pre.has_unfinished():
         outs += pre.step()
     assert outs[-1].next_stage == Role.DECODE and len(preq.output_token_ids) == 1
-    kv = pre.export_kv("r1", group_size=2)
+    kv = pre.handoff.export_kv("r1", group_size=2)
     assert len(kv) == 2  # 4 layers in groups of 2
-    dreq = dec.add_prefilled("r1", preq.prompt_token_ids, preq.output_token_ids, preq.params, kv)
+    dreq = dec.handoff.add_prefilled("r1", preq.prompt_token_ids, preq.output_token_ids, preq.params, kv)
     pre.abort("r1")  # decode has the KV: the prefill instance lets it go
     assert pre.blocks.num_free == pre.blocks.num_blocks
     while dec.has_unfinished():

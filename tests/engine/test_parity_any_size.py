@@ -182,8 +182,8 @@ def test_disaggregated_e_p_d_hand_offs(make_engine, hf_generate, sized_images):
         outs += pre.step()
     assert outs[-1].next_stage == Role.DECODE and len(preq.output_token_ids) == 1
     assert (preq.rope_delta < 0) == pre.model.mrope  # M-RoPE: images take fewer positions than tokens
-    kv = pre.export_kv("r1", group_size=2)
-    dreq = dec.add_prefilled(
+    kv = pre.handoff.export_kv("r1", group_size=2)
+    dreq = dec.handoff.add_prefilled(
         "r1", preq.prompt_token_ids, preq.output_token_ids, preq.params, kv, rope_delta=preq.rope_delta
     )
     pre.abort("r1")

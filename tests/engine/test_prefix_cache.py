@@ -314,8 +314,10 @@ def test_kv_imported_for_decode_is_never_found_by_its_tokens_alone(make_engine, 
     req = prefill.add_request(prompt, images[:1], SamplingParams(max_tokens=20))
     while prefill.has_unfinished():
         prefill.step()
-    kv = prefill.export_kv(req.request_id, 2)
-    got = decode.add_prefilled(req.request_id, req.prompt_token_ids, req.output_token_ids, req.params, kv)
+    kv = prefill.handoff.export_kv(req.request_id, 2)
+    got = decode.handoff.add_prefilled(
+        req.request_id, req.prompt_token_ids, req.output_token_ids, req.params, kv
+    )
     while decode.has_unfinished():
         decode.step()
     prefill.abort(req.request_id)
@@ -343,8 +345,8 @@ def test_a_requests_cached_tokens_reach_its_final_output(make_engine, images):
     req = prefill.add_request(prompt, images[:1], SamplingParams(max_tokens=3))
     while prefill.has_unfinished():
         prefill.step()
-    kv = prefill.export_kv(req.request_id, 2)
-    decode.add_prefilled(
+    kv = prefill.handoff.export_kv(req.request_id, 2)
+    decode.handoff.add_prefilled(
         "d", req.prompt_token_ids, req.output_token_ids, SamplingParams(max_tokens=3), kv, cached_tokens=32
     )
     outs = []
@@ -370,8 +372,8 @@ def test_a_decoder_keeps_the_conversation_and_the_next_turn_computes_only_what_i
         )
         while prefill.has_unfinished():
             prefill.step()
-        kv = prefill.export_kv(req.request_id, 2)
-        got = decoder.add_prefilled(
+        kv = prefill.handoff.export_kv(req.request_id, 2)
+        got = decoder.handoff.add_prefilled(
             req.request_id, req.prompt_token_ids, req.output_token_ids, req.params, kv,
             images=req.images, image_positions=req.image_positions,
         )  # fmt: skip
@@ -415,8 +417,8 @@ def test_an_imported_request_is_never_preempted_for_another(make_engine, images)
     )
     while prefill.has_unfinished():
         prefill.step()
-    kv = prefill.export_kv(req.request_id, 2)
-    imported = decoder.add_prefilled(
+    kv = prefill.handoff.export_kv(req.request_id, 2)
+    imported = decoder.handoff.add_prefilled(
         "imported", req.prompt_token_ids, req.output_token_ids, req.params, kv,
         images=req.images, image_positions=req.image_positions,
     )  # fmt: skip

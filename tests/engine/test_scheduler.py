@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig, Policy
 from common.engine.scheduler import Scheduler
@@ -116,6 +118,25 @@ def test_encode_only_instance_never_prefills():
     steps = run(s, 2)
     assert steps[0] == {"encode": [("img", 2)], "prefill": [], "decode": []}
     assert steps[1] == {"encode": [("img", 1), ("img2", 1)], "prefill": [], "decode": []}
+
+
+@pytest.mark.parametrize("policy", [Policy.PREFILL_FIRST, Policy.DECODE_FIRST])
+def test_an_instance_that_does_not_prefill_encodes_under_tau_e_whatever_its_policy(policy):
+    """The comparison policies encode inline with a prefill; where there is none to run (E, ED),
+    Algorithm 1 batches: encodes within τe, never a prefill chunk, decodes beside them."""
+    encoder = make(policy, roles=frozenset({Role.ENCODE}))
+    encoder.add(req("img", 6, images=3))
+    encoder.add(req("img2", 6, images=1))
+    steps = run(encoder, 2)
+    assert steps[0] == {"encode": [("img", 2)], "prefill": [], "decode": []}
+    assert steps[1] == {"encode": [("img", 1), ("img2", 1)], "prefill": [], "decode": []}
+    ed = make(policy, roles=frozenset({Role.ENCODE, Role.DECODE}))
+    decoding = req("d", 4)
+    decoding.num_computed_tokens, decoding.output_token_ids = 4, [7]
+    ed.add_running(decoding)
+    ed.add(req("img", 6, images=3))
+    # Only `stage` shares the iteration's limit between images and tokens: here τe is whole.
+    assert run(ed, 1)[0] == {"encode": [("img", 2)], "prefill": [], "decode": ["d"]}
 
 
 def test_seed_001_variant_keeps_encodes_out_of_prefill_iterations():

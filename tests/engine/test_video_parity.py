@@ -139,8 +139,8 @@ def test_a_video_crosses_the_hand_off(make_engine, hf_model, clips):
     preq = pre.add_request(again, params=SamplingParams(max_tokens=12), request_id="v1")
     while pre.has_unfinished():
         pre.step()
-    kv = pre.export_kv("v1", group_size=2)
-    dreq = dec.add_prefilled(
+    kv = pre.handoff.export_kv("v1", group_size=2)
+    dreq = dec.handoff.add_prefilled(
         "v1", preq.prompt_token_ids, preq.output_token_ids, preq.params, kv, rope_delta=preq.rope_delta
     )
     pre.abort("v1")

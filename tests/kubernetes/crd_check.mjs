@@ -1,10 +1,14 @@
-// Validates the custom resources of a rendered deployment against their CRDs' published schemas,
-// as compiled into the @kubernetes-models packages (npm). Reads a JSON array of objects on stdin;
+// Validates the custom resources of a rendered deployment (KEDA, the Prometheus operator,
+// cert-manager) against their CRDs' published schemas, as compiled into the @kubernetes-models
+// packages (npm). Reads a JSON array of objects on stdin;
 // prints one JSON line per checked object and exits 1 if any is invalid.
 const models = {
   "keda.sh/v1alpha1/ScaledObject": async () => (await import("@kubernetes-models/keda/keda.sh/v1alpha1")).ScaledObject,
   "monitoring.coreos.com/v1/ServiceMonitor": async () =>
     (await import("@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1")).ServiceMonitor,
+  "cert-manager.io/v1/Certificate": async () =>
+    (await import("@kubernetes-models/cert-manager/cert-manager.io/v1")).Certificate,
+  "cert-manager.io/v1/Issuer": async () => (await import("@kubernetes-models/cert-manager/cert-manager.io/v1")).Issuer,
 };
 let input = "";
 for await (const chunk of process.stdin) input += chunk;

@@ -1,7 +1,8 @@
 """The Kubernetes manifests `trident kubernetes` writes, checked offline for every method, with and
-without GPUs: the Kubernetes schemas (kubernetes-validate, strict), the KEDA and Prometheus-operator
-CRD schemas (the @kubernetes-models validators, in node), checkov's policies with the exceptions
-deploy/kubernetes/checkov.yaml writes down, and the invariants every instance kind must hold.
+without GPUs: the Kubernetes schemas (kubernetes-validate, strict), the KEDA, Prometheus-operator and
+cert-manager CRD schemas (the @kubernetes-models validators, in node), checkov's policies with the
+exceptions deploy/kubernetes/checkov.yaml writes down, and the invariants every instance kind must
+hold. The flows the policies allow: test_flows.py; the autoscaling contract: test_autoscaling.py.
 
 The checkers live in .venv-tools (`make install` puts them there)."""
 
@@ -15,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cryptography import x509
 from typer.testing import CliRunner
 
+from common.infra.settings import NATS
 from common.planner.types import METHOD_KINDS
 from common.roles import InstanceKind
-from common.tls import Tls
 from trident.cli.app import app
 from trident.kubernetes.render import DRAIN_TIMEOUT, Options, render, to_yaml
 
@@ -59,7 +59,8 @@ def test_the_objects_pass_the_kubernetes_schemas(written: Path) -> None:
     run = subprocess.run([tool("kubernetes-validate"), "--strict", *files], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     unknown = set(re.findall(r"find schema for kind (\w+)", run.stdout + run.stderr))
-    assert unknown == {"ScaledObject", "ServiceMonitor"}, unknown  # the custom resources: below
+    custom = {"ScaledObject", "ServiceMonitor", "Certificate", "Issuer"}
+    assert unknown == custom, unknown  # the custom resources: below
 
 
 def crd_check(objects: list[dict]) -> tuple[int, list[dict]]:
@@ -81,15 +82,21 @@ def test_the_custom_resources_pass_their_crd_schemas(rendered) -> None:
     objects = [o for variant in rendered.values() for o in variant]
     code, lines = crd_check(objects)
     assert code == 0 and all(line["valid"] for line in lines), [line for line in lines if not line["valid"]]
-    scalers = sum(len(METHOD_KINDS[m]) for m, _ in VARIANTS)
-    assert sum(line["kind"] == "ScaledObject" for line in lines) == scalers
+    # Every kind in every variant: the planner may move any deployment to another method.
+    assert sum(line["kind"] == "ScaledObject" for line in lines) == len(InstanceKind) * len(VARIANTS)
     # Two per variant: the gateway's and planner's over HTTP, the workers' over mutual TLS.
     assert sum(line["kind"] == "ServiceMonitor" for line in lines) == 2 * len(VARIANTS)
+    # cert-manager: the self-signed issuer, the CA, the CA's issuer, Prometheus's certificate.
+    assert sum(line["kind"] in ("Certificate", "Issuer") for line in lines) == 4 * len(VARIANTS)
     # The check can fail: a threshold that is not a string, as KEDA's schema says it must be.
     broken = json.loads(json.dumps(next(o for o in objects if o["kind"] == "ScaledObject")))
     broken["spec"]["triggers"][0]["metadata"]["threshold"] = 1
     code, lines = crd_check([broken])
     assert code == 1 and "threshold" in lines[0]["error"]
+    broken = json.loads(json.dumps(next(o for o in objects if o["kind"] == "Certificate")))
+    broken["spec"]["isCA"] = "yes"
+    code, lines = crd_check([broken])
+    assert code == 1 and "isCA" in lines[0]["error"]
 
 
 def test_checkov_passes_with_the_written_down_exceptions(written: Path) -> None:
@@ -135,12 +142,14 @@ def test_every_instance_kind_holds_the_invariants(rendered, method: str, gpu: bo
         for n, d in deployments.items()
         if d["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
     }
-    # One Deployment per instance kind of the method, labelled with its roles.
+    # One Deployment per instance kind, every kind (the method is where the planner starts), labelled
+    # with its roles; none says how many replicas: KEDA does, and an apply must not reset it.
     kinds = {d["spec"]["template"]["metadata"]["labels"]["trident.dev/kind"]: d for d in workers.values()}
-    assert set(kinds) == {k.value for k in METHOD_KINDS[method]}
+    assert set(kinds) == {k.value for k in InstanceKind}
     for kind, d in kinds.items():
         roles = d["spec"]["template"]["metadata"]["labels"]["trident.dev/roles"].split("-")
         assert frozenset(roles) == {r.value for r in InstanceKind(kind).roles}
+        assert "replicas" not in d["spec"]
         (worker,) = containers(d)
         assert {"name": "TRIDENT_ROLES", "value": ",".join(roles)} in worker["env"]
         # Probes that show the deployment's certificate (the kubelet's httpGet cannot), and a drain
@@ -167,7 +176,10 @@ def test_every_instance_kind_holds_the_invariants(rendered, method: str, gpu: bo
             for e in c["env"]:
                 assert "value" in e or "valueFrom" in e
                 assert not re.fullmatch(r"[a-z][0-9a-f]{48}", str(e.get("value", ""))), (name, e["name"])
-            assert {"name": "TRIDENT_NATS_STREAM_REPLICAS", "value": "3"} in c["env"]
+            assert {"name": "TRIDENT_NATS_STREAM_REPLICAS", "value": str(NATS.stream_replicas)} in c["env"]
+            assert c["imagePullPolicy"] == "IfNotPresent" and re.search(
+                r":\d+\.\d+\.\d+-(cpu|gpu)$", c["image"]
+            )
             assert {"name": "TRIDENT_TLS_DIR", "value": "/tls"} in c["env"]
             assert {"name": "tls", "mountPath": "/tls", "readOnly": True} in c["volumeMounts"]
         # A disruption budget selects its pods.
@@ -213,29 +225,18 @@ def test_every_instance_kind_holds_the_invariants(rendered, method: str, gpu: bo
         m["spec"]["selector"]["matchLabels"]["trident.dev/metrics"]: m for m in by_kind["ServiceMonitor"]
     }
     (endpoint,) = monitors["tls"]["spec"]["endpoints"]
+    # Prometheus shows a certificate of its own (cert-manager's Secret), not a key any pod holds.
+    prometheus = next(c for c in by_kind["Certificate"] if c["metadata"]["name"] == "trident-prometheus")
     assert endpoint["scheme"] == "https" and endpoint["tlsConfig"]["keySecret"] == {
-        "name": "trident-tls",
-        "key": "key.pem",
+        "name": prometheus["spec"]["secretName"],
+        "key": "tls.key",
     }
+    assert prometheus["spec"]["usages"] == ["digital signature", "client auth"]
     assert "tlsConfig" not in monitors["true"]["spec"]["endpoints"][0]
+    # kube-prometheus-stack's Prometheus selects monitors by its release's label.
+    assert all(m["metadata"]["labels"]["release"] == "kube-prometheus-stack" for m in monitors.values())
     dashboard = next(c for c in by_kind["ConfigMap"] if c["metadata"]["name"] == "trident-dashboard")
     assert json.loads(dashboard["data"]["trident.json"])["panels"]
-
-
-def test_only_the_gateway_is_reachable_from_outside(rendered) -> None:
-    policies = {
-        p["metadata"]["name"]: p["spec"] for p in rendered[("ep+d", False)] if p["kind"] == "NetworkPolicy"
-    }
-    assert policies["default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": []}
-    open_rules = [(n, r) for n, spec in policies.items() for r in spec["ingress"] if "from" not in r]
-    assert open_rules == [("trident-gateway", {"ports": [{"port": 8000, "protocol": "TCP"}]})]
-    ours = {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "trident"}}}
-    for name in ("nats", "redis"):
-        assert all(rule["from"][0]["podSelector"]["matchLabels"].get("app.kubernetes.io/part-of", "trident")
-                   for rule in policies[name]["ingress"])  # fmt: skip
-        assert ours in policies[name]["ingress"][0]["from"]
-        # NATS's monitoring port (8222) is in no rule: no pod reaches it.
-        assert all(p["port"] != 8222 for rule in policies[name]["ingress"] for p in rule["ports"])
 
 
 def test_the_command_writes_files_secrets_and_refuses_bad_options(tmp_path: Path) -> None:
@@ -243,23 +244,9 @@ def test_the_command_writes_files_secrets_and_refuses_bad_options(tmp_path: Path
     done = runner.invoke(app, ["kubernetes", "--method", "ed+p", "--secrets", "--out", str(tmp_path)])
     assert done.exit_code == 0, done.output
     objects = list(yaml.safe_load_all((tmp_path / "trident.yaml").read_text()))
-    secret, tls = [o for o in objects if o["kind"] == "Secret"]
+    (secret,) = [o for o in objects if o["kind"] == "Secret"]  # TLS keys come from cert-manager, per pod
     assert set(secret["stringData"]) == {"nats-token", "redis-password", "transfer-secret", "planner-key"}
     assert len(set(secret["stringData"].values())) == 4
-    # A fresh CA and certificate, good for the names the NATS routes dial; no CA key among them.
-    assert tls["metadata"]["name"] == "trident-tls" and set(tls["stringData"]) == {
-        "ca.pem",
-        "cert.pem",
-        "key.pem",
-    }
-    cert = x509.load_pem_x509_certificate(tls["stringData"]["cert.pem"].encode())
-    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert "*.nats-cluster.trident.svc" in names.get_values_for_type(x509.DNSName)
-    folder = tmp_path / "tls"
-    folder.mkdir()
-    for name, text in tls["stringData"].items():
-        (folder / name).write_text(text)
-    Tls.at(folder).server_context()  # the key matches the certificate, which the CA signed
     assert "trident.yaml" in (tmp_path / "kustomization.yaml").read_text()
     assert not [o for o in render(Options(method="ed+p")) if o["kind"] == "Secret"]  # only when asked
     bad = runner.invoke(app, ["kubernetes", "--method", "nope"])
@@ -283,3 +270,4 @@ def test_without_tls_the_manifests_are_plain_and_still_valid(tmp_path: Path) -> 
     assert run.returncode == 0, run.stdout + run.stderr
     code, lines = crd_check([o for o in objects if o["kind"] in ("ScaledObject", "ServiceMonitor")])
     assert code == 0 and len([line for line in lines if line["kind"] == "ServiceMonitor"]) == 1
+    assert not [o for o in objects if o["apiVersion"].startswith("cert-manager")]

@@ -106,3 +106,19 @@ def test_bounds_on_bytes_rate_frames_and_time() -> None:
     ticks = itertools.count(step=10.0)  # a clock that runs 10 s a look: past the deadline at once
     with pytest.raises(VideoTooLarge, match="took over"):
         decode_video(data, LIMITS, clock=lambda: next(ticks))
+
+
+def test_without_pyav_a_clip_is_refused_and_the_gateway_still_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offline bundle leaves PyAV out (trident/bundle): the gateway then imports and serves text
+    and images, and a clip gets a 4xx that says why."""
+    import subprocess
+    import sys
+
+    data = make_clip(8, fps=10)
+    for name in ("av", "av.error"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import av` raises ImportError, as where it is absent
+    with pytest.raises(VideoError, match="PyAV"):
+        decode_video(data, LIMITS)
+    blocked = "import sys; sys.modules['av'] = None; import services.gateway.app, trident.bench.client"
+    run = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-1500:]

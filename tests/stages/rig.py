@@ -26,8 +26,8 @@ from services.stages import STAGES
 from services.worker.context import StageContext
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
+from services.worker.engine_settings import engine_config
 from services.worker.finals import FINALS_WINDOW
-from services.worker.instance import engine_config
 from services.worker.ledger import Ledger
 from services.worker.outputs import OutputPublisher
 from services.worker.stage import StageHandler

@@ -13,7 +13,6 @@ import functools
 import io
 from collections.abc import Iterable, Iterator
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -25,6 +24,8 @@ def encode_clip(
     options: dict[str, str] | None = None,
 ) -> bytes:  # fmt: skip
     """`frames` ([height, width, 3] uint8 each) as a `fmt` file of `codec` at `fps`."""
+    import av  # here: a client that sends no clip runs without PyAV (an offline bundle leaves it out)
+
     out = io.BytesIO()
     with av.open(out, mode="w", format=fmt) as container:
         stream = container.add_stream(codec, rate=fps)

@@ -129,8 +129,9 @@ def transformers_serve(
     ready_timeout: float = 300.0,
     stop_timeout: float = 30.0,
     warm_up: bool = True,
+    device: str = "cpu",
 ) -> Iterator[Served]:
-    """`transformers serve` with `model_dir` preloaded, on CPU, until the block ends.
+    """`transformers serve` with `model_dir` preloaded, on `device`, until the block ends.
 
     It needs `accelerate` (transformers' `serving` extra): it always loads with a device_map.
     Requests must name the model as the path it was started with (`Served.model`), or none.
@@ -149,7 +150,7 @@ def transformers_serve(
     model = str(Path(model_dir).resolve())
     argv = [
         sys.executable, "-m", "transformers.cli.transformers", "serve", model,
-        "--device", "cpu",
+        "--device", device,
         "--host", "127.0.0.1",
         "--port", str(port),
         "--log-level", "info",

@@ -37,7 +37,7 @@ from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.engine import Engine, EngineConfig
 from common.engine.processor import ProcessedPrompt
 from common.engine.sampling import SamplingParams
-from common.protocol.tensors import dtype_name
+from common.protocol.tensors import KvWire, dtype_name
 from common.roles import Role
 from common.transfer import TransferConfig, create_backend
 from services.prefill.handler import _export
@@ -63,7 +63,7 @@ class Sample:
 class Harness:
     """The prefill side: engine loop, transfer, sink; the puller process on the other end."""
 
-    def __init__(self, model: Path, group: int, wire: str, backend: str, threads: int) -> None:
+    def __init__(self, model: Path, group: int, wire: KvWire, backend: str, threads: int) -> None:
         config = EngineConfig(roles=frozenset({Role.PREFILL}), num_threads=threads, token_budget=8192,
                               kv_cache_bytes=1 << 30, prefix_caching=False, detokenize=False)  # fmt: skip
         self.engine = Engine(model, config)
@@ -82,7 +82,7 @@ class Harness:
         self.loop = EngineLoop(self.engine, self._on_outputs)
         self.loop.start()
         sink = StreamSink(self, self.loop, dtype_name(self.engine.kv_spec.dtype))
-        await self.loop.call(lambda: self.engine.stream_kv(sink, self.kv_layer_group))
+        await self.loop.call(lambda: self.engine.handoff.stream_kv(sink, self.kv_layer_group))
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.puller = ctx.Process(target=_puller, args=(self.transfer.config.backend, child), daemon=True)
@@ -152,7 +152,7 @@ async def _pull_loop(backend: str, conn) -> None:
     await puller.close()
 
 
-async def measure(model: Path, lengths: list[int], repeats: int, group: int, wire: str, backend: str,
+async def measure(model: Path, lengths: list[int], repeats: int, group: int, wire: KvWire, backend: str,
                   threads: int = 1) -> dict:  # fmt: skip
     harness = Harness(model, group, wire, backend, threads)
     await harness.start()
@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="128,512,1024,2048")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--group", type=int, default=4, help="layers per KV transfer")
-    ap.add_argument("--wire", choices=["native", "int8"], default="native")
+    ap.add_argument("--wire", type=KvWire, choices=list(KvWire), default=KvWire.NATIVE)
     ap.add_argument("--backend", choices=["auto", "ucx", "tcp"], default="auto")
     ap.add_argument("--threads", type=int, default=1, help="the prefill engine's torch threads")
     args = ap.parse_args()

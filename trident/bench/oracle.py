@@ -40,8 +40,9 @@ def _decode(url: str) -> Image.Image:
     return Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
 
 
-def hf_greedy(model_dir: Path, chats: list[Chat], max_tokens: int) -> list[str]:
-    """Each chat's greedy answer from HF `generate` on the checkpoint in `model_dir`, as text.
+def hf_greedy(model_dir: Path, chats: list[Chat], max_tokens: int, device: str = "cpu") -> list[str]:
+    """Each chat's greedy answer from HF `generate` on the checkpoint in `model_dir`, as text, run
+    on `device` (the one the server answers from, for a like-for-like check).
 
     The server is asked with `ignore_eos`, so it generates exactly `max_tokens`; so does this (eos
     does not end it), and the text is decoded without special tokens, as the server streams it.
@@ -52,7 +53,7 @@ def hf_greedy(model_dir: Path, chats: list[Chat], max_tokens: int) -> list[str]:
     from common.engine.processor import RequestProcessor
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval().to(device)
     processor = RequestProcessor(model_dir)  # the checkpoint's own (LLaVA's HF processor as it is)
     config = copy.deepcopy(model.generation_config)
     config.do_sample, config.eos_token_id = False, None  # as `ignore_eos`: eos does not end it
@@ -64,6 +65,7 @@ def hf_greedy(model_dir: Path, chats: list[Chat], max_tokens: int) -> list[str]:
         processed = processor.process(prompt, [_decode(u) for u in chat.image_urls])
         ids = torch.as_tensor([processed.token_ids])
         enc = hf_model_inputs(processed.images, ids, torch.ones_like(ids), processor.image_token_id)
+        enc = {k: v.to(device) for k, v in enc.items()}
         with torch.no_grad():
             out = model.generate(**enc, generation_config=config, max_new_tokens=max_tokens)
         ids = out[0, enc["input_ids"].shape[1] :].tolist()

@@ -10,6 +10,7 @@ import typer
 
 from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters, write_checkpoint
 from trident.cli.bench import bench_app
+from trident.cli.bundle import bundle
 from trident.cli.certs import certs
 from trident.cli.generate import generate
 from trident.cli.kubernetes import kubernetes
@@ -81,4 +82,5 @@ app.command("plan")(plan)
 app.command("top")(top)
 app.command("certs")(certs)
 app.command("kubernetes")(kubernetes)
+app.command("bundle")(bundle)
 app.add_typer(bench_app, name="bench")

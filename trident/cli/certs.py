@@ -30,4 +30,4 @@ def certs(
     tls = issue(out, host or [])
     typer.echo(f"wrote {tls.ca}, {tls.cert} and {tls.key} (the key readable by its owner only)")
     typer.echo(f"every process: TRIDENT_TLS_DIR={tls.folder}")
-    typer.echo(f"Kubernetes: kubectl create secret generic trident-tls --from-file={tls.folder}")
+    typer.echo("Kubernetes: `trident kubernetes` gives every pod its own key from cert-manager instead")

@@ -6,8 +6,7 @@ from __future__ import annotations
 PART_OF = "trident"
 RUN_AS = 10001  # the image's `trident` user (Dockerfile)
 SECRET = "trident-secrets"  # the deployment's Secret: NATS token, Redis password, transfer secret
-TLS_SECRET = "trident-tls"  # the deployment's CA and certificate (ca.pem, cert.pem, key.pem)
-TLS_DIR = "/tls"  # where every pod mounts it (TRIDENT_TLS_DIR)
+TLS_DIR = "/tls"  # where every pod finds its key, certificate and the CA (TRIDENT_TLS_DIR)
 
 
 def labels(component: str, **extra: str) -> dict[str, str]:
@@ -54,12 +53,6 @@ def exec_probe(command: list[str], period: int, failures: int, timeout: int = 3)
         "timeoutSeconds": timeout,
         "failureThreshold": failures,
     }
-
-
-def tls_volume() -> tuple[dict, dict]:
-    """The TLS Secret as files (the run-as group may read them), and where it is mounted."""
-    volume = {"name": "tls", "secret": {"secretName": TLS_SECRET, "defaultMode": 0o440}}
-    return volume, {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}
 
 
 def env(**values: str) -> list[dict]:
@@ -111,34 +104,6 @@ def disruption_budget(
     }
 
 
-def network_policy(name: str, namespace: str, pods: dict, ingress: list[dict]) -> dict:
-    """Ingress to `pods` only as `ingress` allows (an empty list: none at all)."""
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": meta(name, namespace, "network"),
-        "spec": {
-            "podSelector": {"matchLabels": pods} if pods else {},
-            "policyTypes": ["Ingress"],
-            "ingress": ingress,
-        },
-    }
-
-
-def tcp(number: int) -> dict:
-    return {"port": number, "protocol": "TCP"}
-
-
-def allow(peer: dict, *ports: int) -> dict:
-    """An ingress rule: `peer` (a pod or namespace selector) on `ports`."""
-    return {"from": [peer], "ports": [tcp(p) for p in ports]}
-
-
-def from_trident() -> dict:
-    """A peer that is one of Trident's own pods, in this namespace."""
-    return {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": PART_OF}}}
-
-
 def stateful_set(
     name: str, namespace: str, service_name: str, replicas: int, container: dict, storage: str | None, *,
     parallel: bool = False, **pod: object,
@@ -177,6 +142,18 @@ def claim(name: str, size: str, component: str) -> dict:
     return {
         "metadata": {"name": name, "labels": labels(component)},
         "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}},
+    }
+
+
+def apart(select: dict) -> dict:
+    """Never two of these pods on one node: losing a node loses one NATS node or one Redis server, and
+    a cluster that cannot place them says so (Pending) rather than put two on one node."""
+    return {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": select}, "topologyKey": "kubernetes.io/hostname"}
+            ]
+        }
     }
 
 

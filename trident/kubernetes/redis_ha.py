@@ -1,6 +1,9 @@
 """Redis for a Trident deployment on Kubernetes: a primary and a replica (StatefulSet `redis`) and
 three sentinels (StatefulSet `redis-sentinel`) that promote the replica once the primary has been
-silent for a second. The services reach the primary through the sentinels
+silent for the down-after time `trident up --ha` and compose.ha.yaml use (common/infra/settings.py).
+No two of a kind share a Kubernetes node (hard anti-affinity); nothing persists (no volume claim:
+Redis holds what its owners rewrite); a replica is ready only once its copy is in sync, so a rolling
+update waits for it before it takes the primary down. The services reach the primary through the sentinels
 (TRIDENT_REDIS_URL=redis+sentinel://..., common/store/connect.py).
 
 Every pod decides whom to follow when it starts, by asking the sentinels:
@@ -21,29 +24,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.infra.redis_server import listen_settings
+from common.infra.settings import REDIS_IMAGE, SENTINEL
 from common.tls import Tls
+from trident.kubernetes.certificates import pod_tls
 from trident.kubernetes.objects import (
     SECRET,
     TLS_DIR,
-    allow,
+    apart,
     container_security,
     disruption_budget,
     field_env,
-    from_trident,
     labels,
-    network_policy,
     port,
     secret_env,
     service,
-    spread,
     stateful_set,
-    tls_volume,
 )
 
-REDIS_IMAGE = "redis:7-alpine"
 DATA_NODES = 2  # a primary and a replica
 SENTINELS = 3
-QUORUM = 2
+QUORUM = SENTINEL.quorum
 MONITORED = "trident"  # the name the sentinels know the primary by, and the URL's service
 RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
 SENTINEL_RESOURCES = {
@@ -114,6 +114,7 @@ def sentinel_script(namespace: str, tls: bool = False) -> str:
     first = dns("redis-0", "redis", namespace)
     name = MONITORED
     listen_lines = "\n".join(f"{key} {value}" for key, value in listen(26379, tls))
+    timeouts = "\n".join(SENTINEL.lines(name))
     return (
         _ask(namespace, tls)
         + f"""CONF=/data/sentinel.conf
@@ -126,9 +127,7 @@ sentinel resolve-hostnames yes
 sentinel announce-hostnames yes
 sentinel announce-ip $POD_NAME.redis-sentinel.{namespace}.svc
 sentinel monitor {name} $M 6379 {QUORUM}
-sentinel down-after-milliseconds {name} 1000
-sentinel failover-timeout {name} 5000
-sentinel parallel-syncs {name} 1
+{timeouts}
 sentinel auth-pass {name} $REDIS_PASSWORD
 sentinel sentinel-pass $REDIS_PASSWORD
 requirepass $REDIS_PASSWORD
@@ -139,48 +138,67 @@ exec redis-server "$CONF" --sentinel
     )
 
 
+def ping(number: int, tls: bool) -> str:
+    """A sentinel's readiness: it answers."""
+    return f'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli {cli_tls(tls)}-p {number} ping | grep -q PONG'
+
+
+def in_sync(number: int, tls: bool) -> str:
+    """A Redis server's readiness: the primary, or a replica whose link to its primary is up and
+    whose first copy is done (a bare PING would let a rolling update take the primary down while
+    the only replica is still empty)."""
+    info = f'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli {cli_tls(tls)}-p {number} info replication'
+    return (
+        f'I="$({info})" && {{ echo "$I" | grep -q "^role:master" || '
+        '{ echo "$I" | grep -q "^master_link_status:up" && '
+        'echo "$I" | grep -q "^master_sync_in_progress:0"; }; }'
+    )
+
+
 def _container(
-    name: str, port_name: str, script: str, number: int, resources: dict, secret: str, tls: bool
+    name: str, port_name: str, script: str, number: int, resources: dict, secret: str, tls: bool, ready: str
 ) -> dict:
-    ping = f'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli {cli_tls(tls)}-p {number} ping | grep -q PONG'
     return {
         "name": name,
         "image": REDIS_IMAGE,
-        "imagePullPolicy": "Always",
+        "imagePullPolicy": "IfNotPresent",
         "command": ["sh", "-c", script],
         "env": [
             field_env("POD_NAME", "metadata.name"),
             secret_env("REDIS_PASSWORD", secret, "redis-password"),
         ],
         "ports": [{"name": port_name, "containerPort": number}],
-        "readinessProbe": {"exec": {"command": ["sh", "-c", ping]}, "periodSeconds": 5, "timeoutSeconds": 3},
+        "readinessProbe": {"exec": {"command": ["sh", "-c", ready]}, "periodSeconds": 5, "timeoutSeconds": 3},
         "livenessProbe": {"tcpSocket": {"port": port_name}, "periodSeconds": 10, "failureThreshold": 3},
         "resources": resources,
         "securityContext": container_security(),
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}, *([tls_volume()[1]] if tls else [])],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}, *([pod_tls()[1]] if tls else [])],
     }
 
 
-def redis(namespace: str, storage: str, secret: str = SECRET, tls: bool = False) -> list[dict]:
+def redis(namespace: str, secret: str = SECRET, tls: bool = False) -> list[dict]:
     """The Redis pods, the sentinels, their Services, disruption budgets and NetworkPolicies."""
     nodes, sentinels = labels("redis"), labels("redis-sentinel")
-    node = _container("redis", "redis", node_script(namespace, tls), 6379, RESOURCES, secret, tls)
-    watch = _container(
-        "redis-sentinel", "sentinel", sentinel_script(namespace, tls), 26379, SENTINEL_RESOURCES, secret, tls
+    node = _container(
+        "redis", "redis", node_script(namespace, tls), 6379, RESOURCES, secret, tls, in_sync(6379, tls)
     )
-    tls_files = [tls_volume()[0]] if tls else []
-    scratch = [{"name": "data", "emptyDir": {}}, *tls_files]  # what a sentinel learned; re-asked on a new pod
+    watch = _container(
+        "redis-sentinel", "sentinel", sentinel_script(namespace, tls), 26379, SENTINEL_RESOURCES, secret, tls,
+        ping(26379, tls),
+    )  # fmt: skip
+
+    # Scratch only: Redis persists nothing, and what a sentinel learned is asked again on a new pod.
+    def scratch(headless: str) -> list[dict]:
+        return [{"name": "data", "emptyDir": {}}, *([pod_tls(headless)[0]] if tls else [])]
+
     return [
-        stateful_set("redis", namespace, "redis", DATA_NODES, node, storage, parallel=True,
-                     topologySpreadConstraints=[spread(nodes)], **({"volumes": tls_files} if tls else {})),
+        stateful_set("redis", namespace, "redis", DATA_NODES, node, None, parallel=True,
+                     affinity=apart(nodes), volumes=scratch("redis")),
         stateful_set("redis-sentinel", namespace, "redis-sentinel", SENTINELS, watch, None, parallel=True,
-                     topologySpreadConstraints=[spread(sentinels)], volumes=scratch),
+                     affinity=apart(sentinels), volumes=scratch("redis-sentinel")),
         service("redis", namespace, "redis", nodes, [port("redis", 6379)], headless=True),
         service("redis-sentinel", namespace, "redis-sentinel", sentinels, [port("sentinel", 26379)],
                 headless=True),
         disruption_budget("redis", namespace, "redis", nodes, max_unavailable=1),
         disruption_budget("redis-sentinel", namespace, "redis-sentinel", sentinels, max_unavailable=1),
-        # Trident's pods (the services, the replica, the sentinels) only.
-        network_policy("redis", namespace, nodes, [allow(from_trident(), 6379)]),
-        network_policy("redis-sentinel", namespace, sentinels, [allow(from_trident(), 26379)]),
     ]  # fmt: skip

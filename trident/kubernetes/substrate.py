@@ -1,10 +1,12 @@
 """NATS and Redis for a Trident deployment on Kubernetes.
 
-NATS runs as a three-node cluster with JetStream; Trident's task stream keeps three copies
-(TRIDENT_NATS_STREAM_REPLICAS=3), so losing a node loses no task. Clients dial the `nats` Service
-and learn the other nodes from the server. The token comes from the deployment's Secret through the
-environment (nats-server reads `$NATS_TOKEN` in its config), and the monitoring port (8222) is
-reachable by the kubelet's probes only: the NetworkPolicies admit no pod to it.
+NATS runs as a three-node cluster with JetStream, with the limits `trident up` and compose use
+(common/infra/settings.py); Trident's task stream keeps three copies (TRIDENT_NATS_STREAM_REPLICAS),
+so losing a node loses no task. No two nodes share a Kubernetes node (hard anti-affinity). Clients
+dial the `nats` Service and learn the other nodes from the server. The token comes from the
+deployment's Secret through the environment (nats-server reads `$NATS_TOKEN` in its config), and
+the monitoring port (8222) is reachable by the kubelet's probes only: the NetworkPolicies admit no
+pod to it.
 
 Redis runs as a primary, a replica and three sentinels (redis_ha.py).
 """
@@ -14,30 +16,29 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.infra.nats_server import tls_block
+from common.infra.settings import NATS, NATS_IMAGE
 from common.tls import Tls
+from trident.kubernetes.certificates import pod_tls
 from trident.kubernetes.objects import (
     SECRET,
     TLS_DIR,
-    allow,
+    apart,
     container_security,
     disruption_budget,
     field_env,
-    from_trident,
     http_probe,
     labels,
     meta,
-    network_policy,
     port,
     secret_env,
     service,
-    spread,
     stateful_set,
-    tls_volume,
 )
 from trident.kubernetes.redis_ha import redis
 
-NATS_IMAGE = "nats:2.11-alpine"
-NATS_NODES = 3
+NATS_NODES = NATS.cluster_nodes
+NATS_GRACE = NATS.lame_duck_s + NATS.lame_duck_grace_s + 20  # the lame duck ends inside it
+LAME_DUCK = "nats-server --signal ldm=/tmp/nats.pid; while kill -0 1 2>/dev/null; do sleep 1; done"
 SERVER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
 
 
@@ -49,9 +50,11 @@ def nats_config(tls: bool = False) -> str:
     files = Tls(Path(TLS_DIR))
     client_tls = f"{tls_block(files)}\n" if tls else ""
     route_tls = f"  {tls_block(files, client=False)}\n" if tls else ""
+    limits = "\n".join(NATS.config_lines())
     return f"""server_name: $POD_NAME
 port: 4222
 http_port: 8222
+{limits}
 authorization {{ token: $NATS_TOKEN }}
 jetstream {{ store_dir: /data }}
 {client_tls}cluster {{
@@ -79,7 +82,7 @@ def nats(namespace: str, storage: str, tls: bool = False) -> list[dict]:
     container = {
         "name": "nats",
         "image": NATS_IMAGE,
-        "imagePullPolicy": "Always",
+        "imagePullPolicy": "IfNotPresent",
         "command": ["sh", "-c", nats_start(namespace)],
         "env": [field_env("POD_NAME", "metadata.name"), secret_env("NATS_TOKEN", SECRET, "nats-token")],
         "ports": [
@@ -87,19 +90,21 @@ def nats(namespace: str, storage: str, tls: bool = False) -> list[dict]:
             {"name": "cluster", "containerPort": 6222},
             {"name": "monitor", "containerPort": 8222},
         ],
-        # 200 only once JetStream has loaded its store.
-        "readinessProbe": http_probe("/healthz?js-enabled-only=true", "monitor", 5, 3),
-        "livenessProbe": http_probe("/healthz", "monitor", 10, 3),
-        "startupProbe": http_probe("/healthz", "monitor", 2, 60),
-        # Lame-duck mode hands the clients to the other nodes before this one stops.
-        "lifecycle": {"preStop": {"exec": {"command": ["nats-server", "--signal", "ldm=/tmp/nats.pid"]}}},
+        # Ready once this node's JetStream is up and current; alive while the server answers at all
+        # (a node cut off from its peers fails the full /healthz: it must not be restarted for it).
+        "readinessProbe": http_probe(NATS.ready_path, "monitor", 5, 3),
+        "livenessProbe": http_probe(NATS.live_path, "monitor", 10, 3),
+        "startupProbe": http_probe(NATS.ready_path, "monitor", 2, 60),
+        # Lame-duck mode hands the clients to the other nodes before this one stops; the hook
+        # waits for the server to end, so the kubelet's SIGTERM does not cut it short.
+        "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", LAME_DUCK]}}},
         "resources": SERVER_RESOURCES,
         "securityContext": container_security(),
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/nats", "readOnly": True},
             {"name": "data", "mountPath": "/data"},
             {"name": "tmp", "mountPath": "/tmp"},
-            *([tls_volume()[1]] if tls else []),
+            *([pod_tls("nats-cluster")[1]] if tls else []),
         ],
     }
     config = {
@@ -111,11 +116,11 @@ def nats(namespace: str, storage: str, tls: bool = False) -> list[dict]:
     statefulset = stateful_set(
         "nats", namespace, "nats-cluster", NATS_NODES, container, storage,
         parallel=True,  # the routes form the cluster whichever starts first
-        terminationGracePeriodSeconds=60,
-        topologySpreadConstraints=[spread(select)],
+        terminationGracePeriodSeconds=NATS_GRACE,
+        affinity=apart(select),
         volumes=[
             {"name": "config", "configMap": {"name": "nats-config"}}, {"name": "tmp", "emptyDir": {}},
-            *([tls_volume()[0]] if tls else []),
+            *([pod_tls("nats-cluster")[0]] if tls else []),
         ],
     )  # fmt: skip
     return [
@@ -131,12 +136,6 @@ def nats(namespace: str, storage: str, tls: bool = False) -> list[dict]:
             headless=True,
         ),
         disruption_budget("nats", namespace, "nats", select, max_unavailable=1),
-        network_policy(
-            "nats",
-            namespace,
-            select,
-            [allow(from_trident(), 4222), allow({"podSelector": {"matchLabels": select}}, 6222)],
-        ),
     ]
 
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from common.infra import LocalServer, NatsServer, RedisServer
 from common.infra.ha import NatsCluster, RedisGroup
+from common.infra.settings import NATS
 from common.secrets import DeploymentSecrets
 from common.tls import Tls
 
 Echo = Callable[..., None]
-LOOPBACK = ["127.0.0.1"] * 3
+LOOPBACK = ["127.0.0.1"] * NATS.cluster_nodes  # common/infra/settings.py, as compose and Kubernetes
 
 
 @dataclass

@@ -10,6 +10,12 @@ the same dot product), and fewer kernels where launching them is what a decode s
 a CPU it does not pay (the wider products ran 7 % slower at 8 and 32 rows), so there the
 projections stay apart.
 
+On CUDA the model runs fused ops (`set_ops`, decoder_ops.py): RMSNorm with the residual add before
+it, RoPE with the KV write, SwiGLU in one kernel each, and decode attention read in place. The
+residual stream then runs beside each layer's last output — a layer takes and gives (residual,
+delta), the hidden state being their sum, which the next norm adds — with the eager path's
+numbers wherever the ops keep them (their references do: the CPU tests run them).
+
 Inside a decoder layer, submodules are called through `.forward`, not `module(...)`: nn.Module's
 call wrapper (hook dispatch; nothing sets hooks below the layers) measured 1.2 ms of a 31 ms
 batch-1 decode step (about 13 calls a layer, each paying for it with the caches cold from the
@@ -20,12 +26,16 @@ them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from common.engine.attention import AttentionMetadata, paged_attention
+from common.engine.attention import AttentionMetadata, attend, paged_attention
 from common.engine.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from common.engine.decoder_ops import DecoderOps
 
 
 class RMSNorm(nn.Module):
@@ -142,8 +152,12 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
         self.fused = True
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, ops=None) -> torch.Tensor:
         n, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if ops is not None:
+            q, k, v = self._project(x)
+            q = ops.rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+            return self.o_proj.forward(attend(q, k_cache, v_cache, meta).reshape(n, -1))
         if self.fused:
             qkv = self.qkv_proj.forward(x)
             qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
@@ -164,6 +178,23 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, k_cache, v_cache, meta)  # [tokens, heads, head_dim]
         return self.o_proj.forward(o.reshape(n, -1))
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [tokens, (kv_)heads, dim] before RoPE (views of one product
+        when stacked), Qwen3's per-head norms applied."""
+        n, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if self.fused:
+            qkv = self.qkv_proj.forward(x)
+            q = qkv[:, : heads * dim].view(n, heads, dim)
+            k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim)
+            v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
+        else:
+            q = self.q_proj.forward(x).view(n, heads, dim)
+            k = self.k_proj.forward(x).view(n, kv_heads, dim)
+            v = self.v_proj.forward(x).view(n, kv_heads, dim)
+        if self.qk_norm:
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        return q, k, v
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
@@ -179,11 +210,13 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
         self.fused = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         if self.fused:
             gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj.forward(x), self.up_proj.forward(x)
+        if ops is not None:
+            return self.down_proj.forward(ops.silu_mul(gate, up))
         # In place: no step keeps gate or up, and a prefill's are tokens × intermediate each.
         return self.down_proj.forward(nn.functional.silu(gate, inplace=True).mul_(up))
 
@@ -206,11 +239,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ops: DecoderOps | None = None  # set by LlamaForCausalLM.set_ops
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta) -> torch.Tensor:
-        # Submodules through `.forward`: see the module docstring.
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        """x [tokens, hidden] → the same; with ops, (residual, delta) → the same (see the module
+        docstring). Submodules through `.forward`: see the module docstring too."""
+        ops = self.ops
+        if ops is None:
+            x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, k_cache, v_cache, meta)
+            return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        residual, delta = x
+        norm = self.input_layernorm
+        h, residual = ops.add_rms_norm(residual, delta, norm.weight, norm.eps)
+        a = self.self_attn.forward(h, cos, sin, k_cache, v_cache, meta, ops)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(residual, a, norm.weight, norm.eps)
+        return residual, self.mlp.forward(h, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -229,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
         if tied:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(inv_freq, attention_scaling, arch)
+        self.ops: DecoderOps | None = None  # set_ops
 
     def forward(
         self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
@@ -238,14 +283,27 @@ class LlamaForCausalLM(nn.Module):
         states [tokens, hidden]. `deepstack` (Qwen3-VL): (rows, extra [rows, k, hidden]) — after
         layer i < k, the image tokens at `rows` get their i-th extra visual features added."""
         cos, sin = self.rotary(positions, embeds.dtype)
-        x = embeds
+        x = embeds if self.ops is None else (embeds, None)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = cache.layer(i)
             x = layer(x, cos, sin, k_cache, v_cache, meta)
             if deepstack is not None and i < deepstack[1].shape[1]:
                 rows, extra = deepstack
+                if self.ops is not None:  # the sum the next norm would make, made here: same order
+                    x = x[0] + x[1]
                 x = x.index_add(0, rows, extra[:, i].to(x.dtype))
-        return self.norm.forward(x)
+                if self.ops is not None:
+                    x = (x, None)
+        if self.ops is None:
+            return self.norm.forward(x)
+        return self.ops.add_rms_norm(x[0], x[1], self.norm.weight, self.norm.eps)[0]
+
+    def set_ops(self, ops: DecoderOps | None) -> None:
+        """Run `ops` (decoder_ops.py) in place of the eager small ops; None: the eager ops. Decode
+        graphs captured before are captured anew (decode_graphs.py)."""
+        self.ops = ops
+        for layer in self.layers:
+            layer.ops = ops
 
     def fuse_projections(self) -> None:
         """Stack each layer's q/k/v and gate/up projections (the loader does on a GPU, once loaded)."""

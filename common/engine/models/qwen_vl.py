@@ -164,10 +164,12 @@ class QwenVLModel(nn.Module):
         text = config.text_config
         rope = text.rope_parameters or {}
         arch = TextArch(
-            qkv_bias=variant.qkv_bias or None, o_bias=False if variant.qkv_bias else None,
-            qk_norm=variant.qwen3, mrope_section=tuple(rope.get("mrope_section") or ()) or None,
+            qkv_bias=variant.qkv_bias or None,
+            o_bias=False if variant.qkv_bias else None,
+            qk_norm=variant.qwen3,
+            mrope_section=tuple(rope.get("mrope_section") or ()) or None,
             mrope_interleaved=variant.qwen3 or bool(rope.get("mrope_interleaved")),
-        )  # fmt: skip
+        )
         self.language_model = (
             LlamaForCausalLM(text, inv_freq, attention_scaling, arch, tied=tied_embeddings(config))
             if with_language
