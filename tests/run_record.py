@@ -29,7 +29,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )  # fmt: skip
 
 
-def pytest_configure(config: pytest.Config) -> None:
+@pytest.hookimpl(trylast=True)  # after the fast tier's guard (tests/conftest.py): a start it refuses
+def pytest_configure(config: pytest.Config) -> None:  # raises before this hook counts it
     sys.addaudithook(_count)
 
 
