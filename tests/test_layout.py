@@ -138,6 +138,24 @@ def test_the_services_and_common_import_nothing_of_the_product_side() -> None:
     assert not leaks, "\n".join(leaks)
 
 
+def test_the_bench_harness_imports_nothing_of_the_cli() -> None:
+    """The CLI drives the bench harness (trident/bench), and the scripts in bench/ build on it; neither
+    reaches back into the CLI (trident/cli): what they share lives in the harness or the launcher."""
+    known = modules()
+    leaks = [
+        f"{m} -> {t}"
+        for m, ts in graph().items()
+        if m.startswith("trident.bench")
+        for t in ts
+        if t.startswith("trident.cli")
+    ]
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        leaks += [
+            f"{path.relative_to(ROOT)} -> {t}" for t in imports(path, known) if t.startswith("trident.cli")
+        ]
+    assert not leaks, "\n".join(leaks)
+
+
 def test_benchmarks_import_no_test_code_and_edit_no_import_path() -> None:
     """The scripts in bench/ run as `python bench/NAME.py` from an installed checkout: what they share
     is in trident/bench/, not in tests/, and none of them puts the repository on sys.path."""

@@ -40,8 +40,11 @@ class ServingThread:
     """A TCP transfer backend that serves from a thread and event loop of its own. `freeze()` stops
     it answering (its loop blocks) until `thaw()`, the way a stalled owner would."""
 
-    def __init__(self, inline_max_bytes: int = INLINE_MAX) -> None:
-        self.backend = TcpBackend(TransferConfig(backend="tcp", inline_max_bytes=inline_max_bytes))
+    def __init__(self, inline_max_bytes: int = INLINE_MAX, host_local_min_bytes: int = 1 << 20) -> None:
+        config = TransferConfig(
+            backend="tcp", inline_max_bytes=inline_max_bytes, host_local_min_bytes=host_local_min_bytes
+        )
+        self.backend = TcpBackend(config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="serving", daemon=True)
         self._open = threading.Event()
@@ -123,7 +126,8 @@ class StageRig:
 @contextlib.asynccontextmanager
 async def stage_rig(
     roles: frozenset[Role], model: Path, nats: NatsServer, redis: RedisServer,
-    finals_window: float = FINALS_WINDOW, settings: WorkerSettings | None = None, **engine: object,
+    finals_window: float = FINALS_WINDOW, host_local_min_bytes: int = 1 << 20,
+    settings: WorkerSettings | None = None, **engine: object,
 ) -> AsyncIterator[StageRig]:  # fmt: skip
     """`roles`' handlers on one engine, as one instance. With `settings`, the engine and handlers are
     configured from them as a worker configures its own (`engine` still overrides the engine's)."""
@@ -135,7 +139,8 @@ async def stage_rig(
     store = await Store.connect(StoreConfig(url=redis.url, prefix=NAMESPACE))
     name = f"{letters(roles)}-rig"
     bus = await Bus.connect(BusConfig(url=nats.url, prefix=NAMESPACE, name=name, ack_wait=5), store)
-    serving = ServingThread(INLINE_MAX if settings is None else settings.transfer_inline_max_bytes)
+    inline = INLINE_MAX if settings is None else settings.transfer_inline_max_bytes
+    serving = ServingThread(inline, host_local_min_bytes=host_local_min_bytes)
     transfer = serving.start()
     record = StageRecorder(store)
     steps: asyncio.Queue = asyncio.Queue()

@@ -18,6 +18,7 @@ from common.protocol import (
 from common.protocol.tensors import int8_kv_nbytes, nbytes_of
 from common.roles import Role
 from common.store import Stage
+from common.transfer import TransferPath
 from services.worker.ledger import AlreadyHeld
 from services.worker.worker import StageWorker
 from tests.stages.flows import D, E, P, answer, prefilled, request
@@ -25,13 +26,16 @@ from tests.stages.rig import stage_rig
 
 
 @pytest.mark.parametrize("kv_stream", [True, False], ids=["streamed", "after-prefill"])
+@pytest.mark.parametrize("path", [TransferPath.STREAM, TransferPath.HOST_LOCAL])
 async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
-    tiny_model_dir, nats_server, redis_server, owner, hf_generate, kv_stream
+    tiny_model_dir, nats_server, redis_server, owner, hf_generate, kv_stream, path
 ):
+    # The tiny model's features and KV are small: host-local at any size, or never.
+    min_bytes = 0 if path is TransferPath.HOST_LOCAL else 1 << 40
     async with (
-        stage_rig(E, tiny_model_dir, nats_server, redis_server) as e,
-        stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
-        stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
+        stage_rig(E, tiny_model_dir, nats_server, redis_server, host_local_min_bytes=min_bytes) as e,
+        stage_rig(P, tiny_model_dir, nats_server, redis_server, host_local_min_bytes=min_bytes) as p,
+        stage_rig(D, tiny_model_dir, nats_server, redis_server, host_local_min_bytes=min_bytes) as d,
     ):
         p.handlers[Role.PREFILL].kv_stream = kv_stream
         spec, prompt, images = request(e, owner, "r-chain", num_images=2, max_tokens=12)
@@ -65,19 +69,24 @@ async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
         for rig in (e, p, d):
             await rig.idle()
         assert len(p.ctx.transfer.handles) == 0  # decode's release freed the KV it pulled
-        await e.ctx.ledger.record.flush()
+        for rig in (e, p, d):  # each wrote its marks through its own recorder
+            await rig.ctx.ledger.record.flush()
         marks = (await e.ctx.store.requests.get(spec.request_id)).stages
-        path = [
+        stages = [
             Stage.ENCODE_QUEUED, Stage.ENCODE_STARTED, Stage.ENCODE_ENDED, Stage.PREFILL_QUEUED,
             Stage.EP_TRANSFER_STARTED, Stage.EP_TRANSFER_ENDED, Stage.PREFILL_STARTED, Stage.FIRST_TOKEN,
             Stage.DECODE_QUEUED, Stage.PD_TRANSFER_STARTED, Stage.PD_TRANSFER_ENDED, Stage.DECODE_STARTED,
         ]  # fmt: skip
         if kv_stream:  # queued for decode, and pulled from, while the prefill still ran
-            path.remove(Stage.FIRST_TOKEN)
+            stages.remove(Stage.FIRST_TOKEN)
             assert marks[Stage.DECODE_QUEUED] < marks[Stage.FIRST_TOKEN] <= marks[Stage.PD_TRANSFER_ENDED]
 
-        assert [s for s in path if s in marks] == path
-        assert [marks[s] for s in path] == sorted(marks[s] for s in path)
+        assert [s for s in stages if s in marks] == stages
+        assert [marks[s] for s in stages] == sorted(marks[s] for s in stages)
+        # Each hop says how its tensors came, and how many bytes (the transfer metrics' label too).
+        info = (await e.ctx.store.requests.get(spec.request_id)).info
+        assert info["ep_path"] == info["pd_path"] == path.value
+        assert int(info["ep_bytes"]) > 0 and int(info["pd_bytes"]) > 0
 
 
 async def test_prefill_without_the_features_sends_the_request_back_to_encode(

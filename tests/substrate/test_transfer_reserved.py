@@ -19,7 +19,8 @@ from common.transfer import (
     create_backend,
 )
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
-from tests.substrate.helpers import BACKENDS, run
+from tests.substrate.backends import BACKENDS
+from tests.substrate.helpers import run
 
 pytestmark = pytest.mark.timeout(120)
 
