@@ -173,3 +173,23 @@ def test_benchmarks_import_no_test_code_and_edit_no_import_path() -> None:
         if "third_party" not in path.parts and "sys.path" in text:
             found.append(f"{path.relative_to(ROOT)} edits sys.path")
     assert not found, "\n".join(found)
+
+
+def test_no_test_module_imports_another_or_a_conftest() -> None:
+    """What tests share lives in helper modules (tests/helpers/, and a folder's own such as
+    tests/stages/rig.py), never in a test module or a conftest: a test module can then be moved,
+    split or deleted without breaking another, and no test is collected twice by being imported."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module or ''}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = [p for p in name.split(".") if p]
+                if any(p.startswith("test_") or p == "conftest" for p in parts):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not found, "\n".join(found)

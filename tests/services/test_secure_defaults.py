@@ -20,8 +20,7 @@ from common.secrets import NAMES, DeploymentSecrets
 from common.store.keys import Keys
 from common.transfer import TransferConfig, create_backend
 from common.transfer.errors import Forbidden, HandleNotFound
-from tests.services.conftest import client_for
-from tests.services.test_e2e import user_message
+from tests.helpers.chat import client_for, user_message
 from trident.launcher.local_up import LocalUp, UpCommand
 
 pytestmark = pytest.mark.timeout(300)

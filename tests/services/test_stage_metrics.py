@@ -1,7 +1,7 @@
 """Each stage's Prometheus histograms count what really passed through it: one queue wait and one
 run per request at each stage's instance, one E→P and one P→D pull per request with its bytes, every
 gap between tokens at the gateway, and the engines' steps by kind. The deployment is shared with
-other modules (tests/services/shared.py): the counts are what the module's requests added."""
+other modules (tests/helpers/deployments.py): the counts are what the module's requests added."""
 
 from __future__ import annotations
 
@@ -11,28 +11,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.conftest import make_image
-from tests.services.conftest import client_for, data_url
-from tests.services.test_behaviour import instances
-from tests.services.test_e2e import user_message
+from tests.helpers.chat import client_for, user_message
+from tests.helpers.images import data_url, make_image
+from tests.helpers.probes import added, instances, scrape
 
 REQUESTS = 4
-
-
-def scrape(base_url: str) -> dict[str, float]:
-    """Every sample on one service's /metrics, summed over labels other than `kind`."""
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=5).text):
-        for s in family.samples:
-            name = s.name + (f"{{{s.labels['kind']}}}" if "kind" in s.labels and "le" not in s.labels else "")
-            if "le" not in s.labels:
-                samples[name] = samples.get(name, 0.0) + s.value
-    return samples
-
-
-def added(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What each sample grew by between two scrapes."""
-    return {name: value - before.get(name, 0.0) for name, value in after.items()}
 
 
 @pytest.fixture(scope="module")

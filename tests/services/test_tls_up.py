@@ -21,8 +21,7 @@ from common.bus.connection import tls_options
 from common.certs import issue
 from common.secrets import DeploymentSecrets
 from common.tls import Tls
-from tests.services.conftest import client_for
-from tests.services.test_e2e import QUESTION, reference, user_message
+from tests.helpers.chat import QUESTION, client_for, reference, user_message
 from tests.tls_probes import only_alerts, probe, probes
 from trident.launcher.local_up import LocalUp, UpCommand, metric
 

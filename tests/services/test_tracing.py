@@ -20,9 +20,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from tests.deploy import running_cluster
-from tests.engine.conftest import make_image
-from tests.services.conftest import data_url
-from tests.services.test_e2e import user_message
+from tests.helpers.chat import user_message
+from tests.helpers.images import data_url, make_image
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

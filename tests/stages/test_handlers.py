@@ -5,23 +5,15 @@ finishes the answer — equal to HF's — and each fallback sends the request wh
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
-from common.bus import EventStream, Task
 from common.protocol import (
     OUTPUT_KINDS,
     DecodeTask,
     EncodeTask,
-    FinalOutput,
-    ImageSpec,
     PrefillTask,
-    RequestSpec,
-    SamplingParams,
     TensorRef,
-    TokenDelta,
-    dtype_name,
 )
 from common.protocol.tensors import int8_kv_nbytes, nbytes_of
 from common.roles import Role
@@ -29,55 +21,8 @@ from common.store import Stage
 from common.transfer import TransferPath
 from services.worker.ledger import AlreadyHeld
 from services.worker.worker import StageWorker
-from tests.engine.conftest import make_image
-from tests.stages.rig import ServingThread, StageRig, stage_rig
-
-E, P, D = (frozenset({r}) for r in Role)
-QUESTION = "What is in the picture? Describe it"
-
-
-def request(rig: StageRig, gateway: ServingThread, rid: str, num_images: int, max_tokens: int = 12):
-    """A request as the gateway sends it: processed prompt, pixels served by the gateway by handle."""
-    images = [make_image(i) for i in range(num_images)]
-    prompt = rig.engine.chat_prompt(QUESTION, num_images)
-    processed = rig.engine.processor.process(prompt, images)
-    specs = []
-    for img in processed.images:
-        handle = gateway.backend.publish(img.pixel_values.contiguous())
-        pixels = TensorRef(
-            owner="gateway", address=gateway.backend.address, handle=handle,
-            shape=tuple(img.pixel_values.shape), dtype=dtype_name(img.pixel_values.dtype),
-        )  # fmt: skip
-        specs.append(ImageSpec(content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=pixels))
-    spec = RequestSpec(
-        request_id=rid, prompt_token_ids=tuple(processed.token_ids), images=tuple(specs),
-        sampling=SamplingParams(max_tokens=max_tokens), arrival_time=time.time(),
-    )  # fmt: skip
-    return spec, prompt, images
-
-
-async def prefilled(p: StageRig, d: StageRig, owner: ServingThread, rid: str) -> tuple[RequestSpec, Task]:
-    """A text request prefilled by `p`, and the decode task `d` fetched for it (not yet taken)."""
-    spec, _, _ = request(p, owner, rid, num_images=0)
-    await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
-    await p.take(Role.PREFILL)
-    return spec, await d.fetch(Role.DECODE)
-
-
-async def answer(stream: EventStream, timeout: float = 30.0) -> list[int]:
-    """The output tokens in index order, up to the final message."""
-    tokens: dict[int, int] = {}
-    expected = None
-    async with asyncio.timeout(timeout):
-        while expected is None or len(tokens) < expected:
-            msg = await stream.get()
-            if isinstance(msg, TokenDelta):
-                tokens.update({msg.index + k: t for k, t in enumerate(msg.token_ids)})
-            elif isinstance(msg, FinalOutput):
-                expected = msg.num_outputs
-            else:
-                raise AssertionError(f"unexpected {msg}")
-    return [tokens[i] for i in range(expected)]
+from tests.stages.flows import D, E, P, answer, prefilled, request
+from tests.stages.rig import stage_rig
 
 
 @pytest.mark.parametrize("kv_stream", [True, False], ids=["streamed", "after-prefill"])

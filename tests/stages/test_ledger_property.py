@@ -23,7 +23,7 @@ from common.roles import Role, parse_roles
 from common.transfer import TcpBackend, TransferConfig
 from services.prefill.handler import KV_TTL, _export
 from services.worker.ledger import Held, Ledger
-from tests.engine.conftest import make_image
+from tests.helpers.images import make_image
 
 ROLE_SETS = ("e", "p", "ep", "epd")
 BLOCKS = 16  # of 16 tokens: room for two or three requests at once, so long ones preempt others

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.protocol import EncodeTask, PrefillTask, SamplingParams, TokenDelta
 from common.roles import Role
 from services.worker.model_server_metrics import ModelServerCollector, ModelServerLoad
+from tests.stages.flows import request
 from tests.stages.rig import StageRig, stage_rig
-from tests.stages.test_handlers import request
 
 E = frozenset({Role.ENCODE})
 PD = frozenset({Role.PREFILL, Role.DECODE})

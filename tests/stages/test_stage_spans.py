@@ -15,8 +15,8 @@ from common.protocol import EncodeTask, PrefillTask, TraceContext
 from common.roles import Role
 from common.tracing import Tracing, inject
 from services.worker.stage_spans import StageSpans
+from tests.stages.flows import D, E, P, answer, request
 from tests.stages.rig import stage_rig
-from tests.stages.test_handlers import D, E, P, answer, request
 
 
 def traced(rig, exporter: InMemorySpanExporter) -> None:

@@ -1,4 +1,5 @@
-"""Helpers for the substrate tests: running coroutines, and worker processes that can be killed."""
+"""Helpers for the substrate tests: running coroutines, worker processes that can be killed, and taking
+tasks from a queue. (Spawned pullers import this module first: it imports nothing that starts a thread.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from common.bus import Bus, BusConfig
+from common.bus import Bus, BusConfig, Task, TaskConsumer
 from common.protocol import PrefillTask, RequestSpec
 
 T = TypeVar("T")
@@ -146,3 +147,22 @@ def pull_held_until_told(
             conn.send((type(exc).__name__, str(exc)))
 
     asyncio.run(main())
+
+
+async def take(consumer: TaskConsumer, n: int, ack: bool, within: float = 10.0) -> list[Task]:
+    """`n` distinct tasks, acked as they come or held. A fetch returns *up to* what it asks for
+    (under load, fewer), so ask again for the rest, within a bound; a held task that comes back
+    meanwhile (its ack wait lapsed) is taken once. A fetch can also bring more than it asked for (a
+    late message of an earlier fetch that timed out): what is past `n` goes back to the queue."""
+    got: dict[str, Task] = {}
+    deadline = time.monotonic() + within
+    while len(got) < n and time.monotonic() < deadline:
+        for task in await consumer.fetch(n - len(got), timeout=1.0):
+            rid = task.message.request.request_id
+            if rid not in got and len(got) >= n:
+                await task.nak()
+                continue
+            if ack:
+                assert await task.ack()
+            got.setdefault(rid, task)
+    return list(got.values())

@@ -25,17 +25,13 @@ from common.transfer import (
     TransferError,
     TransferPath,
     create_backend,
-    ucx_available,
 )
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
+from tests.substrate.backends import BACKENDS
 from tests.substrate.helpers import pull_forever, run, spawn
 
 pytestmark = pytest.mark.timeout(120)
 
-BACKENDS = [
-    pytest.param("ucx", marks=pytest.mark.skipif(not ucx_available(), reason="ucxx does not load here")),
-    "tcp",
-]
 SPECS = [
     TensorSpec((1024,), "uint8", 1),  # 1 KB
     TensorSpec((128, 128), "float32", 2),  # 64 KB

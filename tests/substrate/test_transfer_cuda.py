@@ -16,8 +16,8 @@ import torch
 
 from common.transfer import PeerLost, PeerUnreachable, TransferConfig, TransferPath, create_backend
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
+from tests.substrate.backends import BACKENDS
 from tests.substrate.helpers import pull_and_hold, pull_held_until_told, run, spawn
-from tests.substrate.test_transfer import BACKENDS
 
 pytestmark = [
     pytest.mark.timeout(180),

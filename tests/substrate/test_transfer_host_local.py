@@ -31,8 +31,8 @@ from common.transfer import (
 from common.transfer.errors import Forbidden
 from common.transfer.shm import mapped_segments, open_segments
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
+from tests.substrate.backends import BACKENDS
 from tests.substrate.helpers import pull_and_hold, pull_unprivileged, run, spawn
-from tests.substrate.test_transfer import BACKENDS
 
 pytestmark = pytest.mark.timeout(120)
 
