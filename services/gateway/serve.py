@@ -10,10 +10,11 @@ import uuid
 import torch
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
 
 from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt
-from common.errors import APIError
+from common.errors import APIError, clip
 from common.protocol import Resend
 from common.video import VideoLimits
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -21,6 +22,7 @@ from services.gateway.collector import OutputCollector
 from services.gateway.images import fetch_image
 from services.gateway.preprocess import VideoSampling
 from services.gateway.reply import Reply
+from services.gateway.request_context import trace_of
 from services.gateway.routing import route
 from services.gateway.state import Gateway
 from services.gateway.structured import Constraint, constraint, response_grammar
@@ -43,7 +45,11 @@ async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
     asked = Constraint()
     if body.response_format or body.tools or body.tool_choice:  # compiling a grammar takes ms: off the loop
         asked = await gw.off_loop(constraint, body.response_format, body.tools, body.tool_choice)
-    prompt = gw.processor.chat_prompt(messages, asked.tools)
+    try:
+        prompt = gw.processor.chat_prompt(messages, asked.tools)
+    except TemplateError as exc:  # the checkpoint's template refuses them (its raise_exception)
+        message = f"messages: the model's chat template refuses them: {clip(str(exc), 200)}"
+        raise APIError(400, message, param="messages", code="chat_template") from None
     async with _within(deadline):
         if urls or clips:  # on the image threads (preprocess.py), never ahead of text-only requests
             blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))
@@ -61,9 +67,11 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
     s = gw.settings
     if gw.processor.videos is None:
         raise APIError(
-            400, f"the served model ({gw.processor.family}) takes no video; send images",
-            param="messages", code="video_unsupported",
-        )  # fmt: skip
+            400,
+            f"the served model ({gw.processor.family}) takes no video; send images",
+            param="messages",
+            code="video_unsupported",
+        )
     if clips > s.max_videos:
         raise APIError(400, f"at most {s.max_videos} videos per request", param="messages")
     asked = body.mm_processor_kwargs
@@ -76,9 +84,12 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
             400, f"max_frames may be at most {s.video_max_frames}", param="mm_processor_kwargs.max_frames"
         )
     limits = VideoLimits(
-        max_bytes=s.max_video_bytes, max_duration_s=s.video_max_seconds, deadline_s=s.video_decode_timeout,
-        max_fps=s.video_max_fps, max_frames=s.video_max_frames,
-    )  # fmt: skip
+        max_bytes=s.max_video_bytes,
+        max_duration_s=s.video_max_seconds,
+        deadline_s=s.video_decode_timeout,
+        max_fps=s.video_max_fps,
+        max_frames=s.video_max_frames,
+    )
     return VideoSampling(limits, fps, frames, gw.processor.videos.rule)
 
 
@@ -93,9 +104,14 @@ async def completion(gw: Gateway, body: CompletionRequest, request: Request):
 
 
 async def serve(
-    gw: Gateway, request: Request, body: SamplingFields, processed: ProcessedPrompt, kind: str,
-    deadline: float, asked: Constraint,
-):  # fmt: skip
+    gw: Gateway,
+    request: Request,
+    body: SamplingFields,
+    processed: ProcessedPrompt,
+    kind: str,
+    deadline: float,
+    asked: Constraint,
+):
     params = body.sampling_params(gw.settings.default_max_tokens)
     if asked.grammar is not None:
         params = params.model_copy(update={"grammar": asked.grammar})
@@ -104,21 +120,26 @@ async def serve(
     except AdmissionError as exc:
         raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from exc
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    request.state.completion_id = rid  # on the gateway's span, beside the client's X-Request-Id
     stream = await gw.bus.events.outputs(rid)  # subscribed before the task exists: nothing is missed
     try:
-        spec = await route(gw, rid, processed, params)
+        spec = await route(gw, rid, processed, params, trace_of(request.scope.get("state", {})))
     except BaseException:
         await stream.close()
         raise
     collector = OutputCollector(
-        stream, gw.processor.tokenizer, params.stop, deadline=deadline,
+        stream,
+        gw.processor.tokenizer,
+        params.stop,
+        deadline=deadline,
         arrival=getattr(request.state, "arrived", time.perf_counter()),
         keepalive=gw.settings.sse_keepalive if body.stream else None,
         on_tokens=lambda ids: gw.journal.add(rid, ids),
         ask=lambda index: gw.bus.events.resend(Resend(request_id=rid, index=index)),
         reconnects=lambda: gw.bus.reconnects,
-        fenced=gw.reaper.fenced, owner=spec.gateway,
-    )  # fmt: skip
+        fenced=gw.reaper.fenced,
+        owner=spec.gateway,
+    )
     reply = Reply(gw, spec, kind, body, collector, asked.mode)
     request.state.on_end = reply.end  # whatever becomes of the response, the request ends (door.py)
     if body.stream:
@@ -161,7 +182,7 @@ def _check_tools(gw: Gateway, body: ChatCompletionRequest) -> None:
 def _check_model(gw: Gateway, model: str) -> None:
     if model != gw.model_name:
         raise APIError(
-            404, f"model {model!r} does not exist; this server serves {gw.model_name!r}", param="model"
+            404, f"model {clip(model)!r} does not exist; this server serves {gw.model_name!r}", param="model"
         )
 
 

@@ -14,8 +14,8 @@ import torch
 from common.checkpoints import write_checkpoint
 from common.engine import AdmissionError, Engine, EngineConfig
 from common.engine.sampling import SamplingParams
-from tests.engine.conftest import make_image
-from tests.schemas import MAX_TOKENS, SCHEMAS, grammar, valid
+from tests.helpers.images import make_image
+from tests.helpers.schemas import MAX_TOKENS, SCHEMAS, grammar, valid
 
 # LLaVA's answers go through the stage rigs too (tests/stages/test_structured.py): slow tier here.
 PRESETS = ["tiny-qwen2.5-vl", pytest.param("tiny-llava", marks=pytest.mark.slow)]

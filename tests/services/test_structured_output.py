@@ -15,8 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.schemas import MAX_TOKENS, SCHEMAS, valid
-from tests.services.conftest import client_for
+from tests.helpers.chat import client_for
+from tests.helpers.schemas import MAX_TOKENS, SCHEMAS, valid
 
 # Random weights pick among the allowed tokens at random: every string and list is bounded, so the
 # answer completes within MAX_TOKENS.

@@ -28,8 +28,8 @@ from common.protocol import (
 from common.roles import Role
 from services.gateway.journal import OutputJournal
 from services.worker.ledger import AlreadyHeld
-from tests.engine.conftest import make_image
-from tests.schemas import MAX_TOKENS, SCHEMAS, grammar, valid
+from tests.helpers.images import make_image
+from tests.helpers.schemas import MAX_TOKENS, SCHEMAS, grammar, valid
 from tests.stages.rig import ServingThread, StageRig, stage_rig
 
 E, P, D = (frozenset({r}) for r in Role)
