@@ -75,6 +75,8 @@ ROOTS = MappingProxyType({
     "opentelemetry-api": ("W3C trace context through the stages (common/tracing.py)", True),
     "opentelemetry-sdk": ("spans, when an OTLP endpoint is configured", True),
     "opentelemetry-exporter-otlp-proto-http": ("their export over OTLP/HTTP (protobuf: the image's)", True),
+    "llguidance": ("structured output's token mask in the sampler (common/engine/grammar.py)", True),
+    "jsonschema": ("the gateway checks a response_format's schema at the door", True),
 })  # fmt: skip
 
 # The project's runtime dependencies not carried, and why (the rest are ROOTS or in the image).
