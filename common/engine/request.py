@@ -14,6 +14,7 @@ from enum import StrEnum
 import torch
 
 from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.logits import RequestSampler
 from common.protocol import SamplingParams
 from common.roles import Role
 
@@ -73,6 +74,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_remembered: int = 0
     cacheable: bool = True
+    # Its logits processors (logits.py), made when it is admitted; their state follows its tokens.
+    sampler: RequestSampler | None = None
 
     @property
     def recomputable(self) -> bool:
