@@ -137,7 +137,14 @@ class Handoff:
             self.streamer.end()
 
     def _prefills_leaving(self, batch: Batch) -> list[Request]:
-        """The requests whose prompt this step finishes and whose decode runs elsewhere."""
+        """The requests whose prompt this step finishes and whose decode runs elsewhere — except
+        those whose decode task must carry what the step makes, which a task sent as the step
+        begins cannot: the choices a request asking for n forks into, and its first token's
+        log-probabilities (they go out with the KV after the step)."""
         if Role.DECODE in self.config.roles:
             return []
-        return [r for r, n in batch.prefills if r.num_computed_tokens + n == r.num_tokens]
+        return [
+            r
+            for r, n in batch.prefills
+            if r.num_computed_tokens + n == r.num_tokens and r.params.n == 1 and r.params.logprobs is None
+        ]
