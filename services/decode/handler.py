@@ -95,8 +95,8 @@ class DecodeHandler(StageHandler):
                 await self._release_at_owner(msg)
                 await ctx.ledger.settle(rid)
                 return
-            held.sent = list(outputs)
-            held.spec = spec = spec.model_copy(update={"output_token_ids": tuple(outputs)})
+            held.sent, held.sent_logprobs = list(outputs), [None] * len(outputs)
+            held.spec = spec = spec.with_outputs(tuple(outputs))
         try:
             if msg.kv.wire == KvWire.INT8:  # back into the cache's dtype (kv_quant.py)
                 dtype = torch_dtype(msg.kv.dtype)
@@ -142,6 +142,6 @@ class DecodeHandler(StageHandler):
 
     async def _back_to_prefill(self, held: Held, outputs: tuple[int, ...]) -> None:
         """Queue the request for prefill again, over its prompt and `outputs` (the tokens the client has)."""
-        again = held.spec.model_copy(update={"output_token_ids": outputs})
+        again = held.spec.with_outputs(outputs)
         await self.ctx.dispatch.send(PrefillTask(request=again), held.source)
         await self.ctx.ledger.settle(held.request_id)

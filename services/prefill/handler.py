@@ -97,6 +97,8 @@ class PrefillHandler(StageHandler):
     async def take(self, task: Task) -> None:
         ctx = self.ctx
         spec = await ctx.resumed(task)
+        if spec is None:  # its choices resume, each with a task of its own
+            return
         held = ctx.ledger.begin(spec, self.role, task)
         ctx.metrics.taken(self.role, task.stored)
         if spec.images and not self.prefetch:
@@ -201,7 +203,11 @@ class PrefillHandler(StageHandler):
             block_size=spec.block_size, dtype=dtype_name(spec.dtype), rope_delta=rope_delta, wire=wire,
             tail=tail,
         )  # fmt: skip
-        request = held.spec.model_copy(update={"prompt_token_ids": prompt, "output_token_ids": outputs})
+        # The outputs' log-probabilities made here ride along: the decoder answers for them now.
+        logprobs = tuple(held.sent_logprobs[: len(outputs)]) if any(held.sent_logprobs) else ()
+        request = held.spec.model_copy(
+            update={"prompt_token_ids": prompt, "output_token_ids": outputs, "output_logprobs": logprobs}
+        )
         return DecodeTask(request=request, kv=location, cached_tokens=cached_tokens)
 
     async def watch(self) -> None:
