@@ -349,9 +349,10 @@ class Ledger:
         kept = {h.request_id for h in self._held.values() if h.kv_handles and h.kv_stream is None}
         for held in self._held.values():
             assert not held.cancelled, f"{held.request_id}: cancelled but still recorded"
-            assert held.holds_task or held.kv_stream is not None or not held.sent, (
-                f"{held.request_id}: handed on but keeps its outputs"
-            )
+            # (A forked choice runs under its parent's task: its outputs are its own until it settles.)
+            assert (
+                held.holds_task or held.kv_stream is not None or held.forked_from is not None or not held.sent
+            ), f"{held.request_id}: handed on but keeps its outputs"
             missing = [h for h in held.kv_handles if h not in self.transfer.handles]
             assert not missing, f"{held.request_id}: kept KV handles {missing} are no longer served"
         in_engine, handed_off = await self.engine.call(lambda: engine_view(self.engine.engine))
