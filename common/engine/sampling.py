@@ -87,10 +87,22 @@ def sample(
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    # On the CPU, so a seed gives the same tokens on any device; in float64 and from the largest
-    # logit down, so any temperature the API admits is finite: near 0 the best token gets 0 and the
-    # rest -inf (one-hot), where float32 made 0/0 = NaN of it, and a top_p below float32's smallest
-    # number still keeps the first token.
+    probs = torch.softmax(warp(logits, p), dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p; the first token is always kept.
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """A row's logits as a sampled draw sees them: temperature, then min_p, then top-k (-inf where
+    cut), in float64 on the CPU. On the CPU, so a seed gives the same tokens on any device; in
+    float64 and from the largest logit down, so any temperature the API admits is finite: near 0
+    the best token gets 0 and the rest -inf (one-hot), where float32 made 0/0 = NaN of it."""
     logits = logits.detach().to("cpu", torch.float64)
     logits = (logits - logits.max()) / p.temperature
     if p.min_p > 0.0:
@@ -101,12 +113,4 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p; the first token is always kept.
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-        drop[0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return logits
