@@ -45,12 +45,15 @@ def two_families(request, tmp_path_factory):
     return (*_family(request, tmp_path_factory), PENALISED[request.param])
 
 
-def _family(request, tmp_path_factory):
-    """A tiny checkpoint of each family, with HF's own model on it."""
+def _family(request, tmp_path_factory) -> tuple[Engine, object]:
+    """A tiny checkpoint of a family: our engine on it (shared by the module's tests of the family,
+    checked whole after them) and HF's own model."""
     from transformers import AutoModelForImageTextToText
 
     model_dir = write_checkpoint(tmp_path_factory.mktemp("fields") / request.param, request.param, seed=0)
-    return model_dir, AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    engine = Engine(model_dir, EngineConfig())
+    request.addfinalizer(engine.check_integrity)
+    return engine, AutoModelForImageTextToText.from_pretrained(model_dir).eval()
 
 
 def hf_run(engine: Engine, model, prompt: str, images: list, max_tokens: int, **generate) -> tuple:
@@ -84,8 +87,7 @@ def test_neutral_values_keep_every_greedy_answer_hfs(make_engine, hf_generate, i
 
 @pytest.mark.parametrize("num_images", [1])
 def test_logprobs_are_hfs_log_softmax_and_leave_the_answer_as_it_is(family, num_images):
-    model_dir, model = family
-    engine = Engine(model_dir, EngineConfig())
+    engine, model = family
     prompt = engine.chat_prompt("Tell me a long story about a boat", num_images)
     images = [make_image(i, (96, 72)) for i in range(num_images)]
     plain, asked = (
@@ -100,7 +102,6 @@ def test_logprobs_are_hfs_log_softmax_and_leave_the_answer_as_it_is(family, num_
         assert abs(lp.logprob - theirs[token].item()) < TOLERANCE, f"position {pos}"
         assert [t for t, _ in lp.top] == top.indices.tolist(), f"position {pos}"
         assert torch.allclose(torch.tensor([v for _, v in lp.top]), top.values, atol=TOLERANCE)
-    engine.check_integrity()
 
 
 @pytest.mark.parametrize(
@@ -121,8 +122,7 @@ def test_greedy_under_penalties_bias_and_min_tokens_is_hfs(two_families, ours, t
     """Each field against the transformers processor `generate` applies for it. "eos": eos's logit
     raised by 100, so that only min_tokens keeps the answer going; "leader": the answer's own
     second token lowered by 100 and another raised, so the bias changes the answer."""
-    model_dir, model, question = two_families
-    engine = Engine(model_dir, EngineConfig())
+    engine, model, question = two_families
     prompt = engine.chat_prompt(question, 1)
     images = [make_image(3, (96, 72))]
     free = engine.generate([prompt], [images], SamplingParams(max_tokens=12))[0].token_ids
@@ -135,7 +135,6 @@ def test_greedy_under_penalties_bias_and_min_tokens_is_hfs(two_families, ours, t
     want, _ = hf_run(engine, model, prompt, images, 12, **generate)
     assert got.token_ids == want
     assert got.token_ids != free  # the field changed the answer: the comparison says something
-    engine.check_integrity()
 
 
 def test_n_choices_are_prefilled_once_and_each_draws_as_alone(make_engine):
