@@ -33,6 +33,7 @@ def fork(lifecycle: Lifecycle, cache: KVCache | None, req: Request) -> list[tupl
     copies = []
     for index in range(1, asked.n):
         copy = _copy(req, index, asked)
+        copy.unclaimed = True
         lifecycle.admit(copy)
         now = cache is not None and _share_blocks(lifecycle, cache, req, copy)
         if now:

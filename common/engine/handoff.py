@@ -49,6 +49,13 @@ class Handoff:
         req = self.lifecycle.requests.get(request_id)
         return req if req is not None and req.status == Status.HANDED_OFF else None
 
+    def claim(self, request_id: str) -> None:
+        """The service has recorded a choice a step forked (forks.py) as a request of its own: from
+        now on its bookkeeping and the engine's agree about it (until then it is the engine's alone)."""
+        req = self.lifecycle.requests.get(request_id)
+        if req is not None:
+            req.unclaimed = False
+
     def export_kv(self, request_id: str, group_size: int) -> list[torch.Tensor]:
         """A (handed-off or running) request's KV as one contiguous buffer per group of layers."""
         table = self.blocks.table(request_id)

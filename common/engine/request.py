@@ -76,6 +76,9 @@ class Request:
     cacheable: bool = True
     # Its logits processors (logits.py), made when it is admitted; their state follows its tokens.
     sampler: RequestSampler | None = None
+    # A choice forked from another request (forks.py) that the service driving the engine has not
+    # yet recorded as its own (Handoff.claim): it came into being inside a step.
+    unclaimed: bool = False
 
     @property
     def recomputable(self) -> bool:

@@ -382,5 +382,8 @@ def engine_view(engine: Engine) -> tuple[set[str], set[str]]:
     """On the engine thread: check its integrity, and say which requests it holds and which of
     those are handed off."""
     engine.check_integrity()
-    handed_off = {rid for rid, r in engine.requests.items() if r.status == Status.HANDED_OFF}
-    return set(engine.requests), handed_off
+    # A choice forked in a step whose outputs the event loop has not yet published is the
+    # engine's alone: the ledger records it as it publishes them (OutputPublisher._adopt_forks).
+    held = {rid for rid, r in engine.requests.items() if not r.unclaimed}
+    handed_off = {rid for rid in held if engine.requests[rid].status == Status.HANDED_OFF}
+    return held, handed_off

@@ -70,7 +70,9 @@ class OutputPublisher:
             live = parent is not None and ledger.live(parent)
             adopted = {h.request_id for h in ledger.adopt(parent, choices)} if live else set()
             for rid, _ in choices:
-                if rid not in adopted:
+                if rid in adopted:
+                    engine.post(lambda rid=rid: engine.engine.handoff.claim(rid))
+                else:
                     engine.post(lambda rid=rid: engine.engine.abort(rid))
 
     async def watch(self) -> None:
