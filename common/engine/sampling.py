@@ -89,13 +89,22 @@ def sample(
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     probs = torch.softmax(warp(logits, p), dim=-1)
     if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p; the first token is always kept.
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-        drop[0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = _top_p(probs, p.top_p)
     return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix of the tokens, most likely first, whose mass reaches top_p (the first
+    token always). Found among the k most likely, k growing until their mass reaches top_p: sorting
+    a whole 32k vocabulary in float64 took 3.6 ms a row, most of a sampled step's sampling."""
+    n, k = probs.numel(), min(64, probs.numel())
+    while True:
+        values, order = probs.topk(k)  # the first k of the sorted order
+        if k == n or values.sum() >= top_p:  # the prefix ends among them: the rest are dropped
+            drop = values.cumsum(0) - values >= top_p
+            drop[0] = False
+            return torch.zeros_like(probs).scatter_(0, order, values.masked_fill(drop, 0.0))
+        k = min(4 * k, n)
 
 
 def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
