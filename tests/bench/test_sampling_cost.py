@@ -17,4 +17,4 @@ def test_every_mode_is_timed_over_the_same_decode_steps(tiny_model_dir: Path) ->
     )  # fmt: skip
     assert set(result["tbt_ms"]) == {"greedy", "greedy_fields", "sampled", "sampled_fields"}
     assert all(ms > 0 for ms in result["tbt_ms"].values()) and result["batch"] == 4
-    assert result["sampled_fields_over_sampled"] > 0
+    assert result["sampled_fields_over_sampled"] > 0 and set(result["sampler_ms"]) == set(result["tbt_ms"])
