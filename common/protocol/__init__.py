@@ -34,6 +34,7 @@ from common.protocol.tasks import (
     PrefillTask,
     RequestSpec,
     StageTask,
+    TraceContext,
 )
 from common.protocol.tensors import (
     DTYPE_SIZES,
@@ -82,6 +83,7 @@ __all__ = [
     "TokenDelta",
     "TokenId",
     "TokenLogprob",
+    "TraceContext",
     "TraceRecord",
     "Usage",
     "decode",

@@ -26,6 +26,7 @@ from common.protocol import (
     RequestSpec,
     SamplingParams,
     TensorRef,
+    TraceContext,
     dtype_name,
 )
 from common.roles import Role
@@ -71,9 +72,11 @@ class LiveRoles:
         return roles
 
 
-async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> RequestSpec:
+async def route(
+    gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams, trace: TraceContext | None = None
+) -> RequestSpec:
     """Pick the first stage, wait until an instance can serve it, record the request and queue the
-    task; returns the request as sent."""
+    task (carrying `trace`, the request's trace context); returns the request as sent."""
     hashes = [img.content_hash for img in prompt.images]
     stored = await _stored_features(gw, hashes)
     needs_encode = any(h not in stored for h in hashes)
@@ -84,17 +87,25 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         # instance that cannot fetch the features later recomputes from them.
         pixels = gw.transfer.publish(img.pixel_values.contiguous(), ttl=PIXEL_TTL)
         ref = TensorRef(
-            owner=gw.instance_id, address=gw.transfer.address, handle=pixels,
-            shape=tuple(img.pixel_values.shape), dtype=dtype_name(img.pixel_values.dtype),
-        )  # fmt: skip
+            owner=gw.instance_id,
+            address=gw.transfer.address,
+            handle=pixels,
+            shape=tuple(img.pixel_values.shape),
+            dtype=dtype_name(img.pixel_values.dtype),
+        )
         features = None if needs_encode else stored[img.content_hash].ref
         images.append(
             ImageSpec(
-                content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=ref, features=features,
-                grid_thw=img.grid_thw, image_size=img.image_size, video=img.video,
+                content_hash=img.content_hash,
+                num_tokens=img.num_tokens,
+                pixels=ref,
+                features=features,
+                grid_thw=img.grid_thw,
+                image_size=img.image_size,
+                video=img.video,
                 seconds_per_patch=img.seconds_per_patch,
             )
-        )  # fmt: skip
+        )
     spec = RequestSpec(
         request_id=rid,
         prompt_token_ids=tuple(prompt.token_ids),
@@ -102,12 +113,17 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         sampling=sampling,
         arrival_time=time.time(),
         gateway=gw.instance_id,
+        trace=trace,
     )
     gw.record.create(
-        rid, arrival=spec.arrival_time, prompt_tokens=len(prompt.token_ids), num_images=len(images),
-        image_tokens=sum(i.num_tokens for i in images), max_tokens=sampling.max_tokens,
+        rid,
+        arrival=spec.arrival_time,
+        prompt_tokens=len(prompt.token_ids),
+        num_images=len(images),
+        image_tokens=sum(i.num_tokens for i in images),
+        max_tokens=sampling.max_tokens,
         encoded_images=sum(h in stored for h in hashes),
-    )  # fmt: skip
+    )
     to = _prefix_holder(gw, spec)  # an encoder sends the prefill task there once it has encoded
     task = EncodeTask(request=spec, prefill_to=to or "") if needs_encode else PrefillTask(request=spec)
     try:
@@ -154,19 +170,24 @@ async def _wait_for_roles(gw, needed: set[Role]) -> None:
         return
     if roles.held >= s.max_held:
         raise APIError(
-            503, f"{problem}; {roles.held} requests already wait for an instance, the most this gateway "
-            "holds (TRIDENT_MAX_HELD): retry later", code="no_instance", retry_after=5,
-        )  # fmt: skip
+            503,
+            f"{problem}; {roles.held} requests already wait for an instance, the most this gateway "
+            "holds (TRIDENT_MAX_HELD): retry later",
+            code="no_instance",
+            retry_after=5,
+        )
     roles.held += 1
     try:
         deadline = time.monotonic() + s.hold_timeout
         while missing:
             if time.monotonic() >= deadline:
                 raise APIError(
-                    503, f"{problem} after {s.hold_timeout:g} s held for one (TRIDENT_HOLD_TIMEOUT): "
-                    "start one, or let the autoscaler bring one up, and retry", code="no_instance",
+                    503,
+                    f"{problem} after {s.hold_timeout:g} s held for one (TRIDENT_HOLD_TIMEOUT): "
+                    "start one, or let the autoscaler bring one up, and retry",
+                    code="no_instance",
                     retry_after=5,
-                )  # fmt: skip
+                )
             await asyncio.sleep(POLL)
             missing, problem = await _missing(roles, needed)
     finally:

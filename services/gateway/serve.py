@@ -10,10 +10,11 @@ import uuid
 import torch
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
 
 from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt
-from common.errors import APIError
+from common.errors import APIError, clip
 from common.protocol import Resend, SamplingParams
 from common.protocol.sampling import choice_id
 from common.video import VideoLimits
@@ -23,6 +24,7 @@ from services.gateway.collector import OutputCollector
 from services.gateway.images import fetch_image
 from services.gateway.preprocess import VideoSampling
 from services.gateway.reply import Reply
+from services.gateway.request_context import trace_of
 from services.gateway.routing import route
 from services.gateway.state import Gateway
 
@@ -40,7 +42,11 @@ async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
         raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
     clips = body.video_urls()
     sampling = video_sampling(gw, body, len(clips)) if clips else None
-    prompt = gw.processor.chat_prompt(messages)
+    try:
+        prompt = gw.processor.chat_prompt(messages)
+    except TemplateError as exc:  # the checkpoint's template refuses them (its raise_exception)
+        message = f"messages: the model's chat template refuses them: {clip(str(exc), 200)}"
+        raise APIError(400, message, param="messages", code="chat_template") from None
     async with _within(deadline):
         if urls or clips:  # on the image threads (preprocess.py), never ahead of text-only requests
             blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))
@@ -58,9 +64,11 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
     s = gw.settings
     if gw.processor.videos is None:
         raise APIError(
-            400, f"the served model ({gw.processor.family}) takes no video; send images",
-            param="messages", code="video_unsupported",
-        )  # fmt: skip
+            400,
+            f"the served model ({gw.processor.family}) takes no video; send images",
+            param="messages",
+            code="video_unsupported",
+        )
     if clips > s.max_videos:
         raise APIError(400, f"at most {s.max_videos} videos per request", param="messages")
     asked = body.mm_processor_kwargs
@@ -73,9 +81,12 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
             400, f"max_frames may be at most {s.video_max_frames}", param="mm_processor_kwargs.max_frames"
         )
     limits = VideoLimits(
-        max_bytes=s.max_video_bytes, max_duration_s=s.video_max_seconds, deadline_s=s.video_decode_timeout,
-        max_fps=s.video_max_fps, max_frames=s.video_max_frames,
-    )  # fmt: skip
+        max_bytes=s.max_video_bytes,
+        max_duration_s=s.video_max_seconds,
+        deadline_s=s.video_decode_timeout,
+        max_fps=s.video_max_fps,
+        max_frames=s.video_max_frames,
+    )
     return VideoSampling(limits, fps, frames, gw.processor.videos.rule)
 
 
@@ -88,28 +99,37 @@ async def completion(gw: Gateway, body: CompletionRequest, request: Request):
 
 
 async def serve(
-    gw: Gateway, request: Request, body: SamplingFields, processed: ProcessedPrompt, kind: str,
+    gw: Gateway,
+    request: Request,
+    body: SamplingFields,
+    processed: ProcessedPrompt,
+    kind: str,
     deadline: float,
-):  # fmt: skip
+):
     params = body.sampling_params(gw.settings.default_max_tokens, gw.vocab_size)
     try:
         check_fits(len(processed.token_ids), params.max_tokens, max_model_len=gw.max_model_len)
     except AdmissionError as exc:
         raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from exc
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    request.state.completion_id = rid  # on the gateway's span, beside the client's X-Request-Id
     ids = [choice_id(rid, i) for i in range(params.n)]  # each choice runs as a request of its own
     streams = []  # subscribed before the task exists: nothing is missed
     try:
         for choice in ids:
             streams.append(await gw.bus.events.outputs(choice))
-        spec = await route(gw, rid, processed, params)
+        spec = await route(gw, rid, processed, params, trace_of(request.scope.get("state", {})))
     except BaseException:
         for stream in streams:
             await stream.close()
         raise
     for choice in ids[1:]:  # each choice is traced as a request: the copies prefill nothing
-        gw.record.create(choice, arrival=spec.arrival_time, prompt_tokens=len(processed.token_ids),
-                         max_tokens=params.max_tokens)  # fmt: skip
+        gw.record.create(
+            choice,
+            arrival=spec.arrival_time,
+            prompt_tokens=len(processed.token_ids),
+            max_tokens=params.max_tokens,
+        )
     keepalive = gw.settings.sse_keepalive if body.stream else None
     collectors = [
         _collector(
@@ -162,7 +182,7 @@ class _within:
 def _check_model(gw: Gateway, model: str) -> None:
     if model != gw.model_name:
         raise APIError(
-            404, f"model {model!r} does not exist; this server serves {gw.model_name!r}", param="model"
+            404, f"model {clip(model)!r} does not exist; this server serves {gw.model_name!r}", param="model"
         )
 
 

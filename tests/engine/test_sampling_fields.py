@@ -14,8 +14,8 @@ from common.engine.engine import Engine
 from common.engine.sampling import SamplingParams
 from common.protocol.sampling import choice_seed
 from services.gateway.api_models import ChatCompletionRequest
-from tests.engine.conftest import check_mixed_batch, hf_inputs, make_image, until_eos
-from tests.engine.test_parity import QUESTIONS  # the same answers: HF's are computed once a session
+from tests.helpers.engine import QUESTIONS, check_mixed_batch, hf_inputs, until_eos
+from tests.helpers.images import make_image
 
 PRESETS = ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 TOLERANCE = 1e-4  # nats: both run float32 on the CPU, only summation order differs

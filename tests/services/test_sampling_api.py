@@ -11,8 +11,7 @@ import pytest
 
 from common.engine import Engine, EngineConfig
 from common.protocol import SamplingParams
-from tests.services.conftest import client_for
-from tests.services.test_e2e import user_message
+from tests.helpers.chat import client_for, user_message
 
 QUESTION = "Tell me a story about the sea"
 ASKED = dict(max_tokens=12, n=3, temperature=1.0, top_p=0.95, seed=21, logprobs=True, top_logprobs=2)
