@@ -1,6 +1,7 @@
 """One accepted request's answer: an SSE stream or one JSON body in the OpenAI shapes, and the
 request's end — recorded for the trace, its pixels released, and its work cancelled everywhere
-unless it finished."""
+unless it finished. A request of n choices answers each under its `index` (choices.py); one that
+offered tools has each choice's answer read into `tool_calls` (tool_calls.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from common.errors import APIError
-from common.protocol import RequestSpec
+from common.protocol import RequestSpec, TokenLogprob
 from services.gateway.api_models import SamplingFields
-from services.gateway.collector import OutputCollector, Piece
+from services.gateway.choices import ChoicePiece, Choices
+from services.gateway.logprobs import TokenText, chat_content, completion_logprobs
 from services.gateway.state import Gateway
 from services.gateway.structured import ToolMode
 from services.gateway.tool_calls import CallStream, parse
@@ -26,53 +28,69 @@ KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see
 
 class Reply:
     def __init__(
-        self, gw: Gateway, spec: RequestSpec, kind: str, body: SamplingFields, collector: OutputCollector,
-        tools: ToolMode = ToolMode.NONE,
+        self, gw: Gateway, spec: RequestSpec, kind: str, body: SamplingFields, choices: Choices,
+        ids: list[str], tools: ToolMode = ToolMode.NONE,
     ) -> None:  # fmt: skip
         self.gw, self.spec, self.kind, self.body = gw, spec, kind, body
-        self.tools = tools  # how the answer is read for tool calls (structured.py)
+        self.tools = tools  # how each answer is read for tool calls (structured.py)
         self.rid = spec.request_id
-        self.collector = collector
+        self.choices = choices
+        self.ids = ids  # each choice's request id (choice_id), in choice order
+        self.text_of: TokenText | None = gw.token_text if spec.sampling.logprobs is not None else None
+        self.offsets = [0] * len(choices)  # completions: where each choice's next token's text starts
         self.created = int(time.time())
         self.start = time.perf_counter()
         self.first: float | None = None
         self.ended = False
 
     async def whole(self, request: Request) -> JSONResponse:
-        text, outcome = [], "cancelled"
+        n = len(self.choices)
+        texts: list[list[str]] = [[] for _ in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob | None]] = [[] for _ in range(n)]
+        outcome = "cancelled"
         try:
-            async for piece in self._watched(request):
-                text.append(piece.text)
+            async for got in self._watched(request):
+                if got.piece is not None:
+                    texts[got.index].append(got.piece.text)
+                    ids[got.index] += got.piece.token_ids
+                    logprobs[got.index] += got.piece.logprobs
             outcome = "ok"
         except APIError:
             outcome = "error"
             raise
         finally:
             await self._end(outcome)
-        return JSONResponse(self._body("".join(text)))
+        choices = [self._choice(i, "".join(texts[i]), ids[i], logprobs[i]) for i in range(n)]
+        return JSONResponse({**self._envelope(), "choices": choices, "usage": self._usage()})
 
     async def sse(self) -> AsyncIterator[str]:
         outcome = "cancelled"
         try:
             if self.kind == "chat":
-                yield self._chunk({"role": "assistant", "content": ""}, None)
-            calls = CallStream() if self.tools != ToolMode.NONE else None
-            async for piece in self.collector.pieces():
+                for i in range(len(self.choices)):
+                    yield self._chunk(i, {"role": "assistant", "content": ""}, None)
+            calls = [CallStream() for _ in range(len(self.choices))] if self.tools != ToolMode.NONE else None
+            async for got in self.choices.pieces():
+                piece, i = got.piece, got.index
+                if piece is None:  # the choice ended
+                    for chunk in self._call_chunks(i, calls[i].flush(), False, None) if calls else ():
+                        yield chunk
+                    called = calls is not None and calls[i].calls > 0
+                    yield self._chunk(i, None, self._finish_reason(i, called))
+                    continue
                 if piece.keepalive:
                     yield KEEPALIVE
                     continue
                 self._mark_first()
+                lps = self._logprobs(i, piece.token_ids, piece.logprobs)
                 if calls is not None:
-                    for chunk in self._call_chunks(calls.feed(piece.text), bool(piece.token_ids)):
+                    for chunk in self._call_chunks(i, calls[i].feed(piece.text), bool(piece.token_ids), lps):
                         yield chunk
                 # A token whose text is held back (part of a UTF-8 character or of a stop string)
                 # still gets its chunk, as vLLM sends it: clients time TTFT and ITL per chunk.
                 elif piece.text or piece.token_ids:
-                    yield self._chunk(piece.text, None)
-            if calls is not None:
-                for chunk in self._call_chunks(calls.flush(), False):
-                    yield chunk
-            yield self._chunk(None, self._finish_reason(calls is not None and calls.calls > 0))
+                    yield self._chunk(i, piece.text, None, lps)
             if self.body.include_usage:
                 yield _sse({**self._envelope(), "choices": [], "usage": self._usage()})
             yield "data: [DONE]\n\n"
@@ -84,23 +102,24 @@ class Reply:
         finally:
             await self._end(outcome)
 
-    def _call_chunks(self, deltas: list[dict], token: bool) -> list[str]:
-        """The chunks of a tool-reading answer's deltas; a token that made none still gets one."""
-        if not deltas and token:
-            return [self._chunk("", None)]
-        return [self._chunk(delta, None) for delta in deltas]
+    def _call_chunks(self, index: int, deltas: list[dict], token: bool, logprobs: dict | None) -> list[str]:
+        """The chunks of a tool-reading answer's deltas (the tokens' logprobs on the first); a
+        token that made none still gets one."""
+        if not deltas:
+            return [self._chunk(index, "", None, logprobs)] if token else []
+        return [self._chunk(index, d, None, logprobs if k == 0 else None) for k, d in enumerate(deltas)]
 
-    def _finish_reason(self, called: bool) -> str:
+    def _finish_reason(self, index: int, called: bool) -> str:
         """As OpenAI says it: `tool_calls` when the model called tools of its own choice (auto,
         required); a named tool_choice's call ends with the plain reason."""
-        reason = self.collector.outcome.finish_reason
+        reason = self.choices.collectors[index].outcome.finish_reason
         if called and reason == "stop" and self.tools != ToolMode.NAMED:
             return "tool_calls"
         return reason
 
-    async def _watched(self, request: Request) -> AsyncIterator[Piece]:
+    async def _watched(self, request: Request) -> AsyncIterator[ChoicePiece]:
         """The pieces, cancelling the request if the (non-streaming) client goes away meanwhile."""
-        pieces = self.collector.pieces()
+        pieces = self.choices.pieces()
         while True:
             nxt = asyncio.ensure_future(anext(pieces, None))
             while not nxt.done():
@@ -110,23 +129,52 @@ class Reply:
                     with contextlib.suppress(BaseException):
                         await nxt
                     raise asyncio.CancelledError
-            piece = nxt.result()
-            if piece is None:
+            got = nxt.result()
+            if got is None:
                 return
-            if not piece.keepalive:
-                self._mark_first()
-                yield piece
+            if got.piece is None or not got.piece.keepalive:
+                if got.piece is not None:
+                    self._mark_first()
+                yield got
 
-    def _chunk(self, delta, finish_reason) -> str:
+    def _logprobs(self, index: int, ids: list[int], logprobs: list[TokenLogprob | None]) -> dict | None:
+        """A piece's tokens' log-probabilities in the kind's shape; None unless the request asked."""
+        if self.text_of is None:
+            return None
+        if self.kind == "chat":
+            return {"content": chat_content(self.text_of, ids, logprobs)}
+        found = completion_logprobs(self.text_of, ids, logprobs, self.offsets[index])
+        self.offsets[index] += sum(len(t) for t in found["tokens"])
+        return found
+
+    def _chunk(self, index: int, delta, finish_reason, logprobs: dict | None = None) -> str:
         if self.kind == "chat":
             content = delta if isinstance(delta, dict) else ({"content": delta} if delta is not None else {})
-            choice = {"index": 0, "delta": content, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": index, "delta": content, "finish_reason": finish_reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason, "logprobs": None}
+            choice = {
+                "index": index,
+                "text": delta or "",
+                "finish_reason": finish_reason,
+                "logprobs": logprobs,
+            }
         chunk = {**self._envelope(), "choices": [choice]}
         if self.body.stream_options and self.body.stream_options.continuous_usage_stats:
             chunk["usage"] = self._usage()
         return _sse(chunk)
+
+    def _choice(self, index: int, text: str, ids: list[int], logprobs: list[TokenLogprob | None]) -> dict:
+        reason = self.choices.collectors[index].outcome.finish_reason
+        lps = self._logprobs(index, ids, logprobs)
+        if self.kind == "chat":
+            message = {"role": "assistant", "content": text}
+            if self.tools != ToolMode.NONE:
+                message["content"], calls = parse(text)
+                if calls:
+                    message["tool_calls"] = calls
+                reason = self._finish_reason(index, bool(calls))
+            return {"index": index, "message": message, "finish_reason": reason, "logprobs": lps}
+        return {"index": index, "text": text, "finish_reason": reason, "logprobs": lps}
 
     def _envelope(self) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -135,13 +183,15 @@ class Reply:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.gw.model_name}
 
     def _usage(self) -> dict:
-        """The final usage once the request is done; while streaming (`continuous_usage_stats`)
-        the prompt as the gateway tokenised it and the output tokens received so far."""
-        o = self.collector.outcome
-        if self.collector.complete:
-            prompt, completion, cached = o.prompt_tokens, o.completion_tokens, o.cached_tokens
+        """The final usage once the request is done — the prompt once, the completion tokens of
+        every choice, as OpenAI counts them; while streaming (`continuous_usage_stats`) the prompt
+        as the gateway tokenised it and the output tokens received so far."""
+        if self.choices.complete:
+            first = self.choices.first.outcome
+            prompt, cached = first.prompt_tokens, first.cached_tokens
+            completion = sum(c.outcome.completion_tokens for c in self.choices.collectors)
         else:
-            prompt, completion, cached = len(self.spec.prompt_token_ids), self.collector.received, 0
+            prompt, completion, cached = len(self.spec.prompt_token_ids), self.choices.received, 0
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -149,24 +199,10 @@ class Reply:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def _body(self, text: str) -> dict:
-        reason = self.collector.outcome.finish_reason
-        if self.kind == "chat":
-            message = {"role": "assistant", "content": text}
-            if self.tools != ToolMode.NONE:
-                message["content"], calls = parse(text)
-                if calls:
-                    message["tool_calls"] = calls
-                reason = self._finish_reason(bool(calls))
-            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {**self._envelope(), "choices": [choice], "usage": self._usage()}
-
     def _mark_first(self) -> None:
         if self.first is None:
             self.first = time.perf_counter()
-            self.gw.metrics.ttft.observe(self.collector.clock.ttft or 0.0)
+            self.gw.metrics.ttft.observe(self.choices.first.clock.ttft or 0.0)
 
     async def end(self) -> None:
         """The response is over (door.py calls this whatever became of it): a request that never
@@ -175,28 +211,33 @@ class Reply:
 
     async def _end(self, outcome: str) -> None:
         """Runs once. A request that did not finish ("error": it failed or ran out of time;
-        "cancelled": its client left) is cancelled everywhere, freeing what it holds; one that
-        did has its outcome recorded for the trace. Its pixels are no longer served either way."""
+        "cancelled": its client left) is cancelled everywhere, every choice of it, freeing what it
+        holds; one that did has its outcome recorded for the trace. Its pixels are no longer served
+        either way."""
         if self.ended:
             return
         self.ended = True
         gw = self.gw
-        gw.journal.end(self.rid)
+        for rid in self.ids:
+            gw.journal.end(rid)
         for img in self.spec.images:
             if img.pixels is not None and hasattr(img.pixels, "handle"):
                 gw.transfer.release(img.pixels.handle)
-        await self.collector.stream.close()
-        clock = self.collector.clock
-        if self.collector.complete and clock.ttft is not None:
-            gw.record.outcome(self.rid, clock.ttft, clock.tbt_p90, clock.slo_met(gw.slo))
+        for collector in self.choices.collectors:
+            await collector.stream.close()
+        for rid, collector in zip(self.ids, self.choices.collectors, strict=True):
+            clock = collector.clock
+            if collector.complete and clock.ttft is not None:
+                gw.record.outcome(rid, clock.ttft, clock.tbt_p90, clock.slo_met(gw.slo))
+            for gap in clock.gaps:
+                gw.metrics.tbt.observe(gap)
         gw.metrics.requests.labels(self.kind, outcome).inc()
         gw.metrics.latency.observe(time.perf_counter() - self.start)
-        for gap in clock.gaps:
-            gw.metrics.tbt.observe(gap)
         if outcome != "ok":
             reason = "client went away" if outcome == "cancelled" else "the request failed"
-            with contextlib.suppress(Exception):
-                await gw.cancel(self.rid, reason)
+            for rid in self.ids:
+                with contextlib.suppress(Exception):
+                    await gw.cancel(rid, reason)
 
 
 def _sse(obj: dict) -> str:

@@ -114,3 +114,36 @@ def test_a_grammar_is_compiled_once_and_the_cache_is_bounded(engine):
         assert grammars.compiles - before == 3 and len(grammars._compiled) == 2
     finally:
         grammars.capacity = capacity
+
+
+def test_the_mask_holds_over_the_sampling_fields_and_logprobs_stay_raw(engine):
+    """The grammar masks each row after the processors (logits.py): n seeded choices, with a bias
+    of +100 on a token the grammar forbids, penalties and min_p, each validate. Their logprobs are
+    the raw distribution's: the first token's most likely are an unconstrained request's."""
+    schema = SCHEMAS["invoice"]
+    prompt, image = engine.chat_prompt("Extract the fields as JSON", 1), [make_image(0)]
+    forbidden = engine.tokenizer.encode("hello", add_special_tokens=False)[0]
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, grammar=grammar(schema), temperature=1.0, seed=5, n=3, logprobs=3,
+        logit_bias=((forbidden, 100.0),), repetition_penalty=1.3, presence_penalty=0.5, min_p=0.05,
+    )  # fmt: skip
+    choices = engine.generate([prompt], [image], params)
+    (plain,) = engine.generate([prompt], [image], SamplingParams(max_tokens=1, logprobs=3))
+    assert len(choices) == 3
+    for choice in choices:
+        assert choice.finish_reason == "stop" and forbidden not in choice.token_ids
+        valid(schema, json.loads(engine.tokenizer.decode(choice.token_ids)))
+        first, want = choice.logprobs[0].top, plain.logprobs[0].top
+        assert [t for t, _ in first] == [t for t, _ in want]
+        assert [v for _, v in first] == pytest.approx([v for _, v in want], abs=1e-4)
+
+
+def test_a_grammar_that_allows_only_the_end_outranks_min_tokens(engine):
+    """min_tokens masks eos; once the grammar allows nothing but the end, the grammar wins: the
+    answer ends there, whole and valid, short of min_tokens (not a row with no token left)."""
+    schema = SCHEMAS["label"]
+    prompt = engine.chat_prompt("Label the picture", 1)
+    params = SamplingParams(max_tokens=MAX_TOKENS, grammar=grammar(schema), min_tokens=MAX_TOKENS)
+    (done,) = engine.generate([prompt], [[make_image(1)]], params)
+    assert done.finish_reason == "stop" and len(done.token_ids) < MAX_TOKENS
+    valid(schema, json.loads(engine.tokenizer.decode(done.token_ids)))
