@@ -2,10 +2,13 @@
 
 A block's KV depends on every token before it and on what those tokens stand for. So block i's key
 is SHA-256 over block i-1's key, block i's token ids and, for each image whose placeholder tokens
-fall in the block, the image's content hash, its shape (token count, patch grid, picture size) and
-the row of its features the block starts at. The same text after another image, or the same image
-at another offset, gives other keys. M-RoPE positions and Qwen3-VL's DeepStack inputs follow from
-the tokens and images before a position, so the chain covers them. Keys are full 32-byte digests.
+fall in the block, the image's content hash, its shape (token count, patch grid, picture size), for
+a clip its timing (the seconds a temporal patch spans, which Qwen2.5-VL's M-RoPE turns into temporal
+positions) and the row of its features the block starts at. The same text after another image, or
+the same image at another offset, gives other keys. M-RoPE positions and Qwen3-VL's DeepStack inputs
+follow from the tokens and images before a position, so the chain covers them. Every ImageInput
+field but its pixels and features (its content hash stands for them) is in the key
+(tests/engine/test_prefix_keys.py holds that). Keys are full 32-byte digests.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ def block_hashes(req: Request, num_blocks: int, block_size: int) -> list[bytes]:
                 if k not in seen:
                     seen.add(k)
                     img = req.images[k]
-                    shape = (img.num_tokens, img.grid_thw, img.image_size, row - starts[k])
+                    shape = (
+                        img.num_tokens, img.grid_thw, img.image_size, img.video, img.seconds_per_patch,
+                        row - starts[k],
+                    )  # fmt: skip
                     h.update(b"image" + img.content_hash.encode() + repr(shape).encode())
             known.append(h.digest())
     return known[:num_blocks]
