@@ -1,6 +1,8 @@
 """The encode stage: pull a request's pixels, run the vision tower in the engine's stage-level
 batches, then publish the features and queue the prefill task, which carries only their hashes
-and references (small features ride inline)."""
+and references (small features ride inline). An image the gateway found in the cached prefix of
+the prefill instance it routes to (`ImageSpec.in_prefix`) is passed by, unpulled and unencoded, on
+an instance that hands on to prefill; one that prefills itself decides from its own cache."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import time
 
 from common.bus import Task
 from common.engine.admission import encode_room
-from common.protocol import FeatureEntry, PrefillTask, TensorRef, dtype_name
+from common.engine.request import IN_PREFIX
+from common.protocol import FeatureEntry, PrefillTask, RequestSpec, TensorRef, dtype_name
 from common.roles import Role
 from common.store import Stage
 from common.store.features import FEATURE_TTL
@@ -29,11 +32,19 @@ class EncodeHandler(StageHandler):
         held = ctx.ledger.begin(spec, self.role, task)
         ctx.metrics.taken(self.role, task.stored)
         ctx.ledger.mark(held, Stage.ENCODE_STARTED, encode_instance=ctx.instance_id)
-        pixels = []
-        for img in spec.images:  # an image without pixels had its features cached when routed
-            pixels.append(None if img.pixels is None else await ctx.pull(held, img.pixels))
+        passed = self._passed_by(spec)
+        pixels, features = [], []
+        for img, by in zip(spec.images, passed, strict=True):
+            pixels.append(None if by or img.pixels is None else await ctx.pull(held, img.pixels))
+            features.append(IN_PREFIX if by else None)
         ctx.counters.images_to_encode += sum(p is not None for p in pixels)
-        await ctx.admit(held, pixels, [None] * len(spec.images))
+        await ctx.admit(held, pixels, features)
+
+    def _passed_by(self, spec: RequestSpec) -> list[bool]:
+        """Which images are passed by: those the gateway found in the prefix cached where the
+        request is prefilled, unless that is here (this instance's engine then decides)."""
+        here = Role.PREFILL in self.ctx.roles
+        return [img.in_prefix and not here for img in spec.images]
 
     async def hand_on(self, held: Held) -> None:
         """Publish each image's features, index them by content hash, and queue the prefill task."""
@@ -43,6 +54,9 @@ class EncodeHandler(StageHandler):
         ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
         images, entries = [], []
         for img, done in zip(held.spec.images, req.images, strict=True):
+            if done.features is IN_PREFIX:  # passed by: the prefill instance has its KV
+                images.append(img.model_copy(update={"in_prefix": False}))
+                continue
             features = done.features.contiguous()
             # Always published and indexed, so any prefill instance can find them by hash; the
             # task itself carries small features inline and saves prefill the pull. Features are
