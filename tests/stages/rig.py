@@ -122,7 +122,7 @@ async def stage_rig(
     roles: frozenset[Role], model: Path, nats: NatsServer, redis: RedisServer,
     finals_window: float = FINALS_WINDOW, **engine: object,
 ) -> AsyncIterator[StageRig]:  # fmt: skip
-    config = EngineConfig(roles=roles, detokenize=False, kv_cache_bytes=16 << 20, **engine)
+    config = EngineConfig(**{"roles": roles, "detokenize": False, "kv_cache_bytes": 16 << 20, **engine})
     loaded = await asyncio.to_thread(Engine, model, config)
     store = await Store.connect(StoreConfig(url=redis.url, prefix=NAMESPACE))
     name = f"{letters(roles)}-rig"
@@ -134,7 +134,7 @@ async def stage_rig(
     loop = EngineLoop(loaded, steps.put_nowait)
     loop.start()
     ledger = Ledger(loop, transfer, record, finals_window=finals_window)
-    dispatch = Dispatcher(bus.tasks, record)
+    dispatch = Dispatcher(bus.tasks, record, bus, store.registry, sender=name)  # as the runtime builds it
     ctx = StageContext(name, roles, loop, ledger, bus, store, transfer, dispatch, Counters())
     handlers = {role: STAGES[role](ctx) for role in in_path_order(roles)}
     publisher = OutputPublisher.for_handlers(ctx, handlers.values())
