@@ -62,6 +62,7 @@ class _Entry:
     expires: float | None
     sliding: float | None = None  # each serve extends `expires` to now + this (a hot tensor stays)
     waiters: list[Callable[[], None]] | None = None  # pulls of a reserved entry, woken when it is filled
+    used: float = 0.0  # monotonic time it was published or last served
 
     @property
     def ready(self) -> bool:
@@ -82,8 +83,9 @@ class HandleTable:
     def put(self, tensor: torch.Tensor, handle: str | None, ttl: float | None, sliding: bool = False) -> str:
         tensor = _servable(tensor)
         handle = handle or uuid.uuid4().hex
-        expires = time.monotonic() + ttl if ttl else None
-        entry = _Entry(tensor, as_bytes(tensor), expires, ttl if sliding and ttl else None)
+        now = time.monotonic()
+        expires = now + ttl if ttl else None
+        entry = _Entry(tensor, as_bytes(tensor), expires, ttl if sliding and ttl else None, used=now)
         with self._lock:
             self._entries[handle] = entry
             if expires is not None:
@@ -128,13 +130,20 @@ class HandleTable:
                     return None
                 entry.waiters.append(wake)
                 return WAITING
+            if entry is not None:
+                entry.used = time.monotonic()
             if entry is not None and entry.sliding is not None:
-                entry.expires = time.monotonic() + entry.sliding
+                entry.expires = entry.used + entry.sliding
                 heapq.heappush(self._expiry, (entry.expires, handle))
             return entry
 
     def __contains__(self, handle: str) -> bool:
         return self.get(handle) is not None
+
+    def last_use(self, handle: str) -> float | None:
+        """When the handle was published or last served (monotonic); None if it is not held."""
+        entry = self.get(handle)
+        return entry.used if entry is not None else None
 
     def pop(self, handle: str) -> bool:
         with self._lock:

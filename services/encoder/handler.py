@@ -6,6 +6,7 @@ an instance that hands on to prefill; one that prefills itself decides from its 
 
 from __future__ import annotations
 
+import logging
 import time
 
 from common.bus import Task
@@ -16,8 +17,14 @@ from common.roles import Role
 from common.store import Stage
 from common.store.features import FEATURE_TTL
 from common.transfer import share
+from services.encoder.served import ServedFeatures
+from services.settings import WorkerSettings
+from services.worker.context import StageContext
 from services.worker.ledger import Held
 from services.worker.stage import StageHandler
+
+log = logging.getLogger(__name__)
+SERVED_FEATURE_BYTES: int = WorkerSettings.model_fields["served_feature_bytes"].default
 
 
 class EncodeHandler(StageHandler):
@@ -25,6 +32,26 @@ class EncodeHandler(StageHandler):
     hands_on_to = Role.PREFILL
     pull_rule = staticmethod(encode_room)
     takes_idle_cores = True  # its steps are what a request's TTFT waits on
+
+    def __init__(self, ctx: StageContext, *, served_feature_bytes: int = SERVED_FEATURE_BYTES) -> None:
+        super().__init__(ctx)
+        self.served = ServedFeatures(ctx.transfer, served_feature_bytes, FEATURE_TTL)
+
+    @classmethod
+    def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> EncodeHandler:
+        return cls(ctx, served_feature_bytes=settings.served_feature_bytes)
+
+    def figures(self) -> tuple[list[tuple[str, float, str]], list[tuple[str, float, str]]]:
+        served = self.served
+        served.prune()
+        evicted = (
+            "served_feature_evictions",
+            served.evictions,
+            "Served image features dropped for the budget",
+        )
+        held = ("served_feature_bytes", served.bytes, "Bytes of image features served for prefill to pull")
+        budget = ("served_feature_budget_bytes", served.budget, "TRIDENT_SERVED_FEATURE_BYTES")
+        return [evicted], [held, budget]
 
     async def take(self, task: Task) -> None:
         ctx = self.ctx
@@ -52,16 +79,18 @@ class EncodeHandler(StageHandler):
         rid = held.request_id
         req = await ctx.engine.call(lambda: ctx.engine.engine.handoff.handed_off(rid))
         ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
-        images, entries = [], []
+        images, entries, evicted = [], [], []
+        mine = [img.content_hash for img in held.spec.images]
         for img, done in zip(held.spec.images, req.images, strict=True):
             if done.features is IN_PREFIX:  # passed by: the prefill instance has its KV
                 images.append(img.model_copy(update={"in_prefix": False}))
                 continue
             features = done.features.contiguous()
-            # Always published and indexed, so any prefill instance can find them by hash; the
-            # task itself carries small features inline and saves prefill the pull. Features are
-            # shared by every request with this image, so they live out their TTL, not the request.
-            handle = ctx.transfer.publish(features, ttl=FEATURE_TTL, sliding=True)  # each pull extends it
+            # Always served and indexed, so any prefill instance can find them by hash; the task
+            # itself carries small features inline and saves prefill the pull. Features are shared
+            # by every request with this image, so they stay while used, within the byte budget.
+            handle, dropped = self.served.serve(img.content_hash, features, keep=mine)
+            evicted += dropped
             ref = TensorRef(
                 owner=ctx.instance_id, address=ctx.transfer.address, handle=handle,
                 shape=tuple(features.shape), dtype=dtype_name(features.dtype),
@@ -79,3 +108,13 @@ class EncodeHandler(StageHandler):
         for entry in entries:  # after the task: it carries the refs; the index serves later requests
             await ctx.store.features.put(entry, ttl=FEATURE_TTL)
         await ctx.ledger.settle(rid)
+        await self._unindex(evicted)
+
+    async def _unindex(self, evicted: list[str]) -> None:
+        """Features no longer served leave the index (if it still names this encoder), so routing
+        stops counting on them; a stale entry costs a prefill instance one failed pull."""
+        try:
+            for content_hash in evicted:
+                await self.ctx.store.features.remove(content_hash, self.ctx.instance_id)
+        except Exception as exc:
+            log.warning("evicted features left in the index (%r)", exc)
