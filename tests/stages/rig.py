@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.aio import raise_if_cancelled
 from common.bus import Bus, BusConfig, Task
 from common.dispatch import Dispatcher
 from common.engine import Engine, EngineConfig
@@ -141,6 +142,7 @@ async def stage_rig(
 
     async def pump() -> None:
         while True:
+            raise_if_cancelled()  # a cancel nats-py swallowed mid-publish (common/aio.py) still ends it
             await publisher.publish(await steps.get())
 
     watches = [h.watch() for h in handlers.values()]
