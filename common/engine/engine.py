@@ -131,16 +131,19 @@ class Engine:
 
     def _reuse_prefix(self, req: Request) -> None:
         """Images wholly inside the cached prefix are neither encoded nor pulled (PrefixReuse.pin).
-        One that came without pixels on an instance that also decodes could not be computed again
-        after a preemption, so its request reserves its whole length now, as an imported one does.
-        Raises PrefixLost naming the images whose features must come from elsewhere."""
+        A request whose prefix stands in for images takes every block its prefill needs now, so it
+        never waits for blocks holding a prefix others could use; one that could not be computed
+        again after a preemption (an image without pixels, on an instance that also decodes)
+        takes its whole length, as an imported one does. Raises PrefixLost naming the images whose
+        features must come from elsewhere."""
         prefixes = self.scheduler.prefixes
         missing = prefixes.pin(req)
-        whole = len(req.prompt_token_ids) + req.params.max_tokens
-        reserve = not missing and Role.DECODE in self.config.roles and not req.recomputable
-        if reserve and self.blocks.allocate(req.request_id, whole) is None:
-            missing = req.bound_to_prefix()
-            prefixes.unpin(req)
+        if req.pins_prefix:
+            whole = Role.DECODE in self.config.roles and not req.recomputable
+            need = len(req.prompt_token_ids) + req.params.max_tokens if whole else req.num_tokens
+            if self.blocks.allocate(req.request_id, need) is None:
+                missing = req.bound_to_prefix()
+                prefixes.unpin(req)
         if missing:
             raise PrefixLost(req.request_id, missing)
 

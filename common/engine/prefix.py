@@ -107,9 +107,10 @@ class PrefixReuse:
         """At admission, for a request with images it has no features of (to encode, or IN_PREFIX
         as its sender expects them cached): attach its longest cached prefix now, and each such
         image wholly inside it is IN_PREFIX, neither encoded nor pulled. The prefix then stays
-        attached while the request waits (`give_back` keeps it), so it cannot be evicted under an
-        image that needs it. Returns the images IN_PREFIX that lie outside it after all and have no
-        pixels to encode (nothing is attached then): their features must come from elsewhere."""
+        attached while the request waits (`give_back` keeps it; the engine reserves the rest of
+        its prefill at once), so it cannot be evicted under an image that needs it. Returns the
+        images IN_PREFIX that lie outside it after all and have no pixels to encode (nothing is
+        attached then): their features must come from elsewhere."""
         lacking = [i for i, img in enumerate(req.images) if img.features is None or img.features is IN_PREFIX]
         if not lacking:
             return []

@@ -90,6 +90,36 @@ def test_a_turn_whose_image_is_in_the_prefix_runs_without_its_features_and_reser
     assert pd.blocks.num_free == pd.blocks.num_blocks
 
 
+def test_on_a_prefill_instance_a_turn_takes_its_whole_prefill_at_admission_or_is_refused(
+    make_engine, hf_generate, images
+):
+    """Prefill-only: the turn whose image is in the prefix takes every block its prompt needs as
+    it is admitted, so it never waits for blocks with the prefix attached (where another prefill's
+    chunks might wait for them too); when they are not free it is refused (PrefixLost), holding
+    nothing, and the prefix stays cached for when it comes back with its features."""
+    enc = make_engine(roles=E)
+    p = make_engine(roles=frozenset({Role.PREFILL}), kv_cache_bytes=10 * PER_BLOCK)
+    first = p.add_request(encoded(enc, turns(p, 0), images[:1]), params=SamplingParams(max_tokens=8))
+    run(p, first)
+    p.abort(first.request_id)  # decode has its KV: the prompt's blocks stay cached
+    turn = encoded(enc, turns(p, 1), images[:1])
+    req = run(p, p.add_request(in_prefix(turn, [0]), params=SamplingParams(max_tokens=8), request_id="t2"))
+    size = p.config.block_size
+    assert req.num_cached_tokens == 4 * size and req.output_token_ids == hf_generate(
+        turns(p, 1), images[:1], 1
+    )
+    p.abort("t2")
+    free = p.blocks.num_free - 4  # all but the prefix's 4 blocks, which are the last to go
+    words = p.processor.process(p.chat_prompt("Count slowly to one hundred. " * 20), []).token_ids
+    hog = ProcessedPrompt(words[: free * size - 1], [], torch.zeros(0, dtype=torch.long))
+    hogged = run(p, p.add_request(hog, params=SamplingParams(max_tokens=2)))  # handed off: KV kept
+    assert p.blocks.num_free == 4 and p.blocks.table(hogged.request_id)
+    assert p.handoff.cached_images(turn) == [0]
+    with pytest.raises(PrefixLost):
+        p.add_request(in_prefix(turn, [0]), params=SamplingParams(max_tokens=8), request_id="t3")
+    assert not p.blocks.table("t3") and p.handoff.cached_images(turn) == [0]
+
+
 def test_a_prefix_gone_before_admission_names_the_images_that_need_features(make_engine, images):
     """Checked as cached, then evicted by another request's allocation before the admission: the
     engine refuses it naming the image (the handler pulls its features and admits it again), and
