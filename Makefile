@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-serial test-fast demo up lint format install system-deps clean
+.PHONY: test test-serial test-fast test-durations demo up lint format install system-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,21 +43,28 @@ system-deps:
 	@(command -v redis-server && command -v promtool && command -v prometheus) >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq redis-server prometheus >/dev/null)
 
-# Two lanes side by side (tests/lanes.py): the suite mostly waits on processes, so two lanes on two
-# cores take little more than the longer alone. Tests marked `alone` (a time or memory bound that a
-# lane beside them would move) run afterwards, by themselves. `make test-serial` is the one-lane run.
+# Two lanes side by side (tests/lanes.py, balanced from tests/durations.json): the suite mostly waits
+# on processes, so two lanes on two cores take little more than the longer alone. Tests marked
+# `alone` (a time or memory bound that a lane beside them would move) run afterwards, by themselves.
+# `make test-serial` is the one-lane run. Tests marked `extended` (Compose beyond its smoke test) are
+# CI's second step (.ci/run), not part of `make test`.
 LANES := -n 2 --dist loadscope
 
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q $(LANES) -m "not alone"
-	$(BIN)/python -m pytest -q -m alone
+	$(BIN)/python -m pytest -q $(LANES) -m "not alone and not extended"
+	$(BIN)/python -m pytest -q -m "alone and not extended"
 
 test-serial: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not extended"
+
+# `make test`'s lanes, recording each test's seconds into tests/durations.json (commit it): run it
+# when the suite's shape has changed, so that the lanes stay even.
+test-durations: install
+	$(BIN)/python -m pytest -q $(LANES) -m "not alone and not extended" --store-durations
 
 # The quick loop: every test that starts no deployment (tests/tiers.py says which are slow; every
 # `alone` test is slow too).

@@ -33,10 +33,10 @@ from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.protocol import KvWire
 from common.stats import SLO
 from trident.bench import kv_overlap
-from trident.bench.compare import PLANNER, Comparison, System, compare, table
+from trident.bench.compare import PLANNER, Bench, Comparison, System, compare, table
 from trident.bench.machine import single_thread_gflops
+from trident.bench.progress import progress_reporter
 from trident.bench.sweep import LoadSpec, parse_rates
-from trident.cli.bench_serve import progress_reporter
 
 ONE_TRANSFER = "1000000"  # layers per KV transfer: more than any model has, so all in one
 
@@ -79,7 +79,7 @@ def subset(result: Comparison, names: list[str]) -> Comparison:
     return part
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small-llava")
     ap.add_argument("--model", type=Path, help="a checkpoint directory instead of a preset")
@@ -103,19 +103,17 @@ def main() -> None:
         help="only the overlap table, at these prompt lengths (e.g. 128,512,2000)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="with --overlap: runs per length")
-    args = ap.parse_args()
+    return ap
 
+
+def main() -> None:
+    ap = parser()
+    args = ap.parse_args()
     model = args.model or Path(".trident/models") / args.preset
     if args.model is None and not is_checkpoint_dir(model):
         write_checkpoint(model, args.preset, seed=0)
     if args.overlap:
-        lengths = [int(x) for x in args.overlap.split(",")]
-        rate = single_thread_gflops()
-        rows = asyncio.run(
-            kv_overlap.measure(model, lengths, args.repeats, group=4, wire=KvWire.NATIVE, backend="auto")
-        )
-        print(f"## overlap\n\n{kv_overlap.table(rows)}", flush=True)
-        print(json.dumps({"matmul_gflops": round(rate, 1), "overlap": rows}))
+        overlap(model, [int(x) for x in args.overlap.split(",")], args.repeats)
         return
     slo = SLO(args.ttft_slo, args.tbt_slo)
     load = LoadSpec(
@@ -132,7 +130,7 @@ def main() -> None:
         if unknown := wanted - {s.name for s in chosen}:
             ap.error(f"--only names systems not in this run: {sorted(unknown)}")
         chosen = [s for s in chosen if s.name in wanted]
-    result = compare(chosen, model, load, slo, args.out, image_size=size, reporter=progress_reporter)
+    result = compare(chosen, model, Bench(load, slo, args.out, image_size=size), progress_reporter)
     epd_rows = BATCHING_EPD + ([epd_capped(args.epd_token_cap).name] if args.epd_token_cap else [])
     tables = {"batching": BATCHING + (epd_rows if args.with_epd else []), "transfer": TRANSFER}
     report = {}
@@ -141,6 +139,16 @@ def main() -> None:
         print(f"\n## {name}\n\n{table(part)}", flush=True)
         report[name] = {"goodput": part.goodputs(), "notes": part.notes}
     print(json.dumps({"slo": {"ttft": slo.ttft, "tbt": slo.tbt}, "load": load.describe(), **report}))
+
+
+def overlap(model: Path, lengths: list[int], repeats: int) -> None:
+    """The overlap table alone: how much of each prompt length's KV transfer the prefill hides."""
+    rate = single_thread_gflops()
+    rows = asyncio.run(
+        kv_overlap.measure(kv_overlap.Prefill(model, group=4, wire=KvWire.NATIVE), lengths, repeats)
+    )
+    print(f"## overlap\n\n{kv_overlap.table(rows)}", flush=True)
+    print(json.dumps({"matmul_gflops": round(rate, 1), "overlap": rows}))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import dataclass
 
 import torch
 
@@ -65,13 +66,43 @@ def metadata(way: str, batch: int, context: int) -> AttentionMetadata:
     return meta
 
 
-def time_way(meta, q, k, v, k_cache, v_cache, calls: int = 20) -> float:
+@dataclass(frozen=True)
+class Tensors:
+    """One decode step's attention inputs: the batch's query, key and value, and the KV cache."""
+
+    q: torch.Tensor  # [batch, heads, head_dim]
+    k: torch.Tensor  # [batch, kv_heads, head_dim]
+    v: torch.Tensor
+    k_cache: torch.Tensor  # [slots, kv_heads, head_dim]
+    v_cache: torch.Tensor
+
+
+def time_way(meta, t: Tensors, calls: int = 20) -> float:
     with torch.inference_mode():
-        paged_attention(q, k, v, k_cache, v_cache, meta)  # warm-up
-        return least_seconds(lambda: paged_attention(q, k, v, k_cache, v_cache, meta), calls)
+        paged_attention(t.q, t.k, t.v, t.k_cache, t.v_cache, meta)  # warm-up
+        return least_seconds(lambda: paged_attention(t.q, t.k, t.v, t.k_cache, t.v_cache, meta), calls)
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Shape:
+    """The attention of the model's text stack: heads, KV heads, head size, layers."""
+
+    heads: int
+    kv_heads: int
+    dim: int
+    layers: int
+
+    @classmethod
+    def of(cls, model: str) -> Shape:
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(resolve_model(model)).get_text_config()
+        heads = text.num_attention_heads
+        dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(heads, text.num_key_value_heads, dim, text.num_hidden_layers)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -81,41 +112,58 @@ def main() -> None:
     parser.add_argument("--contexts", default="128,512,2048")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoConfig
+    return parser.parse_args()
 
-    text = AutoConfig.from_pretrained(resolve_model(args.model or args.preset)).get_text_config()
-    kv_heads, heads = text.num_key_value_heads, text.num_attention_heads
-    dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    layers = text.num_hidden_layers
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    shape = Shape.of(args.model or args.preset)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     gflops = [single_thread_gflops()]
+    samples = time_ways(shape, batches, contexts, args.rounds)
+    gflops.append(single_thread_gflops())
+    print(
+        f"\n{args.model or args.preset}: {shape.layers} layers, {shape.heads} heads, "
+        f"{shape.kv_heads} KV heads of {shape.dim}; {args.threads} thread(s); "
+        f"matmul {gflops[0]:.0f} -> {gflops[1]:.0f} GFLOP/s"
+    )
+    rows = table(samples, batches, contexts)
+    figures = {"model": args.model or args.preset, "threads": args.threads}
+    print(json.dumps({**figures, "matmul_gflops": [round(g, 1) for g in gflops], "rows": rows}))
+
+
+def time_ways(shape: Shape, batches: list[int], contexts: list[int], rounds: int) -> dict[tuple, list[float]]:
+    """Every way at every batch and context, `rounds` times, the ways' order rotated each round: a
+    step's seconds over all the layers, by (way, batch, context)."""
     slots = 2 * max(batches) * (-(-max(contexts) // BLOCK) + 2) * BLOCK
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(slots, kv_heads, dim, generator=gen)
-    v_cache = torch.randn(slots, kv_heads, dim, generator=gen)
+    k_cache = torch.randn(slots, shape.kv_heads, shape.dim, generator=gen)
+    v_cache = torch.randn(slots, shape.kv_heads, shape.dim, generator=gen)
     samples: dict[tuple[str, int, int], list[float]] = {}
-    for round_ in range(args.rounds):
+    for round_ in range(rounds):
         order = WAYS[round_ % len(WAYS) :] + WAYS[: round_ % len(WAYS)]
         for batch in batches:
-            q = torch.randn(batch, heads, dim, generator=gen)
+            q = torch.randn(batch, shape.heads, shape.dim, generator=gen)
             k, v = (
-                torch.randn(batch, kv_heads, dim, generator=gen),
-                torch.randn(batch, kv_heads, dim, generator=gen),
+                torch.randn(batch, shape.kv_heads, shape.dim, generator=gen),
+                torch.randn(batch, shape.kv_heads, shape.dim, generator=gen),
             )
+            tensors = Tensors(q, k, v, k_cache, v_cache)
             for context in contexts:
                 for way in order:
                     if way == "two runs" and context < 256:  # no second run to speak of
                         continue
-                    seconds = time_way(metadata(way, batch, context), q, k, v, k_cache, v_cache)
-                    samples.setdefault((way, batch, context), []).append(seconds * layers)
-        print(f"round {round_ + 1} of {args.rounds} done", flush=True)
-    gflops.append(single_thread_gflops())
+                    seconds = time_way(metadata(way, batch, context), tensors)
+                    samples.setdefault((way, batch, context), []).append(seconds * shape.layers)
+        print(f"round {round_ + 1} of {rounds} done", flush=True)
+    return samples
+
+
+def table(samples: dict[tuple, list[float]], batches: list[int], contexts: list[int]) -> list[dict]:
+    """The Markdown table printed, and its rows as the JSON line gives them."""
     rows = []
-    print(f"\n{args.model or args.preset}: {layers} layers, {heads} heads, {kv_heads} KV heads of {dim}; "
-          f"{args.threads} thread(s); matmul {gflops[0]:.0f} -> {gflops[1]:.0f} GFLOP/s")  # fmt: skip
     print("| batch | context | " + " | ".join(f"{w} (ms a step)" for w in WAYS) + " | in place / batched |")
     print("| --- " * (len(WAYS) + 3) + "|")
     for batch in batches:
@@ -136,8 +184,7 @@ def main() -> None:
             row["in_place_over_batched"] = round(ratio, 3)
             rows.append(row)
             print(f"| {batch} | {context} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
-    print(json.dumps({"model": args.model or args.preset, "threads": args.threads,
-                      "matmul_gflops": [round(g, 1) for g in gflops], "rows": rows}))  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

@@ -69,10 +69,19 @@ def main() -> None:
         base, _ = best_ms(whole_output, tokenizer, ids, args.repeats)
         if text != tokenizer.decode(ids, skip_special_tokens=True):
             raise SystemExit(f"{length} tokens: the windowed text differs from the full decode")
-        rows.append({"tokens": length, "windowed_ms": round(ours, 2), "whole_output_ms": round(base, 2),
-                     "speedup": round(base / ours, 1)})  # fmt: skip
-        print(f"{length:6d} tokens  windowed {ours:8.2f} ms   whole output each token {base:8.2f} ms"
-              f"   {base / ours:5.1f}x", flush=True)  # fmt: skip
+        rows.append(
+            {
+                "tokens": length,
+                "windowed_ms": round(ours, 2),
+                "whole_output_ms": round(base, 2),
+                "speedup": round(base / ours, 1),
+            }
+        )
+        print(
+            f"{length:6d} tokens  windowed {ours:8.2f} ms   whole output each token {base:8.2f} ms"
+            f"   {base / ours:5.1f}x",
+            flush=True,
+        )
     print(json.dumps({"tokenizer": args.model or "small-llava", "rows": rows}))
 
 

@@ -271,8 +271,13 @@ class FlopModel:
     def of(cls, engine: Engine) -> FlopModel:
         lm = engine.model.language_model
         linear = sum(m.weight.numel() for m in lm.layers.modules() if isinstance(m, nn.Linear))
-        return cls(linear, lm.lm_head.weight.numel(), engine.kv_spec.num_layers,
-                   lm.config.num_attention_heads, engine.kv_spec.head_dim)  # fmt: skip
+        return cls(
+            linear,
+            lm.lm_head.weight.numel(),
+            engine.kv_spec.num_layers,
+            lm.config.num_attention_heads,
+            engine.kv_spec.head_dim,
+        )
 
     def attention(self, keys: int) -> int:
         """QKᵀ and PV for one query over `keys` keys, all layers and heads."""
@@ -315,6 +320,97 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """Exactly max_tokens from every request on every path (else the wall times are not comparable),
+    and greedy parity against unpadded single-request HF (padding may legitimately change float
+    results)."""
+
+    counts: dict[str, list[int]]
+    tokens_match: bool
+    parity: int  # requests whose tokens agree with HF serial's up to the first EOS
+    exact: int
+    batched_vs_serial: int
+
+
+def agreement(runs: dict[str, list[Run]], eos: set[int], max_tokens: int) -> Agreement:
+    counts = {name: sorted({len(t) for r in rs for t in r.tokens}) for name, rs in runs.items()}
+    ours, serial = runs["ours"][0].tokens, runs["hf_serial"][0].tokens
+    return Agreement(
+        counts,
+        all(c == [max_tokens] for c in counts.values()),
+        sum(prefix_agrees(o, s, eos) for o, s in zip(ours, serial, strict=True)),
+        sum(o == s for o, s in zip(ours, serial, strict=True)),
+        sum(b == s for b, s in zip(runs["hf_batched"][0].tokens, serial, strict=True)),
+    )
+
+
+@dataclass(frozen=True)
+class Iterations:
+    """One decode step per batch size and one prefill, timed interleaved with the matmul reference."""
+
+    context: int  # mean context while decoding
+    prefill_tokens: int
+    flops: FlopModel
+    matmul: list[float]  # FLOP/s samples
+    decode_s: dict[int, float]
+    prefill_s: float
+
+    @property
+    def peak(self) -> float:
+        return median(self.matmul)
+
+    def decode_fraction(self) -> dict[int, float]:
+        return {b: self.flops.decode(b, self.context) / s / self.peak for b, s in self.decode_s.items()}
+
+    def prefill_fraction(self) -> float:
+        return self.flops.prefill(self.prefill_tokens) / self.prefill_s / self.peak
+
+
+def iterations(engine: Engine, args: argparse.Namespace, prompt_lens: list[int]) -> Iterations:
+    """Iteration timings, interleaved with the matmul reference so both see the same machine load."""
+    device, dtype = torch.device(args.device), engine.kv_spec.dtype
+    context = round(statistics.mean(prompt_lens)) + args.max_tokens // 2
+    prefill_tokens = min(args.prefill_tokens, engine.max_model_len)
+    decode_step(engine, 1, context)  # warm-up
+    prefill_step(engine, 64)
+    matmul_flops(device, dtype)
+    mm, dec, pre = [], {b: [] for b in DECODE_BATCHES}, []
+    for _ in range(args.micro_repeats):
+        mm.append(matmul_flops(device, dtype))
+        for b in DECODE_BATCHES:
+            dec[b].append(decode_step(engine, b, context))
+        pre.append(prefill_step(engine, prefill_tokens))
+    decode_s = {b: median(v) for b, v in dec.items()}
+    return Iterations(context, prefill_tokens, FlopModel.of(engine), mm, decode_s, median(pre))
+
+
+@dataclass(frozen=True)
+class Findings:
+    """What one run measured: the paths' rounds, their agreement, the iterations, and the workload's
+    FLOPs (at the matmul rate, a floor no implementation of these fp32 requests beats)."""
+
+    prompt_lens: list[int]
+    load_before: tuple[float, ...]
+    runs: dict[str, list[Run]]
+    agreement: Agreement
+    iterations: Iterations
+    work_flops: int
+
+    @property
+    def wall(self) -> dict[str, float]:
+        return {name: median([r.seconds for r in rs]) for name, rs in self.runs.items()}
+
+    @property
+    def hf_best(self) -> str:
+        wall = self.wall
+        return min((n for n in wall if n != "ours"), key=wall.__getitem__)
+
+    @property
+    def floor_s(self) -> float:
+        return self.work_flops / self.iterations.peak
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -322,20 +418,41 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model_dir = ensure_model(args.preset, args.model)
-    device = torch.device(args.device)
     load_before = os.getloadavg()
     engine = Engine(model_dir, EngineConfig(device=args.device))
     dtype = engine.kv_spec.dtype  # HF runs in the engine's dtype: float32 on CPU, bfloat16 on CUDA
-    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    processor = engine.processor  # HF's inputs are built from the same processor, left padded
+    hf = (
+        AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype)
+        .to(torch.device(args.device))
+        .eval()
+    )
     work = make_workload(engine, args.requests, args.seed)
     prompt_lens = [len(engine.processor.process(it.prompt, [it.image]).token_ids) for it in work]
+    runs = time_paths(engine, hf, work, args)
+    timed_steps = iterations(engine, args, prompt_lens)
+    found = Findings(
+        prompt_lens,
+        load_before,
+        runs,
+        agreement(runs, engine.eos_ids, args.max_tokens),
+        timed_steps,
+        workload_flops(engine, timed_steps.flops, prompt_lens, args.max_tokens),
+    )
+    print_report(args, found)
+    result = result_json(args, found)
+    print(json.dumps(result))
+    return result
 
+
+def time_paths(
+    engine: Engine, hf: nn.Module, work: list[Item], args: argparse.Namespace
+) -> dict[str, list[Run]]:
+    """Each path over the workload, round by round (HF serial for fewer rounds: it is the slowest)."""
+    processor = engine.processor  # HF's inputs are built from the same processor, left padded
     # Warm-up: first calls pay for allocator growth and kernel selection, on both sides.
     warm = make_workload(engine, 2, args.seed + 1)
     run_ours(engine, warm, 4)
     run_hf(hf, processor, warm, 4, 2)
-
     paths: dict[str, Callable[[], Run]] = {
         "ours": lambda: run_ours(engine, work, args.max_tokens),
         "hf_batched": lambda: run_hf(hf, processor, work, args.max_tokens, len(work)),
@@ -350,108 +467,92 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             runs[name].append(fn())
             print(f"round {rnd + 1}/{rounds[name]} {name}: {runs[name][-1].seconds:.2f}s", file=sys.stderr)
-    wall = {name: median([r.seconds for r in rs]) for name, rs in runs.items()}
-    hf_best_name = min((n for n in wall if n != "ours"), key=wall.__getitem__)
+    return runs
 
-    # Exactly max_tokens from every request on every path, else the wall times are not comparable.
-    counts = {name: sorted({len(t) for r in rs for t in r.tokens}) for name, rs in runs.items()}
-    tokens_match = all(c == [args.max_tokens] for c in counts.values())
-    # Greedy parity against unpadded single-request HF (padding may legitimately change float results).
-    eos = engine.eos_ids
-    ours_tokens, serial_tokens = runs["ours"][0].tokens, runs["hf_serial"][0].tokens
-    parity = sum(prefix_agrees(o, s, eos) for o, s in zip(ours_tokens, serial_tokens, strict=True))
-    exact = sum(o == s for o, s in zip(ours_tokens, serial_tokens, strict=True))
-    batched_vs_serial = sum(b == s for b, s in zip(runs["hf_batched"][0].tokens, serial_tokens, strict=True))
 
-    # Iteration timings, interleaved with the matmul reference so both see the same machine load.
-    context = round(statistics.mean(prompt_lens)) + args.max_tokens // 2  # mean context while decoding
-    prefill_tokens = min(args.prefill_tokens, engine.max_model_len)
-    decode_step(engine, 1, context)  # warm-up
-    prefill_step(engine, 64)
-    matmul_flops(device, dtype)
-    mm, dec, pre = [], {b: [] for b in DECODE_BATCHES}, []
-    for _ in range(args.micro_repeats):
-        mm.append(matmul_flops(device, dtype))
-        for b in DECODE_BATCHES:
-            dec[b].append(decode_step(engine, b, context))
-        pre.append(prefill_step(engine, prefill_tokens))
-    peak = median(mm)
-    flops = FlopModel.of(engine)
-    dec_s = {b: median(v) for b, v in dec.items()}
-    pre_s = median(pre)
-    dec_frac = {b: flops.decode(b, context) / s / peak for b, s in dec_s.items()}
-    pre_frac = flops.prefill(prefill_tokens) / pre_s / peak
-    # The whole workload at the matmul rate: no implementation of these fp32 requests beats it.
-    work_flops = workload_flops(engine, flops, prompt_lens, args.max_tokens)
-    floor_s = work_flops / peak
-
+def print_report(args: argparse.Namespace, f: Findings) -> None:
+    wall, best, floor_s, a, it = f.wall, f.hf_best, f.floor_s, f.agreement, f.iterations
+    n = len(f.prompt_lens)
     total_tokens = args.requests * args.max_tokens
-    lens = f"{min(prompt_lens)}-{max(prompt_lens)}"
-    print(f"\n{args.preset}: {args.requests} requests x 1 image, prompts {lens} "
-          f"tokens, {args.max_tokens} greedy output tokens; {torch.get_num_threads()} threads, "
-          f"{args.repeats} round(s) ({args.serial_repeats} for hf_serial), "
-          f"load avg {load_before[0]:.1f}")  # fmt: skip
+    lens = f"{min(f.prompt_lens)}-{max(f.prompt_lens)}"
+    print(
+        f"\n{args.preset}: {args.requests} requests x 1 image, prompts {lens} "
+        f"tokens, {args.max_tokens} greedy output tokens; {torch.get_num_threads()} threads, "
+        f"{args.repeats} round(s) ({args.serial_repeats} for hf_serial), "
+        f"load avg {f.load_before[0]:.1f}"
+    )
     print(
         f"{'path':<12}{'wall s':>10}{'out tok/s':>12}{'time/ours':>11}{'of peak':>9}{'calls':>7}  samples (s)"
     )
     for name, s in wall.items():
-        samples = " ".join(f"{r.seconds:.2f}" for r in runs[name])
-        calls = runs[name][0].steps
-        print(f"{name:<12}{s:>10.2f}{total_tokens / s:>12.1f}{s / wall['ours']:>10.2f}x"
-              f"{floor_s / s:>9.1%}{calls:>7}  {samples}")  # fmt: skip
-    print(f"workload {work_flops / 1e9:.0f} GFLOP: {floor_s:.2f}s at the matmul rate (a floor for any path)")
-    print(f"HF best: {hf_best_name}; ours is {wall[hf_best_name] / wall['ours']:.2f}x faster (goal 2x)")
-    print(f"token counts {counts} (all {args.max_tokens}: {tokens_match}); greedy parity vs HF serial "
-          f"{parity}/{len(work)} up to first eos, {exact}/{len(work)} exact; "
-          f"HF batched == serial for {batched_vs_serial}/{len(work)}")  # fmt: skip
-    print(f"\nmatmul 2048^3 fp32: {peak / 1e9:.1f} GFLOP/s  (samples "
-          f"{' '.join(f'{x / 1e9:.1f}' for x in mm)})")  # fmt: skip
+        samples = " ".join(f"{r.seconds:.2f}" for r in f.runs[name])
+        calls = f.runs[name][0].steps
+        print(
+            f"{name:<12}{s:>10.2f}{total_tokens / s:>12.1f}{s / wall['ours']:>10.2f}x"
+            f"{floor_s / s:>9.1%}{calls:>7}  {samples}"
+        )
+    print(
+        f"workload {f.work_flops / 1e9:.0f} GFLOP: {floor_s:.2f}s at the matmul rate (a floor for any path)"
+    )
+    print(f"HF best: {best}; ours is {wall[best] / wall['ours']:.2f}x faster (goal 2x)")
+    print(
+        f"token counts {a.counts} (all {args.max_tokens}: {a.tokens_match}); greedy parity vs HF serial "
+        f"{a.parity}/{n} up to first eos, {a.exact}/{n} exact; "
+        f"HF batched == serial for {a.batched_vs_serial}/{n}"
+    )
+    samples = " ".join(f"{x / 1e9:.1f}" for x in it.matmul)
+    print(f"\nmatmul 2048^3 fp32: {it.peak / 1e9:.1f} GFLOP/s  (samples {samples})")
     print(f"{'iteration':<24}{'ms':>10}{'GFLOP/s':>10}{'of matmul':>11}")
-    for b, s in dec_s.items():
-        print(f"{f'decode b={b} ctx={context}':<24}{s * 1e3:>10.1f}"
-              f"{flops.decode(b, context) / s / 1e9:>10.2f}{dec_frac[b]:>10.1%}")  # fmt: skip
-    print(f"{f'prefill {prefill_tokens} tokens':<24}{pre_s * 1e3:>10.1f}"
-          f"{flops.prefill(prefill_tokens) / pre_s / 1e9:>10.2f}{pre_frac:>10.1%}")  # fmt: skip
+    fractions = it.decode_fraction()
+    for b, s in it.decode_s.items():
+        rate = it.flops.decode(b, it.context) / s / 1e9
+        print(f"{f'decode b={b} ctx={it.context}':<24}{s * 1e3:>10.1f}{rate:>10.2f}{fractions[b]:>10.1%}")
+    rate = it.flops.prefill(it.prefill_tokens) / it.prefill_s / 1e9
+    label = f"prefill {it.prefill_tokens} tokens"
+    print(f"{label:<24}{it.prefill_s * 1e3:>10.1f}{rate:>10.2f}{it.prefill_fraction():>10.1%}")
 
-    result = {
+
+def result_json(args: argparse.Namespace, f: Findings) -> dict:
+    """The last line's object."""
+    wall, best, floor_s, a, it = f.wall, f.hf_best, f.floor_s, f.agreement, f.iterations
+    n = len(f.prompt_lens)
+    return {
         "preset": args.preset if args.model is None else str(args.model),
         "requests": args.requests,
         "max_tokens": args.max_tokens,
-        "prompt_tokens_mean": round(statistics.mean(prompt_lens), 1),
+        "prompt_tokens_mean": round(statistics.mean(f.prompt_lens), 1),
         "device": args.device,
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "serial_repeats": args.serial_repeats,
-        "loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "loadavg_1m": [round(f.load_before[0], 2), round(os.getloadavg()[0], 2)],
         "ours_s": round(wall["ours"], 3),
         "hf_batched_s": round(wall["hf_batched"], 3),
         "hf_batch8_s": round(wall["hf_batch8"], 3),
         "hf_serial_s": round(wall["hf_serial"], 3),
-        "hf_best": hf_best_name,
-        "hf_best_s": round(wall[hf_best_name], 3),
+        "hf_best": best,
+        "hf_best_s": round(wall[best], 3),
         "hf_serve_path": "hf_serial",  # transformers serve: no continuous batching for VLMs
-        "speedup_vs_hf_best": round(wall[hf_best_name] / wall["ours"], 3),
-        "goal_met": wall[hf_best_name] / wall["ours"] >= 2.0,
+        "speedup_vs_hf_best": round(wall[best] / wall["ours"], 3),
+        "goal_met": wall[best] / wall["ours"] >= 2.0,
         "speedup_vs_hf_serial": round(wall["hf_serial"] / wall["ours"], 3),
-        "samples_s": {name: [round(r.seconds, 3) for r in rs] for name, rs in runs.items()},
+        "samples_s": {name: [round(r.seconds, 3) for r in rs] for name, rs in f.runs.items()},
         # Load from other processes only ever adds time: the best round shows what a quiet machine gives.
-        "best_s": {name: round(min(r.seconds for r in rs), 3) for name, rs in runs.items()},
-        "workload_gflop": round(work_flops / 1e9, 1),
+        "best_s": {name: round(min(r.seconds for r in rs), 3) for name, rs in f.runs.items()},
+        "workload_gflop": round(f.work_flops / 1e9, 1),
         "matmul_floor_s": round(floor_s, 3),
         "ours_flops_fraction": round(floor_s / wall["ours"], 4),
-        "hf_best_flops_fraction": round(floor_s / wall[hf_best_name], 4),
-        "tokens_match": tokens_match,
-        "parity_vs_hf_serial": f"{parity}/{len(work)}",
-        "exact_vs_hf_serial": f"{exact}/{len(work)}",
-        "decode_context": context,
-        "decode_step_ms": {str(b): round(s * 1e3, 2) for b, s in dec_s.items()},
-        f"prefill_{prefill_tokens}_ms": round(pre_s * 1e3, 1),
-        "matmul_gflops": round(peak / 1e9, 2),
-        "decode_flops_fraction": {str(b): round(f, 4) for b, f in dec_frac.items()},
-        "prefill_flops_fraction": round(pre_frac, 4),
+        "hf_best_flops_fraction": round(floor_s / wall[best], 4),
+        "tokens_match": a.tokens_match,
+        "parity_vs_hf_serial": f"{a.parity}/{n}",
+        "exact_vs_hf_serial": f"{a.exact}/{n}",
+        "decode_context": it.context,
+        "decode_step_ms": {str(b): round(s * 1e3, 2) for b, s in it.decode_s.items()},
+        f"prefill_{it.prefill_tokens}_ms": round(it.prefill_s * 1e3, 1),
+        "matmul_gflops": round(it.peak / 1e9, 2),
+        "decode_flops_fraction": {str(b): round(x, 4) for b, x in it.decode_fraction().items()},
+        "prefill_flops_fraction": round(it.prefill_fraction(), 4),
     }
-    print(json.dumps(result))
-    return result
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from trident.bench.client import image_data_url
 from trident.bench.fault_load import Outcome, StreamingLoad
 from trident.bench.machine import matmul_gflops
 from trident.bench.oracle import Chat, hf_greedy
-from trident.launcher.local_up import LocalUp, model_or_tiny
+from trident.launcher.local_up import LocalUp, UpCommand, model_or_tiny
 
 STAGES = ("encoder", "prefill", "decode")  # the compose services scaled to REPLICAS
 WORKERS = {"encoder": "encode", "prefill": "prefill", "decoder": "decode"}  # fault name -> role
@@ -177,7 +177,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, list[Fault]]:
+    """The flags, and the faults they name, in order; a usage error for one unknown or not for this
+    deployment."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--faults", default=",".join(ALL_FAULTS), help="comma-separated, in order")
     parser.add_argument("--streams", type=int, default=4, help="concurrent streaming clients")
@@ -192,7 +194,6 @@ def main() -> None:
         "--ha", action="store_true", help="trident up --ha: a NATS cluster, Redis behind sentinels"
     )
     args = parser.parse_args()
-
     table_of = faults(args.outage, args.freeze)
     chosen = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in chosen if f not in table_of]
@@ -201,6 +202,11 @@ def main() -> None:
     wrong = sorted(set(chosen) & (SINGLE_SERVER if args.ha else HA_FAULTS))
     if wrong:
         parser.error(f"{wrong} need {'a single NATS and Redis (no --ha)' if args.ha else '--ha'}")
+    return args, [table_of[name] for name in chosen]
+
+
+def main() -> None:
+    args, chosen = parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = model_or_tiny(args.model, args.workdir)
     asked = chats()
@@ -209,28 +215,30 @@ def main() -> None:
     print(
         f"matmul: {rate:.1f} GFLOP/s (fp32 1024x1024); {len(asked)} chats, HF references computed", flush=True
     )
-
     scale = {service: REPLICAS for service in STAGES}
     env = {"TRIDENT_REQUEST_TIMEOUT": str(args.deadline + 15)}
-    d = LocalUp(model.resolve(), args.workdir.resolve(), scale, env, ha=args.ha)
-    rows: list[dict] = []
+    d = LocalUp(UpCommand(model, args.workdir, scale=scale, env=env, ha=args.ha))
     try:
         d.wait_whole(300)
         load = StreamingLoad(d.url, model.name, asked, expected, args.tokens, args.streams, args.deadline)
-        for name in chosen:
-            outcomes = run_fault(d, load, table_of[name], args.settle)
-            recovered = d.wait_whole(240)
-            row = summary(name, outcomes, recovered)
-            row["missed"] = goals(row)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        rows = [strike(d, load, fault, args.settle) for fault in chosen]
     finally:
         d.stop()
     print()
     print(table(rows))
     met = all(not row["missed"] for row in rows)
-    print(json.dumps({"matmul_gflops": round(rate, 1), "streams": args.streams, "tokens": args.tokens,
-                      "ha": args.ha, "goals_met": met, "faults": rows}))  # fmt: skip
+    figures = {"matmul_gflops": round(rate, 1), "streams": args.streams, "tokens": args.tokens, "ha": args.ha}
+    print(json.dumps({**figures, "goals_met": met, "faults": rows}))
+
+
+def strike(d: LocalUp, load: StreamingLoad, fault: Fault, settle: float) -> dict:
+    """One fault under load, and its row once the deployment is whole again."""
+    outcomes = run_fault(d, load, fault, settle)
+    recovered = d.wait_whole(240)
+    row = summary(fault.name, outcomes, recovered)
+    row["missed"] = goals(row)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 if __name__ == "__main__":

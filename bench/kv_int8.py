@@ -35,6 +35,9 @@ import argparse
 import itertools
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -135,42 +138,69 @@ def decode(decoder: Engine, ids: list[str], forced: dict[str, list[int]] | None 
     return got
 
 
+@dataclass(frozen=True)
+class Decoders:
+    """How each way's decoder is built: the model, the engines' settings, the requests' sampling,
+    layers per exported group, and what the KV is rounded through on the wire."""
+
+    model: Path
+    config: dict
+    params: SamplingParams
+    group: int
+    round_trip: Callable[[torch.Tensor], tuple[torch.Tensor, int]]
+
+    def prefill(self, prompts: int) -> tuple[Engine, list]:
+        """An EP engine that has prefilled `prompts` requests (0, 1 or 2 images each)."""
+        prefill = Engine(
+            self.model, EngineConfig(roles=frozenset({Role.ENCODE, Role.PREFILL}), **self.config)
+        )
+        reqs = []
+        for i in range(prompts):
+            n = i % 3
+            prompt = prefill.chat_prompt(QUESTIONS[i % len(QUESTIONS)] + f" ({i})", n)
+            reqs.append(prefill.add_request(prompt, [image(7 * i + k) for k in range(n)], self.params))
+        while prefill.has_unfinished():
+            prefill.step()
+        return prefill, reqs
+
+    def decoder(self, prefill: Engine, reqs: list, rounded: bool) -> tuple[Engine, int, int]:
+        """A decoder holding every request's exported KV, `rounded` through the wire or as it is; and
+        the KV's bytes, native and on the wire (0 when not rounded)."""
+        decoder = Engine(self.model, EngineConfig(roles=frozenset({Role.DECODE}), **self.config))
+        native_bytes = wire_bytes = 0
+        for req in reqs:
+            kv = prefill.handoff.export_kv(req.request_id, self.group)
+            if rounded:
+                native_bytes += sum(b.numel() * b.element_size() for b in kv)
+                trips = [self.round_trip(b) for b in kv]
+                wire_bytes += sum(n for _, n in trips)
+                kv = [t for t, _ in trips]
+            decoder.handoff.add_prefilled(
+                req.request_id, req.prompt_token_ids, req.output_token_ids, self.params, kv, req.rope_delta
+            )
+        return decoder, native_bytes, wire_bytes
+
+
 def measure(preset: str, prompts: int, max_tokens: int, compare: str = "int8", group: int = 4) -> dict:
-    model = resolve_model(preset)
     config = {
         "prefix_caching": False,
         "kv_cache_bytes": 2 << 30,
         "max_num_seqs": prompts,
         "detokenize": False,
     }
-    prefill = Engine(model, EngineConfig(roles=frozenset({Role.ENCODE, Role.PREFILL}), **config))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    reqs = []
-    for i in range(prompts):
-        n = i % 3
-        prompt = prefill.chat_prompt(QUESTIONS[i % len(QUESTIONS)] + f" ({i})", n)
-        reqs.append(prefill.add_request(prompt, [image(7 * i + k) for k in range(n)], params))
-    while prefill.has_unfinished():
-        prefill.step()
-    ids = [r.request_id for r in reqs]
     round_trip = int8_round_trip if compare == "int8" else bf16_round_trip
+    build = Decoders(resolve_model(preset), config, params, group, round_trip)
+    prefill, reqs = build.prefill(prompts)
+    ids = [r.request_id for r in reqs]
     out: dict = {"preset": preset, "compare": compare, "prompts": prompts, "max_tokens": max_tokens}
     native_bytes = wire_bytes = 0
     answers: dict[str, dict[str, list]] = {}
     logits: dict[str, torch.Tensor] = {}
     steps: dict[str, dict[str, list[torch.Tensor]]] = {}  # native and forced: each step's logits
     for way in ("native", "forced", "free"):
-        decoder = Engine(model, EngineConfig(roles=frozenset({Role.DECODE}), **config))
-        for req in reqs:
-            kv = prefill.handoff.export_kv(req.request_id, group)
-            if way != "native":
-                native_bytes += sum(b.numel() * b.element_size() for b in kv)
-                trips = [round_trip(b) for b in kv]
-                wire_bytes += sum(n for _, n in trips)
-                kv = [t for t, _ in trips]
-            decoder.handoff.add_prefilled(
-                req.request_id, req.prompt_token_ids, req.output_token_ids, params, kv, req.rope_delta
-            )
+        decoder, native, wire = build.decoder(prefill, reqs, rounded=way != "native")
+        native_bytes, wire_bytes = native_bytes + native, wire_bytes + wire
         if way != "forced":
             with torch.inference_mode():
                 logits[way] = first_logits(decoder, ids)

@@ -30,12 +30,13 @@ import random
 import statistics
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from trident.bench.machine import matmul_gflops
-from trident.launcher.local_up import LocalUp, metric, model_or_tiny, rss_bytes
+from trident.launcher.local_up import LocalUp, UpCommand, metric, model_or_tiny, rss_bytes
 
 DEADLINE = 60.0  # the gateway's request timeout in this run
 SAMPLE = 5.0  # seconds between samples
@@ -107,11 +108,20 @@ async def closed_loop(url: str, tokens: int, streams: int, seconds: float) -> fl
     return tally["completed"] / (time.monotonic() - start)
 
 
-async def open_loop(
-    url: str, tokens: int, rate: float, seconds: float, abandon: float, tally: Counter
-) -> float:
-    """Poisson arrivals at `rate` for `seconds` of wall time; returns the rate actually sent (less
-    when this client cannot keep up: it then sends as fast as it can)."""
+@dataclass(frozen=True)
+class Offered:
+    """The overload: Poisson arrivals at `rate` for `seconds` of wall time, the share `abandon` of
+    clients leaving early."""
+
+    rate: float
+    seconds: float
+    abandon: float
+
+
+async def open_loop(url: str, tokens: int, offered: Offered, tally: Counter) -> float:
+    """The offered load sent; returns the rate actually sent (less when this client cannot keep up:
+    it then sends as fast as it can)."""
+    rate, seconds, abandon = offered.rate, offered.seconds, offered.abandon
     rng = random.Random(0)
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     sent, start, due = 0, time.monotonic(), 0.0
@@ -196,7 +206,7 @@ async def run(d: LocalUp, args: argparse.Namespace) -> dict:
     stop = asyncio.Event()
     watch = asyncio.create_task(sampler(d, samples, stop))
     started = time.monotonic()
-    load = asyncio.create_task(open_loop(url, args.tokens, rate, args.duration, args.abandon, tally))
+    load = asyncio.create_task(open_loop(url, args.tokens, Offered(rate, args.duration, args.abandon), tally))
     while not load.done():  # the samples of the overload itself, not of its tail
         await asyncio.sleep(1.0)
         if time.monotonic() - started >= args.duration:
@@ -233,7 +243,7 @@ def main() -> None:
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = model_or_tiny(args.model, args.workdir)
-    d = LocalUp(model.resolve(), args.workdir.resolve(), ONE, {"TRIDENT_REQUEST_TIMEOUT": str(DEADLINE)})
+    d = LocalUp(UpCommand(model, args.workdir, scale=ONE, env={"TRIDENT_REQUEST_TIMEOUT": str(DEADLINE)}))
     try:
         d.wait_whole(300)
         result = asyncio.run(run(d, args))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 
 from common.planner.algorithm import goodput, plan
 from common.planner.paper_profiles import profiles_from
@@ -66,8 +67,9 @@ def main() -> None:
                 trace = generate(
                     shape, rate=10.0, num_requests=args.requests, seed=0, image_tokens=IMAGE_TOKENS[model]
                 )
+                case = Case(model, slo_name, slo, shape, trace)
                 for n in (int(x) for x in args.instances.split(",")):
-                    rows.append(_row(model, slo_name, slo, shape, trace, n, profiles))
+                    rows.append(_row(case, n, profiles))
     print(json.dumps({"profile": profiles.source, "results": rows}))
 
 
@@ -81,18 +83,39 @@ def _best_by_method(result) -> dict[str, float]:
     return best
 
 
-def _row(model: str, slo_name: str, slo: SLO, shape: str, trace, n: int, profiles: ProfileSet) -> dict:
+@dataclass(frozen=True)
+class Case:
+    """One case of the paper's grid: a model, an SLO (its name and its bounds), a workload shape and
+    the trace drawn from it."""
+
+    model: str
+    slo_name: str
+    slo: SLO
+    shape: str
+    trace: list
+
+
+def _row(case: Case, n: int, profiles: ProfileSet) -> dict:
+    model, slo_name, slo, shape, trace = case.model, case.slo_name, case.slo, case.shape, case.trace
     started = time.monotonic()
     result = plan(trace, profiles, slo, n)
     baseline = goodput(trace, _even(n), profiles, slo)
     row = {
-        "model": model, "slo": slo_name, "ttft_slo": slo.ttft, "tbt_slo": slo.tbt, "shape": shape,
-        "instances": n, "method": result.deployment.method, "split": result.deployment.label,
-        "goodput": result.goodput, "baseline": baseline.deployment.label,
+        "model": model,
+        "slo": slo_name,
+        "ttft_slo": slo.ttft,
+        "tbt_slo": slo.tbt,
+        "shape": shape,
+        "instances": n,
+        "method": result.deployment.method,
+        "split": result.deployment.label,
+        "goodput": result.goodput,
+        "baseline": baseline.deployment.label,
         "baseline_goodput": baseline.goodput,
         "gain": round(result.goodput / baseline.goodput, 3) if baseline.goodput else None,
-        "best_by_method": _best_by_method(result), "seconds": round(time.monotonic() - started, 1),
-    }  # fmt: skip
+        "best_by_method": _best_by_method(result),
+        "seconds": round(time.monotonic() - started, 1),
+    }
     print(
         f"{model:10} {slo_name:10} {shape:9} N={n:<3} {row['split']:>9} {row['goodput']:8.2f} req/s"
         f"  vs {row['baseline']:>9} {row['baseline_goodput']:8.2f}  x{row['gain']}"

@@ -50,7 +50,8 @@ from common.checkpoints import is_checkpoint_dir, write_checkpoint
 from common.planner.workloads import SHAPES
 from common.stats import SLO
 from trident.bench.repeat import Repeats
-from trident.bench.validation import Comparison, Run, replay_folder, save, summary, validate
+from trident.bench.validation import Comparison, Run, replay_folder, save, summary
+from trident.bench.validation_run import Validation, validate
 
 
 def _cell(name: str, c: Comparison) -> str:
@@ -62,7 +63,7 @@ def _cell(name: str, c: Comparison) -> str:
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="small-llava")
     ap.add_argument("--methods", default="e+p+d,ep+d,ed+p")
@@ -76,19 +77,24 @@ def main() -> None:
         "(default: --requests)",
     )
     ap.add_argument(
-        "--calibration-rate", type=float,
+        "--calibration-rate",
+        type=float,
         help="the calibration load's rate (default: the middle of --rates); below capacity, as a "
         "deployment's planner calibrates on the load it serves",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--shape", default="mix", choices=sorted(SHAPES),
+        "--shape",
+        default="mix",
+        choices=sorted(SHAPES),
         help="the requests' shape (common/planner/workloads.py): mix is half text, half one image",
-    )  # fmt: skip
+    )
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument(
-        "--turns", type=int, default=1,
+        "--turns",
+        type=int,
+        default=1,
         help="over 1: conversations of this many turns, each resending its history (rates count turns)",
-    )  # fmt: skip
+    )
     ap.add_argument(
         "--system-prompt-tokens", type=int, default=0, help="a system prompt every request shares"
     )
@@ -116,9 +122,22 @@ def main() -> None:
     args = ap.parse_args()
     if args.sensitivity is not None and not (args.replay and args.sensitivity > 0):
         ap.error("--sensitivity takes a positive K, and --replay")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     slo = SLO(args.ttft_slo, args.tbt_slo, args.attainment)
     runs = list(replayed(args.replay, args.recalibrate) if args.replay else measured(args, slo))
     report = summary(runs, slo)
+    print_runs(runs, report)
+    if args.sensitivity is not None:
+        report["sensitivity"] = sensitivity(args.replay, args.recalibrate, args.sensitivity, runs)
+    print(json.dumps(report))
+
+
+def print_runs(runs: list[Run], report: dict) -> None:
+    """Each run's calibration, its comparisons rate by rate and its goodput; then the pick."""
     for preset, method, calibration, comparisons in runs:
         service = calibration.get("service", {})
         print(f"{preset} {method}: service factors {service.get('factors')} jitter {service.get('jitter')}")
@@ -136,9 +155,6 @@ def main() -> None:
         f"({pick['error']:+.0%}); measured best by repeat {pick['best_by_repeat']}, "
         f"within one step: {pick['within_one_step']}"
     )
-    if args.sensitivity is not None:
-        report["sensitivity"] = sensitivity(args.replay, args.recalibrate, args.sensitivity, runs)
-    print(json.dumps(report))
 
 
 def sensitivity(root: Path, recalibrated: bool, slower: float, runs: list[Run]) -> dict:
@@ -172,11 +188,19 @@ def measured(args: argparse.Namespace, slo: SLO) -> Iterator[Run]:
             for method in args.methods.split(","):
                 workdir = Path(tmp) / f"{preset}-{method.replace('+', '-')}"
                 workdir.mkdir()
-                calibration, comparisons = validate(
-                    model, method, rates, args.requests, workdir, slo, repeats=args.repeats,
-                    max_output=args.max_output, calibration_load=args.calibration_load,
-                    calibration_rate=args.calibration_rate, shape=args.shape, turns=turns(args),
-                )  # fmt: skip
+                run = Validation(
+                    method,
+                    rates,
+                    args.requests,
+                    slo,
+                    repeats=args.repeats,
+                    max_output=args.max_output,
+                    calibration_load=args.calibration_load,
+                    calibration_rate=args.calibration_rate,
+                    shape=args.shape,
+                    turns=turns(args),
+                )
+                calibration, comparisons = validate(model, workdir, run)
                 save(
                     args.out / f"{preset}-{method.replace('+', '-')}",
                     preset,
@@ -192,9 +216,12 @@ def turns(args: argparse.Namespace) -> Repeats | None:
     if args.turns <= 1 and not args.system_prompt_tokens:
         return None
     return Repeats(
-        system_tokens=args.system_prompt_tokens, turns=args.turns, think_time=args.think_time,
-        image_prob=args.image_prob, seed=1,
-    )  # fmt: skip
+        system_tokens=args.system_prompt_tokens,
+        turns=args.turns,
+        think_time=args.think_time,
+        image_prob=args.image_prob,
+        seed=1,
+    )
 
 
 def replayed(root: Path, recalibrated: bool = False, slower: float = 1.0) -> Iterator[Run]:

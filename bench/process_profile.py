@@ -36,13 +36,12 @@ from collections import Counter
 from pathlib import Path
 
 from common.checkpoints import is_checkpoint_dir, write_checkpoint
-from common.infra import free_port
 from common.secrets import DeploymentSecrets, with_credentials
 from common.store import Stage, Store, StoreConfig
 from trident.bench import client, deployments
 from trident.bench.machine import single_thread_gflops
 from trident.bench.sweep import LoadSpec
-from trident.launcher.local_up import state_processes
+from trident.launcher.local_up import UpCommand, state_processes
 
 TICKS = os.sysconf("SC_CLK_TCK")
 PATH = [s.value for s in Stage]  # the marks in path order
@@ -154,19 +153,25 @@ def outliers(records: list, factor: float = 2.0) -> dict:
     for r, s in zip(timed, split, strict=True):
         if r.ttft > factor * median_ttft:
             before = sum(1 for o in timed if r.arrival - 1.0 <= o.arrival < r.arrival)
-            found.append({
-                "ttft_ms": round(r.ttft * 1000, 1), "arrival_s": round(r.arrival - first, 2),
-                "arrived_in_the_second_before": before, "images": r.num_images,
-                "prompt_tokens": r.prompt_tokens, "intervals": s,
-            })  # fmt: skip
+            found.append(
+                {
+                    "ttft_ms": round(r.ttft * 1000, 1),
+                    "arrival_s": round(r.arrival - first, 2),
+                    "arrived_in_the_second_before": before,
+                    "images": r.num_images,
+                    "prompt_tokens": r.prompt_tokens,
+                    "intervals": s,
+                }
+            )
     return {"median_ttft_ms": round(median_ttft * 1000, 1), "median": median, "outliers": found}
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict:
-    load = LoadSpec(rates=(args.rate,), duration=args.duration, workload="textcaps", seed=args.seed,
-                    max_output_tokens=64)  # fmt: skip
+    load = LoadSpec(
+        rates=(args.rate,), duration=args.duration, workload="textcaps", seed=args.seed, max_output_tokens=64
+    )
     entries = load.entries(args.rate)
-    with deployments.trident(args.model, args.method, port=free_port(), log_dir=workdir) as served:
+    with deployments.trident(UpCommand(args.model, workdir, args.method)) as served:
         opts = client.RequestOptions(model=served.model, image_size=(336, 336), seed=args.seed)
         asyncio.run(client.run(served.url, entries[:2], opts))  # warm: not measured
         state = json.loads((workdir / ".trident" / "up.json").read_text())
@@ -188,31 +193,44 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
     for name, a in after.items():
         cpu = a["cpu_s"] - before[name]["cpu_s"]
         table[name] = {
-            "cpu_s": round(cpu, 2), "share_of_cores": round(cpu / (wall * cores), 3),
-            "cpu_ms_per_request": round(1000 * cpu / max(len(done), 1), 1), "threads": a["threads"],
+            "cpu_s": round(cpu, 2),
+            "share_of_cores": round(cpu / (wall * cores), 3),
+            "cpu_ms_per_request": round(1000 * cpu / max(len(done), 1), 1),
+            "threads": a["threads"],
             "py_spy": own_time(workdir / f"{name}.txt") if args.py_spy else [],
-        }  # fmt: skip
+        }
     return {
-        "method": args.method, "rate": args.rate, "requests": len(entries), "ok": len(done),
-        "wall_s": round(wall, 1), "cores": cores, "processes": table,
+        "method": args.method,
+        "rate": args.rate,
+        "requests": len(entries),
+        "ok": len(done),
+        "wall_s": round(wall, 1),
+        "cores": cores,
+        "processes": table,
         "ttft": outliers(sorted(records, key=lambda r: r.arrival)[2:]),  # the two warm-up requests out
-    }  # fmt: skip
+    }
 
 
 def print_report(report: dict) -> None:
-    print(f"{report['method']} at {report['rate']} req/s: {report['ok']}/{report['requests']} requests "
-          f"in {report['wall_s']} s on {report['cores']} cores")  # fmt: skip
+    print(
+        f"{report['method']} at {report['rate']} req/s: {report['ok']}/{report['requests']} requests "
+        f"in {report['wall_s']} s on {report['cores']} cores"
+    )
     print(f"{'process':<24}{'CPU s':>8}{'cores %':>9}{'ms/req':>8}{'threads':>8}  own time (py-spy)")
     for name, p in sorted(report["processes"].items(), key=lambda kv: -kv[1]["cpu_s"]):
         top = ", ".join(f"{f} {s:.0%}" for f, s in p["py_spy"][:3])
-        print(f"{name:<24}{p['cpu_s']:>8.1f}{100 * p['share_of_cores']:>8.1f}%"
-              f"{p['cpu_ms_per_request']:>8.0f}{p['threads']:>8}  {top}")  # fmt: skip
+        print(
+            f"{name:<24}{p['cpu_s']:>8.1f}{100 * p['share_of_cores']:>8.1f}%"
+            f"{p['cpu_ms_per_request']:>8.0f}{p['threads']:>8}  {top}"
+        )
     t = report["ttft"]
     print(f"\nTTFT median {t['median_ttft_ms']} ms; its intervals (ms): {t['median']}")
     for o in t["outliers"]:
         over = {k: v for k, v in o["intervals"].items() if v > 2 * t["median"].get(k, 0) + 20}
-        print(f"  {o['ttft_ms']} ms at {o['arrival_s']} s ({o['arrived_in_the_second_before']} arrived in "
-              f"the second before, {o['images']} image(s)): over the median in {over}")  # fmt: skip
+        print(
+            f"  {o['ttft_ms']} ms at {o['arrival_s']} s ({o['arrived_in_the_second_before']} arrived in "
+            f"the second before, {o['images']} image(s)): over the median in {over}"
+        )
 
 
 def main() -> None:

@@ -68,11 +68,15 @@ def summary(steps: list[tuple[float, str]], limit: float) -> dict:
         "steps": len(steps),
         "over_limit_pct": round(100 * over / len(steps), 2),
         "by_content": {
-            k: {"n": len(v), "p50_ms": round(1e3 * quantile(v, 0.5), 1),
-                "p90_ms": round(1e3 * quantile(v, 0.9), 1), "over": int(sum(s > limit for s in v))}
+            k: {
+                "n": len(v),
+                "p50_ms": round(1e3 * quantile(v, 0.5), 1),
+                "p90_ms": round(1e3 * quantile(v, 0.9), 1),
+                "over": int(sum(s > limit for s in v)),
+            }
             for k, v in sorted(by_content.items())
         },
-    }  # fmt: skip
+    }
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -78,15 +79,14 @@ def step(engine: Engine, phase: str, batch: int, args: argparse.Namespace) -> fl
     return timer.prefill_latency(batch * args.prompt, seqs=batch)
 
 
-def profiled(
-    engine: Engine, phase: str, batch: int, args: argparse.Namespace, calls: list[int], seconds: float
-) -> dict:
-    """The step's ops' self CPU time per step under the profiler, by group and the top ones; what
-    the step took unprofiled (`seconds`) beyond them is "outside ops"."""
+def profiled(run: Callable[[], object], calls: list[int], seconds: float) -> dict:
+    """`run` (a step's timing, as `step` does it) under the profiler: its ops' self CPU time per
+    step (`calls` counts the forwards), by group and the top ones; what the step took unprofiled
+    (`seconds`) beyond them is "outside ops"."""
     before = calls[0]
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step(engine, phase, batch, args)
+        run()
     wall = time.perf_counter() - start
     steps = max(1, calls[0] - before)
     ops: dict[str, float] = defaultdict(float)
@@ -136,11 +136,13 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             seconds = step(engine, phase, batch, args)
             row = {"phase": phase, "batch": batch, "step_s": round(seconds, 6)}
-            row |= profiled(engine, phase, batch, args, calls, seconds)
+            row |= profiled(lambda p=phase, b=batch: step(engine, p, b, args), calls, seconds)
             rows.append(row)
             tokens = batch * args.prompt if phase == "prefill" else batch
-            print(f"{phase} batch {batch} ({tokens} tokens): {seconds * 1000:.1f} ms a step "
-                  f"({row['profiled_step_s'] * 1000:.1f} ms profiled)")  # fmt: skip
+            print(
+                f"{phase} batch {batch} ({tokens} tokens): {seconds * 1000:.1f} ms a step "
+                f"({row['profiled_step_s'] * 1000:.1f} ms profiled)"
+            )
             for group, s in row["groups_s"].items():
                 print(f"    {group:18} {s * 1000:8.2f} ms  {s / sum(row['groups_s'].values()):6.1%}")
             print("    top ops: " + ", ".join(f"{op} {s * 1000:.2f}" for op, s in row["top_ops_s"].items()))

@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,10 +60,18 @@ def trident_steps(engine: Engine, batch: int, context: int, repeats: int) -> dic
     }
 
 
-def llama_steps(
-    binary: Path, gguf: Path, batches: list[int], context: int, threads: int, kv: str
-) -> dict[int, dict[str, float]]:
-    """{batch: {phase: seconds a step}} from one llama-batched-bench run."""
+@dataclass(frozen=True)
+class LlamaBench:
+    """llama.cpp's llama-batched-bench on the converted checkpoint, with `threads` threads."""
+
+    binary: Path
+    gguf: Path
+    threads: int
+
+
+def llama_steps(bench: LlamaBench, batches: list[int], context: int, kv: str) -> dict[int, dict[str, float]]:
+    """{batch: {phase: seconds a step}} from one llama-batched-bench run, its KV cache in `kv`."""
+    binary, gguf, threads = bench.binary, bench.gguf, bench.threads
     argv = [
         str(binary), "-m", str(gguf), "-c", str(max(batches) * (context + LLAMA_STEPS) + 64),
         "-b", "2048", "-ub", "512", "-npp", str(context), "-ntg", str(LLAMA_STEPS),
@@ -80,9 +89,13 @@ def llama_steps(
 def config(threads: int, packed: str, kv_cache_dtype: str | None = None) -> EngineConfig:
     """As bench/step_profile.py's engine: 1 GiB of KV holds batches of 32 at a few thousand tokens."""
     return EngineConfig(
-        num_threads=threads, prefix_caching=False, adapt_budgets=False, kv_cache_bytes=1 << 30,
-        packed_weights=packed, kv_cache_dtype=kv_cache_dtype,
-    )  # fmt: skip
+        num_threads=threads,
+        prefix_caching=False,
+        adapt_budgets=False,
+        kv_cache_bytes=1 << 30,
+        packed_weights=packed,
+        kv_cache_dtype=kv_cache_dtype,
+    )
 
 
 def layer_weights(engine: Engine) -> int:
@@ -93,8 +106,11 @@ def layer_weights(engine: Engine) -> int:
 
 
 def summary(samples: list[float]) -> dict:
-    return {"median_ms": round(statistics.median(samples) * 1e3, 2),
-            "min_ms": round(min(samples) * 1e3, 2), "max_ms": round(max(samples) * 1e3, 2)}  # fmt: skip
+    return {
+        "median_ms": round(statistics.median(samples) * 1e3, 2),
+        "min_ms": round(min(samples) * 1e3, 2),
+        "max_ms": round(max(samples) * 1e3, 2),
+    }
 
 
 def ratio(ours: list[float], theirs: list[float]) -> float:
@@ -128,13 +144,14 @@ def measure(args: argparse.Namespace, batches: list[int], model_dir: Path) -> tu
             for batch in batches:
                 add(name, batch, trident_steps(engine, batch, args.context, args.repeats))
         for kv in LLAMA_KV if gguf is not None else ():
-            for batch, steps in llama_steps(binary, gguf, batches, args.context, args.threads, kv).items():
+            bench = LlamaBench(binary, gguf, args.threads)
+            for batch, steps in llama_steps(bench, batches, args.context, kv).items():
                 add(f"llama.cpp kv={kv}", batch, steps)
         print(f"round {round_ + 1} of {args.rounds} done", flush=True)
     return samples, engines[BASE]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small-llava")
     ap.add_argument("--model", type=Path, help="a checkpoint directory (instead of --preset)")
@@ -149,7 +166,11 @@ def main() -> None:
         choices=("float16", "bfloat16"),
         help="also time an engine with its KV cache in it",
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = resolve_model(args.model or args.preset, REPO / ".trident" / "models")
     torch.set_num_threads(args.threads)
@@ -163,14 +184,39 @@ def main() -> None:
         for name, by_phase in samples.items()
     }
     over = {
-        name: {phase: {b: ratio(samples[BASE][phase][b], s) for b, s in by_batch.items()}
-               for phase, by_batch in by_phase.items()}
-        for name, by_phase in samples.items() if name != BASE
-    }  # fmt: skip
+        name: {
+            phase: {b: ratio(samples[BASE][phase][b], s) for b, s in by_batch.items()}
+            for phase, by_batch in by_phase.items()
+        }
+        for name, by_phase in samples.items()
+        if name != BASE
+    }
     share = {
         name: {b: round(flops * b / (statistics.median(s) * rate), 3) for b, s in by_phase["prefill"].items()}
         for name, by_phase in samples.items()
     }
+    print_tables(args, table, over, share)
+    print(f"machine: single-thread fp32 matmul {before:.1f} GFLOP/s before, {after:.1f} after")
+    print(
+        json.dumps(
+            {
+                "model": model_dir.name,
+                "threads": args.threads,
+                "context": args.context,
+                "rounds": args.rounds,
+                "packed_bytes": engine.packed_bytes,
+                "steps": table,
+                "trident_over": over,
+                "prefill_matmul_share": share,
+                "matmul_gflops": [round(before, 1), round(after, 1)],
+            }
+        )
+    )
+
+
+def print_tables(args: argparse.Namespace, table: dict, over: dict, share: dict) -> None:
+    """Each engine's step times by phase and batch, Trident's ratio to each other, and the prefill's
+    share of the matmul rate."""
     heading = f"context {args.context}, {args.threads} thread(s); ms a step, median [min-max] of rounds"
     print(heading)
     for phase in PHASES:
@@ -185,12 +231,6 @@ def main() -> None:
             print(f"  {BASE} / {name}, {phase}: " + ", ".join(f"B={b} {r:.2f}x" for b, r in by_batch.items()))
     for name, by_batch in share.items():
         print(f"  prefill at {name}: " + ", ".join(f"B={b} {r:.0%} of matmul" for b, r in by_batch.items()))
-    print(f"machine: single-thread fp32 matmul {before:.1f} GFLOP/s before, {after:.1f} after")
-    print(json.dumps({
-        "model": model_dir.name, "threads": args.threads, "context": args.context, "rounds": args.rounds,
-        "packed_bytes": engine.packed_bytes, "steps": table, "trident_over": over,
-        "prefill_matmul_share": share, "matmul_gflops": [round(before, 1), round(after, 1)],
-    }))  # fmt: skip
 
 
 if __name__ == "__main__":

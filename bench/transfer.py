@@ -3,6 +3,10 @@
     python bench/transfer.py             # 64 KB, 3.7 MB (one LLaVA-1.5 image's features), 64 MB
     python bench/transfer.py --quick     # fewer repetitions
     python bench/transfer.py --tls       # also TCP over mutual TLS (a deployment's TRIDENT_TLS_DIR)
+    python bench/transfer.py --kv [--kv-shape 32,32,128] [--kv-tokens 2048] [--kv-dtype bfloat16]
+                                  [--device cpu|cuda:0]
+                                         # instead: one request's KV P→D, host-local against the
+                                         # byte stream (trident/bench/kv_transfer.py)
 
 Every path is a pull between two processes, the way prefill gets features and decode gets KV:
 
@@ -46,6 +50,7 @@ from common.infra import NatsServer, RedisServer, netns
 from common.tls import Tls
 from common.transfer import TransferConfig, create_backend, ucx_available
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
+from trident.bench import kv_transfer
 
 SIZES = {"64KB": 64 * 1024, "3.7MB": 576 * 1606 * 4, "64MB": 64 * 1024 * 1024}
 NATS_MAX_PAYLOAD = 8 * 1024 * 1024
@@ -69,6 +74,7 @@ def _repeats(nbytes: int, scale: float) -> int:
 async def bench_pull(
     backend: str, scale: float, owner_env: dict[str, str] | None = None, tls: Tls | None = None
 ) -> dict[str, dict[str, float]]:
+    """The byte stream (host-local off: `--kv` compares the two)."""
     specs = [_spec(n, i) for i, n in enumerate(SIZES.values())]
     results = {}
     if tls is not None:
@@ -76,7 +82,8 @@ async def bench_pull(
     owner = OwnerProcess(backend, specs, owner_env)
     await asyncio.to_thread(owner.start)
     try:
-        puller = create_backend(TransferConfig(backend=backend, timeout=30, tls=tls))  # type: ignore[arg-type]
+        config = TransferConfig(backend=backend, timeout=30, tls=tls, host_local=False)  # type: ignore[arg-type]
+        puller = create_backend(config)
         await puller.start()
         for (name, nbytes), spec, handle in zip(SIZES.items(), specs, owner.handles, strict=True):
             out = torch.empty(spec.shape, dtype=torch.float32)
@@ -241,8 +248,19 @@ def main() -> None:
     parser.add_argument("--no-netns", action="store_true", help="skip the pulls across namespaces")
     parser.add_argument("--tls", action="store_true", help="also the TCP pull over mutual TLS")
     parser.add_argument("--netns-only", action="store_true", help=argparse.SUPPRESS)  # the child run
+    parser.add_argument("--kv", action="store_true", help="one request's KV: host-local against the stream")
+    parser.add_argument("--kv-shape", default="32,32,128", help="layers,kv_heads,head_dim (llava-1.5-7b's)")
+    parser.add_argument("--kv-tokens", type=int, default=2048, help="the request's tokens")
+    parser.add_argument("--kv-dtype", default="bfloat16", help="the KV cache's dtype")
+    parser.add_argument("--device", default="cpu", help="where both ends keep the KV: cpu or cuda:N")
     args = parser.parse_args()
     scale = 0.2 if args.quick else 1.0
+    if args.kv:
+        shape = kv_transfer.KvShape.parse(args.kv_shape, args.kv_tokens, args.kv_dtype)
+        results, figures = kv_transfer.run(shape, args.device, args.quick)
+        print(kv_transfer.table(results, shape))
+        print(json.dumps({"loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), **figures}))
+        return
     if args.netns_only:
         print(json.dumps(across_namespaces(scale)))
         return

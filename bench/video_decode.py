@@ -67,7 +67,7 @@ def timed(fn, repeats: int) -> tuple[float, float, float, object]:
     return statistics.median(samples), min(samples), max(samples), result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--source-fps", type=int, default=30)
@@ -76,23 +76,13 @@ def main() -> None:
     parser.add_argument("--preset", default="small-qwen2-vl")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    width, height = map(int, args.size.split("x"))
-    rate_before = single_thread_gflops()
+    return parser.parse_args()
 
-    t0 = time.perf_counter()
-    data = make_clip(args.seconds, args.source_fps, width, height)
-    print(f"clip: {len(data) / 1e6:.1f} MB, {args.seconds:g} s of {args.size} at {args.source_fps} fps "
-          f"(written in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)  # fmt: skip
-    wanted = int(args.seconds * args.fps)
-    limits = VideoLimits(max_frames=max(wanted, 2))
-    dec, dec_lo, dec_hi, clip = timed(
-        lambda: decode_video(data, limits, args.fps, max(wanted, 2)), args.repeats
-    )
-    frames = clip.frames  # type: ignore[attr-defined]
 
-    model_dir = resolve_model(args.preset, REPO / ".trident" / "models")
+def tower_inputs(preset: str, frames, height: int, width: int):
+    """The preset's vision tower, the frames as its inputs (one picture per temporal patch, at the
+    video processor's size), their tokens, and the size the tower runs on."""
+    model_dir = resolve_model(preset, REPO / ".trident" / "models")
     processor = RequestProcessor(model_dir)
     model = load_model(model_dir, with_language=False)
     h, w = video_size(height, width)
@@ -105,7 +95,28 @@ def main() -> None:
     images = processor.process(processor.image_token * len(pictures), pictures).images
     tokens = sum(img.num_tokens for img in images)
     _, grid_h, grid_w = images[0].grid_thw
-    h, w = grid_h * 14, grid_w * 14  # what the tower ran on
+    return model, images, tokens, f"{grid_w * 14}x{grid_h * 14}"  # what the tower ran on
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    width, height = map(int, args.size.split("x"))
+    rate_before = single_thread_gflops()
+    t0 = time.perf_counter()
+    data = make_clip(args.seconds, args.source_fps, width, height)
+    print(
+        f"clip: {len(data) / 1e6:.1f} MB, {args.seconds:g} s of {args.size} at {args.source_fps} fps "
+        f"(written in {time.perf_counter() - t0:.1f} s)",
+        file=sys.stderr,
+    )
+    wanted = int(args.seconds * args.fps)
+    limits = VideoLimits(max_frames=max(wanted, 2))
+    dec, dec_lo, dec_hi, clip = timed(
+        lambda: decode_video(data, limits, args.fps, max(wanted, 2)), args.repeats
+    )
+    frames = clip.frames  # type: ignore[attr-defined]
+    model, images, tokens, ran_on = tower_inputs(args.preset, frames, height, width)
 
     def encode() -> None:
         with torch.inference_mode():
@@ -115,20 +126,34 @@ def main() -> None:
     enc, enc_lo, enc_hi, _ = timed(encode, args.repeats)
     rate_after = single_thread_gflops()
     decoded = f"decode + sample {len(frames)} frames of {clip.source_frames}"  # type: ignore[attr-defined]
-    encoded = f"encode {len(images)} temporal patches of {w}x{h} ({tokens} tokens), {args.preset}"
+    encoded = f"encode {len(images)} temporal patches of {ran_on} ({tokens} tokens), {args.preset}"
     lines = ["| step | median s | min–max s |", "| --- | ---: | ---: |"]
     for step, (median, low, high) in ((decoded, (dec, dec_lo, dec_hi)), (encoded, (enc, enc_lo, enc_hi))):
         lines.append(f"| {step} | {median:.3f} | {low:.3f}–{high:.3f} |")
     print("\n".join(lines))
-    print(json.dumps({
-        "clip_bytes": len(data), "seconds": args.seconds, "size": args.size, "source_fps": args.source_fps,
-        "sampled_frames": len(frames), "decode_s": round(dec, 4), "decode_min_s": round(dec_lo, 4),
-        "decode_max_s": round(dec_hi, 4), "preset": args.preset, "temporal_patches": len(images),
-        "tokens": tokens, "encode_s": round(enc, 4), "encode_min_s": round(enc_lo, 4),
-        "encode_max_s": round(enc_hi, 4), "decode_over_encode": round(dec / enc, 3),
-        "goal_decode_below_encode": dec < enc, "threads": args.threads,
-        "matmul_gflops": [round(rate_before, 1), round(rate_after, 1)],
-    }))  # fmt: skip
+    clip_figures = {"clip_bytes": len(data), "seconds": args.seconds, "size": args.size}
+    print(
+        json.dumps(
+            {
+                **clip_figures,
+                "source_fps": args.source_fps,
+                "sampled_frames": len(frames),
+                "decode_s": round(dec, 4),
+                "decode_min_s": round(dec_lo, 4),
+                "decode_max_s": round(dec_hi, 4),
+                "preset": args.preset,
+                "temporal_patches": len(images),
+                "tokens": tokens,
+                "encode_s": round(enc, 4),
+                "encode_min_s": round(enc_lo, 4),
+                "encode_max_s": round(enc_hi, 4),
+                "decode_over_encode": round(dec / enc, 3),
+                "goal_decode_below_encode": dec < enc,
+                "threads": args.threads,
+                "matmul_gflops": [round(rate_before, 1), round(rate_after, 1)],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

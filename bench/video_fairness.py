@@ -54,9 +54,15 @@ def make_clip(frames: int, size: int) -> Clip:
     """`frames` random frames of size×size at 2 fps (the pixels do not change what a step costs)."""
     pixels = np.random.default_rng(0).integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
     return Clip(
-        frames=pixels, indices=list(range(frames)), timestamps=[i / 2 for i in range(frames)],
-        sample_fps=2.0, source_fps=2.0, duration_s=frames / 2, source_frames=frames, codec="raw",
-    )  # fmt: skip
+        frames=pixels,
+        indices=list(range(frames)),
+        timestamps=[i / 2 for i in range(frames)],
+        sample_fps=2.0,
+        source_fps=2.0,
+        duration_s=frames / 2,
+        source_frames=frames,
+        codec="raw",
+    )
 
 
 def clip_prompt(encoder: Engine, decoder: Engine, clip: Clip):
@@ -119,7 +125,15 @@ def summary(runs: list[dict], key: str) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def main() -> None:
+# The table's columns after the arm: each run's figure, its scale to print, its format.
+COLUMNS = (
+    ("tbt_p90_without_s", 1e3, ".0f"), ("tbt_p90_during_s", 1e3, ".0f"), ("ratio", 1, ".2f"),
+    ("tbt_mean_ratio", 1, ".2f"), ("tbt_max_during_s", 1e3, ".0f"), ("clip_ttft_s", 1, ".2f"),
+    ("steps_during", 1, ".0f"),
+)  # fmt: skip
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small-qwen2-vl")
     parser.add_argument("--decoders", type=int, default=4, help="text requests decoding beside the clip")
@@ -130,9 +144,11 @@ def main() -> None:
     parser.add_argument("--baseline-steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    rate_before = single_thread_gflops()
+    return parser.parse_args()
+
+
+def pd_instance(args: argparse.Namespace):
+    """A PD engine, and the clip's prompt for it with the features an encoder made."""
     model_dir = resolve_model(args.preset, REPO / ".trident" / "models")
     encoder = Engine(model_dir, EngineConfig(roles=frozenset({Role.ENCODE}), num_threads=args.threads))
     per_patch = (
@@ -140,11 +156,21 @@ def main() -> None:
     )
     clip = make_clip(2 * math.ceil(args.clip_tokens / per_patch), args.frame_size)
     config = EngineConfig(
-        roles=frozenset({Role.PREFILL, Role.DECODE}), token_budget=args.token_budget, prefix_caching=False,
-        num_threads=args.threads, kv_cache_bytes=512 << 20,
-    )  # fmt: skip
+        roles=frozenset({Role.PREFILL, Role.DECODE}),
+        token_budget=args.token_budget,
+        prefix_caching=False,
+        num_threads=args.threads,
+        kv_cache_bytes=512 << 20,
+    )
     engine = Engine(model_dir, config)
-    processed = clip_prompt(encoder, engine, clip)
+    return engine, clip_prompt(encoder, engine, clip)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    rate_before = single_thread_gflops()
+    engine, processed = pd_instance(args)
     clip_tokens = sum(i.num_tokens for i in processed.images)
     one_run(engine, processed, args, None, -1)  # warm: first steps of every shape
     arms: dict[str, list[dict]] = {"paced": [], "unpaced": []}
@@ -152,11 +178,30 @@ def main() -> None:
         for arm, stretch in (("paced", args.stretch), ("unpaced", None)):
             arms[arm].append(one_run(engine, processed, args, stretch, run))
     rate_after = single_thread_gflops()
-
-    lines = [
+    print(
         f"{args.preset}, PD instance, τt {args.token_budget}, {args.decoders} text requests decoding, "
         f"a clip of {clip_tokens} tokens ({len(processed.token_ids)} in its prompt); median (min–max) of "
-        f"{args.repeats} runs",
+        f"{args.repeats} runs"
+    )
+    result = table(arms)
+    figures = {
+        "preset": args.preset,
+        "decoders": args.decoders,
+        "clip_tokens": clip_tokens,
+        "token_budget": args.token_budget,
+        "stretch": args.stretch,
+        "repeats": args.repeats,
+        **result,
+        "goal_paced_ratio_within_1_5": result["paced_ratio"] <= 1.5,
+        "threads": args.threads,
+        "matmul_gflops": [round(rate_before, 1), round(rate_after, 1)],
+    }
+    print(json.dumps(figures))
+
+
+def table(arms: dict[str, list[dict]]) -> dict:
+    """The arms' table printed; each figure's median and range, by arm."""
+    lines = [
         "| arm | text TBT p90 without clip ms | during its prefill ms | p90 ratio | mean ratio "
         "| max during ms | clip TTFT s | steps |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -164,23 +209,14 @@ def main() -> None:
     result: dict = {}
     for arm, runs in arms.items():
         cells = []
-        for key, scale, fmt in (
-            ("tbt_p90_without_s", 1e3, ".0f"), ("tbt_p90_during_s", 1e3, ".0f"), ("ratio", 1, ".2f"),
-            ("tbt_mean_ratio", 1, ".2f"), ("tbt_max_during_s", 1e3, ".0f"), ("clip_ttft_s", 1, ".2f"),
-            ("steps_during", 1, ".0f"),
-        ):  # fmt: skip
+        for key, scale, fmt in COLUMNS:
             med, lo, hi = (v * scale for v in summary(runs, key))
             cells.append(f"{med:{fmt}} ({lo:{fmt}}–{hi:{fmt}})")
             result[f"{arm}_{key}"] = round(med / scale, 4)
             result[f"{arm}_{key}_range"] = [round(lo / scale, 4), round(hi / scale, 4)]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
-    print(json.dumps({
-        "preset": args.preset, "decoders": args.decoders, "clip_tokens": clip_tokens,
-        "token_budget": args.token_budget, "stretch": args.stretch, "repeats": args.repeats, **result,
-        "goal_paced_ratio_within_1_5": result["paced_ratio"] <= 1.5, "threads": args.threads,
-        "matmul_gflops": [round(rate_before, 1), round(rate_after, 1)],
-    }))  # fmt: skip
+    return result
 
 
 if __name__ == "__main__":

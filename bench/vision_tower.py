@@ -36,6 +36,51 @@ def picture(size: str):
     return Image.fromarray(np.random.default_rng(w * h).integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
+class Towers:
+    """The engine's vision tower (Trident's) and a copy of it in transformers' own modules, with
+    the same weights, each run through the engine's encode."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.vision = engine.model.vision
+        self.attr = next(a for a in TOWER_ATTRS if hasattr(self.vision, a))
+        ours = getattr(self.vision, self.attr)
+        plain = type(ours)(ours.config).eval()  # transformers' modules throughout
+        plain.load_state_dict(ours.state_dict())
+        self.by_name = {"trident": ours, "transformers": plain}
+        self.dtype = next(ours.parameters()).dtype
+
+    def encode(self, name: str, image) -> torch.Tensor:
+        setattr(self.vision, self.attr, self.by_name[name])
+        try:
+            return self.engine.model.encode([image], self.engine.device, self.dtype)[0]
+        finally:
+            setattr(self.vision, self.attr, self.by_name["trident"])
+
+    def measure(self, size: str, rounds: int, repeats: int) -> dict:
+        """One picture of `size`: each tower's encode timed over `rounds` (order alternating), and how
+        far Trident's features are from transformers'."""
+        processor = self.engine.processor
+        image = processor.process(processor.image_token, [picture(size)]).images[0]
+        want, got = self.encode("transformers", image), self.encode("trident", image)
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        times: dict[str, list[float]] = {name: [] for name in self.by_name}
+        for r in range(rounds):
+            order = list(self.by_name) if r % 2 == 0 else list(reversed(self.by_name))
+            for name in order:
+                times[name].append(least_seconds(lambda n=name, i=image: self.encode(n, i), repeats) * 1e3)
+        ratio = [a / b for a, b in zip(times["trident"], times["transformers"], strict=True)]
+        row = {"size": size, "image_tokens": int(got.shape[0]), "max_rel_diff": rel}
+        for name, ms in times.items():
+            row[name] = {
+                "median_ms": round(statistics.median(ms), 2),
+                "min_ms": round(min(ms), 2),
+                "max_ms": round(max(ms), 2),
+            }
+        row["trident_over_transformers"] = round(statistics.median(ratio), 3)
+        return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small-qwen2-vl")
@@ -51,55 +96,27 @@ def main() -> None:
         resolve_model(args.model or args.preset),
         EngineConfig(roles=frozenset({Role.ENCODE}), num_threads=args.threads),
     )
-    vision = engine.model.vision
-    attr = next(a for a in TOWER_ATTRS if hasattr(vision, a))
-    ours = getattr(vision, attr)
-    plain = type(ours)(ours.config).eval()  # transformers' modules throughout
-    plain.load_state_dict(ours.state_dict())
-    towers = {"trident": ours, "transformers": plain}
-    dtype = next(ours.parameters()).dtype
-
-    def encode(tower, image):
-        setattr(vision, attr, tower)
-        try:
-            return engine.model.encode([image], engine.device, dtype)[0]
-        finally:
-            setattr(vision, attr, ours)
-
-    rows = []
-    for size in args.sizes.split(","):
-        image = engine.processor.process(engine.processor.image_token, [picture(size)]).images[0]
-        want, got = encode(plain, image), encode(ours, image)
-        rel = ((got - want).abs().max() / want.abs().max()).item()
-        times: dict[str, list[float]] = {name: [] for name in towers}
-        for r in range(args.rounds):
-            order = list(towers) if r % 2 == 0 else list(reversed(towers))
-            for name in order:
-                times[name].append(
-                    least_seconds(lambda t=towers[name], i=image: encode(t, i), args.repeats) * 1e3
-                )
-        ratio = [a / b for a, b in zip(times["trident"], times["transformers"], strict=True)]
-        row = {"size": size, "image_tokens": int(got.shape[0]), "max_rel_diff": rel}
-        for name, ms in times.items():
-            row[name] = {"median_ms": round(statistics.median(ms), 2), "min_ms": round(min(ms), 2),
-                         "max_ms": round(max(ms), 2)}  # fmt: skip
-        row["trident_over_transformers"] = round(statistics.median(ratio), 3)
-        rows.append(row)
+    towers = Towers(engine)
+    rows = [towers.measure(size, args.rounds, args.repeats) for size in args.sizes.split(",")]
     gflops.append(single_thread_gflops())
-
-    print(f"{engine.model.config.model_type}, one picture an encode, {args.threads} thread(s), "
-          f"medians of {args.rounds} rounds [min-max]")  # fmt: skip
+    model_type = engine.model.config.model_type
+    print(
+        f"{model_type}, one picture an encode, {args.threads} thread(s), "
+        f"medians of {args.rounds} rounds [min-max]"
+    )
     print(
         "| size | image tokens | Trident (ms) | transformers (ms) | Trident / transformers | max rel diff |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        cells = [f"{row[n]['median_ms']} [{row[n]['min_ms']}-{row[n]['max_ms']}]" for n in towers]
-        print(f"| {row['size']} | {row['image_tokens']} | {cells[0]} | {cells[1]} | "
-              f"{row['trident_over_transformers']}x | {row['max_rel_diff']:.1e} |")  # fmt: skip
+        cells = [f"{row[n]['median_ms']} [{row[n]['min_ms']}-{row[n]['max_ms']}]" for n in towers.by_name]
+        print(
+            f"| {row['size']} | {row['image_tokens']} | {cells[0]} | {cells[1]} | "
+            f"{row['trident_over_transformers']}x | {row['max_rel_diff']:.1e} |"
+        )
     print(f"machine: single-thread fp32 matmul {gflops[0]:.1f} GFLOP/s before, {gflops[1]:.1f} after")
-    print(json.dumps({"model": engine.model.config.model_type, "threads": args.threads, "rounds": args.rounds,
-                      "rows": rows, "matmul_gflops": gflops}))  # fmt: skip
+    figures = {"model": model_type, "threads": args.threads, "rounds": args.rounds}
+    print(json.dumps({**figures, "rows": rows, "matmul_gflops": gflops}))
 
 
 if __name__ == "__main__":

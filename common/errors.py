@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
+MAX_MESSAGE = 500  # characters: an error says what to change; it never carries the input back
+MAX_PARAM = 120
 
 _TYPES = {
     400: "invalid_request_error",
@@ -33,9 +35,15 @@ class APIError(Exception):
     `retry_after` (seconds) becomes a Retry-After header."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
         retry_after: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
+        # Capped here whatever the caller quoted: a 10 MB field must not come back as a 10 MB error.
+        message, param = clip(message, MAX_MESSAGE), None if param is None else clip(param, MAX_PARAM)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after = retry_after
@@ -47,6 +55,13 @@ class APIError(Exception):
     @property
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after is not None else {}
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """`text` as an error may quote it: at most about `limit` characters, the cut said."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters in all)"
 
 
 class Unavailable(Exception):
@@ -69,7 +84,8 @@ async def validation_error_handler(_: Request, exc: RequestValidationError) -> J
 def explain(errors: Sequence[Any], body: Any = None) -> APIError:
     """The 400 for a request that did not validate: the error on the deepest field (a union's
     members each report one; the deepest is where the input went wrong), its path as `param`, and
-    its real reason — a null where a value belongs says so, a body that is not JSON says where."""
+    its real reason — a value of the wrong JSON type says which type it must be and which it is, a
+    body that is not JSON says where. The input itself is never quoted back (it may be megabytes)."""
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]
@@ -80,15 +96,15 @@ def explain(errors: Sequence[Any], body: Any = None) -> APIError:
     deepest = [(path, e) for path, e in located if len(path) == depth]
     path, chosen = deepest[0]
     param = ".".join(path) or (chosen.get("ctx") or {}).get("param")
-    reasons = list(dict.fromkeys(_reason(e) for p, e in deepest if p == path))
-    return APIError(400, f"{param + ': ' if param else ''}{'; or '.join(reasons)}", param=param,
-                    code=chosen.get("type"))  # fmt: skip
+    here = [e for p, e in deepest if p == path]
+    reasons = _type_reason(here) or "; or ".join(dict.fromkeys(_reason(e) for e in here))
+    return APIError(400, f"{param + ': ' if param else ''}{reasons}", param=param, code=chosen.get("type"))
 
 
 def _field_path(error: Any) -> list[str]:
     """The error's location as the client's field names: without "body", and without the labels
     pydantic puts in for a union's members (`str`, `list[...]`, a tagged union, and the tag it
-    adds after the list index)."""
+    adds after the list index). A key the client made up is cut short."""
     path: list[str] = []
     tags = 0
     for part in error.get("loc", ()):
@@ -97,11 +113,43 @@ def _field_path(error: Any) -> list[str]:
         elif isinstance(part, str) and tags:
             tags -= 1
         else:
-            path.append(str(part))
+            path.append(clip(str(part), 40))
     return path[1:] if path[:1] == ["body"] else path
 
 
 _MEMBER_LABELS = {"str", "int", "float", "bool", "none", "dict", "list"}
+# pydantic's type errors, as the JSON type the field takes.
+_EXPECTED = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+    "bool_parsing": "true or false", "string_type": "a string", "list_type": "an array",
+    "tuple_type": "an array", "dict_type": "an object", "model_type": "an object",
+    "model_attributes_type": "an object", "none_required": "null",
+}  # fmt: skip
+
+
+def _type_reason(errors: list[Any]) -> str | None:
+    """ "must be an integer, not a string" when every error here is of a wrong JSON type (a union's
+    members each name the type they take); None otherwise."""
+    if not all(e.get("type") in _EXPECTED and "input" in e for e in errors):
+        return None
+    wanted = list(dict.fromkeys(_EXPECTED[e["type"]] for e in errors))
+    options = wanted[0] if len(wanted) == 1 else f"{', '.join(wanted[:-1])} or {wanted[-1]}"
+    given = errors[0]["input"]
+    if given is None:
+        return f"is null; it must be {options}"
+    return f"must be {options}, not {json_kind(given)}"
+
+
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in words (a short scalar shown): `a boolean (true)`."""
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, int):
+        return "an integer" if abs(value) >= 10**20 else f"an integer ({value})"
+    if isinstance(value, float):
+        return f"a decimal number ({clip(repr(value), 20)})"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), "another type")
 
 
 def _reason(error: Any) -> str:
@@ -123,11 +171,25 @@ def _json_message(error: Any, body: Any) -> str:
 
 async def http_error_handler(_: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own errors: an unknown route (404), a wrong method (405), a body that is not
-    even text (400)."""
+    even JSON text (400: `unreadable_body` says why)."""
     detail = exc.detail if isinstance(exc.detail, str) else "invalid request"
     if exc.status_code == 400:
-        detail = f"request body could not be read: {detail}"
+        return error_response(APIError(400, unreadable_body(exc.__cause__, detail), code="json_invalid"))
     return error_response(APIError(exc.status_code, detail))
+
+
+def unreadable_body(cause: BaseException | None, detail: str) -> str:
+    """Why a body that FastAPI could not parse (it says only "There was an error parsing the
+    body") was refused, from the error underneath, in words a client can act on."""
+    if isinstance(cause, UnicodeDecodeError):
+        byte = cause.object[cause.start]
+        return f"request body is not valid UTF-8: byte 0x{byte:02x} at position {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "request body nests its arrays and objects too deeply to be read"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        # Python refuses to read integers of over 4,300 digits (a guard against slow parsing).
+        return "request body holds an integer with more than 4,300 digits, which no field takes"
+    return f"request body could not be read: {detail}"
 
 
 async def unavailable_handler(_: Request, exc: Unavailable) -> JSONResponse:

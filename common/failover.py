@@ -34,6 +34,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import httpx
 from nats.js.errors import NotFoundError
@@ -86,18 +87,29 @@ def instance_name(kind: str) -> str:
     return f"{kind}-{socket.gethostname()}-{secrets.token_hex(2)}-{os.getpid()}"
 
 
+class FailoverSettings(Protocol):
+    """What the reaper reads of a service's settings (services/settings.py ServiceSettings)."""
+
+    failover_after: float  # silence after which a dead instance's work is handed on
+    unresponsive_after: float  # silence that fences one whose socket hangs
+    tls: Tls | None  # how its probes reach the workers' HTTP
+
+
 class Reaper:
     def __init__(
-        self, bus: Bus, store: Store, me: str, after: float = 1.5,
-        on_fence: Callable[[str], None] | None = None, unresponsive_after: float = 5.0,
-        tls: Tls | None = None,
-    ) -> None:  # fmt: skip
-        self.tls = tls
+        self,
+        bus: Bus,
+        store: Store,
+        me: str,
+        settings: FailoverSettings,
+        on_fence: Callable[[str], None] | None = None,
+    ) -> None:
+        self.tls = settings.tls
         self.bus = bus
         self.store = store
         self.me = me
-        self.after = after
-        self.unresponsive_after = unresponsive_after  # silence that fences one whose socket hangs
+        self.after = settings.failover_after
+        self.unresponsive_after = settings.unresponsive_after
         self.on_fence = on_fence  # told of every instance fenced, by anyone (this one too)
         self.fenced: set[str] = set()
         self.reaped = 0  # deaths this watcher handed over
@@ -188,8 +200,10 @@ class Reaper:
                 self._hanging.add(instance_id)
                 log.warning(
                     "%s silent for %.1fs and its /health hangs; dead at %.1fs unless it answers",
-                    instance_id, silent, self.unresponsive_after,
-                )  # fmt: skip
+                    instance_id,
+                    silent,
+                    self.unresponsive_after,
+                )
             return
         try:
             mine = await self.store.registry.claim_death(instance_id)
@@ -276,9 +290,11 @@ class Reaper:
         except NotFoundError:
             return False  # settled before the instance died
         await self.bus.tasks.restore(  # a task sent to its mailbox goes to the shared queue
-            self.bus.subjects.shared(stored.subject), stored.data, msg_id=f"failover:{dead}:{seq}",
+            self.bus.subjects.shared(stored.subject),
+            stored.data,
+            msg_id=f"failover:{dead}:{seq}",
             headers={FAILOVER_HEADER: dead},
-        )  # fmt: skip
+        )
         with contextlib.suppress(NotFoundError):
             await js.delete_msg(stream, seq)
         return True

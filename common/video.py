@@ -111,9 +111,14 @@ RULES: dict[str, Callable[[int, float, float, int], list[int]]] = {"qwen2": qwen
 
 
 def decode_video(
-    data: bytes, limits: VideoLimits, fps: float = 2.0, max_frames: int = 32, *, rule: str = "qwen2",
+    data: bytes,
+    limits: VideoLimits,
+    fps: float = 2.0,
+    max_frames: int = 32,
+    *,
+    rule: str = "qwen2",
     clock=time.monotonic,
-) -> Clip:  # fmt: skip
+) -> Clip:
     """The sampled frames of `data`, picked by `rule` (a key of RULES); raises VideoError /
     VideoTooLarge naming the cause."""
     if len(data) > limits.max_bytes:

@@ -94,6 +94,12 @@ class ServiceSettings(BaseSettings):
         description="Tensors (image features, KV) up to this many bytes ride inside the NATS message; larger "
         "ones are pulled by handle over the transfer port. 0: every tensor by handle",
     )
+    transfer_host_local: bool = Field(
+        True,
+        description="Pulls between processes of one host copy straight from the owner's memory (shared "
+        "memory for CPU tensors, CUDA IPC GPU to GPU) instead of taking the bytes over the transfer port; "
+        "off: every pull streams",
+    )
     # The gateway's API and the planner's write endpoints ask for one of them; empty: open.
     api_keys: str = Field(
         "",
@@ -132,6 +138,12 @@ class ServiceSettings(BaseSettings):
     )
     instance_id: str = Field("", description="Unique id in the registry; empty: <roles>-<host>-<pid>")
     log_level: str = Field("INFO", description="Log level (compose interpolates it from your shell)")
+    otlp_endpoint: str = Field(
+        "",
+        description="OTLP/HTTP collector spans are exported to (a base URL: /v1/traces is added), one span "
+        "per stage of each request under the client's W3C trace; empty: the standard "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing",
+    )
     transfer_port: int = Field(
         0,
         ge=0,
@@ -202,9 +214,13 @@ class ServiceSettings(BaseSettings):
 
     def bus_config(self, name: str) -> BusConfig:
         return BusConfig(
-            url=self.nats_url, prefix=self.namespace, name=name, ack_wait=self.task_ack_wait,
-            stream_replicas=self.nats_stream_replicas, tls=self.tls,
-        )  # fmt: skip
+            url=self.nats_url,
+            prefix=self.namespace,
+            name=name,
+            ack_wait=self.task_ack_wait,
+            stream_replicas=self.nats_stream_replicas,
+            tls=self.tls,
+        )
 
     @property
     def served_model_name(self) -> str:
@@ -329,6 +345,12 @@ class WorkerSettings(ServiceSettings):
     transfer: str = Field(
         "auto", description="Bulk transfer backend: auto (UCX when it loads, TCP with TLS) | ucx | tcp"
     )
+    transfer_device_bytes: int = Field(
+        4 << 30,
+        ge=0,
+        description="Bytes of published KV and features a GPU instance keeps on its GPU for host-local "
+        "pullers (past it the oldest move to host memory); 0: all are served from host memory",
+    )
     kv_layer_group: int = Field(4, description="Layers per KV transfer (002 §3.3)")
     kv_wire: KvWire = Field(
         KvWire.NATIVE,
@@ -450,9 +472,11 @@ class GatewaySettings(ServiceSettings):
     )
     default_max_tokens: int = Field(256, description="`max_tokens` of a request that gives none")
     request_timeout: float = Field(
-        300.0, gt=0, description="Seconds a request may take in all (image fetch and processing "
+        300.0,
+        gt=0,
+        description="Seconds a request may take in all (image fetch and processing "
         "included); past it, 504 and the request is cancelled everywhere",
-    )  # fmt: skip
+    )
     max_in_flight: int = Field(
         1024, description="Requests served at once, counted once a body has arrived whole; beyond it, 429"
     )
@@ -482,15 +506,17 @@ class GatewaySettings(ServiceSettings):
         64, ge=1, description="Cached prefix tokens a request must find at an instance to be sent there"
     )
     kv_routing_load_tokens: int = Field(
-        256, ge=0,
+        256,
+        ge=0,
         description="Prompt tokens one request waiting at an instance is taken to cost, when its "
         "queue is weighed against the tokens its cache saves",
-    )  # fmt: skip
+    )
     kv_routing_take_back: float = Field(
-        1.0, gt=0,
+        1.0,
+        gt=0,
         description="Seconds a request sent to one instance waits for it (busy, slow or dead) before it "
         "goes to the shared queue",
-    )  # fmt: skip
+    )
 
 
 class PlannerSettings(ServiceSettings):

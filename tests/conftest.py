@@ -1,4 +1,5 @@
-"""Shared pytest fixtures; the fast tier's guard; the machine's speed beside the run's time."""
+"""Shared pytest fixtures; the fast tier's guard; the machine's speed beside the run's time. What a run
+records of itself (deployments started, durations, lanes) is the plugin tests/run_record.py."""
 
 import os
 import sys
@@ -8,14 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from common.checkpoints import write_checkpoint
 from common.infra import NatsServer, RedisServer
+from tests.helpers.deployments import REGISTRY, Deployment, shared
 from tests.lanes import lane_scheduler
-from tests.services.shared import SHARED
 from tests.tiers import START_EVENT, mark_slow_folders, starts_a_deployment
 from trident.bench.machine import single_thread_gflops
 
+pytest_plugins = ["tests.run_record"]
 MATMUL_AT_START = pytest.StashKey[tuple[float, float]]()  # (GFLOP/s, time.monotonic()) at session start
 RUNNING: list[pytest.Item] = []  # the test whose setup, call or teardown runs now
 
@@ -85,9 +88,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_deployments() -> Iterator[None]:
-    """Stops the deployments modules share (tests/services/shared.py) that still run at the end."""
+    """Stops the deployments modules share (tests/helpers/deployments.py) that still run at the end."""
     yield
-    SHARED.close()
+    REGISTRY.close()
+
+
+# The shared EPD and E+P+D deployments of tiny-llava, for every module that only sends them requests.
+epd = shared(Deployment.of(method="epd"))
+e_p_d = shared(Deployment.of(method="e+p+d"))
 
 
 @pytest.fixture(scope="session")
@@ -103,6 +111,27 @@ def hf_tiny(tiny_model_dir: Path):
 
     model = LlavaForConditionalGeneration.from_pretrained(tiny_model_dir).eval()
     return model, AutoProcessor.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_generate(hf_tiny):
+    """Greedy HF `generate` for one prompt: the generated ids, cut after the first eos. Each answer
+    is computed once per session (greedy HF is deterministic): several tests ask the same."""
+    model, processor = hf_tiny
+    answers: dict[tuple, list[int]] = {}
+
+    def run(prompt: str, imgs: list[Image.Image], max_tokens: int) -> list[int]:
+        key = (prompt, tuple((img.size, img.mode, img.tobytes()) for img in imgs), max_tokens)
+        if key not in answers:
+            enc = processor(text=prompt, images=imgs or None, return_tensors="pt")
+            with torch.no_grad():
+                out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
+            ids = out[0, enc["input_ids"].shape[1] :].tolist()
+            eos = model.config.text_config.eos_token_id
+            answers[key] = ids[: ids.index(eos) + 1] if eos in ids else ids
+        return list(answers[key])
+
+    return run
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.tiers import count_deployment
 from trident.launcher.cluster import Cluster
 from trident.launcher.cluster import running_cluster as launcher_cluster
 from trident.launcher.warm import WarmStarter
@@ -37,5 +38,6 @@ def running_cluster(
     ready_timeout: float = 90.0,
 ) -> Iterator[Cluster]:
     env = {**TEST_ENV, "TRIDENT_TRANSFER": os.environ.get("TRIDENT_TRANSFER", "auto"), **(env or {})}
+    count_deployment("cluster")
     with launcher_cluster(model, workdir, method, scale, env, ready_timeout, WARM) as cluster:
         yield cluster

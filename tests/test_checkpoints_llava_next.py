@@ -25,12 +25,12 @@ from common.checkpoints import PRESETS, LlavaNextPreset, count_parameters, is_ch
 from common.checkpoints.presets import placeholder_config
 from common.checkpoints.tokenizer import build_processor
 from common.checkpoints.weights import tensor_specs
-from tests.test_checkpoints_qwen2_vl import (
-    _files,
-    _image,
+from tests.helpers.checkpoints import (
     _one_torch_thread,  # noqa: F401  (autouse: one torch thread)
-    _safetensors_keys,
-    _squashed,
+    checkpoint_files,
+    safetensors_keys,
+    seeded_image,
+    squashed,
 )
 from trident.cli.app import app
 
@@ -77,7 +77,7 @@ def test_tiny_loads_with_hf(tiny_dir: Path) -> None:
 
     model, info = LlavaNextForConditionalGeneration.from_pretrained(tiny_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    assert _safetensors_keys(tiny_dir) == set(model.state_dict())
+    assert safetensors_keys(tiny_dir) == set(model.state_dict())
     processor = AutoProcessor.from_pretrained(tiny_dir)
     tok = processor.tokenizer
     cfg, vision, text = model.config, model.config.vision_config, model.config.text_config
@@ -100,10 +100,10 @@ def test_tiny_loads_with_hf(tiny_dir: Path) -> None:
 
 
 def test_same_seed_is_byte_identical_and_other_seed_differs(tiny_dir: Path, tmp_path: Path) -> None:
-    again = _files(write_checkpoint(tmp_path / "again", TINY, seed=0))
-    assert again == _files(tiny_dir)
+    again = checkpoint_files(write_checkpoint(tmp_path / "again", TINY, seed=0))
+    assert again == checkpoint_files(tiny_dir)
     other_dir = write_checkpoint(tmp_path / "other", TINY, seed=1)
-    other = _files(other_dir)
+    other = checkpoint_files(other_dir)
     assert {name for name in again if other[name] != again[name]} == {
         "model.safetensors",
         "trident_checkpoint.json",  # records the seed
@@ -124,7 +124,7 @@ def test_processor_tiles_and_expands_by_image_size(tiny_dir: Path) -> None:
     assert saved["image_processor"]["image_processor_type"] == "LlavaNextImageProcessor"
     assert (saved["patch_size"], saved["num_additional_image_tokens"]) == (8, 1)
 
-    wide, tall = _image(0, (90, 70)), _image(1, (70, 90))
+    wide, tall = seeded_image(0, (90, 70)), seeded_image(1, (70, 90))
     out = processor(text=[PROMPT, PROMPT], images=[wide, tall], return_tensors="pt", padding=True)
     counts = [row.tolist().count(processor.image_token_id) for row in out["input_ids"]]
     assert counts == [199, 203]
@@ -133,7 +133,7 @@ def test_processor_tiles_and_expands_by_image_size(tiny_dir: Path) -> None:
     assert out["image_sizes"].tolist() == [[70, 90], [90, 70]]
     # A 1x3-tiled image has one tile fewer; batched with a 2x2 one, its stack is zero-padded to 5.
     out = processor(
-        text=[PROMPT, PROMPT], images=[_image(2, (160, 40)), wide], return_tensors="pt", padding=True
+        text=[PROMPT, PROMPT], images=[seeded_image(2, (160, 40)), wide], return_tensors="pt", padding=True
     )
     assert tuple(out["pixel_values"].shape) == (2, 5, 3, 56, 56)
     assert torch.all(out["pixel_values"][0, 4] == 0) and not torch.all(out["pixel_values"][0, 3] == 0)
@@ -145,7 +145,7 @@ def test_placeholders_match_the_model_features(
 ) -> None:
     # Processor, the preset's own count and the features HF's model packs all agree for each image size.
     processor = AutoProcessor.from_pretrained(tiny_dir)
-    out = processor(text=PROMPT, images=[_image(3, size)], return_tensors="pt")
+    out = processor(text=PROMPT, images=[seeded_image(3, size)], return_tensors="pt")
     count = out["input_ids"][0].tolist().count(processor.image_token_id)
     width, height = size
     assert count == _preset(TINY).image_tokens(height, width) == TINY_TOKENS[size]
@@ -159,7 +159,7 @@ def test_real_preset_counts_agree_with_its_processor(tiny_dir: Path) -> None:
     preset = _preset(REAL)
     processor = build_processor(preset, AutoTokenizer.from_pretrained(tiny_dir))
     for width, height in [(336, 336), (640, 480), (480, 640), (1024, 200), (200, 1200), (1000, 999)]:
-        out = processor(text=PROMPT, images=[_image(6, (width, height))], return_tensors="pt")
+        out = processor(text=PROMPT, images=[seeded_image(6, (width, height))], return_tensors="pt")
         count = out["input_ids"][0].tolist().count(processor.image_token_id)
         assert count == preset.image_tokens(height, width), (width, height)
     assert preset.image_tokens(1000, 999) == 576 + 48 * 48 + 48
@@ -174,7 +174,9 @@ def test_hf_greedy_generate_wanders(
     tiny_model: LlavaNextForConditionalGeneration, tiny_dir: Path, text: str, size: tuple[int, int] | None
 ) -> None:
     processor = AutoProcessor.from_pretrained(tiny_dir)
-    inputs = processor(text=text, images=None if size is None else [_image(4, size)], return_tensors="pt")
+    inputs = processor(
+        text=text, images=None if size is None else [seeded_image(4, size)], return_tensors="pt"
+    )
     greedy = {"do_sample": False, "max_new_tokens": 24, "min_new_tokens": 24}
     with torch.no_grad():
         out = tiny_model.generate(**inputs, **greedy, output_scores=True, return_dict_in_generate=True)
@@ -197,7 +199,7 @@ def test_image_newline_reaches_the_output(
 ) -> None:
     # A loader that drops image_newline (or places it wrong) is caught by a logits comparison.
     processor = AutoProcessor.from_pretrained(tiny_dir)
-    inputs = processor(text=PROMPT, images=[_image(5, (90, 70))], return_tensors="pt")
+    inputs = processor(text=PROMPT, images=[seeded_image(5, (90, 70))], return_tensors="pt")
     with torch.no_grad():
         logits = tiny_model(**inputs).logits[0, -1]
         saved = tiny_model.model.image_newline.detach().clone()
@@ -242,11 +244,11 @@ def test_cli_make_model_and_preset_lists(tmp_path: Path) -> None:
     assert json.loads((target / "config.json").read_text())["model_type"] == "llava_next"
     help_text = runner.invoke(app, ["make-model", "--help"])
     assert help_text.exit_code == 0
-    assert "LLaVA-NeXT:tiny-llava-next,small-llava-next,llava-next-7b." in _squashed(help_text.output)
-    assert all(name in _squashed(help_text.output) for name in PRESETS)
+    assert "LLaVA-NeXT:tiny-llava-next,small-llava-next,llava-next-7b." in squashed(help_text.output)
+    assert all(name in squashed(help_text.output) for name in PRESETS)
     unknown = runner.invoke(app, ["make-model", str(tmp_path / "m"), "--preset", "llava-next-huge"])
     assert unknown.exit_code == 2
-    assert all(name in _squashed(unknown.output) for name in PRESETS)
+    assert all(name in squashed(unknown.output) for name in PRESETS)
     assert not (tmp_path / "m").exists()
 
 
@@ -267,6 +269,6 @@ EARLIER_DIGESTS = {
 )
 @pytest.mark.parametrize("name", list(EARLIER_DIGESTS))
 def test_earlier_families_write_the_same_bytes(name: str, tmp_path: Path) -> None:
-    files = _files(write_checkpoint(tmp_path / name, name, seed=0))
+    files = checkpoint_files(write_checkpoint(tmp_path / name, name, seed=0))
     lines = "".join(f"{file} {hashlib.sha256(data).hexdigest()}\n" for file, data in files.items())
     assert hashlib.sha256(lines.encode()).hexdigest() == EARLIER_DIGESTS[name]

@@ -5,45 +5,32 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
-from safetensors import safe_open
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 from typer.testing import CliRunner
 
 from common.checkpoints import PRESETS, Qwen2VLPreset, count_parameters, is_checkpoint_dir, write_checkpoint
 from common.checkpoints.presets import placeholder_config
 from common.checkpoints.weights import tensor_specs
+from tests.helpers.checkpoints import (
+    IMAGE_PAD,
+    RELEASE_FILES,
+    VISION,
+    _one_torch_thread,  # noqa: F401  (autouse: one torch thread)
+    check_greedy_generate_is_not_collapsed,
+    check_the_image_changes_the_output,
+    checkpoint_files,
+    safetensors_keys,
+    seeded_image,
+    squashed,
+)
 from trident.cli.app import app
 
 QWEN_PRESETS = ("tiny-qwen2-vl", "small-qwen2-vl", "qwen2-vl-7b")
-IMAGE_PAD = "<|image_pad|>"
-VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-RELEASE_FILES = {
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "preprocessor_config.json",
-    "chat_template.json",
-    "trident_checkpoint.json",
-}
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # As in test_checkpoints.py: the tiny model gains nothing from threads on a shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -57,34 +44,8 @@ def qwen_model(qwen_dir: Path) -> Qwen2VLForConditionalGeneration:
     return Qwen2VLForConditionalGeneration.from_pretrained(qwen_dir).eval()
 
 
-def _files(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
-
-
-def _safetensors_keys(directory: Path) -> set[str]:
-    keys: set[str] = set()
-    for path in directory.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as f:
-            keys.update(f.keys())
-    return keys
-
-
-def _image(seed: int, size: tuple[int, int]) -> Image.Image:
-    gen = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=gen, dtype=torch.uint8)
-    return Image.fromarray(pixels.numpy())
-
-
 def _template(directory: Path) -> str:
     return json.loads((directory / "chat_template.json").read_text())["chat_template"]
-
-
-def _expand_image_pads(text: str, grid_thw: torch.Tensor, merge_size: int) -> str:
-    """What Qwen2VLProcessor does: the i-th <|image_pad|> becomes t*h*w / merge^2 copies of itself."""
-    head, *rests = text.split(IMAGE_PAD)
-    assert len(rests) == len(grid_thw)
-    counts = [int(grid.prod()) // merge_size**2 for grid in grid_thw]
-    return head + "".join(IMAGE_PAD * n + rest for n, rest in zip(counts, rests, strict=True))
 
 
 def test_tiny_loads_with_hf(qwen_dir: Path) -> None:
@@ -98,7 +59,7 @@ def test_tiny_loads_with_hf(qwen_dir: Path) -> None:
 
     model, info = Qwen2VLForConditionalGeneration.from_pretrained(qwen_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    assert _safetensors_keys(qwen_dir) == set(model.state_dict())
+    assert safetensors_keys(qwen_dir) == set(model.state_dict())
     tok = AutoTokenizer.from_pretrained(qwen_dir)
     cfg, text = model.config, model.config.text_config
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", IMAGE_PAD)}
@@ -130,9 +91,9 @@ def test_tiny_loads_with_hf(qwen_dir: Path) -> None:
 
 
 def test_same_seed_is_byte_identical_and_other_seed_differs(qwen_dir: Path, tmp_path: Path) -> None:
-    again = _files(write_checkpoint(tmp_path / "again", "tiny-qwen2-vl", seed=0))
-    assert again == _files(qwen_dir)
-    other = _files(write_checkpoint(tmp_path / "other", "tiny-qwen2-vl", seed=1))
+    again = checkpoint_files(write_checkpoint(tmp_path / "again", "tiny-qwen2-vl", seed=0))
+    assert again == checkpoint_files(qwen_dir)
+    other = checkpoint_files(write_checkpoint(tmp_path / "other", "tiny-qwen2-vl", seed=1))
     assert other["model.safetensors"] != again["model.safetensors"]
     assert other["tokenizer.json"] == again["tokenizer.json"]
     assert other["config.json"] == again["config.json"]
@@ -205,7 +166,7 @@ def test_image_processor(qwen_dir: Path) -> None:
     assert raw["image_processor_type"] == "Qwen2VLImageProcessor"
     assert (raw["min_pixels"], raw["max_pixels"]) == (56 * 56, 112 * 112)
     assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (14, 2, 2)
-    out = processor(images=[_image(0, (56, 56)), _image(1, (112, 84))], return_tensors="pt")
+    out = processor(images=[seeded_image(0, (56, 56)), seeded_image(1, (112, 84))], return_tensors="pt")
     grids = out["image_grid_thw"]
     # 56x56 -> 4x4 patches; 112 wide x 84 high -> 6 rows x 8 columns of 14-pixel patches.
     assert grids.tolist() == [[1, 4, 4], [1, 6, 8]]
@@ -213,41 +174,8 @@ def test_image_processor(qwen_dir: Path) -> None:
     assert tuple(out["pixel_values"].shape) == (int(grids.prod(dim=1).sum()), patch_dim) == (64, 1176)
     # A handful of placeholder tokens each: one per 2x2 group of patches.
     assert [int(g.prod()) // processor.merge_size**2 for g in grids] == [4, 12]
-    big = processor(images=[_image(2, (640, 480))], return_tensors="pt")["image_grid_thw"][0]
+    big = processor(images=[seeded_image(2, (640, 480))], return_tensors="pt")["image_grid_thw"][0]
     assert int(big.prod()) * preset.patch_size**2 <= preset.max_pixels
-
-
-def _greedy(
-    model: Qwen2VLForConditionalGeneration, directory: Path, text: str, image: Image.Image | None
-) -> tuple[list[int], list[float]]:
-    tok = AutoTokenizer.from_pretrained(directory)
-    content = [{"type": "image"}] if image is not None else []
-    messages = [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    extra: dict[str, torch.Tensor] = {}
-    if image is not None:
-        processor = Qwen2VLImageProcessorPil.from_pretrained(directory)
-        pixels = processor(images=[image], return_tensors="pt")
-        prompt = _expand_image_pads(prompt, pixels["image_grid_thw"], processor.merge_size)
-        extra = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
-    enc = tok(prompt, return_tensors="pt")
-    if image is not None:
-        # transformers 5 needs the token types to lay out M-RoPE positions over the image grid.
-        extra["mm_token_type_ids"] = (enc["input_ids"] == model.config.image_token_id).int()
-        assert int(extra["mm_token_type_ids"].sum()) == int(pixels["image_grid_thw"].prod()) // 4
-    with torch.no_grad():
-        out = model.generate(
-            **enc,
-            **extra,
-            max_new_tokens=24,
-            min_new_tokens=24,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    new_tokens = out.sequences[0, enc["input_ids"].shape[1] :].tolist()
-    top2 = torch.stack([torch.topk(step[0], 2).values for step in out.scores])
-    return new_tokens, (top2[:, 0] - top2[:, 1]).tolist()
 
 
 @pytest.mark.parametrize(
@@ -258,22 +186,11 @@ def _greedy(
 def test_hf_greedy_generate_is_not_collapsed(
     qwen_model: Qwen2VLForConditionalGeneration, qwen_dir: Path, image_seed: int | None, size
 ) -> None:
-    image = None if image_seed is None else _image(image_seed, size)
-    new_tokens, gaps = _greedy(qwen_model, qwen_dir, "What is in the picture?", image)
-    assert len(new_tokens) == 24
-    assert len(set(new_tokens)) >= 4
-    # The winner is decided far above float32 noise at most steps.
-    assert statistics.median(gaps) > 1e-2
-    assert sum(gap > 1e-3 for gap in gaps) >= 20
-    # Greedy text decodes cleanly: no pad, placeholder or marker (zero lm_head rows) ever wins.
-    assert not set(new_tokens) & {0, 1, 3, 4, 5, 6}
+    check_greedy_generate_is_not_collapsed(qwen_model, qwen_dir, image_seed, size)
 
 
 def test_the_image_changes_the_output(qwen_model: Qwen2VLForConditionalGeneration, qwen_dir: Path) -> None:
-    # Same prompt, same grid, different pixels: the vision tower's features reach the text model.
-    a, _ = _greedy(qwen_model, qwen_dir, "Describe it.", _image(6, (56, 56)))
-    b, _ = _greedy(qwen_model, qwen_dir, "Describe it.", _image(7, (56, 56)))
-    assert a != b
+    check_the_image_changes_the_output(qwen_model, qwen_dir)
 
 
 def test_sharded_and_tied_variant_loads(qwen_model: Qwen2VLForConditionalGeneration, tmp_path: Path) -> None:
@@ -284,7 +201,7 @@ def test_sharded_and_tied_variant_loads(qwen_model: Qwen2VLForConditionalGenerat
     directory = write_checkpoint(tmp_path / "sharded", preset, seed=0)
     assert (directory / "model.safetensors.index.json").exists()
     assert len(list(directory.glob("model-*-of-*.safetensors"))) > 1
-    assert "lm_head.weight" not in _safetensors_keys(directory)
+    assert "lm_head.weight" not in safetensors_keys(directory)
     model, info = Qwen2VLForConditionalGeneration.from_pretrained(directory, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.config.tie_word_embeddings
@@ -340,20 +257,15 @@ def test_cli_make_model(tmp_path: Path) -> None:
     assert json.loads((target / "config.json").read_text())["model_type"] == "llava"
 
 
-def _squashed(output: str) -> str:
-    # Rich wraps long lines inside boxes; dropping box edges and whitespace rejoins split names.
-    return "".join(output.replace("│", "").split())
-
-
 def test_cli_help_lists_the_presets() -> None:
     result = CliRunner().invoke(app, ["make-model", "--help"])
     assert result.exit_code == 0
-    assert all(name in _squashed(result.output) for name in PRESETS)
+    assert all(name in squashed(result.output) for name in PRESETS)
     assert all(name in result.output for name in QWEN_PRESETS)
 
 
 def test_cli_unknown_preset_lists_valid_ones(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["make-model", str(tmp_path / "m"), "--preset", "qwen-huge"])
     assert result.exit_code == 2
-    assert all(name in _squashed(result.output) for name in PRESETS)
+    assert all(name in squashed(result.output) for name in PRESETS)
     assert not (tmp_path / "m").exists()

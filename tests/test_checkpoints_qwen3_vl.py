@@ -13,8 +13,8 @@ from transformers import AutoTokenizer, PreTrainedModel, Qwen2VLImageProcessorPi
 
 from common.checkpoints import PRESETS
 from common.checkpoints.presets import placeholder_config
-from tests.test_checkpoints_qwen2_5_vl import QwenVLFamilyChecks
-from tests.test_checkpoints_qwen2_vl import _expand_image_pads, _image
+from tests.helpers.checkpoints import expand_image_pads, seeded_image
+from tests.helpers.qwen_vl_checks import QwenVLFamilyChecks
 
 
 class TestQwen3VL(QwenVLFamilyChecks):
@@ -51,7 +51,7 @@ class TestQwen3VL(QwenVLFamilyChecks):
         assert "min_pixels" not in raw and "max_pixels" not in raw
         processor = Qwen2VLImageProcessorPil.from_pretrained(tiny_dir)
         # Mid-grey normalises to 0 with mean = std = 0.5.
-        grey = _image(0, (64, 64)).point(lambda _: 128)
+        grey = seeded_image(0, (64, 64)).point(lambda _: 128)
         assert processor(images=[grey], return_tensors="pt")["pixel_values"].abs().max() < 0.01
         real = PRESETS["qwen3-vl-8b"]
         assert (real.min_pixels, real.max_pixels) == (65536, 16777216)
@@ -84,7 +84,7 @@ class TestQwen3VL(QwenVLFamilyChecks):
         self, tiny_model: PreTrainedModel, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         processor = Qwen2VLImageProcessorPil.from_pretrained(tiny_dir)
-        pixels = processor(images=[_image(9, (112, 84))], return_tensors="pt")
+        pixels = processor(images=[seeded_image(9, (112, 84))], return_tensors="pt")
         with torch.no_grad():
             vision = tiny_model.model.visual(pixels["pixel_values"], grid_thw=pixels["image_grid_thw"])
         # Blocks 0 and 1 each give one feature per merged token (6x8 patches -> 12), at the text width.
@@ -94,7 +94,7 @@ class TestQwen3VL(QwenVLFamilyChecks):
         tok = AutoTokenizer.from_pretrained(tiny_dir)
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        enc = tok(_expand_image_pads(prompt, pixels["image_grid_thw"], 2), return_tensors="pt")
+        enc = tok(expand_image_pads(prompt, pixels["image_grid_thw"], 2), return_tensors="pt")
         inputs = {**enc, **pixels, "mm_token_type_ids": (enc["input_ids"] == tok.image_token_id).int()}
 
         def last_logits() -> torch.Tensor:

@@ -16,9 +16,9 @@ from typing import Any
 import jsonschema
 import pytest
 import typer
-import yaml
 
 from services.settings import GatewaySettings, PlannerSettings, WorkerSettings
+from tests.helpers.compose_files import merge, read_compose_file
 from trident.cli.up import up
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,29 +46,14 @@ def validator() -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(schema)
 
 
-def _load(name: str) -> dict[str, Any]:
-    return yaml.safe_load((REPO / name).read_text())
-
-
-def merge(base: Any, override: Any) -> Any:
-    """Compose's merge of an override file, for what compose.gpu.yaml uses: mappings merge key by key,
-    anything else is replaced."""
-    if isinstance(base, dict) and isinstance(override, dict):
-        merged = dict(base)
-        for key, value in override.items():
-            merged[key] = merge(base[key], value) if key in base else copy.deepcopy(value)
-        return merged
-    return copy.deepcopy(override)
-
-
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return _load("compose.yaml")
+    return read_compose_file("compose.yaml")
 
 
 @pytest.fixture(scope="module")
 def gpu(compose: dict[str, Any]) -> dict[str, Any]:
-    return merge(compose, _load("compose.gpu.yaml"))
+    return merge(compose, read_compose_file("compose.gpu.yaml"))
 
 
 def _errors(validator: jsonschema.Draft7Validator, doc: dict[str, Any]) -> list[str]:
@@ -76,8 +61,8 @@ def _errors(validator: jsonschema.Draft7Validator, doc: dict[str, Any]) -> list[
 
 
 def test_files_match_the_compose_spec(validator: jsonschema.Draft7Validator, gpu: dict[str, Any]) -> None:
-    assert _errors(validator, _load("compose.yaml")) == []
-    assert _errors(validator, _load("compose.gpu.yaml")) == []
+    assert _errors(validator, read_compose_file("compose.yaml")) == []
+    assert _errors(validator, read_compose_file("compose.gpu.yaml")) == []
     assert _errors(validator, gpu) == []
 
 
@@ -100,7 +85,7 @@ def _walk(node: Any) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", ["compose.yaml", "compose.gpu.yaml"])
 def test_no_container_names(name: str) -> None:
     # A fixed container name would make `--scale` fail on the second replica.
-    assert all("container_name" not in mapping for mapping in _walk(_load(name)))
+    assert all("container_name" not in mapping for mapping in _walk(read_compose_file(name)))
 
 
 def test_only_unscaled_services_publish_ports(compose: dict[str, Any], gpu: dict[str, Any]) -> None:
@@ -115,7 +100,7 @@ def test_only_unscaled_services_publish_ports(compose: dict[str, Any], gpu: dict
     assert set(monitoring) == {"prometheus", "grafana"}
     assert all(port.startswith("127.0.0.1:") for s in monitoring.values() for port in s["ports"])
     assert compose["services"]["gateway"]["ports"] == ["${TRIDENT_PORT:-8000}:8000"]
-    expose = merge(compose, _load("compose.expose.yaml"))
+    expose = merge(compose, read_compose_file("compose.expose.yaml"))
     assert expose["services"]["planner"]["ports"] == ["127.0.0.1:${TRIDENT_PLANNER_PORT:-8100}:8100"]
 
 
@@ -266,13 +251,13 @@ def test_running_md_documents_every_variable_and_flag() -> None:
 
 @pytest.fixture(scope="module")
 def ha(compose: dict[str, Any]) -> dict[str, Any]:
-    return merge(compose, _load("compose.ha.yaml"))
+    return merge(compose, read_compose_file("compose.ha.yaml"))
 
 
 def test_ha_override(validator: jsonschema.Draft7Validator, ha: dict[str, Any]) -> None:
     """compose.ha.yaml: three NATS nodes routed with the token, Redis with a replica and three
     sentinels, every Trident service pointed at all of them, and still nothing published."""
-    assert _errors(validator, _load("compose.ha.yaml")) == []
+    assert _errors(validator, read_compose_file("compose.ha.yaml")) == []
     assert _errors(validator, ha) == []
     services = ha["services"]
     nodes = ["nats", "nats-2", "nats-3"]
@@ -304,7 +289,7 @@ def test_ha_override(validator: jsonschema.Draft7Validator, ha: dict[str, Any]) 
 
 @pytest.fixture(scope="module")
 def tls(compose: dict[str, Any]) -> dict[str, Any]:
-    return merge(compose, _load("compose.tls.yaml"))
+    return merge(compose, read_compose_file("compose.tls.yaml"))
 
 
 def test_tls_override(validator: jsonschema.Draft7Validator, tls: dict[str, Any]) -> None:
@@ -312,7 +297,7 @@ def test_tls_override(validator: jsonschema.Draft7Validator, tls: dict[str, Any]
     certificate before a word, Redis listens on TLS only and asks the same, every Trident service
     is told the folder, and a worker's health check shows the certificate (its HTTP asks for one).
     Run under a real engine by hand (docs/running.md); CI checks the merged file here."""
-    assert _errors(validator, _load("compose.tls.yaml")) == []
+    assert _errors(validator, read_compose_file("compose.tls.yaml")) == []
     assert _errors(validator, tls) == []
     services = tls["services"]
     init = services["secrets-init"]["command"][-1]

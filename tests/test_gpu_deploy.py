@@ -12,7 +12,7 @@ from common.planner.types import METHOD_KINDS
 from common.roles import InstanceKind
 from services.settings import WorkerSettings
 from tests.bench import load_script
-from tests.test_compose import _load, merge
+from tests.helpers.compose_files import merge, read_compose_file
 from trident import gpu_deploy
 from trident.kubernetes.render import Options, render
 
@@ -21,7 +21,7 @@ WORKERS = ("encoder", "prefill", "decode", "worker-ep", "worker-ed", "worker-epd
 
 
 def test_compose_gpu_workers_run_the_checked_settings() -> None:
-    merged = merge(_load("compose.yaml"), _load("compose.gpu.yaml"))
+    merged = merge(read_compose_file("compose.yaml"), read_compose_file("compose.gpu.yaml"))
     for name in WORKERS:
         service = merged["services"][name]
         env = service["environment"]

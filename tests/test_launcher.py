@@ -12,19 +12,13 @@ import contextlib
 import dataclasses
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import textwrap
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import typer
-import yaml
 from typer.testing import CliRunner
 
 from common.compose import (
@@ -39,6 +33,14 @@ from common.compose import (
 )
 from common.infra import free_port
 from common.threads import thread_split
+from tests.helpers.stand_in_up import (
+    read_until,
+    stand_in_compose,
+    stand_in_record,
+    start_up,
+    stop_up,
+    wait_until,
+)
 from trident.launcher.processes import FIRST_BACKOFF, MAX_BACKOFF, restart_delay
 from trident.launcher.specs import LocalSetup, plan
 from trident.launcher.state import identity, is_alive, program, recorded, start_time
@@ -284,171 +286,18 @@ def test_down_stops_what_a_killed_up_left(
 
 
 # -- a whole run, with stand-ins for the services ------------------------------------------------
-STAND_IN = textwrap.dedent(
-    """
-    import http.server, json, os, signal, socket, sys, threading, time, urllib.parse
-
-    mode = sys.argv[1]
-    if mode == "fail":
-        print("boom: cannot start", flush=True)
-        sys.exit(3)
-    out = os.path.join(os.environ["STAND_IN_OUT"], f"{os.getpid()}.json")
-    record = {"argv": sys.argv, "env": {k: v for k, v in os.environ.items() if k.startswith("TRIDENT_")}}
-
-    def save(**extra):
-        with open(out, "w") as f:
-            json.dump({**record, **extra}, f)
-
-    def reachable(url):
-        parts = urllib.parse.urlsplit(url)
-        try:
-            socket.create_connection((parts.hostname, parts.port), timeout=1).close()
-            return True
-        except OSError:
-            return False
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            urls = (os.environ["TRIDENT_NATS_URL"], os.environ["TRIDENT_REDIS_URL"])
-            ok = self.path == "/health" or all(reachable(url) for url in urls)
-            self.send_response(200 if ok else 503)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    if mode == "stubborn-gateway":  # a gateway that will not stop on SIGTERM: only SIGKILL ends it
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        mode = "gateway"
-    if mode == "waiting-gateway":  # ready only once every worker stand-in has started, as a real one
-        import glob
-        started = os.path.join(os.environ["STAND_IN_OUT"], "*.json")
-        while len(glob.glob(started)) < int(os.environ["STAND_IN_WORKERS"]):
-            time.sleep(0.05)
-        mode = "gateway"
-    if mode == "gateway":
-        address = (os.environ["TRIDENT_BIND_HOST"], int(os.environ["TRIDENT_PORT"]))
-        server = http.server.ThreadingHTTPServer(address, Handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    stopped = []  # a list, not a threading.Event: Event.set in a handler can deadlock Event.wait
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, lambda *a: stopped.append(1))
-    save()
-    while not stopped:
-        time.sleep(0.05)
-    save(drained=True)
-    """
-)
-
-
-def _stand_in_compose(tmp_path: Path, decode_mode: str = "worker", gateway_mode: str = "gateway") -> Path:
-    """The repository's compose.yaml with each service's command replaced by the stand-in."""
-    script = tmp_path / "stand_in.py"
-    script.write_text(STAND_IN)
-    data = yaml.safe_load(COMPOSE.read_text())
-    for name, service in data["services"].items():
-        ours = str(service.get("image", "")).startswith("trident")  # not nats, redis, prometheus, grafana
-        if ours and "command" in service and name not in ("secrets-init", "model-init"):
-            mode = gateway_mode if name == "gateway" else decode_mode if name == "decode" else "worker"
-            service["command"] = ["python", str(script), mode]
-            service["stop_grace_period"] = "3s"  # what a stubborn stand-in costs a test before SIGKILL
-            service["environment"]["STAND_IN_OUT"] = "${STAND_IN_OUT}"  # interpolated from the caller
-    path = tmp_path / "compose.test.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
-def _stop_up(proc: subprocess.Popen) -> None:
-    """After a failed test: Ctrl-C first, so `trident up` stops the servers and services it started
-    (a SIGKILL would orphan them), then SIGKILL if it does not exit."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], queue.Queue[str | None]]:
-    """`trident up` in tmp_path. typer.run over the command itself skips importing the model stack."""
-    out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
-    (tmp_path / "model").mkdir(exist_ok=True)
-    env = {**os.environ, "STAND_IN_OUT": str(out), "TRIDENT_LOG_LEVEL": "DEBUG"}
-    env.pop("TRIDENT_NUM_THREADS", None)
-    argv = [sys.executable, "-c", "import typer; from trident.cli.up import up; typer.run(up)"]
-    argv += ["--model", str(tmp_path / "model"), "--file", str(tmp_path / "compose.test.yaml"), *args]
-    proc = subprocess.Popen(
-        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)  # end of output
-
-    threading.Thread(target=pump, daemon=True).start()
-    return proc, lines
-
-
-def _read_until(lines: queue.Queue[str | None], prefix: str | None, timeout: float = 30.0) -> list[str]:
-    """Output lines up to the first that starts with `prefix` (None: to the end of the output)."""
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.2)
-        except queue.Empty:
-            continue
-        if line is None:
-            if prefix is None:
-                return seen
-            break
-        seen.append(line)
-        if prefix is not None and line.startswith(prefix):
-            return seen
-    raise AssertionError(f"no line starting with {prefix!r} in {timeout} s:\n" + "\n".join(seen))
-
-
-def _record(tmp_path: Path, pid: int, timeout: float = 10.0) -> dict:
-    """What the stand-in with this pid wrote: its argv and TRIDENT_* environment, and whether it drained.
-
-    The gateway may be ready before a worker has written its record: wait for a whole one.
-    """
-    path = tmp_path / "out" / f"{pid}.json"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            if time.monotonic() >= deadline:
-                raise
-        time.sleep(0.05)
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow  # `trident up` over stand-in services
 @pytest.mark.timeout(60)
 def test_up_runs_method_restarts_and_down_drains(
     tmp_path: Path, cli_runner: CliRunner, app: typer.Typer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _stand_in_compose(tmp_path)
+    stand_in_compose(tmp_path)
     port = free_port()
-    proc, lines = _start_up(tmp_path, "--method", "ep+d", "--scale", "decode=2", "--port", str(port))
+    proc, lines = start_up(tmp_path, "--method", "ep+d", "--scale", "decode=2", "--port", str(port))
     try:
-        assert _read_until(lines, "gateway:")[-1] == f"gateway: http://127.0.0.1:{port}"
+        assert read_until(lines, "gateway:")[-1] == f"gateway: http://127.0.0.1:{port}"
         assert (
-            '"model": "model"' in _read_until(lines, "try: curl")[-1]
+            '"model": "model"' in read_until(lines, "try: curl")[-1]
         )  # the served name is the model directory's name
 
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
@@ -457,7 +306,7 @@ def test_up_runs_method_restarts_and_down_drains(
         assert names == ["worker-ep-1", "decode-1", "decode-2", *PLANNER, "gateway-1"]
         for p in state["processes"]:
             assert Path(p["log"]).is_file()
-        records = {p["name"]: _record(tmp_path, p["pid"]) for p in state["processes"]}
+        records = {p["name"]: stand_in_record(tmp_path, p["pid"]) for p in state["processes"]}
         worker_env = records["worker-ep-1"]["env"]
         assert worker_env["TRIDENT_ROLES"] == "encode,prefill"
         assert worker_env["TRIDENT_NATS_URL"] == state["servers"]["nats"]["url"]
@@ -475,17 +324,17 @@ def test_up_runs_method_restarts_and_down_drains(
         # A crashed worker is restarted (compose's restart: unless-stopped) and the state file follows.
         old = state["processes"][1]["pid"]
         os.kill(old, signal.SIGKILL)
-        _read_until(lines, "decode-1: restarted")
+        read_until(lines, "decode-1: restarted")
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
         new = state["processes"][1]["pid"]
         assert new != old
         # The stand-in handles SIGTERM once it has written its record.
-        _wait_for(lambda: (tmp_path / "out" / f"{new}.json").exists())
+        wait_until(lambda: (tmp_path / "out" / f"{new}.json").exists())
 
         # So is a crashed NATS, and the state file names the new server, not the dead one.
         old_nats = state["servers"]["nats"]
         os.kill(old_nats["pid"], signal.SIGKILL)
-        _read_until(lines, "nats: restarted")
+        read_until(lines, "nats: restarted")
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
         assert state["servers"]["nats"]["pid"] != old_nats["pid"]
         assert is_alive(state["servers"]["nats"])
@@ -496,12 +345,12 @@ def test_up_runs_method_restarts_and_down_drains(
         assert "stopped" in result.output
         assert proc.wait(timeout=10) == 0
     finally:
-        _stop_up(proc)
+        stop_up(proc)
     # Every service got SIGTERM and drained; the servers are gone and so is the state file.
     for p in state["processes"]:
-        assert _record(tmp_path, p["pid"]).get("drained"), p["name"]
+        assert stand_in_record(tmp_path, p["pid"]).get("drained"), p["name"]
     for server in state["servers"].values():
-        _wait_for(lambda server=server: not is_alive(server))
+        wait_until(lambda server=server: not is_alive(server))
     assert not (tmp_path / ".trident" / "up.json").exists()
     assert (tmp_path / ".trident" / "logs" / "nats.log").is_file()
 
@@ -510,21 +359,22 @@ def test_up_runs_method_restarts_and_down_drains(
 @pytest.mark.timeout(60)
 def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     """SIGINT (Ctrl-C) drains like `trident down`, and `trident up` exits 0."""
-    _stand_in_compose(tmp_path)
-    proc, lines = _start_up(tmp_path, "--method", "epd", "--port", str(free_port()))
+    stand_in_compose(tmp_path)
+    proc, lines = start_up(tmp_path, "--method", "epd", "--port", str(free_port()))
     try:
-        _read_until(lines, "gateway:")
+        read_until(lines, "gateway:")
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
         assert [p["name"] for p in state["processes"]] == ["worker-epd-1", *PLANNER, "gateway-1"]
         assert (
-            _record(tmp_path, state["processes"][0]["pid"])["env"]["TRIDENT_ROLES"] == "encode,prefill,decode"
+            stand_in_record(tmp_path, state["processes"][0]["pid"])["env"]["TRIDENT_ROLES"]
+            == "encode,prefill,decode"
         )
         proc.send_signal(signal.SIGINT)
-        assert "stopped" in _read_until(lines, None)
+        assert "stopped" in read_until(lines, None)
         assert proc.wait(timeout=10) == 0
     finally:
-        _stop_up(proc)
-    assert all(_record(tmp_path, p["pid"]).get("drained") for p in state["processes"])
+        stop_up(proc)
+    assert all(stand_in_record(tmp_path, p["pid"]).get("drained") for p in state["processes"])
     assert not any(is_alive(server) for server in state["servers"].values())
 
 
@@ -533,10 +383,10 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
 def test_up_fails_when_a_service_dies_during_start_up(tmp_path: Path, monkeypatch) -> None:
     # The gateway waits for every worker, as a real one does, so it is never ready here: else, on a
     # busy machine, the stand-in gateway answered /ready before the failing decoder had exited.
-    _stand_in_compose(tmp_path, decode_mode="fail", gateway_mode="waiting-gateway")
+    stand_in_compose(tmp_path, decode_mode="fail", gateway_mode="waiting-gateway")
     monkeypatch.setenv("STAND_IN_WORKERS", "5")  # encoder, prefill, decode, planner, planner-jobs
-    proc, lines = _start_up(tmp_path, "--port", str(free_port()), "--ready-timeout", "30")
-    text = "\n".join(_read_until(lines, None, timeout=40))
+    proc, lines = start_up(tmp_path, "--port", str(free_port()), "--ready-timeout", "30")
+    text = "\n".join(read_until(lines, None, timeout=40))
     assert proc.wait(timeout=5) == 1
     assert "decode-1 exited (code 3) during start-up" in text
     assert "boom: cannot start" in text  # the tail of its log
@@ -549,20 +399,20 @@ def test_up_fails_when_a_service_dies_during_start_up(tmp_path: Path, monkeypatc
 def test_a_killed_up_takes_its_servers_and_services_with_it(tmp_path: Path) -> None:
     """`trident up` SIGKILLed (a test harness, the OOM killer) left nats-server, redis-server and every
     service running, holding their ports; the kernel now sends them SIGTERM when it dies."""
-    _stand_in_compose(tmp_path)
-    proc, lines = _start_up(tmp_path, "--method", "ep+d", "--port", str(free_port()))
+    stand_in_compose(tmp_path)
+    proc, lines = start_up(tmp_path, "--method", "ep+d", "--port", str(free_port()))
     try:
-        _read_until(lines, "gateway:")
+        read_until(lines, "gateway:")
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
         children = recorded(state)
         assert len(children) == 7 and all(is_alive(r) for r in children)
         proc.kill()
         proc.wait()
-        _wait_for(lambda: not any(is_alive(r) for r in children), timeout=20)
+        wait_until(lambda: not any(is_alive(r) for r in children), timeout=20)
     finally:
-        _stop_up(proc)
+        stop_up(proc)
     # The services were told to stop, not killed: each drained.
-    assert all(_record(tmp_path, p["pid"]).get("drained") for p in state["processes"])
+    assert all(stand_in_record(tmp_path, p["pid"]).get("drained") for p in state["processes"])
 
 
 @pytest.mark.slow
@@ -570,23 +420,23 @@ def test_a_killed_up_takes_its_servers_and_services_with_it(tmp_path: Path) -> N
 def test_a_second_up_clears_what_a_dead_one_left(tmp_path: Path) -> None:
     """A gateway that outlived its SIGKILLed `trident up` held the port: the next `trident up` on that
     port refused to start. It now stops what the dead run's state file names, then starts."""
-    _stand_in_compose(tmp_path, gateway_mode="stubborn-gateway")
+    stand_in_compose(tmp_path, gateway_mode="stubborn-gateway")
     port = free_port()
-    first, lines = _start_up(tmp_path, "--method", "epd", "--port", str(port))
+    first, lines = start_up(tmp_path, "--method", "epd", "--port", str(port))
     gateway: dict = {}
     try:
-        _read_until(lines, "gateway:")
+        read_until(lines, "gateway:")
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
         gateway = next(p for p in state["processes"] if p["service"] == "gateway")
         first.kill()
         first.wait()
         others = [r for r in recorded(state) if r is not gateway]
-        _wait_for(lambda: not any(is_alive(r) for r in others), timeout=20)
+        wait_until(lambda: not any(is_alive(r) for r in others), timeout=20)
         assert is_alive(gateway)  # it ignores the SIGTERM its parent's death sent
 
-        second, lines = _start_up(tmp_path, "--method", "epd", "--port", str(port))
+        second, lines = start_up(tmp_path, "--method", "epd", "--port", str(port))
         try:
-            seen = _read_until(lines, "gateway:", timeout=40)
+            seen = read_until(lines, "gateway:", timeout=40)
             assert any(
                 f"trident up (pid {state['pid']}) had died; stopped 1 process" in line for line in seen
             )
@@ -596,9 +446,9 @@ def test_a_second_up_clears_what_a_dead_one_left(tmp_path: Path) -> None:
             second.send_signal(signal.SIGINT)
             assert second.wait(timeout=30) == 0
         finally:
-            _stop_up(second)
+            stop_up(second)
     finally:
-        _stop_up(first)
+        stop_up(first)
         with contextlib.suppress(ProcessLookupError):
             if is_alive(gateway):
                 os.kill(gateway["pid"], signal.SIGKILL)

@@ -138,6 +138,24 @@ def test_the_services_and_common_import_nothing_of_the_product_side() -> None:
     assert not leaks, "\n".join(leaks)
 
 
+def test_the_bench_harness_imports_nothing_of_the_cli() -> None:
+    """The CLI drives the bench harness (trident/bench), and the scripts in bench/ build on it; neither
+    reaches back into the CLI (trident/cli): what they share lives in the harness or the launcher."""
+    known = modules()
+    leaks = [
+        f"{m} -> {t}"
+        for m, ts in graph().items()
+        if m.startswith("trident.bench")
+        for t in ts
+        if t.startswith("trident.cli")
+    ]
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        leaks += [
+            f"{path.relative_to(ROOT)} -> {t}" for t in imports(path, known) if t.startswith("trident.cli")
+        ]
+    assert not leaks, "\n".join(leaks)
+
+
 def test_benchmarks_import_no_test_code_and_edit_no_import_path() -> None:
     """The scripts in bench/ run as `python bench/NAME.py` from an installed checkout: what they share
     is in trident/bench/, not in tests/, and none of them puts the repository on sys.path."""
@@ -154,4 +172,24 @@ def test_benchmarks_import_no_test_code_and_edit_no_import_path() -> None:
                 found.append(f"{path.relative_to(ROOT)} imports tests")
         if "third_party" not in path.parts and "sys.path" in text:
             found.append(f"{path.relative_to(ROOT)} edits sys.path")
+    assert not found, "\n".join(found)
+
+
+def test_no_test_module_imports_another_or_a_conftest() -> None:
+    """What tests share lives in helper modules (tests/helpers/, and a folder's own such as
+    tests/stages/rig.py), never in a test module or a conftest: a test module can then be moved,
+    split or deleted without breaking another, and no test is collected twice by being imported."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module or ''}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = [p for p in name.split(".") if p]
+                if any(p.startswith("test_") or p == "conftest" for p in parts):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
     assert not found, "\n".join(found)

@@ -13,6 +13,7 @@ the mark, in either tier, so the fast tier cannot grow slow unnoticed.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path, PurePath
 
 import pytest
@@ -22,6 +23,31 @@ SLOW_FOLDERS = (TESTS / "services", TESTS / "docker")
 # Raised (sys.audit) by the launcher's clusters for each process they start, forked ones included,
 # which no subprocess.Popen event announces.
 START_EVENT = "trident.launcher.start"
+# Raised where the suite starts a deployment itself (a cluster, a Compose stack, hosts in network
+# namespaces): the run counts them (tests/conftest.py), with the `trident up` runs and peer servers
+# it sees started as processes (`deployment_kind`).
+DEPLOY_EVENT = "tests.deployment"
+
+
+def count_deployment(kind: str) -> None:
+    """Count one deployment of `kind` in this run's total."""
+    sys.audit(DEPLOY_EVENT, kind)
+
+
+def deployment_kind(argv: list[str]) -> str | None:
+    """What a process started with `argv` adds to the run's deployments, if anything: a `trident up`
+    (over stand-in services: tests/helpers/stand_in_up.py), a peer server, a service on its own.
+    None for a process of a cluster or a Compose stack (counted where they start) and the rest."""
+    if not starts_a_deployment(argv) or PurePath(argv[0]).name == "docker":
+        return None
+    args = " ".join(argv[1:])
+    if any(a.startswith(("services.", "--app=services.")) for a in argv[1:]):
+        # A service's own process (`-m services.gateway`, the planner's Celery app), not the probe
+        # run inside one (`-m services.worker.probe`, as Kubernetes runs it).
+        return None if any(a.endswith(".probe") for a in argv[1:]) else "service process"
+    if "serve" in argv[1:]:
+        return "peer server"
+    return "trident up (stand-ins)" if "compose.test.yaml" in args else "trident up"
 
 
 def mark_slow_folders(items: list[pytest.Item]) -> None:

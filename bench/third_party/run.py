@@ -224,10 +224,18 @@ def trident_command(a: argparse.Namespace, model: str, out: Path) -> list[str]:
     rng = random.Random(a.seed)
     t, lines = 0.0, [json.dumps({"format": "trident-trace", "version": 1})]
     for _ in range(a.num_prompts):
-        lines.append(json.dumps({
-            "arrival": t, "prompt_tokens": a.input_len, "num_images": 1, "image_tokens": 0,
-            "output_tokens": a.output_len, "image_sizes": [[a.image_size, a.image_size]],
-        }))  # fmt: skip
+        lines.append(
+            json.dumps(
+                {
+                    "arrival": t,
+                    "prompt_tokens": a.input_len,
+                    "num_images": 1,
+                    "image_tokens": 0,
+                    "output_tokens": a.output_len,
+                    "image_sizes": [[a.image_size, a.image_size]],
+                }
+            )
+        )
         t += rng.expovariate(a.rate) if a.arrival == "poisson" else 1 / a.rate
     trace = out / "trace.jsonl"
     trace.write_text("\n".join(lines) + "\n")
@@ -247,11 +255,16 @@ def trident_summary(result: dict) -> Summary:
         return None if r[key] is None else r[key] * 1000
 
     return {
-        "completed": r["completed"], "failed": r["failed"], "request_throughput": r["throughput"],
+        "completed": r["completed"],
+        "failed": r["failed"],
+        "request_throughput": r["throughput"],
         "goodput": r["attainment"] * r["sent"] / r["duration"] if r["duration"] else None,
-        "ttft_p50_ms": ms("ttft_p50"), "ttft_p90_ms": ms("ttft_p90"), "ttft_p99_ms": ms("ttft_p99"),
-        "itl_p50_ms": ms("tbt_p50"), "itl_p90_ms": ms("tbt_p90"),
-    }  # fmt: skip
+        "ttft_p50_ms": ms("ttft_p50"),
+        "ttft_p90_ms": ms("ttft_p90"),
+        "ttft_p99_ms": ms("ttft_p99"),
+        "itl_p50_ms": ms("tbt_p50"),
+        "itl_p90_ms": ms("tbt_p90"),
+    }
 
 
 def table(results: dict[str, Summary]) -> str:
@@ -283,11 +296,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{tool}: {a.num_prompts} requests at {a.rate:g} req/s ...", flush=True)
         results[tool] = measure(tool, a, model, out)
     config = {
-        "url": a.url, "model": model, "model_dir": str(a.model_dir), "rate": a.rate, "arrival": a.arrival,
-        "num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
-        "images_per_request": 1, "image_size": a.image_size, "ttft_slo_ms": a.ttft_slo * 1000,
-        "tbt_slo_ms": a.tbt_slo * 1000, "seed": a.seed, "out": str(out),
-    }  # fmt: skip
+        "url": a.url,
+        "model": model,
+        "model_dir": str(a.model_dir),
+        "rate": a.rate,
+        "arrival": a.arrival,
+        "num_prompts": a.num_prompts,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "images_per_request": 1,
+        "image_size": a.image_size,
+        "ttft_slo_ms": a.ttft_slo * 1000,
+        "tbt_slo_ms": a.tbt_slo * 1000,
+        "seed": a.seed,
+        "out": str(out),
+    }
     print(table(results))
     print(f"logs and result files in {out}")
     print(json.dumps({**results, "config": config}))

@@ -69,10 +69,16 @@ class DeadLetterWatcher:
         except NotFoundError:
             pass  # already settled or removed by another watcher; record what the advisory says
         letter = DeadLetter(
-            stream=stream, subject=subject, stream_seq=seq, deliveries=int(advisory.get("deliveries", 0)),
-            reason="max_deliver", detail="no worker settled the task within its deliveries",
-            consumer=advisory.get("consumer", ""), data=data, time=time.time(),
-        )  # fmt: skip
+            stream=stream,
+            subject=subject,
+            stream_seq=seq,
+            deliveries=int(advisory.get("deliveries", 0)),
+            reason="max_deliver",
+            detail="no worker settled the task within its deliveries",
+            consumer=advisory.get("consumer", ""),
+            data=data,
+            time=time.time(),
+        )
         if await self._sink.put_dead_letter(letter):
             self.recorded += 1
             log.error("task %s#%d dead-lettered after %d deliveries", stream, seq, letter.deliveries)

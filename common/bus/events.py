@@ -66,9 +66,15 @@ class EventStream:
             log.error("malformed message on %s: %s", msg.subject, exc)
             if self._sink is not None:
                 letter = DeadLetter(
-                    stream="", subject=msg.subject, stream_seq=0, deliveries=1, reason="malformed",
-                    detail=str(exc)[:2000], data=msg.data, time=time.time(),
-                )  # fmt: skip
+                    stream="",
+                    subject=msg.subject,
+                    stream_seq=0,
+                    deliveries=1,
+                    reason="malformed",
+                    detail=str(exc)[:2000],
+                    data=msg.data,
+                    time=time.time(),
+                )
                 try:
                     await self._sink.put_dead_letter(letter)
                 except Exception as sink_exc:  # the subscription must outlive a Redis outage

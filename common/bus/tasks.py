@@ -329,10 +329,16 @@ class TaskConsumer:
         """Record a task that will not be processed (idempotent per stream sequence)."""
         meta = msg.metadata
         letter = DeadLetter(
-            stream=meta.stream, subject=msg.subject, stream_seq=meta.sequence.stream,
-            deliveries=meta.num_delivered, reason=reason, detail=detail[:2000],
-            consumer=meta.consumer or "", data=msg.data, time=time.time(),
-        )  # fmt: skip
+            stream=meta.stream,
+            subject=msg.subject,
+            stream_seq=meta.sequence.stream,
+            deliveries=meta.num_delivered,
+            reason=reason,
+            detail=detail[:2000],
+            consumer=meta.consumer or "",
+            data=msg.data,
+            time=time.time(),
+        )
         if self._sink is None:
             log.error("dead letter with no sink: %s", letter.model_dump(exclude={"data"}))
         else:

@@ -83,7 +83,16 @@ def load_image(data: bytes | str | Path | Image.Image, max_pixels: int | None = 
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         if isinstance(exc, InputError):
             raise
-        raise InputError(f"cannot decode image: {exc}") from exc
+        raise InputError(f"cannot decode image: {image_fault(exc)}") from exc
+
+
+def image_fault(exc: Exception) -> str:
+    """Why PIL could not read an image, in words for the client: PIL's own message for a file it
+    does not recognise names the Python object it read from (`<_io.BytesIO object at 0x…>`)."""
+    if isinstance(exc, UnidentifiedImageError):
+        return "it is not in an image format this server reads (PNG, JPEG, WebP, GIF, BMP, TIFF, ...)"
+    text = re.sub(r"<[\w.]+ object at 0x[0-9a-fA-F]+>", "the image", str(exc)) or type(exc).__name__
+    return text if len(text) <= 200 else f"{text[:200]}…"
 
 
 class RequestProcessor:

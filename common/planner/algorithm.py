@@ -258,34 +258,11 @@ def plan(
     split = partition(instances, costs) if instances >= 3 else None
     if exhaustive is None:
         exhaustive = instances <= EXHAUSTIVE_UP_TO
-    candidates = every_split(instances) if exhaustive or split is None else neighbourhood(instances, split)
-    if not candidates:
-        raise NoSplit(f"{instances} instance cannot be split into stages: a plan needs at least 2")
-    if allowed is not None:
-        candidates = [c for c in candidates if allowed(c)]
-        if not candidates and not exhaustive:  # the limits sit away from the partition: look wider
-            candidates = [c for c in every_split(instances) if allowed(c)]
-        if not candidates:
-            raise NoSplit(f"no split of {instances} instances is within the limits")
+    candidates = _candidates(instances, split, exhaustive, allowed)
     bounds = {c.label: throughput_bound(c, costs) for c in candidates}
     # Most promising first, so the bound prunes as many as it can.
     candidates.sort(key=lambda c: (-bounds[c.label], c.label))
-    scores: list[CandidateScore] = []
-    best: CandidateScore | None = None
-    for i, candidate in enumerate(candidates):
-        if progress is not None:
-            progress(i / len(candidates), f"simulating {candidate.label}")
-        if best is not None and bounds[candidate.label] < best.goodput:
-            scores.append(
-                CandidateScore(candidate, None, None, bound=round(bounds[candidate.label], 4), pruned=True)
-            )
-            continue
-        bound = bounds[candidate.label]
-        score = goodput(replay, candidate, profiles, slo, bound=bound, correction=correction)
-        scores.append(score)
-        if best is None or _better(score, best):
-            best = score
-    _simulate_runner_up(scores, best, replay, profiles, slo, correction)
+    scores, best = _scores(candidates, bounds, _Replay(replay, profiles, slo, correction), progress)
     if progress is not None:
         progress(1.0, f"chose {best.deployment.label}")
     # Simulated ones best first, then the pruned ones by their bound.
@@ -311,9 +288,62 @@ def plan(
     return PlanResult(best.deployment, best.goodput, best.attainment, scores, inputs)
 
 
-def _simulate_runner_up(
-    scores: list[CandidateScore], best: CandidateScore, replay, profiles, slo: SLO, correction
-) -> None:
+def _candidates(
+    instances: int, split: tuple[int, int, int] | None, exhaustive: bool, allowed: Callable | None
+) -> list[Deployment]:
+    """The splits to score: every one, or the partition's neighbourhood; those `allowed` accepts."""
+    candidates = every_split(instances) if exhaustive or split is None else neighbourhood(instances, split)
+    if not candidates:
+        raise NoSplit(f"{instances} instance cannot be split into stages: a plan needs at least 2")
+    if allowed is not None:
+        candidates = [c for c in candidates if allowed(c)]
+        if not candidates and not exhaustive:  # the limits sit away from the partition: look wider
+            candidates = [c for c in every_split(instances) if allowed(c)]
+        if not candidates:
+            raise NoSplit(f"no split of {instances} instances is within the limits")
+    return candidates
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """What every candidate is scored on: the replayed requests, the profiles, the SLOs and the
+    correction from service."""
+
+    trace: list
+    profiles: ProfileSet
+    slo: SLO
+    correction: Correction | None
+
+    def goodput(self, deployment: Deployment, bound: float) -> CandidateScore:
+        return goodput(
+            self.trace, deployment, self.profiles, self.slo, bound=bound, correction=self.correction
+        )
+
+
+def _scores(
+    candidates: list[Deployment], bounds: dict[str, float], replay: _Replay, progress: Progress | None
+) -> tuple[list[CandidateScore], CandidateScore]:
+    """Each candidate simulated, most promising first, unless its bound is below the best goodput
+    found so far (then pruned); and the best, with its runner-up simulated too."""
+    scores: list[CandidateScore] = []
+    best: CandidateScore | None = None
+    for i, candidate in enumerate(candidates):
+        if progress is not None:
+            progress(i / len(candidates), f"simulating {candidate.label}")
+        bound = bounds[candidate.label]
+        if best is not None and bound < best.goodput:
+            scores.append(CandidateScore(candidate, None, None, bound=round(bound, 4), pruned=True))
+            continue
+        score = replay.goodput(candidate, bound)
+        scores.append(score)
+        if best is None or _better(score, best):
+            best = score
+    assert best is not None  # the first candidate is never pruned
+    _simulate_runner_up(scores, best, replay)
+    return scores, best
+
+
+def _simulate_runner_up(scores: list[CandidateScore], best: CandidateScore, replay: _Replay) -> None:
     """Make the best candidate other than `best` a simulated one, so the plan can say how close it
     came: simulate pruned candidates, highest bound first, while one's bound beats every simulated
     runner-up (a bound is never below the goodput, so what is left pruned cannot be second)."""
@@ -324,8 +354,7 @@ def _simulate_runner_up(
         top = max(others, key=lambda s: s.bound if s.pruned else s.goodput)
         if not top.pruned:
             return
-        scores[scores.index(top)] = goodput(replay, top.deployment, profiles, slo, bound=top.bound,
-                                            correction=correction)  # fmt: skip
+        scores[scores.index(top)] = replay.goodput(top.deployment, top.bound)
 
 
 def _better(a: CandidateScore, b: CandidateScore) -> bool:

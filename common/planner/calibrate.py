@@ -201,9 +201,13 @@ def fit_step_gap(entries: Sequence, deployment, profiles: ProfileSet, slo, round
 
 
 def calibrate_from_service(
-    stats: Sequence, profiles: ProfileSet, served: Sequence = (), deployment=None, slo=None,
+    stats: Sequence,
+    profiles: ProfileSet,
+    served: Sequence = (),
+    deployment=None,
+    slo=None,
     host_cpu: HostCpu | None = None,
-) -> ServiceCalibration:  # fmt: skip
+) -> ServiceCalibration:
     """How a deployment's planner calibrates `profiles`: the stage curves and jitter fitted to the
     steps its instances ran in service (`service_factors`); and, given the requests it served
     (TraceEntry with the measured `tbt_p90`) and the deployment that served them, two things more:
@@ -279,9 +283,13 @@ class ServiceCalibration:
         if self.host_cpu:
             transfer = dataclasses.replace(transfer, host_cpu=self.host_cpu)
         return scale_profiles(
-            profiles, self.factors, transfer, jitter=max(profiles.jitter, self.jitter),
-            thread_exponent=self.thread_exponent or None, interference=self.interference or None,
-        )  # fmt: skip
+            profiles,
+            self.factors,
+            transfer,
+            jitter=max(profiles.jitter, self.jitter),
+            thread_exponent=self.thread_exponent or None,
+            interference=self.interference or None,
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -307,19 +315,48 @@ def service_factors(
     to the threads its instances have (`ProfileSet.thread_exponent`). `background`: the host's
     cores busy outside the instances meanwhile (`HostCpu.busy`), not theirs to share."""
     sharing = {k: round(v, 4) for k, v in (sharing or {}).items()}
-    sums: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in StepKind}
-    counts = dict.fromkeys(sums, 0)
-    logs: dict[str, list[float]] = {kind: [] for kind in sums}
-    shapes: dict[tuple, list[float]] = {}  # log(observed / predicted) by step shape
+    steps, budgets = _service_steps(stats, profiles, sharing, background)
+    # The exponent is fitted beside the neighbours' slowdown λ, so that it is a step's own threads'
+    # effect with its neighbours held fixed, but λ is not applied: a greedy worker has every core
+    # only while no other worker steps, so within a shape its threads and its neighbours move
+    # together, and the split between the two moved from run to run. On the validation's run 10
+    # (90 calibration requests) it put λ 0.74 on EP+D's encode-and-prefill steps, and EP+D's
+    # predicted goodput went 33 % under the measured. Left in the factors, the neighbours' average
+    # effect at the load served is what the simulator scales (docs/planner.md, runs 8–10).
+    exponents, _ = fit_host_effects(
+        [(k, shape, float(np.log(s / p)), r, o) for k, shape, s, p, r, o in steps if r and o is not None]
+    )
+    at_profiled_threads = [
+        (kind, shape, seconds * (relative or 1.0) ** exponents.get(kind, 0.0), predicted)
+        for kind, shape, seconds, predicted, relative, _ in steps
+    ]
+    factors, counts = _stage_factors(at_profiled_threads)
+    return ServiceCalibration(
+        factors,
+        _jitter(at_profiled_threads),
+        counts,
+        budgets,
+        sharing=sharing,
+        thread_exponent=exponents,
+    )
+
+
+def _service_steps(
+    stats: Sequence, profiles: ProfileSet, sharing: dict[str, float], background: float
+) -> tuple[list[tuple], dict[str, dict[str, float]]]:
+    """Every step the records hold that a curve predicts, as (kind, shape, seconds, predicted,
+    threads / profiled threads, overlap or None), its time brought to its own share of the cores
+    (or divided by `sharing`); and each instance's budgets."""
     budgets = {}
-    steps = []  # (kind, shape, seconds, predicted, threads / profiled threads, overlap or None)
+    steps = []
     for record in stats:
         kind = InstanceKind.of(record.roles)
         curves = profiles.for_kind(kind) if kind else profiles.curves
         budgets[record.instance_id] = {
-            "image_budget": record.image_budget, "token_budget": record.token_budget,
+            "image_budget": record.image_budget,
+            "token_budget": record.token_budget,
             "scale": record.budget_scale,
-        }  # fmt: skip
+        }
         for step in record.steps:
             if step.images and not curves.encode:
                 continue
@@ -339,23 +376,18 @@ def service_factors(
             else:
                 seconds /= sharing.get(step.kind, 1.0)
             steps.append((step.kind, shape, seconds, predicted, relative, overlap if known else None))
-    # The exponent is fitted beside the neighbours' slowdown λ, so that it is a step's own threads'
-    # effect with its neighbours held fixed, but λ is not applied: a greedy worker has every core
-    # only while no other worker steps, so within a shape its threads and its neighbours move
-    # together, and the split between the two moved from run to run. On the validation's run 10
-    # (90 calibration requests) it put λ 0.74 on EP+D's encode-and-prefill steps, and EP+D's
-    # predicted goodput went 33 % under the measured. Left in the factors, the neighbours' average
-    # effect at the load served is what the simulator scales (docs/planner.md, runs 8–10).
-    exponents, _ = fit_host_effects(
-        [(k, shape, float(np.log(s / p)), r, o) for k, shape, s, p, r, o in steps if r and o is not None]
-    )
-    for step_kind, shape, seconds, predicted, relative, _ in steps:
-        seconds *= (relative or 1.0) ** exponents.get(step_kind, 0.0)  # as at the profiled threads
-        sums[step_kind][0] += seconds
-        sums[step_kind][1] += predicted
-        counts[step_kind] += 1
-        logs[step_kind].append(float(np.log(seconds / predicted)))
-        shapes.setdefault(shape, []).append(logs[step_kind][-1])
+    return steps, budgets
+
+
+def _stage_factors(steps: list[tuple]) -> tuple[dict[str, float], dict[str, int]]:
+    """Each stage's factor from (kind, shape, seconds, predicted) steps: its steps' time over the
+    curve's, where it has SERVICE_MIN_STEPS, else the mixed steps' (else none); and the steps by kind."""
+    sums: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in StepKind}
+    counts = dict.fromkeys(sums, 0)
+    for kind, _, seconds, predicted in steps:
+        sums[kind][0] += seconds
+        sums[kind][1] += predicted
+        counts[kind] += 1
     low, high = FACTOR_RANGE
     observed, predicted = sums[StepKind.MIXED]
     mixed = observed / predicted if counts[StepKind.MIXED] >= SERVICE_MIN_STEPS else None
@@ -365,21 +397,20 @@ def service_factors(
         factor = observed / predicted if counts[stage] >= SERVICE_MIN_STEPS else mixed
         if factor is not None:
             factors[stage] = round(min(high, max(low, float(factor))), 4)
-    # How much a step varies: its spread around the steps of the same shape (kind, images and
-    # powers of two of prefill tokens and decodes), not around the stage's one factor, which would
-    # count where the curve's shape is off (consistently, for every step of that shape) as noise.
-    # Noise it is not: the simulator draws it afresh for each step, and a TBT p90 over 15 gaps or a
-    # TTFT over two steps takes its tail from it.
+    return factors, counts
+
+
+def _jitter(steps: list[tuple]) -> float:
+    """How much a step varies: its spread around the steps of the same shape (kind, images and
+    powers of two of prefill tokens and decodes), not around the stage's one factor, which would
+    count where the curve's shape is off (consistently, for every step of that shape) as noise.
+    Noise it is not: the simulator draws it afresh for each step, and a TBT p90 over 15 gaps or a
+    TTFT over two steps takes its tail from it."""
+    shapes: dict[tuple, list[float]] = {}  # log(observed / predicted) by step shape
+    for _, shape, seconds, predicted in steps:
+        shapes.setdefault(shape, []).append(float(np.log(seconds / predicted)))
     residuals = [v - float(np.median(g)) for g in shapes.values() if len(g) >= SHAPE_MIN_STEPS for v in g]
-    spread = round(float(np.std(residuals)), 4) if len(residuals) >= SERVICE_MIN_STEPS else 0.0
-    return ServiceCalibration(
-        factors,
-        spread,
-        counts,
-        budgets,
-        sharing=sharing,
-        thread_exponent=exponents,
-    )
+    return round(float(np.std(residuals)), 4) if len(residuals) >= SERVICE_MIN_STEPS else 0.0
 
 
 def fit_host_effects(

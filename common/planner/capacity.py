@@ -65,20 +65,35 @@ class Capacity:
 
 
 def recommend(
-    trace: Sequence, profiles: ProfileSet, slo: SLO, rate: float, limits: Limits, *,
-    queued: Mapping[Role, int] | None = None, running: Mapping[str, int] | None = None,
-    correction: Correction | None = None, exhaustive: bool | None = None,
+    trace: Sequence,
+    profiles: ProfileSet,
+    slo: SLO,
+    rate: float,
+    limits: Limits,
+    *,
+    queued: Mapping[Role, int] | None = None,
+    running: Mapping[str, int] | None = None,
+    correction: Correction | None = None,
+    exhaustive: bool | None = None,
     progress: Progress | None = None,
-) -> Capacity:  # fmt: skip
+) -> Capacity:
     """The instances to run for `rate` req/s. `queued` (tasks waiting per stage) and `running` (live
     instances per kind) set the floor; without them there is none."""
     fewest, most = limits.instance_range()
     short = None
     try:
         sizing = size(
-            trace, profiles, slo, rate, most, exhaustive, progress,
-            allowed=limits.allows, min_instances=fewest, correction=correction,
-        )  # fmt: skip
+            trace,
+            profiles,
+            slo,
+            rate,
+            most,
+            exhaustive,
+            progress,
+            allowed=limits.allows,
+            min_instances=fewest,
+            correction=correction,
+        )
     except OutOfReach as exc:
         if exc.best is None:
             raise

@@ -31,9 +31,12 @@ class HostCpu:
 
     def to_dict(self) -> dict:
         return {
-            "per_request": round(self.per_request, 6), "busy": round(self.busy, 4), "cores": self.cores,
-            "requests": self.requests, "span": round(self.span, 3),
-        }  # fmt: skip
+            "per_request": round(self.per_request, 6),
+            "busy": round(self.busy, 4),
+            "cores": self.cores,
+            "requests": self.requests,
+            "span": round(self.span, 3),
+        }
 
 
 def measure_host_cpu(

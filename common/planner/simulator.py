@@ -132,9 +132,16 @@ class _Instance:
     """One simulated engine: the engine's scheduler and block manager, timed by a profile."""
 
     def __init__(
-        self, name: str, kind: str, curves: StageCurves, slo: SLO, policy: Policy, context: float,
-        governor: bool = True, cached: dict[str, int] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        kind: str,
+        curves: StageCurves,
+        slo: SLO,
+        policy: Policy,
+        context: float,
+        governor: bool = True,
+        cached: dict[str, int] | None = None,
+    ) -> None:
         self.name = name
         self.kind = kind
         self.roles = KIND_ROLES[kind]

@@ -44,11 +44,17 @@ class Sizing:
 
 
 def size(
-    trace: Sequence, profiles: ProfileSet, slo: SLO, rate: float, max_instances: int = 64,
-    exhaustive: bool | None = None, progress: Progress | None = None,
-    allowed: Callable[[Deployment], bool] | None = None, min_instances: int = MIN_INSTANCES,
+    trace: Sequence,
+    profiles: ProfileSet,
+    slo: SLO,
+    rate: float,
+    max_instances: int = 64,
+    exhaustive: bool | None = None,
+    progress: Progress | None = None,
+    allowed: Callable[[Deployment], bool] | None = None,
+    min_instances: int = MIN_INSTANCES,
     correction: Correction | None = None,
-) -> Sizing:  # fmt: skip
+) -> Sizing:
     """The fewest instances (≤ `max_instances`) whose best split serves `rate` req/s, among the
     deployments `allowed` accepts; OutOfReach (with the best the most instances do) if none."""
     if rate <= 0:
@@ -62,8 +68,9 @@ def size(
         if progress is not None:
             progress(0.0, f"planning {n} instances")
         try:
-            results[n] = plan(trace, profiles, slo, n, exhaustive=exhaustive, allowed=allowed,
-                              correction=correction)  # fmt: skip
+            results[n] = plan(
+                trace, profiles, slo, n, exhaustive=exhaustive, allowed=allowed, correction=correction
+            )
         except NoSplit:
             results[n] = None  # no allowed deployment of this size
         return results[n] is not None and results[n].goodput >= rate

@@ -259,9 +259,17 @@ def qwen2_vl_tokens(
 
 
 def qwen2_vl_clip_tokens(
-    seconds: float, width: int, height: int, *, fps: float = 2.0, max_frames: int = 32, source_fps: int = 10,
-    factor: int = 28, min_pixels: int = 128 * 28 * 28, max_pixels: int = 768 * 28 * 28,
-) -> int:  # fmt: skip
+    seconds: float,
+    width: int,
+    height: int,
+    *,
+    fps: float = 2.0,
+    max_frames: int = 32,
+    source_fps: int = 10,
+    factor: int = 28,
+    min_pixels: int = 128 * 28 * 28,
+    max_pixels: int = 768 * 28 * 28,
+) -> int:
     """Qwen2-VL / Qwen2.5-VL: a clip's tokens at the server's default sampling (`fps` frames per
     second of video, at least 4, at most `max_frames` and the clip's own, an even count), two
     frames to a temporal patch, each patch as many tokens as one frame resized within the video
@@ -321,49 +329,82 @@ def generate(
     shape = _shape(shape)
     arrival_rng, size_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     times = _arrivals(arrival, rate, num_requests, duration, cv, timestamps, arrival_rng)
-    per_image = _per_item(image_tokens, "image_tokens")
-    n = len(times)
-    counts = shape.images.sample(size_rng, n)
-    sizes = shape.resolution.sample(size_rng, sum(counts))
-    texts = shape.text_tokens.sample(size_rng, n)
-    outputs = shape.output_tokens.sample(size_rng, n)
+    sizing = _Sizing(
+        _per_item(image_tokens, "image_tokens"),
+        _per_item(clip_tokens, "clip_tokens"),
+        max_prompt_tokens,
+        max_output_tokens,
+    )
+    drawn = _draw(shape, size_rng, len(times))
+    return [
+        sizing.entry(shape.name, i, float(t), d) for i, (t, d) in enumerate(zip(times, drawn, strict=True))
+    ]
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    """One request's draw from a shape: its images' and clips' sizes, text and output tokens."""
+
+    num_images: int
+    images: tuple
+    clips: tuple
+    text: int
+    output: int
+
+
+def _draw(shape: WorkloadShape, rng: np.random.Generator, n: int) -> list[_Drawn]:
+    counts = shape.images.sample(rng, n)
+    sizes = shape.resolution.sample(rng, sum(counts))
+    texts = shape.text_tokens.sample(rng, n)
+    outputs = shape.output_tokens.sample(rng, n)
     # Drawn after the rest, so that a shape without clips draws what it did before they existed.
-    video_counts = shape.videos.sample(size_rng, n)
-    clips = shape.clip.sample(size_rng, sum(video_counts))
-    per_clip = _per_item(clip_tokens, "clip_tokens")
-    entries, used, used_clips = [], 0, 0
-    for i, (t, k, text, out) in enumerate(zip(times, counts, texts, outputs, strict=True)):
-        images = tuple(sizes[used : used + k])
-        used += k
-        own_clips = tuple(clips[used_clips : used_clips + video_counts[i]])
-        used_clips += video_counts[i]
-        img = sum(per_image(w, h) for w, h in images)
-        vid = sum(per_clip(*c) for c in own_clips)
-        if max_prompt_tokens is not None:
-            if img + vid > max_prompt_tokens:
-                raise ValueError(
-                    f"request {i}: its {k} image(s) and {len(own_clips)} clip(s) take {img + vid} tokens "
-                    "> max_prompt_tokens"
-                )
-            text = min(text, max_prompt_tokens - img - vid)
-        if max_output_tokens is not None:
-            out = min(out, max_output_tokens)
-        entries.append(
-            TraceEntry(
-                arrival=float(t),
-                prompt_tokens=text + img + vid,
-                num_images=k,
-                image_tokens=img,
-                output_tokens=out,
-                image_sizes=images,
-                num_videos=len(own_clips),
-                video_tokens=vid,
-                clips=own_clips,
-                request_id=f"{shape.name}-{i:06d}",
-                dataset=shape.name,
-            )
+    video_counts = shape.videos.sample(rng, n)
+    clips = shape.clip.sample(rng, sum(video_counts))
+    drawn, used, used_clips = [], 0, 0
+    for k, v, text, out in zip(counts, video_counts, texts, outputs, strict=True):
+        drawn.append(
+            _Drawn(k, tuple(sizes[used : used + k]), tuple(clips[used_clips : used_clips + v]), text, out)
         )
-    return entries
+        used += k
+        used_clips += v
+    return drawn
+
+
+@dataclass(frozen=True)
+class _Sizing:
+    """How a draw becomes a request: tokens per image and per clip, and the caps on prompt and output."""
+
+    per_image: Callable[..., int]
+    per_clip: Callable[..., int]
+    max_prompt_tokens: int | None
+    max_output_tokens: int | None
+
+    def entry(self, dataset: str, i: int, arrival: float, d: _Drawn) -> TraceEntry:
+        img = sum(self.per_image(w, h) for w, h in d.images)
+        vid = sum(self.per_clip(*c) for c in d.clips)
+        text, out = d.text, d.output
+        if self.max_prompt_tokens is not None:
+            if img + vid > self.max_prompt_tokens:
+                raise ValueError(
+                    f"request {i}: its {d.num_images} image(s) and {len(d.clips)} clip(s) take {img + vid} "
+                    "tokens > max_prompt_tokens"
+                )
+            text = min(text, self.max_prompt_tokens - img - vid)
+        if self.max_output_tokens is not None:
+            out = min(out, self.max_output_tokens)
+        return TraceEntry(
+            arrival=arrival,
+            prompt_tokens=text + img + vid,
+            num_images=d.num_images,
+            image_tokens=img,
+            output_tokens=out,
+            image_sizes=d.images,
+            num_videos=len(d.clips),
+            video_tokens=vid,
+            clips=d.clips,
+            request_id=f"{dataset}-{i:06d}",
+            dataset=dataset,
+        )
 
 
 def _shape(shape: WorkloadShape | str) -> WorkloadShape:

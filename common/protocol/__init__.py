@@ -33,6 +33,7 @@ from common.protocol.tasks import (
     PrefillTask,
     RequestSpec,
     StageTask,
+    TraceContext,
 )
 from common.protocol.tensors import (
     DTYPE_SIZES,
@@ -80,6 +81,7 @@ __all__ = [
     "TensorRef",
     "TokenDelta",
     "TokenId",
+    "TraceContext",
     "TraceRecord",
     "Usage",
     "decode",

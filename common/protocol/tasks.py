@@ -47,6 +47,21 @@ class ImageSpec(Record):
     in_prefix: bool = False
 
 
+TRACEPARENT = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"  # W3C trace context, version 00
+TRACESTATE_MAX = 512  # characters W3C asks every hop to pass on; a longer one is dropped whole
+
+
+class TraceContext(Record):
+    """The W3C trace context of the request's span at the gateway (common/tracing.py): each stage
+    opens its own span as that span's child."""
+
+    traceparent: str = Field(pattern=TRACEPARENT)
+    tracestate: str = Field("", max_length=TRACESTATE_MAX)
+
+    def carrier(self) -> dict[str, str]:
+        return {"traceparent": self.traceparent, "tracestate": self.tracestate}
+
+
 class RequestSpec(Record):
     """Everything a stage needs to know about a request it has not seen before."""
 
@@ -60,6 +75,8 @@ class RequestSpec(Record):
     output_token_ids: tuple[TokenId, ...] = ()
     # The gateway whose client waits for it: should that gateway die, its requests are dropped.
     gateway: str = ""
+    # Its trace (sent only when it has one: an untraced request's bytes are as before).
+    trace: TraceContext | None = None
 
     def without_pixels(self) -> RequestSpec:
         """The same request with pixels dropped: what travels on after encoding."""
@@ -141,8 +158,9 @@ class KvLocation(Record):
     def tail_ref(self, num_outputs: int) -> TensorRef:
         """The outcome's reference, for a request that comes with `num_outputs` tokens (one more
         is made in the prefill)."""
-        return TensorRef(owner=self.owner, address=self.address, handle=self.tail,
-                         shape=(num_outputs + 2,), dtype="int64")  # fmt: skip
+        return TensorRef(
+            owner=self.owner, address=self.address, handle=self.tail, shape=(num_outputs + 2,), dtype="int64"
+        )
 
     def refs(self) -> list[TensorRef]:
         """One pullable reference per layer group, in layer order, as the buffer travels."""

@@ -78,10 +78,7 @@ class Runtime:
         self.record = StageRecorder(store)  # request records, written off the request path
         self.dispatch = Dispatcher(bus.tasks, self.record, bus, store.registry, sender=instance_id)
         self.loops = Supervisor(instance_id)
-        self.reaper = Reaper(
-            bus, store, instance_id, settings.failover_after, self._fenced, settings.unresponsive_after,
-            tls=settings.tls,
-        )  # fmt: skip
+        self.reaper = Reaper(bus, store, instance_id, settings, self._fenced)
         self.heartbeats = Heartbeater(
             store.registry if registered else None,
             self._beat,

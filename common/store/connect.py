@@ -59,9 +59,11 @@ def sentinel_target(url: str) -> SentinelTarget | None:
 
 def _sentinel_options(target: SentinelTarget, timeout: float, tls: Tls | None) -> dict[str, Any]:
     return {
-        "password": target.password, "socket_timeout": timeout, "socket_connect_timeout": timeout,
+        "password": target.password,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
         **redis_tls(tls, flag=True),
-    }  # fmt: skip
+    }
 
 
 def _with_tls(url: str, tls: Tls | None) -> str:
@@ -99,9 +101,12 @@ def async_client(
     target = sentinel_target(url)
     if target is None:
         pool = BlockingConnectionPool.from_url(
-            _with_tls(url, tls), max_connections=max_connections, timeout=timeout,
-            **common, **redis_tls(tls),
-        )  # fmt: skip
+            _with_tls(url, tls),
+            max_connections=max_connections,
+            timeout=timeout,
+            **common,
+            **redis_tls(tls),
+        )
         return redis.asyncio.Redis(connection_pool=pool)
     sentinel = redis.asyncio.sentinel.Sentinel(
         list(target.sentinels),
@@ -125,9 +130,11 @@ def sync_client(url: str, timeout: float, tls: Tls | None = None) -> redis.Redis
     target = sentinel_target(url)
     if target is None:
         return redis.Redis.from_url(
-            _with_tls(url, tls), socket_timeout=timeout, socket_connect_timeout=timeout,
+            _with_tls(url, tls),
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
             **redis_tls(tls),
-        )  # fmt: skip
+        )
     sentinel = redis.sentinel.Sentinel(
         list(target.sentinels),
         sentinel_kwargs=_sentinel_options(target, timeout, tls),

@@ -79,9 +79,13 @@ class Planning:
         """Store a new current plan under the next decision id and return it (publish it on NATS too)."""
         decision_id = await self._r.incr(self._keys.plan_seq)
         plan = Plan(
-            decision_id=decision_id, method=method, replicas=dict(replicas), time=time.time(),
-            goodput=goodput, reason=reason,
-        )  # fmt: skip
+            decision_id=decision_id,
+            method=method,
+            replicas=dict(replicas),
+            time=time.time(),
+            goodput=goodput,
+            reason=reason,
+        )
         await self._r.set(self._keys.plan, plan.to_bytes())
         return plan
 

@@ -75,15 +75,26 @@ class RequestLog:
         self._finish_once = redis.register_script(_FINISH_ONCE)
 
     async def create(
-        self, request_id: str, *, arrival: float, prompt_tokens: int, num_images: int = 0,
-        image_tokens: int = 0, max_tokens: int = 0, encoded_images: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        request_id: str,
+        *,
+        arrival: float,
+        prompt_tokens: int,
+        num_images: int = 0,
+        image_tokens: int = 0,
+        max_tokens: int = 0,
+        encoded_images: int = 0,
+    ) -> None:
         """Record a request at the gateway (its arrival time and sizes)."""
         key = self._keys.request(request_id)
         fields = {
-            Stage.ARRIVAL.value: repr(arrival), "prompt_tokens": prompt_tokens, "num_images": num_images,
-            "image_tokens": image_tokens, "max_tokens": max_tokens, "encoded_images": encoded_images,
-        }  # fmt: skip
+            Stage.ARRIVAL.value: repr(arrival),
+            "prompt_tokens": prompt_tokens,
+            "num_images": num_images,
+            "image_tokens": image_tokens,
+            "max_tokens": max_tokens,
+            "encoded_images": encoded_images,
+        }
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
             pipe.expire(key, self._ttl)
@@ -99,9 +110,14 @@ class RequestLog:
             await pipe.execute()
 
     async def finish(
-        self, request_id: str, *, output_tokens: int, finish_reason: str, at: float | None = None,
+        self,
+        request_id: str,
+        *,
+        output_tokens: int,
+        finish_reason: str,
+        at: float | None = None,
         cached_tokens: int = 0,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Mark the end (the worker that produced the last token). Only the first call counts: a
         redelivered final step changes nothing and returns False. The trace entry is appended here
         if the gateway's outcome is already in, else by `outcome()` or, failing that, `append_trace()`."""

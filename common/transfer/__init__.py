@@ -17,7 +17,7 @@ import logging
 import torch
 
 from common.protocol import InlineTensor, TensorRef, dtype_name
-from common.transfer.base import HandleTable, Pulled, TransferBackend, TransferConfig
+from common.transfer.base import HandleTable, Pulled, TransferBackend, TransferConfig, TransferPath
 from common.transfer.errors import (
     HandleNotFound,
     PeerLost,
@@ -72,7 +72,7 @@ async def fetch(
 ) -> Pulled:
     """The tensor a message carries, inline or by reference."""
     if isinstance(payload, InlineTensor):
-        return Pulled(payload.to_tensor())
+        return Pulled(payload.to_tensor(), path=TransferPath.INLINE)
     return await backend.pull(payload.address, payload.handle, timeout=timeout)
 
 
@@ -107,6 +107,7 @@ __all__ = [
     "TransferClosed",
     "TransferConfig",
     "TransferError",
+    "TransferPath",
     "TransferTimeout",
     "create_backend",
     "fetch",

@@ -1,182 +1,68 @@
-"""The interface both backends implement, and the parts they share: the owner's handle table, the
-pull result, and the small request/reply headers of the pull protocol.
+"""The interface both backends implement, and the parts they share: the pull result, the owner's
+reply to a pull, and the small request/reply headers of the pull protocol.
 
 Pull by handle: the owner `publish()`es a tensor and advertises (address, handle); a receiver
 `pull()`s it: it sends a request, the owner replies with a header (shape, dtype or an error) and
-then the bytes. The owner keeps a published tensor until `release()` or its TTL.
+then the bytes. The owner keeps a published tensor until `release()` or its TTL (handles.py).
 
 A handle can also be `reserve()`d before its tensor exists and `fill()`ed later, from any thread (a
 prefill instance streams KV this way: each group of layers as the forward finishes it). A pull of a
 reserved handle waits at the owner until it is filled, or answers "not found" once it is released.
+
+Host-local: a request also carries the puller's host key and the handles it can open
+(same_host.py). An owner on the same host replies with a handle to the tensor's memory (`x`)
+instead of the bytes; the puller copies from it, then acknowledges (`op: ack`, with `ok` false
+when it could not open it, and it then asks again for the bytes), and the owner confirms. The
+owner's hold on that memory (a Lease) ends with the acknowledgement, or when the puller's
+connection drops (host_local.py).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import heapq
 import hmac
-import threading
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import msgpack
 import torch
 
 from common.protocol.tensors import dtype_name, nbytes_of
-from common.tls import Tls
+from common.transfer.config import TransferConfig
 from common.transfer.errors import SizeMismatch, TransferError
+from common.transfer.handles import GONE, WAITING, Entry, HandleTable, Lease, as_bytes
 from common.transfer.pool import BufferPool, PoolBuffer
+from common.transfer.same_host import TransferPath
 
-
-@dataclass(frozen=True)
-class TransferConfig:
-    """Transfer settings; `backend="auto"` takes UCX when ucxx imports, else TCP."""
-
-    backend: Literal["auto", "ucx", "tcp"] = "auto"
-    host: str = "127.0.0.1"  # where the TCP server binds; "0.0.0.0" for other hosts
-    advertise_host: str | None = None  # the host others dial, when it differs from `host`
-    port: int = 0
-    timeout: float = 10.0  # default deadline of one pull
-    max_cached_bytes: int = 1 << 30  # idle pool buffers kept for reuse
-    # UCX transports. Not cma: with UCX error handling off (needed for shared memory at all) a
-    # peer that dies during a cma read aborts the reader's process. See docs/substrate.md.
-    ucx_tls: str = "^cma"
-    # While a UCX pull waits, ping the owner this often; a dead owner fails the ping at once.
-    probe_interval: float = 0.25
-    inline_max_bytes: int = 256 * 1024  # smaller tensors ride inside the NATS message
-    # Sent with every pull, and asked of every puller: a client without it gets nothing. Empty: open.
-    secret: str = ""
-    # The deployment's certificates: TCP transfers go over mutual TLS (UCX has no encryption, so
-    # "auto" then picks TCP, and "ucx" is refused).
-    tls: Tls | None = None
-
-
-@dataclass
-class _Entry:
-    tensor: torch.Tensor | None  # contiguous, CPU; None while reserved, not yet filled
-    bytes_view: torch.Tensor | None  # the same memory as uint8 [nbytes]
-    expires: float | None
-    sliding: float | None = None  # each serve extends `expires` to now + this (a hot tensor stays)
-    waiters: list[Callable[[], None]] | None = None  # pulls of a reserved entry, woken when it is filled
-    used: float = 0.0  # monotonic time it was published or last served
-
-    @property
-    def ready(self) -> bool:
-        return self.tensor is not None
-
-
-WAITING = _Entry(None, None, None)  # `HandleTable.serve`: the entry is reserved; the pull is woken later
-
-
-class HandleTable:
-    """What an owner serves: handle -> tensor, shared by the event loop and a transport thread."""
-
-    def __init__(self) -> None:
-        self._entries: dict[str, _Entry] = {}
-        self._expiry: list[tuple[float, str]] = []
-        self._lock = threading.Lock()
-
-    def put(self, tensor: torch.Tensor, handle: str | None, ttl: float | None, sliding: bool = False) -> str:
-        tensor = _servable(tensor)
-        handle = handle or uuid.uuid4().hex
-        now = time.monotonic()
-        expires = now + ttl if ttl else None
-        entry = _Entry(tensor, as_bytes(tensor), expires, ttl if sliding and ttl else None, used=now)
-        with self._lock:
-            self._entries[handle] = entry
-            if expires is not None:
-                heapq.heappush(self._expiry, (expires, handle))
-        return handle
-
-    def reserve(self) -> str:
-        """A handle whose tensor comes later (`fill`); held, with no TTL, until filled and released."""
-        handle = uuid.uuid4().hex
-        with self._lock:
-            self._entries[handle] = _Entry(None, None, None, waiters=[])
-        return handle
-
-    def fill(self, handle: str, tensor: torch.Tensor) -> bool:
-        """Give a reserved handle its tensor and wake the pulls waiting for it. False (and nothing
-        kept) when the handle was released meanwhile, or is not a reserved one."""
-        tensor = _servable(tensor)
-        with self._lock:
-            entry = self._entries.get(handle)
-            if entry is None or entry.ready:
-                return False
-            entry.tensor, entry.bytes_view = tensor, as_bytes(tensor)
-            waiters, entry.waiters = entry.waiters or [], None
-        for wake in waiters:
-            wake()
-        return True
-
-    def get(self, handle: str) -> _Entry | None:
-        with self._lock:
-            self._expire_locked()
-            return self._entries.get(handle)
-
-    def serve(self, handle: str, wake: Callable[[], None] | None = None) -> _Entry | None:
-        """The entry a pull asked for; a sliding one lives `ttl` on from now. A reserved one, with
-        `wake`: WAITING, and `wake()` is called (from the filling or releasing thread) once it is
-        filled or released, to serve the pull then; without `wake`: None, as if not held."""
-        with self._lock:
-            self._expire_locked()
-            entry = self._entries.get(handle)
-            if entry is not None and not entry.ready:
-                if wake is None:
-                    return None
-                entry.waiters.append(wake)
-                return WAITING
-            if entry is not None:
-                entry.used = time.monotonic()
-            if entry is not None and entry.sliding is not None:
-                entry.expires = entry.used + entry.sliding
-                heapq.heappush(self._expiry, (entry.expires, handle))
-            return entry
-
-    def __contains__(self, handle: str) -> bool:
-        return self.get(handle) is not None
-
-    def last_use(self, handle: str) -> float | None:
-        """When the handle was published or last served (monotonic); None if it is not held."""
-        entry = self.get(handle)
-        return entry.used if entry is not None else None
-
-    def pop(self, handle: str) -> bool:
-        with self._lock:
-            entry = self._entries.pop(handle, None)
-        for wake in (entry.waiters or []) if entry is not None else []:
-            wake()  # a pull waiting for it is answered "not found"
-        return entry is not None
-
-    def __len__(self) -> int:
-        with self._lock:
-            self._expire_locked()
-            return len(self._entries)
-
-    def _expire_locked(self) -> None:
-        now = time.monotonic()
-        while self._expiry and self._expiry[0][0] <= now:
-            _, handle = heapq.heappop(self._expiry)
-            entry = self._entries.get(handle)
-            if entry is not None and entry.expires is not None and entry.expires <= now:
-                del self._entries[handle]
+__all__ = ["HandleTable", "Pulled", "TransferBackend", "TransferConfig", "TransferPath", "as_bytes"]
 
 
 class Pulled:
     """A pulled tensor. When it landed in a pool buffer, `release()` (or leaving `with`) returns
-    the buffer; when it landed in the caller's `out`, release does nothing."""
+    the buffer; when it landed in the caller's `out` (or a tensor of its own), release does nothing.
+    `path` says how it came (inline, the byte stream, or a host-local copy)."""
 
-    def __init__(self, tensor: torch.Tensor, buffer: PoolBuffer | None = None) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, buffer: PoolBuffer | None = None, path: TransferPath = TransferPath.STREAM
+    ) -> None:
         self.tensor = tensor
+        self.path = path
         self._buffer = buffer
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+    def take(self) -> torch.Tensor:
+        """The tensor, the caller's to keep: a copy when it sits in a pool buffer (which goes back)."""
+        if self._buffer is None:
+            return self.tensor
+        tensor = self.tensor.clone()
+        self.release()
+        return tensor
 
     def release(self) -> None:
         if self._buffer is not None:
@@ -190,6 +76,24 @@ class Pulled:
         self.release()
 
 
+@dataclass
+class PathStats:
+    """Pulls that took one path, since the backend started."""
+
+    pulls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Reply:
+    """The owner's answer to one pull request."""
+
+    header: bytes
+    data: torch.Tensor | None = None  # the bytes that follow the header (flat uint8, host memory)
+    lease: Lease | None = None  # host-local: the reader's hold, ended by its ack or its going away
+
+
 class TransferBackend(abc.ABC):
     """A server (serves this process's published tensors) and a client (pulls others') in one."""
 
@@ -198,7 +102,11 @@ class TransferBackend(abc.ABC):
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
         self.pool = BufferPool(config.max_cached_bytes)
-        self.handles = HandleTable()
+        self.handles = HandleTable(config)
+        self.stats: dict[TransferPath, PathStats] = {path: PathStats() for path in TransferPath}
+        self.host_local_fallbacks = 0  # host-local replies whose memory could not be opened here
+        # For tests: called on the copying thread once a host-local source is open, before the copy.
+        self.on_mapped: Callable[[], None] | None = None
 
     @property
     @abc.abstractmethod
@@ -212,11 +120,14 @@ class TransferBackend(abc.ABC):
     async def close(self) -> None: ...
 
     def publish(
-        self, tensor: torch.Tensor, handle: str | None = None, ttl: float | None = None, sliding: bool = False
-    ) -> str:
-        """Serve `tensor` (kept by reference, no copy if contiguous CPU) until released or `ttl` passes;
-        `sliding`: `ttl` from its last pull instead of from now."""
-        return self.handles.put(tensor, handle, ttl, sliding)
+        self, tensor: torch.Tensor, handle: str | None = None, ttl: float | None = None,
+        sliding: bool = False, ready: torch.cuda.Event | None = None,
+    ) -> str:  # fmt: skip
+        """Serve `tensor` (kept by reference, no copy if contiguous; a CUDA tensor stays on its GPU
+        within `config.device_bytes`) until released or `ttl` passes; `sliding`: `ttl` from its last
+        pull instead of from now. `ready`: a CUDA event recorded where the tensor's writes were
+        queued, when that was another thread or stream than this one's."""
+        return self.handles.put(tensor, handle, ttl, sliding, ready)
 
     def reserve(self) -> str:
         """A handle to advertise now and `fill` later (from any thread); pulls wait for the fill."""
@@ -227,31 +138,51 @@ class TransferBackend(abc.ABC):
         return self.handles.fill(handle, tensor)
 
     def release(self, handle: str) -> bool:
-        """Stop serving a handle; a transfer already under way finishes. False if it was not held."""
+        """Stop serving a handle; a transfer under way finishes, and a same-host reader's copy too
+        (its memory is freed when the reader lets go). False if it was not held."""
         return self.handles.pop(handle)
 
-    def answer(
-        self, request: dict, wake: Callable[[], None] | None = None
-    ) -> tuple[bytes, _Entry | None] | None:
-        """The owner's reply header to a pull request, and the entry whose bytes follow it (None:
-        nothing follows). A puller without the deployment's secret is refused whatever it asks.
-        A reserved handle, with `wake`: None, and `wake()` is called when asking again will answer."""
+    def answer(self, request: dict, wake: Callable[[], None]) -> Reply | None:
+        """The owner's reply to a pull request. A puller without the deployment's secret is refused
+        whatever it asks. None while the handle is reserved or being prepared for this pull:
+        `wake()` is called (from another thread) when asking again will answer."""
         if self.config.secret and not hmac.compare_digest(
             str(request.get("k", "")).encode(), self.config.secret.encode()
         ):
-            return pack_refusal(), None
+            return Reply(pack_error("forbidden", "wrong or missing transfer secret"))
         handle = str(request.get("h", ""))
         entry = self.handles.serve(handle, wake)
         if entry is WAITING:
             return None
-        header, has_data = pack_reply(entry, handle, int(request.get("n", -1)))
-        return header, entry if has_data else None
+        if entry is None:
+            return Reply(pack_error("not_found", f"handle {handle} is not held"))
+        expect = int(request.get("n", -1))
+        if expect >= 0 and expect != entry.nbytes:
+            msg = f"handle {handle} holds {entry.nbytes} bytes; the receiver expects {expect}"
+            return Reply(pack_error("size_mismatch", msg))
+        prepared = self.handles.prepare(entry, request, wake)
+        if prepared is WAITING:
+            return None
+        if prepared is GONE:
+            return Reply(pack_error("not_found", f"handle {handle} was released"))
+        return reply_to(entry, prepared)
 
-    @abc.abstractmethod
     async def pull(
         self, address: str, handle: str, out: torch.Tensor | None = None, timeout: float | None = None
     ) -> Pulled:
-        """Fetch a tensor by handle. Raises a TransferError subclass, promptly, on any failure."""
+        """Fetch a tensor by handle into `out` (a contiguous CPU or CUDA tensor) or a pool buffer,
+        or, copied host-local from a CUDA tensor, a tensor on `config.device`. Raises a
+        TransferError subclass, promptly, on any failure."""
+        t0 = time.perf_counter()
+        pulled = await self._pull(address, handle, out, timeout or self.config.timeout)
+        stats = self.stats[pulled.path]
+        stats.pulls += 1
+        stats.bytes += pulled.nbytes
+        stats.seconds += time.perf_counter() - t0
+        return pulled
+
+    @abc.abstractmethod
+    async def _pull(self, address: str, handle: str, out: torch.Tensor | None, timeout: float) -> Pulled: ...
 
     async def pull_many(
         self,
@@ -275,25 +206,31 @@ class TransferBackend(abc.ABC):
         return results  # type: ignore[return-value]
 
 
+def reply_to(entry: Entry, prepared: Lease | None) -> Reply:
+    """The ok reply for a prepared entry: a handle to its memory (with the lease), or its bytes."""
+    header: dict[str, object] = {
+        "ok": True, "s": list(entry.tensor.shape), "d": dtype_name(entry.tensor.dtype), "n": entry.nbytes,
+    }  # fmt: skip
+    if prepared is not None:
+        return Reply(msgpack.packb({**header, "x": prepared.descriptor}, use_bin_type=True), lease=prepared)
+    return Reply(msgpack.packb(header), data=entry.host_bytes)
+
+
 # -- the pull protocol's headers (msgpack maps, tiny) --------------------------------------------------
 def pack_request(handle: str, expect_nbytes: int = -1, **extra: object) -> bytes:
     return msgpack.packb({"op": "pull", "h": handle, "n": expect_nbytes, **extra}, use_bin_type=True)
 
 
-def pack_refusal() -> bytes:
-    return msgpack.packb({"ok": False, "e": "forbidden", "m": "wrong or missing transfer secret"})
+def pack_error(code: str, message: str) -> bytes:
+    return msgpack.packb({"ok": False, "e": code, "m": message})
 
 
-def pack_reply(entry: _Entry | None, handle: str, expect_nbytes: int) -> tuple[bytes, bool]:
-    """The owner's reply header, and whether data follows it."""
-    if entry is None:
-        return msgpack.packb({"ok": False, "e": "not_found", "m": f"handle {handle} is not held"}), False
-    nbytes = entry.bytes_view.numel()
-    if expect_nbytes >= 0 and expect_nbytes != nbytes:
-        msg = f"handle {handle} holds {nbytes} bytes; the receiver expects {expect_nbytes}"
-        return msgpack.packb({"ok": False, "e": "size_mismatch", "m": msg}), False
-    header = {"ok": True, "s": list(entry.tensor.shape), "d": dtype_name(entry.tensor.dtype), "n": nbytes}
-    return msgpack.packb(header), True
+def pack_ack(ok: bool, message: str = "", **extra: object) -> bytes:
+    """A host-local reader's word to the owner: copied (`ok`), or could not open the handle."""
+    return msgpack.packb({"op": "ack", "ok": ok, "m": message, **extra}, use_bin_type=True)
+
+
+CONFIRM = msgpack.packb({"ok": True})  # the owner's answer to an ack: its hold has ended
 
 
 def unpack(data: bytes | bytearray | memoryview) -> dict:
@@ -306,40 +243,57 @@ def unpack(data: bytes | bytearray | memoryview) -> dict:
     return value
 
 
-def destination(
-    pool: BufferPool, shape: tuple[int, ...], dtype: str, out: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, PoolBuffer | None]:
-    """Where the bytes of a (shape, dtype) tensor land: `out` or a pool buffer.
+@dataclass
+class Landing:
+    """Where one pulled tensor's bytes go: they are written into `data` (flat uint8), then
+    `finish()` makes the Pulled. A stream into a CUDA `out` lands in a pool buffer first."""
 
-    Returns the typed tensor, its uint8 byte view, and the pool buffer (None for `out`).
-    """
+    tensor: torch.Tensor  # what the pull returns
+    data: torch.Tensor
+    buffer: PoolBuffer | None = None  # the pool's, lent while `data` is in it
+    staged: bool = field(default=False)  # `data` is a host copy to move into `tensor` at the end
+
+    def finish(self, path: TransferPath) -> Pulled:
+        if self.staged:
+            as_bytes(self.tensor).copy_(self.data)
+            self.abandon()
+        return Pulled(self.tensor, self.buffer, path)
+
+    def abandon(self) -> None:
+        """Give the pool buffer back (after a failure: nothing may write into it any more)."""
+        if self.buffer is not None:
+            self.buffer.release()
+            self.buffer = None
+
+
+def destination(
+    pool: BufferPool, shape: tuple[int, ...], dtype: str, out: torch.Tensor | None, host: bool = True,
+    device: str | None = None,
+) -> Landing:  # fmt: skip
+    """Where the bytes of a (shape, dtype) tensor land: `out`, or a pool buffer; `host=False` (a
+    host-local copy) writes straight into a CUDA `out`, and without `out` onto `device` if given."""
     nbytes = nbytes_of(shape, dtype)
     if out is not None:
         check_out(out, nbytes)
-        return out, as_bytes(out), None
+        if out.device.type == "cpu" or not host:
+            return Landing(out, as_bytes(out))
+        buf = pool.acquire(nbytes)
+        return Landing(out, buf.data, buf, staged=True)
+    if device is not None and not host:
+        from common.protocol.tensors import torch_dtype
+
+        tensor = torch.empty(shape, dtype=torch_dtype(dtype), device=device)
+        return Landing(tensor, as_bytes(tensor))
     buf = pool.acquire(nbytes)
-    return buf.view(shape, dtype), buf.data, buf
+    return Landing(buf.view(shape, dtype), buf.data, buf)
 
 
 def check_out(out: torch.Tensor, nbytes: int) -> None:
-    if out.device.type != "cpu" or not out.is_contiguous():
-        raise SizeMismatch("the destination must be a contiguous CPU tensor")
+    if out.device.type not in ("cpu", "cuda") or not out.is_contiguous():
+        raise SizeMismatch("the destination must be a contiguous CPU or CUDA tensor")
     have = out.numel() * out.element_size()
     if have != nbytes:
         raise SizeMismatch(f"the destination holds {have} bytes; the tensor has {nbytes}")
-
-
-def _servable(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu")  # CPU-only transports; a CUDA-aware UCX could send device memory
-    tensor = tensor.detach().contiguous()
-    dtype_name(tensor.dtype)  # refuse dtypes that cannot travel, at publish time
-    return tensor
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as flat uint8 (bfloat16 included, which numpy lacks)."""
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 def out_nbytes(out: torch.Tensor | None) -> int:

@@ -19,12 +19,16 @@ from collections import defaultdict
 
 import torch
 
+from common.transfer import host_local, same_host
 from common.transfer.base import (
+    CONFIRM,
     Pulled,
+    Reply,
     TransferBackend,
     TransferConfig,
     destination,
     out_nbytes,
+    pack_ack,
     pack_request,
     unpack,
 )
@@ -36,6 +40,7 @@ from common.transfer.errors import (
     TransferTimeout,
     error_from_code,
 )
+from common.transfer.same_host import TransferPath
 from common.transfer.tcp_channel import Channel, accepted, connected, tune
 
 log = logging.getLogger(__name__)
@@ -75,14 +80,34 @@ class TcpClient:
     async def _pull(self, peer: tuple[str, int], handle: str, out: torch.Tensor | None) -> Pulled:
         if self._closed:
             raise TransferClosed("transfer backend closed")
-        request = pack_request(handle, out_nbytes(out), k=self._backend.config.secret)
+        config = self._backend.config
+        stream_only = pack_request(handle, out_nbytes(out), k=config.secret)
+        offer = same_host.offer(config)
+        request = pack_request(handle, out_nbytes(out), k=config.secret, **offer) if offer else stream_only
+        chan, header = await self._ask(peer, request)
+        if header.get("ok") and "x" in header:
+            pulled = await self._host_local(chan, header, out)
+            if pulled is not None:
+                self._checkin(peer, chan)
+                return pulled
+            header = await self._ask_again(chan, stream_only)  # it could not be opened here
+        try:
+            pulled = await self._read_body(chan, header, out)
+        except BaseException:
+            chan.close()  # a half-read reply leaves the stream unusable
+            raise
+        self._checkin(peer, chan)
+        return pulled
+
+    async def _ask(self, peer: tuple[str, int], request: bytes) -> tuple[Channel, dict]:
+        """Send a request and read the reply's header."""
         # A reused connection may have died idle (owner restarted): retry once on a fresh one,
         # which is safe because nothing of the reply has arrived yet.
         for attempt in range(2):
             chan, reused = await self._checkout(peer)
             try:
                 await chan.send(_LEN.pack(len(request)) + request)
-                header = await self._read_header(chan)
+                return chan, await self._read_header(chan)
             except (OSError, PeerLost) as exc:
                 chan.close()
                 if reused and attempt == 0:
@@ -91,14 +116,53 @@ class TcpClient:
             except BaseException:
                 chan.close()
                 raise
-            break
+        raise AssertionError("unreachable")
+
+    async def _ask_again(self, chan: Channel, request: bytes) -> dict:
+        """Another request on a connection in use (no retry: the owner was there a moment ago)."""
         try:
-            pulled = await self._read_body(chan, header, out)
+            await chan.send(_LEN.pack(len(request)) + request)
+            return await self._read_header(chan)
+        except (OSError, PeerLost) as exc:
+            chan.close()
+            raise PeerLost(f"connection to the owner lost: {exc}") from None
         except BaseException:
-            chan.close()  # a half-read reply leaves the stream unusable
+            chan.close()
             raise
-        self._checkin(peer, chan)
-        return pulled
+
+    async def _host_local(self, chan: Channel, header: dict, out: torch.Tensor | None) -> Pulled | None:
+        """Copy from the owner's memory, acknowledge, and wait for its confirmation (proof that it
+        held the memory throughout). None: the handle could not be opened here, which the
+        acknowledgement said; the caller asks for the bytes on the same connection."""
+        try:
+            spot = host_local.landing(self._backend, header, out)
+        except BaseException:
+            chan.close()  # the owner's hold ends with the connection
+            raise
+        loop = asyncio.get_running_loop()
+        job = host_local.start(self._backend, header, spot)
+        failed = await host_local.copied(job, spot, lambda: loop.call_soon_threadsafe(chan.close))
+        try:
+            ack = pack_ack(failed is None, failed or "")
+            await chan.send(_LEN.pack(len(ack)) + ack)
+            confirm = await self._read_header(chan)
+        except (OSError, PeerLost) as exc:
+            spot.abandon()
+            chan.close()
+            raise PeerLost(f"owner went away during a host-local copy: {exc}") from None
+        except BaseException:
+            spot.abandon()
+            chan.close()
+            raise
+        if failed is not None or not confirm.get("ok"):
+            spot.abandon()
+            self._backend.host_local_fallbacks += 1
+            log.debug("host-local copy failed (%s); pulling the bytes", failed)
+            if not confirm.get("ok"):
+                chan.close()
+                raise TransferError(f"owner did not confirm a host-local copy: {confirm}")
+            return None
+        return spot.finish(TransferPath.HOST_LOCAL)
 
     async def _read_header(self, chan: Channel) -> dict:
         raw_len = bytearray(4)
@@ -115,10 +179,9 @@ class TcpClient:
     async def _read_body(self, chan: Channel, header: dict, out: torch.Tensor | None) -> Pulled:
         if not header.get("ok"):
             raise error_from_code(str(header.get("e")), str(header.get("m", "")))
-        shape, dtype = tuple(header["s"]), header["d"]
-        tensor, data, buf = destination(self._backend.pool, shape, dtype, out)
+        spot = destination(self._backend.pool, tuple(header["s"]), header["d"], out)
         try:
-            view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+            view = memoryview(spot.data.numpy()) if spot.data.numel() else memoryview(b"")
             try:
                 got = await chan.recv_into(view)
             except OSError as exc:
@@ -126,10 +189,9 @@ class TcpClient:
             if got < len(view):
                 raise PeerLost(f"owner went away after {got} of {len(view)} bytes")
         except BaseException:
-            if buf is not None:
-                buf.release()
+            spot.abandon()
             raise
-        return Pulled(tensor, buf)
+        return spot.finish(TransferPath.STREAM)
 
     async def _checkout(self, peer: tuple[str, int]) -> tuple[Channel, bool]:
         idle = self._idle.get(peer)
@@ -196,6 +258,7 @@ class TcpBackend(TransferBackend):
 
     async def close(self) -> None:
         self._client.close()
+        self.handles.clear()
         tasks = [t for t in (self._accept_task, *self._conn_tasks) if t is not None]
         for task in tasks:
             task.cancel()
@@ -206,15 +269,14 @@ class TcpBackend(TransferBackend):
             self._listener.close()
             self._listener = None
 
-    async def pull(
-        self, address: str, handle: str, out: torch.Tensor | None = None, timeout: float | None = None
-    ) -> Pulled:
-        return await self._client.pull(address, handle, out, timeout or self.config.timeout)
+    async def _pull(self, address: str, handle: str, out: torch.Tensor | None, timeout: float) -> Pulled:
+        return await self._client.pull(address, handle, out, timeout)
 
     # -- server ----------------------------------------------------------------------------------------
-    async def _answer_when_ready(self, request: dict):
-        """`answer`, waiting while the handle is reserved and not yet filled. The puller's deadline
-        bounds the wait: a puller that gave up closes the connection, and the reply then fails."""
+    async def _answer_when_ready(self, request: dict) -> Reply:
+        """`answer`, waiting while the handle is reserved and not yet filled, or being prepared. The
+        puller's deadline bounds the wait: a puller that gave up closes the connection, and the
+        reply then fails."""
         loop = asyncio.get_running_loop()
         while True:
             woken = loop.create_future()
@@ -248,26 +310,52 @@ class TcpBackend(TransferBackend):
             return
         try:
             while True:
-                raw_len = bytearray(4)
                 try:
-                    if await chan.recv_into(memoryview(raw_len)) < 4:
+                    request = await _read_frame(chan)
+                    if request is None or not await self._reply(chan, request):
                         return
-                    (length,) = _LEN.unpack(raw_len)
-                    if length > _MAX_HEADER:
-                        return  # not our protocol; drop the connection
-                    raw = bytearray(length)
-                    if await chan.recv_into(memoryview(raw)) < length:
-                        return
-                    header, entry = await self._answer_when_ready(unpack(raw))
-                    parts = [_LEN.pack(len(header)) + header]
-                    if entry is not None and entry.bytes_view.numel():
-                        parts.append(memoryview(entry.bytes_view.numpy()))
-                    await chan.send(*parts)
                 except (OSError, TransferError) as exc:
                     log.debug("transfer client went away: %r", exc)
                     return
         finally:
             chan.close()
+
+    async def _reply(self, chan: Channel, request: dict) -> bool:
+        """Answer one request (what the reply holds, a served tensor or a lease, is let go on
+        return). A host-local reply lends the memory until the reader acknowledges or goes away
+        (its connection drops: it died, or gave up); the owner then confirms. False: it went away."""
+        reply = await self._answer_when_ready(request)
+        parts = [_LEN.pack(len(reply.header)) + reply.header]
+        if reply.data is not None and reply.data.numel():
+            parts.append(memoryview(reply.data.numpy()))
+        if reply.lease is None:
+            await chan.send(*parts)
+            return True
+        try:
+            await chan.send(*parts)
+            ack = await _read_frame(chan)
+            if ack is None or ack.get("op") != "ack":
+                return False
+        finally:
+            reply.lease.end()
+        if not ack.get("ok"):
+            log.debug("a same-host puller could not open a handle: %s", ack.get("m"))
+        await chan.send(_LEN.pack(len(CONFIRM)) + CONFIRM)
+        return True
+
+
+async def _read_frame(chan: Channel) -> dict | None:
+    """One `u32 length + msgpack` frame; None at the end of the connection or on garbage."""
+    raw_len = bytearray(4)
+    if await chan.recv_into(memoryview(raw_len)) < 4:
+        return None
+    (length,) = _LEN.unpack(raw_len)
+    if length > _MAX_HEADER:
+        return None  # not our protocol; drop the connection
+    raw = bytearray(length)
+    if await chan.recv_into(memoryview(raw)) < length:
+        return None
+    return unpack(raw)
 
 
 def _wake(future: asyncio.Future) -> None:

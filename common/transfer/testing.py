@@ -27,6 +27,12 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
     seed: int
+    device: str = "cpu"  # where the owner keeps it ("cuda:0": a GPU tensor, pulled by CUDA IPC)
+    # Published as a view this many elements into a larger tensor (a storage offset to honour).
+    offset: int = 0
+    # On a GPU: published with this many pairs of XORs over its bytes still queued behind it (its
+    # bytes are right only once they have run).
+    busy: int = 0
 
 
 def make_tensor(spec: TensorSpec) -> torch.Tensor:
@@ -40,6 +46,24 @@ def make_tensor(spec: TensorSpec) -> torch.Tensor:
     gen = torch.Generator().manual_seed(spec.seed)
     raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
     return raw.view(dtype).reshape(spec.shape)
+
+
+def published(spec: TensorSpec) -> torch.Tensor:
+    """`make_tensor(spec)` where the owner keeps it: on its device, `offset` elements into a larger
+    tensor when asked (the same bytes either way)."""
+    tensor = make_tensor(spec)
+    if spec.offset:
+        flat = tensor.reshape(-1)
+        padded = torch.cat(
+            [torch.zeros(spec.offset, dtype=flat.dtype), flat, torch.zeros(3, dtype=flat.dtype)]
+        )
+        tensor = padded.to(spec.device)[spec.offset : spec.offset + flat.numel()].view(tensor.shape)
+    tensor = tensor.to(spec.device)
+    raw = tensor.view(-1).view(torch.uint8)
+    for _ in range(spec.busy):
+        raw.bitwise_xor_(0x5A)
+        raw.bitwise_xor_(0x5A)
+    return tensor
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -89,6 +113,21 @@ class OwnerProcess:
         as a prefill engine's thread fills streamed KV."""
         return bool(self._ask("fill", (handle, spec)))
 
+    def stats(self) -> dict[str, int]:
+        """What the owner holds now: handles, same-host readers' leases, bytes kept on a GPU, and
+        (with CUDA) the bytes its caching allocator has handed out."""
+        return dict(self._ask("stats", ""))  # type: ignore[call-overload]
+
+    def publish(self, spec: TensorSpec) -> str:
+        return str(self._ask("publish", spec))
+
+    def republish(self) -> list[str]:
+        """Release the start-up tensors' handles and publish the same tensors afresh: each pull of
+        the new handles is a first one (a GPU tensor shared, or moved to host, anew), as a request's
+        KV is pulled once."""
+        self.handles = list(self._ask("republish", ""))  # type: ignore[call-overload]
+        return self.handles
+
     def _ask(self, op: str, arg: object) -> object:
         assert self._conn is not None
         self._conn.send((op, arg))
@@ -127,12 +166,24 @@ class OwnerProcess:
         self.stop()
 
 
+CLONE_NEWIPC = 0x08000000
+
+
 def _owner_main(backend: str, specs: list[TensorSpec], env: dict[str, str], conn: Connection) -> None:
     os.environ.update(env)
     if env.get("TRIDENT_NETNS"):  # another "host" (bench/transfer.py across namespaces)
         from common.infra import netns
 
         netns.enter(env["TRIDENT_NETNS"])
+    if env.get("TRIDENT_TEST_NEW_IPC_NS"):  # a container without the host's IPC namespace
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWIPC) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWIPC)")
+    if env.get("TRIDENT_TEST_NOT_DUMPABLE"):  # only a peer with CAP_SYS_PTRACE may open its /proc/<pid>/fd
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
     asyncio.run(_serve(backend, specs, conn))
 
 
@@ -143,10 +194,16 @@ async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -
     # From the owner's env (OwnerProcess(env=...)).
     secret = os.environ.get("TRIDENT_TRANSFER_SECRET", "")
     host = os.environ.get("TRIDENT_BIND_HOST", "127.0.0.1")
-    config = TransferConfig(backend=backend_name, secret=secret, host=host, tls=tls_from_env())  # type: ignore[arg-type]
+    host_local = os.environ.get("TRIDENT_TRANSFER_HOST_LOCAL", "1") not in ("0", "false")
+    device_bytes = int(os.environ.get("TRIDENT_TRANSFER_DEVICE_BYTES", 4 << 30))
+    config = TransferConfig(
+        backend=backend_name, secret=secret, host=host, tls=tls_from_env(), host_local=host_local,  # type: ignore[arg-type]
+        device_bytes=device_bytes,
+    )  # fmt: skip
     backend = create_backend(config)
     await backend.start()
-    handles = [backend.publish(make_tensor(s)) for s in specs]
+    tensors = [published(s) for s in specs]
+    handles = [backend.publish(t) for t in tensors]
     await asyncio.to_thread(conn.send, (backend.address, handles))
     try:
         while True:
@@ -159,9 +216,29 @@ async def _serve(backend_name: str, specs: list[TensorSpec], conn: Connection) -
                 await asyncio.to_thread(conn.send, backend.reserve())
             elif op == "fill":
                 handle, spec = arg
-                filled = await asyncio.to_thread(backend.fill, handle, make_tensor(spec))
+                filled = await asyncio.to_thread(backend.fill, handle, published(spec))
                 await asyncio.to_thread(conn.send, filled)
+            elif op == "publish":
+                await asyncio.to_thread(conn.send, backend.publish(published(arg)))
+            elif op == "stats":
+                await asyncio.to_thread(conn.send, _stats(backend))
+            elif op == "republish":
+                for handle in handles:
+                    backend.release(handle)
+                handles = [backend.publish(t) for t in tensors]
+                await asyncio.to_thread(conn.send, handles)
     except EOFError:
         return  # the parent went away
     finally:
         await backend.close()
+
+
+def _stats(backend) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    stats = {
+        "handles": len(backend.handles), "leases": backend.handles.leases,
+        "device_bytes": backend.handles.device_bytes, "idle_segments": backend.handles.idle_segments,
+    }  # fmt: skip
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        stats["cuda_allocated"] = torch.cuda.memory_allocated()
+    return stats

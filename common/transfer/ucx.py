@@ -30,12 +30,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.transfer import host_local, same_host
 from common.transfer.base import (
+    CONFIRM,
+    Landing,
     Pulled,
     TransferBackend,
     TransferConfig,
     destination,
     out_nbytes,
+    pack_ack,
     pack_request,
     unpack,
 )
@@ -47,7 +51,9 @@ from common.transfer.errors import (
     TransferTimeout,
     error_from_code,
 )
+from common.transfer.handles import Lease
 from common.transfer.liveness import ProcessId, known_dead, this_process
+from common.transfer.same_host import TransferPath
 from common.transfer.tcp import TcpClient
 from common.transfer.ucx_peers import Peer, Peers, PullState
 from common.transfer.ucx_thread import UcxThread
@@ -65,6 +71,7 @@ log = logging.getLogger(__name__)
 
 # After a deadline aborts a pull, wait this long for its receives to be cancelled before giving up.
 _ABORT_GRACE = 2.0
+STREAM_INSTEAD = object()  # a host-local pull's result when the owner's memory could not be opened
 
 
 def is_loopback(host: str) -> bool:
@@ -96,6 +103,7 @@ class UcxBackend(TransferBackend):
         self._process = this_process()
         self._worker_address = b""
         self._tags = itertools.count(random.getrandbits(40) << 20, 2)  # even: T for the header, T+1 for data
+        self._lent: dict[tuple[bytes, int], tuple[Lease, ProcessId | None]] = {}  # host-local holds, by pull
         self._closed = False
 
     @property
@@ -109,11 +117,9 @@ class UcxBackend(TransferBackend):
         self._closed = True
         self._tcp.close()
         await asyncio.to_thread(self._thread.stop, self._shutdown)
+        self.handles.clear()
 
-    async def pull(
-        self, address: str, handle: str, out: torch.Tensor | None = None, timeout: float | None = None
-    ) -> Pulled:
-        timeout = timeout or self.config.timeout
+    async def _pull(self, address: str, handle: str, out: torch.Tensor | None, timeout: float) -> Pulled:
         if address.startswith("tcp://"):
             return await self._tcp.pull(address, handle, out, timeout)
         if self._closed:
@@ -122,13 +128,21 @@ class UcxBackend(TransferBackend):
         if known_dead(process):
             raise PeerUnreachable(f"the owner process ({process.pid if process else '?'}) is gone")
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         pull = PullState(peer, handle, out, loop, loop.create_future())
+        pulled = await self._pull_once(pull, process, timeout)
+        if pulled is STREAM_INSTEAD:  # the owner's memory could not be opened here: ask for the bytes
+            pull = PullState(peer, handle, out, loop, loop.create_future(), stream_only=True)
+            pulled = await self._pull_once(pull, process, max(0.001, deadline - loop.time()))
+        return pulled  # type: ignore[return-value]
+
+    async def _pull_once(self, pull: PullState, process: ProcessId | None, timeout: float) -> Pulled:
         self._thread.call(lambda: self._begin(pull, process))
         try:
             return await asyncio.wait_for(asyncio.shield(pull.future), timeout)
         except TimeoutError:
-            error = TransferTimeout(f"pull of {handle} took over {timeout}s")
-            self._thread.call(lambda: self._peers.abort(peer, error))
+            error = TransferTimeout(f"pull of {pull.handle} took over {timeout}s")
+            self._thread.call(lambda: self._peers.abort(pull.peer, error))
             try:  # the abort cancels the receives, then fails the pull with `error`
                 return await asyncio.wait_for(pull.future, _ABORT_GRACE)
             except TimeoutError:
@@ -150,6 +164,7 @@ class UcxBackend(TransferBackend):
         tag = next(self._tags)
         header = np.empty(CONTROL_SIZE, dtype=np.uint8)
         me = self._process.encode() if self._process else ""
+        offer = {} if pull.stream_only else same_host.offer(self.config, by_socket=False)
         request = frame(
             pack_request(
                 pull.handle,
@@ -158,6 +173,7 @@ class UcxBackend(TransferBackend):
                 ra=self._worker_address,
                 pi=me,
                 k=self.config.secret,
+                **offer,
             )
         )
         # Each callback holds the array its request reads or writes: UCX may touch it until completion.
@@ -178,27 +194,82 @@ class UcxBackend(TransferBackend):
             reply = unpack(unframe(header))
             if not reply.get("ok"):
                 raise error_from_code(str(reply.get("e")), str(reply.get("m", "")))
-            tensor, data, pull.buffer = destination(self.pool, tuple(reply["s"]), reply["d"], pull.out)
+            if "x" in reply:
+                self._begin_host_local(pull, reply, tag)
+                return
+            spot = destination(self.pool, tuple(reply["s"]), reply["d"], pull.out)
+            pull.buffer = spot.buffer
         except Exception as exc:
             self._settle(pull, self._failure(pull, exc))
             return
         peer = self._peers.lookup(pull.peer)
         if peer is None:
             self._settle(pull, self._failure(pull, PeerLost("endpoint to the owner closed")))
-        elif data.numel() == 0:
-            self._settle(pull, Pulled(tensor, pull.buffer))
+        elif spot.data.numel() == 0:
+            self._settle(pull, spot.finish(TransferPath.STREAM))
         else:
-            # `tensor` in the callback keeps the memory alive while UCX may write to it.
-            recv = peer.ep.tag_recv(self._array(data.numpy()), self._api.UCXXTag(tag + 1))
-            self._watch(peer, recv, lambda r: self._on_data(pull, r, tensor))
+            # `spot` in the callback keeps the memory alive while UCX may write to it.
+            recv = peer.ep.tag_recv(self._array(spot.data.numpy()), self._api.UCXXTag(tag + 1))
+            self._watch(peer, recv, lambda r: self._on_data(pull, r, spot))
 
-    def _on_data(self, pull: PullState, request: Any, tensor: torch.Tensor) -> None:
+    # -- UCX thread: host-local pulls (host_local.py) ------------------------------------------------------
+    def _begin_host_local(self, pull: PullState, reply: dict, tag: int) -> None:
+        """The owner lent its memory: copy from it on a copier thread, then acknowledge on the
+        control tag; the owner's confirmation comes on T+1."""
+        peer = self._peers.lookup(pull.peer)
+        if peer is None:
+            raise PeerLost("endpoint to the owner closed")
+        try:
+            spot = host_local.landing(self, reply, pull.out)
+        except Exception as exc:  # nothing copied: let the owner's hold go, and fail
+            self._acknowledge(pull, tag, f"no destination: {exc!r}")
+            raise
+        pull.buffer = spot.buffer
+        confirm = np.empty(CONTROL_SIZE, dtype=np.uint8)
+        recv = peer.ep.tag_recv(self._array(confirm), self._api.UCXXTag(tag + 1))
+        self._watch(peer, recv, lambda r: self._on_confirm(pull, r, confirm, spot))
+        pull.copy = host_local.start(self, reply, spot)
+        pull.copy.add_done_callback(lambda job: self._thread.call(lambda: self._copied(pull, tag, job)))
+
+    def _copied(self, pull: PullState, tag: int, job: Any) -> None:
+        error = job.exception()
+        pull.copy_failed = None if error is None else f"{type(error).__name__}: {error}"
+        self._acknowledge(pull, tag, pull.copy_failed)
+
+    def _acknowledge(self, pull: PullState, tag: int, failed: str | None) -> None:
+        """Tell the owner the copy is over (or could not be made), which ends its hold; sent even
+        after the pull failed here, since the owner holds the memory until it hears."""
+        try:
+            peer = self._peers.get(pull.peer, None)
+        except Exception as exc:
+            log.debug("cannot acknowledge a host-local copy: %r", exc)
+            return
+        ack = frame(pack_ack(failed is None, failed or "", rt=tag, ra=self._worker_address))
+        send = peer.ep.tag_send(self._array(ack), self._api.UCXXTag(CONTROL_TAG))
+        self._watch(peer, send, lambda r: self._on_sent(pull, r, ack))
+
+    def _on_confirm(self, pull: PullState, request: Any, _confirm: np.ndarray, spot: Landing) -> None:
         try:
             request.check_error()
         except Exception as exc:
             self._settle(pull, self._failure(pull, exc))
             return
-        self._settle(pull, Pulled(tensor, pull.buffer))
+        if pull.copy_failed is not None:
+            log.debug("host-local copy failed (%s); pulling the bytes", pull.copy_failed)
+            self.host_local_fallbacks += 1
+            spot.abandon()
+            pull.buffer = None
+            self._settle(pull, STREAM_INSTEAD)
+        else:
+            self._settle(pull, spot.finish(TransferPath.HOST_LOCAL))
+
+    def _on_data(self, pull: PullState, request: Any, spot: Landing) -> None:
+        try:
+            request.check_error()
+        except Exception as exc:
+            self._settle(pull, self._failure(pull, exc))
+            return
+        self._settle(pull, spot.finish(TransferPath.STREAM))
 
     @staticmethod
     def _failure(pull: PullState, exc: Exception) -> TransferError:
@@ -206,7 +277,11 @@ class UcxBackend(TransferBackend):
             return pull.abort_error
         return exc if isinstance(exc, TransferError) else PeerLost(f"transfer from owner failed: {exc}")
 
-    def _settle(self, pull: PullState, result: Pulled | TransferError) -> None:
+    def _settle(self, pull: PullState, result: Pulled | TransferError | object) -> None:
+        if isinstance(result, TransferError) and pull.copy is not None and not pull.copy.done():
+            # A host-local copy still writes into the pull's buffer: fail it once that has stopped.
+            pull.copy.add_done_callback(lambda _: self._thread.call(lambda: self._settle(pull, result)))
+            return
         peer = self._peers.lookup(pull.peer)
         if peer is not None:
             peer.pulls.discard(pull)
@@ -233,6 +308,8 @@ class UcxBackend(TransferBackend):
             message = unpack(unframe(buf))
             if message.get("op") == "pull":  # pings need no answer: their send succeeding is the answer
                 self._serve(message)
+            elif message.get("op") == "ack":
+                self._on_ack(message)
         except Exception as exc:
             log.warning("bad UCX control message: %r", exc)
 
@@ -245,13 +322,34 @@ class UcxBackend(TransferBackend):
             return
         reply = self.answer(message, lambda: self._thread.call(lambda: self._serve(message)))
         if reply is None:
-            return  # reserved, not yet filled: served again when it is
-        header, entry = reply
-        sends = [frame(header)]
-        if entry is not None and entry.bytes_view.numel():
+            return  # reserved and not yet filled, or being prepared: served again when it is
+        sends = [frame(reply.header)]
+        if reply.data is not None and reply.data.numel():
             # The tensor stays referenced until its send completes, even if released meanwhile.
-            sends.append(entry.bytes_view.numpy())
+            sends.append(reply.data.numpy())
         self._peers.start_work(peer)
+        if reply.lease is not None:  # held until the puller acknowledges, or is found dead
+            self._lent[(address, tag)] = (reply.lease, peer.process)
+        self._send_all(peer, address, sends, tag)
+
+    def _on_ack(self, message: dict) -> None:
+        """A same-host puller is done with the memory it was lent: end its hold, and confirm."""
+        address, tag = bytes(message["ra"]), int(message["rt"])
+        lent = self._lent.pop((address, tag), None)
+        if lent is None:
+            return  # not ours, or its reader was found dead meanwhile, which ended the hold
+        lent[0].end()
+        if not message.get("ok"):
+            log.debug("a same-host puller could not open a handle: %s", message.get("m"))
+        try:
+            peer = self._peers.get(address, lent[1])
+        except Exception as exc:
+            log.debug("cannot confirm to a puller: %r", exc)
+            return
+        self._peers.start_work(peer)
+        self._send_all(peer, address, [frame(CONFIRM)], tag + 1)
+
+    def _send_all(self, peer: Peer, address: bytes, sends: list[np.ndarray], tag: int) -> None:
         for i, array in enumerate(sends):
             peer.sends += 1
             send = peer.ep.tag_send(self._array(array), self._api.UCXXTag(tag + i))
@@ -271,8 +369,17 @@ class UcxBackend(TransferBackend):
 
     def _periodic(self) -> None:
         self._peers.check()
+        # Memory lent to a reader that died is let go (a live one's hold ends only with its ack:
+        # it may still be copying, even after its endpoint here was closed).
+        for key, (lease, process) in list(self._lent.items()):
+            if known_dead(process):
+                del self._lent[key]
+                lease.end()
 
     def _shutdown(self) -> None:
+        for lease, _ in self._lent.values():
+            lease.end()
+        self._lent.clear()
         closed = TransferClosed("transfer backend closed")
         for peer in self._peers.close_all(closed):
             for pull in list(peer.pulls):
@@ -292,5 +399,5 @@ def _resolve(future: asyncio.Future[Pulled], result: Pulled | TransferError) -> 
 
 
 def _release_unclaimed(future: asyncio.Future[Pulled]) -> None:
-    if not future.cancelled() and future.exception() is None:
+    if not future.cancelled() and future.exception() is None and isinstance(future.result(), Pulled):
         future.result().release()

@@ -10,6 +10,7 @@ TCP connection. A dead peer's endpoint is closed and its pulls fail at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -40,6 +41,9 @@ class PullState:
     future: asyncio.Future[Pulled]
     abort_error: TransferError | None = None
     buffer: PoolBuffer | None = None
+    stream_only: bool = False  # asks for the bytes (a host-local copy of it failed)
+    copy: concurrent.futures.Future[None] | None = None  # a host-local copy in flight
+    copy_failed: str | None = None  # why the host-local copy failed, once it did
 
 
 @dataclass(eq=False)
@@ -117,6 +121,7 @@ class Peers:
         peer = self._peers.pop(address, None)
         if peer is None:
             return
+        dead = dead or known_dead(peer.process)  # a send failed because it died: nothing will cancel
         log.debug("closing the UCX endpoint to a peer: %s", error)
         for pull in peer.pulls:
             pull.abort_error = pull.abort_error or error

@@ -18,13 +18,14 @@ from common.bus import Task
 from common.engine import AdmissionError, kv_quant
 from common.engine.admission import check_fits, decode_room
 from common.engine.spec_prompt import spec_prompt
-from common.protocol import DecodeTask, PrefillTask, Release
+from common.protocol import DecodeTask, PrefillTask, Release, RequestSpec
 from common.protocol.tensors import KvWire, torch_dtype
 from common.roles import Role
 from common.store import Stage
-from common.transfer import TransferError
+from common.transfer import TransferError, TransferPath
 from services.worker.ledger import Held
 from services.worker.stage import StageHandler
+from services.worker.stage_metrics import path_label
 
 log = logging.getLogger(__name__)
 BLOCKS_POLL = 0.02  # seconds between looks at the engine while a task waits for KV blocks
@@ -39,43 +40,79 @@ class DecodeHandler(StageHandler):
         instance also prefilled)."""
         began = Stage.DECODE_STARTED if Stage.DECODE_STARTED in held.marks else Stage.FIRST_TOKEN
         self.ctx.metrics.ran(self.role, held.marks, began)
+        self.ctx.spans.record(held, "decode", began, output_tokens=len(held.sent))
 
     async def take(self, task: Task) -> None:
         ctx = self.ctx
         msg: DecodeTask = task.message
         spec = msg.request
-        rid = spec.request_id
         engine = ctx.engine.engine
         # Hold the task while blocks free up, rather than give it back: every nak counts as a
         # delivery, and a request that waits out its deliveries would be dead-lettered and never
         # answered. The keep-alive loop extends a held task's ack deadline meanwhile.
         held = ctx.ledger.begin(spec, self.role, task)
-        need = len(spec.prompt_token_ids) + spec.sampling.max_tokens
         try:
-            check_fits(len(spec.prompt_token_ids), spec.sampling.max_tokens,
-                       max_model_len=engine.max_model_len, kv_tokens=engine.handoff.kv_tokens)  # fmt: skip
+            check_fits(
+                len(spec.prompt_token_ids),
+                spec.sampling.max_tokens,
+                max_model_len=engine.max_model_len,
+                kv_tokens=engine.handoff.kv_tokens,
+            )
         except AdmissionError as exc:
-            await ctx.fail(rid, "service_unavailable", str(exc))
+            await ctx.fail(spec.request_id, "service_unavailable", str(exc))
             return
-        if task.redelivered:
-            # The decoder that had it may have died mid-generation: the KV this task points to
-            # covers only the tokens before the task (and the first token, when it streamed), and
-            # the client has seen more. Resume from those.
-            streamed = await ctx.streamed(rid, spec.output_token_ids)
-            if len(streamed) > len(spec.output_token_ids) + bool(msg.kv.tail):
-                await self._release_at_owner(msg)
-                await self._back_to_prefill(held, streamed)
-                return
-        while not await ctx.engine.call(lambda: engine.handoff.can_admit(need)):
-            if ctx.draining.is_set():
-                await ctx.ledger.give_back(rid)  # another replica takes it
-                return
-            await asyncio.sleep(BLOCKS_POLL)
-            ctx.ledger.check_live(held)
+        if task.redelivered and await self._sent_back_after_a_dead_decoder(held, msg):
+            return
+        if not await self._wait_for_blocks(held, len(spec.prompt_token_ids) + spec.sampling.max_tokens):
+            return
         ctx.ledger.mark(held, Stage.PD_TRANSFER_STARTED, decode_instance=ctx.instance_id)
         ctx.metrics.taken(self.role, task.stored, at=held.marks[Stage.PD_TRANSFER_STARTED])
+        pulled = await self._pull_or_send_back(held, msg)
+        if pulled is None:
+            return
+        buffers, outcome = pulled
+        outputs = list(spec.output_token_ids)
+        if outcome is not None:  # streamed: the prefill's outcome comes last
+            ended, outputs = bool(outcome[0]), outcome[1:].tolist()
+            if ended:  # its first token ended it; the prefill instance said so to the client
+                await self._release_at_owner(msg)
+                await ctx.ledger.settle(spec.request_id)
+                return
+            held.sent = list(outputs)
+            held.spec = spec = spec.model_copy(update={"output_token_ids": tuple(outputs)})
+        await self._admit(held, msg, spec, buffers, outputs)
+
+    async def _sent_back_after_a_dead_decoder(self, held: Held, msg: DecodeTask) -> bool:
+        """For a redelivered task: the decoder that had it may have died mid-generation. The KV this
+        task points to covers only the tokens before the task (and the first token, when it
+        streamed), and the client has seen more: resume from those, at prefill. True if so."""
+        streamed = await self.ctx.streamed(held.request_id, msg.request.output_token_ids)
+        if len(streamed) > len(msg.request.output_token_ids) + bool(msg.kv.tail):
+            await self._release_at_owner(msg)
+            await self._back_to_prefill(held, streamed)
+            return True
+        return False
+
+    async def _wait_for_blocks(self, held: Held, need: int) -> bool:
+        """Until the engine has room for `need` tokens of KV; False if the instance drains meanwhile
+        (the task is given back: another replica takes it)."""
+        ctx, engine = self.ctx, self.ctx.engine.engine
+        while not await ctx.engine.call(lambda: engine.handoff.can_admit(need)):
+            if ctx.draining.is_set():
+                await ctx.ledger.give_back(held.request_id)
+                return False
+            await asyncio.sleep(BLOCKS_POLL)
+            ctx.ledger.check_live(held)
+        return True
+
+    async def _pull_or_send_back(
+        self, held: Held, msg: DecodeTask
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
+        """The KV (and, streamed, the prefill's outcome), timed; None when it could not be pulled and
+        the request went back to prefill."""
+        ctx, rid = self.ctx, held.request_id
         try:
-            buffers, outcome = await self._pull_kv(held, msg)
+            buffers, outcome, path = await self._pull_kv(held, msg)
         except TransferError as exc:
             # The prefill instance is gone or dropped the KV (or released it to a decoder that
             # died): prefill the request again over its prompt and the tokens the client has seen.
@@ -83,20 +120,22 @@ class DecodeHandler(StageHandler):
             ctx.ledger.check_live(held)
             log.warning("KV of %s unavailable (%s); sending it back to prefill", rid, exc)
             ctx.counters.kv_pull_failures += 1
-            await self._back_to_prefill(held, await ctx.streamed(rid, spec.output_token_ids))
-            return
-        ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED)
+            await self._back_to_prefill(held, await ctx.streamed(rid, msg.request.output_token_ids))
+            return None
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED, pd_path=path, pd_bytes=str(nbytes))
         seconds = held.marks[Stage.PD_TRANSFER_ENDED] - held.marks[Stage.PD_TRANSFER_STARTED]
-        ctx.metrics.transferred("pd", seconds, sum(b.numel() * b.element_size() for b in buffers))
-        outputs = list(spec.output_token_ids)
-        if outcome is not None:  # streamed: the prefill's outcome comes last
-            ended, outputs = bool(outcome[0]), outcome[1:].tolist()
-            if ended:  # its first token ended it; the prefill instance said so to the client
-                await self._release_at_owner(msg)
-                await ctx.ledger.settle(rid)
-                return
-            held.sent = list(outputs)
-            held.spec = spec = spec.model_copy(update={"output_token_ids": tuple(outputs)})
+        ctx.metrics.transferred("pd", seconds, nbytes, path)
+        ctx.spans.record(
+            held, "transfer", Stage.PD_TRANSFER_STARTED, Stage.PD_TRANSFER_ENDED, hop="pd", bytes=nbytes
+        )
+        return buffers, outcome
+
+    async def _admit(
+        self, held: Held, msg: DecodeTask, spec: RequestSpec, buffers: list[torch.Tensor], outputs: list[int]
+    ) -> None:
+        """Into the engine with the pulled KV, then release it at its owner."""
+        ctx, rid, engine = self.ctx, held.request_id, self.ctx.engine.engine
         try:
             if msg.kv.wire == KvWire.INT8:  # back into the cache's dtype (kv_quant.py)
                 dtype = torch_dtype(msg.kv.dtype)
@@ -109,9 +148,16 @@ class DecodeHandler(StageHandler):
 
             def admit(e):
                 return e.handoff.add_prefilled(
-                    rid, prompt.token_ids, outputs, spec.sampling, buffers, msg.kv.rope_delta,
-                    msg.cached_tokens, prompt.images, prompt.image_positions,
-                )  # fmt: skip
+                    rid,
+                    prompt.token_ids,
+                    outputs,
+                    spec.sampling,
+                    buffers,
+                    msg.kv.rope_delta,
+                    msg.cached_tokens,
+                    prompt.images,
+                    prompt.image_positions,
+                )
 
             await ctx.ledger.enter(held, admit)
         except (AdmissionError, ValueError) as exc:
@@ -121,18 +167,27 @@ class DecodeHandler(StageHandler):
         ctx.ledger.mark(held, Stage.DECODE_STARTED)
         ctx.counters.decodes_admitted += 1
 
-    async def _pull_kv(self, held: Held, msg: DecodeTask) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Every group's buffer, pulled all at once (002 §3.3), and for streamed KV the prefill's
-        outcome too (int64 [ended, *outputs]); the first failure raises once all have ended."""
+    async def _pull_kv(
+        self, held: Held, msg: DecodeTask
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, str]:
+        """Every group's buffer, pulled all at once (002 §3.3) — from a GPU prefill on this host,
+        GPU to GPU onto this instance's device —, for streamed KV the prefill's outcome too (int64
+        [ended, *outputs]), and the path the groups took; the first failure raises once all have
+        ended."""
         ctx, kv = self.ctx, msg.kv
         refs = kv.refs() + ([kv.tail_ref(len(msg.request.output_token_ids))] if kv.tail else [])
-        pulled = await asyncio.gather(*(ctx.pull(held, ref) for ref in refs), return_exceptions=True)
+        pulled = await asyncio.gather(
+            *(ctx.pull_with_path(held, ref) for ref in refs), return_exceptions=True
+        )
         for result in pulled:
             if isinstance(result, BaseException):
                 raise result
         by_handle = iter(pulled)
-        buffers = [g.inline.to_tensor() if g.inline else next(by_handle) for g in kv.groups]
-        return buffers, next(by_handle) if kv.tail else None
+        groups = [
+            (g.inline.to_tensor(), TransferPath.INLINE) if g.inline else next(by_handle) for g in kv.groups
+        ]
+        outcome = next(by_handle)[0] if kv.tail else None
+        return [buffer for buffer, _ in groups], outcome, path_label([path for _, path in groups])
 
     async def _release_at_owner(self, msg: DecodeTask) -> None:
         """Tell the prefill instance that holds the request's KV to free it."""

@@ -92,9 +92,12 @@ class EncodeHandler(StageHandler):
             handle, dropped = self.served.serve(img.content_hash, features, keep=mine)
             evicted += dropped
             ref = TensorRef(
-                owner=ctx.instance_id, address=ctx.transfer.address, handle=handle,
-                shape=tuple(features.shape), dtype=dtype_name(features.dtype),
-            )  # fmt: skip
+                owner=ctx.instance_id,
+                address=ctx.transfer.address,
+                handle=handle,
+                shape=tuple(features.shape),
+                dtype=dtype_name(features.dtype),
+            )
             entries.append(FeatureEntry(content_hash=img.content_hash, ref=ref, created=time.time()))
             small = features.numel() * features.element_size() <= ctx.transfer.config.inline_max_bytes
             carried = share(ctx.transfer, features, ctx.instance_id) if small else ref
@@ -102,6 +105,7 @@ class EncodeHandler(StageHandler):
             images.append(img.model_copy(update={"pixels": pixels, "features": carried}))
         ctx.ledger.mark(held, Stage.ENCODE_ENDED, encode_instance=ctx.instance_id)
         ctx.metrics.ran(self.role, held.marks, Stage.ENCODE_STARTED)
+        ctx.spans.record(held, "encode", Stage.ENCODE_STARTED, Stage.ENCODE_ENDED, images=len(images))
         encoded = held.spec.model_copy(update={"images": tuple(images)})
         to = held.task.message.prefill_to if held.task is not None else ""  # the gateway's choice
         await ctx.dispatch.send(PrefillTask(request=encoded), held.source, to=to or None)

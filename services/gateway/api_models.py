@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from common.errors import clip
 from common.protocol import SamplingParams
 from common.protocol.sampling import INT32, INT64, TokenId
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]  # NaN and ±inf name their own error
+# Numbers as the OpenAI API takes them: a JSON number, never a string ("12") or a boolean; an
+# integer field takes no 12.0 either. (pydantic's lax mode would accept all three.)
+Int = Annotated[int, Strict()]
+Finite = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # NaN and ±inf name their own error
 
 
 class _Lenient(BaseModel):
@@ -51,7 +55,7 @@ class VideoControls(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a key we do not honour is named, not ignored
     fps: Finite | None = Field(None, gt=0.0)
-    max_frames: int | None = Field(None, ge=2, le=INT32)
+    max_frames: Int | None = Field(None, ge=2, le=INT32)
 
 
 class Message(_Lenient):
@@ -71,25 +75,27 @@ class SamplingFields(_Lenient):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1, le=INT32)
+    max_tokens: Int | None = Field(None, ge=1, le=INT32)
     temperature: Finite = Field(1.0, ge=0.0, le=2.0)
     top_p: Finite = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=INT32)
-    seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
+    top_k: Int = Field(0, ge=0, le=INT32)
+    seed: Int | None = Field(None, ge=-INT64 - 1, le=INT64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None  # vLLM's extension; the engine stops on them
-    n: int = 1
+    stop_token_ids: list[Annotated[TokenId, Strict()]] | None = (
+        None  # vLLM's extension; the engine stops on them
+    )
+    n: Int = 1
     ignore_eos: bool = False
     presence_penalty: Finite = 0.0
     frequency_penalty: Finite = 0.0
     repetition_penalty: Finite = 1.0  # vLLM's extension; `vllm bench serve` sends 1.0
-    logprobs: bool | int | None = None
+    logprobs: Annotated[bool, Strict()] | Int | None = None
     # OpenAI's and vLLM's sampling fields the engine does not implement: refused unless neutral.
     logit_bias: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     min_p: Finite = 0.0
-    min_tokens: int = 0
-    best_of: int | None = None
+    min_tokens: Int = 0
+    best_of: Int | None = None
     use_beam_search: bool = False
     length_penalty: Finite = 1.0
     response_format: dict[str, Any] | None = None
@@ -175,7 +181,7 @@ class SamplingFields(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
+    max_completion_tokens: Int | None = Field(None, ge=1, le=INT32)
     mm_processor_kwargs: VideoControls | None = None
 
     @property
@@ -217,8 +223,8 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """`/v1/completions`: one prompt, as text or as token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=INT32)
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: Int | None = Field(16, ge=1, le=INT32)
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -263,7 +269,7 @@ def _invalid_unicode(data: Any) -> str | None:
         elif isinstance(value, dict):
             items = list(value.items())
             for key, item in reversed(items):
-                name = key if isinstance(key, str) and _encodes(key) else _escaped(str(key))
+                name = key if isinstance(key, str) and _encodes(key) else clip(_escaped(str(key)), 40)
                 child = f"{path}.{name}" if path else name
                 if name is not key:
                     return f"{child} (the key)"

@@ -93,12 +93,20 @@ class OutputCollector:
     """
 
     def __init__(
-        self, stream: EventStream, tokenizer, stop: tuple[str, ...], *, deadline: float, arrival: float,
-        keepalive: float | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+        self,
+        stream: EventStream,
+        tokenizer,
+        stop: tuple[str, ...],
+        *,
+        deadline: float,
+        arrival: float,
+        keepalive: float | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
         ask: Callable[[int], Awaitable[None]] | None = None,
-        reconnects: Callable[[], int] | None = None, fenced: Container[str] = (),
+        reconnects: Callable[[], int] | None = None,
+        fenced: Container[str] = (),
         owner: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.stream = stream
         self.on_tokens = on_tokens  # told each run of tokens as it is released, in order
         self.detok = IncrementalDetokenizer(tokenizer, stop)

@@ -166,9 +166,12 @@ class Admission:
     """At most `limit()` requests in flight, and none while a stage queue is full (`full()` names it)."""
 
     def __init__(
-        self, app: ASGIApp, limit: Callable[[], int], full: Callable[[], str | None],
+        self,
+        app: ASGIApp,
+        limit: Callable[[], int],
+        full: Callable[[], str | None],
         on_change: Callable[[int], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.app = app
         self.limit = limit
         self.full = full

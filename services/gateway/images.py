@@ -13,13 +13,14 @@ import asyncio
 import base64
 import binascii
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httpx
 
-from common.errors import APIError
+from common.errors import APIError, clip
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -38,11 +39,7 @@ async def fetch_image(url: str, policy: ImagePolicy) -> bytes:
     """The raw bytes of an image part's URL; every failure is a 4xx APIError naming the cause."""
     if url.startswith("data:"):
         return _decode_data_url(url, policy)
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port
-    except ValueError as exc:  # a bad IPv6 literal, a port out of range
-        raise APIError(400, f"{policy.part} is not a valid URL: {exc}", param=policy.part) from None
+    parts, host, port = _split(url, policy)
     if parts.scheme == "file":
         raise APIError(
             400,
@@ -88,19 +85,71 @@ async def _fetch(parts, host: str, port: int, policy: ImagePolicy) -> bytes:
     except httpx.TimeoutException as exc:
         raise _too_slow(policy) from exc
     except httpx.HTTPError as exc:
-        raise APIError(400, f"cannot fetch {policy.part}: {exc}", param=policy.part) from exc
+        raise APIError(400, f"cannot fetch {policy.part}: {clip(str(exc), 200)}", param=policy.part) from exc
+
+
+def _split(url: str, policy: ImagePolicy) -> tuple[SplitResult, str | None, int | None]:
+    """The URL's parts, host and port; a 400 that says what is wrong with it, quoting none of it
+    (urllib's own messages quote the port, however long)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:  # urllib's only complaint here: an IPv6 literal's brackets
+        raise _bad_url(policy, "its host's [ ] brackets (an IPv6 address) do not match") from None
+    try:
+        port = parts.port
+    except ValueError:
+        raise _bad_url(policy, "its port is not a number from 0 to 65535") from None
+    return parts, host, port
+
+
+def _bad_url(policy: ImagePolicy, why: str) -> APIError:
+    return APIError(400, f"{policy.part} is not a valid URL: {why}", param=policy.part)
+
+
+# What RFC 2045 decoders (base64 -d, browsers' atob) skip: `base64.encodebytes` and the `base64`
+# command break their output into lines of 76 characters, and such a payload is valid base64.
+BASE64_SPACE = b" \t\r\n\f\v"
 
 
 def _decode_data_url(url: str, policy: ImagePolicy) -> bytes:
+    """A data: URL's bytes. Its base64 may be broken into lines (whitespace is skipped); anything
+    else outside the alphabet, or a wrong length, is refused saying which."""
     header, _, payload = url.partition(",")
     if ";base64" not in header:
         raise APIError(400, f"data: URLs in {policy.part} must be base64-encoded", param=policy.part)
-    if len(payload) * 3 // 4 > policy.max_bytes:
+    try:
+        packed = payload.encode("ascii").translate(None, BASE64_SPACE)
+    except UnicodeEncodeError as exc:
+        raise _not_base64(policy, f"it holds {payload[exc.start]!a} at character {exc.start}") from None
+    if len(packed) * 3 // 4 > policy.max_bytes:
         raise _too_large(policy)
     try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise APIError(400, f"the data: URL in {policy.part} is not valid base64", param=policy.part) from exc
+        return base64.b64decode(packed, validate=True)
+    except (binascii.Error, ValueError):
+        raise _not_base64(policy, _base64_fault(packed)) from None
+
+
+def _base64_fault(packed: bytes) -> str:
+    """What is wrong with base64 that did not decode (whitespace already taken out)."""
+    stray = re.search(rb"[^A-Za-z0-9+/=]", packed)
+    if stray is not None:
+        char = chr(packed[stray.start()])
+        hint = "; URL-safe base64 (- and _) is not taken: use + and /" if char in "-_" else ""
+        return f"it holds {char!a} at character {stray.start()}, outside the base64 alphabet{hint}"
+    if len(packed) % 4:
+        return (
+            f"its length, {len(packed):,} characters without whitespace, is not a multiple of 4 (is '=' "
+            "padding missing?)"
+        )
+    return "'=' padding appears before its end"
+
+
+def _not_base64(policy: ImagePolicy, why: str) -> APIError:
+    return APIError(
+        400, f"the data: URL in {policy.part} is not valid base64: {why} (line breaks and spaces are fine)",
+        param=policy.part,
+    )  # fmt: skip
 
 
 async def _resolve_checked(host: str, port: int, policy: ImagePolicy) -> IPAddress:
@@ -108,19 +157,21 @@ async def _resolve_checked(host: str, port: int, policy: ImagePolicy) -> IPAddre
     address to connect to."""
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError, ValueError) as exc:  # UnicodeError: a label over 63 bytes
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
+        # UnicodeError: IDNA refuses a label that is empty or over 63 characters.
+        why = "a part of the name is empty or over 63 characters" if isinstance(exc, UnicodeError) else exc
         raise APIError(
-            400, f"cannot resolve {policy.part} host {host[:80]!r}: {exc}", param=policy.part
+            400, f"cannot resolve {policy.part} host {clip(host)!r}: {clip(str(why), 200)}", param=policy.part
         ) from None
     addresses = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
     if not addresses:
-        raise APIError(400, f"cannot resolve {policy.part} host {host!r}", param=policy.part)
+        raise APIError(400, f"cannot resolve {policy.part} host {clip(host)!r}", param=policy.part)
     if not policy.allow_private:
         for addr in addresses:
             if not public(addr):
                 raise APIError(
                     400,
-                    f"{policy.part} host {host!r} resolves to a non-public address ({addr}); "
+                    f"{policy.part} host {clip(host)!r} resolves to a non-public address ({addr}); "
                     "set TRIDENT_ALLOW_PRIVATE_IMAGE_URLS=1 to allow it",
                     param=policy.part,
                     code=f"{policy.part}_forbidden",

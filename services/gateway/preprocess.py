@@ -34,6 +34,7 @@ from common.engine.processor import (
     InputError,
     ProcessedPrompt,
     RequestProcessor,
+    image_fault,
     load_image,
 )
 from common.errors import APIError
@@ -161,7 +162,9 @@ def _declared_size(blob: bytes, index: int) -> tuple[int, int]:
     except Image.DecompressionBombError as exc:
         raise APIError(413, f"image {index + 1}: {exc}", param="image_url", code="image_too_large") from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise APIError(400, f"image {index + 1} cannot be decoded: {exc}", param="image_url") from exc
+        raise APIError(
+            400, f"image {index + 1} cannot be decoded: {image_fault(exc)}", param="image_url"
+        ) from exc
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -32,6 +32,7 @@ from common.protocol import (
     RequestSpec,
     SamplingParams,
     TensorRef,
+    TraceContext,
     dtype_name,
 )
 from common.roles import Role
@@ -78,9 +79,11 @@ class LiveRoles:
         return roles
 
 
-async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> RequestSpec:
+async def route(
+    gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams, trace: TraceContext | None = None
+) -> RequestSpec:
     """Pick the first stage, wait until an instance can serve it, record the request and queue the
-    task; returns the request as sent."""
+    task (carrying `trace`, the request's trace context); returns the request as sent."""
     hashes = [img.content_hash for img in prompt.images]
     stored = await _stored_features(gw, hashes)
     await _wait_for_roles(gw, {Role.PREFILL, Role.DECODE})
@@ -91,6 +94,7 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         sampling=sampling,
         arrival_time=time.time(),
         gateway=gw.instance_id,
+        trace=trace,
     )
     choice = _prefix_choice(gw, spec)  # the prefill instance holding its prefix, if any
     inside = set(choice.in_prefix)
@@ -103,16 +107,21 @@ async def route(gw, rid: str, prompt: ProcessedPrompt, sampling: SamplingParams)
         images = tuple(img.model_copy(update={"in_prefix": i in inside}) for i, img in enumerate(spec.images))
     else:  # to prefill: the features stored, the rest found in the prefix (or encoded) there
         images = tuple(
-            img.model_copy(update={"features": stored[img.content_hash].ref}) if img.content_hash in stored
+            img.model_copy(update={"features": stored[img.content_hash].ref})
+            if img.content_hash in stored
             else img
             for img in spec.images
-        )  # fmt: skip
+        )
     spec = spec.model_copy(update={"images": images})
     gw.record.create(
-        rid, arrival=spec.arrival_time, prompt_tokens=len(prompt.token_ids), num_images=len(images),
-        image_tokens=sum(i.num_tokens for i in images), max_tokens=sampling.max_tokens,
+        rid,
+        arrival=spec.arrival_time,
+        prompt_tokens=len(prompt.token_ids),
+        num_images=len(images),
+        image_tokens=sum(i.num_tokens for i in images),
+        max_tokens=sampling.max_tokens,
         encoded_images=sum(h in stored for h in hashes),
-    )  # fmt: skip
+    )
     to = choice.target  # an encoder sends the prefill task there once it has encoded
     task = EncodeTask(request=spec, prefill_to=to or "") if needs_encode else PrefillTask(request=spec)
     try:
@@ -131,13 +140,21 @@ def _image_spec(gw, img) -> ImageSpec:
     pull, and for a prefill instance that cannot have the features to recompute from."""
     pixels = gw.transfer.publish(img.pixel_values.contiguous(), ttl=PIXEL_TTL)
     ref = TensorRef(
-        owner=gw.instance_id, address=gw.transfer.address, handle=pixels,
-        shape=tuple(img.pixel_values.shape), dtype=dtype_name(img.pixel_values.dtype),
-    )  # fmt: skip
+        owner=gw.instance_id,
+        address=gw.transfer.address,
+        handle=pixels,
+        shape=tuple(img.pixel_values.shape),
+        dtype=dtype_name(img.pixel_values.dtype),
+    )
     return ImageSpec(
-        content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=ref, grid_thw=img.grid_thw,
-        image_size=img.image_size, video=img.video, seconds_per_patch=img.seconds_per_patch,
-    )  # fmt: skip
+        content_hash=img.content_hash,
+        num_tokens=img.num_tokens,
+        pixels=ref,
+        grid_thw=img.grid_thw,
+        image_size=img.image_size,
+        video=img.video,
+        seconds_per_patch=img.seconds_per_patch,
+    )
 
 
 def _prefix_choice(gw, spec: RequestSpec) -> Choice:
@@ -174,19 +191,24 @@ async def _wait_for_roles(gw, needed: set[Role]) -> None:
         return
     if roles.held >= s.max_held:
         raise APIError(
-            503, f"{problem}; {roles.held} requests already wait for an instance, the most this gateway "
-            "holds (TRIDENT_MAX_HELD): retry later", code="no_instance", retry_after=5,
-        )  # fmt: skip
+            503,
+            f"{problem}; {roles.held} requests already wait for an instance, the most this gateway "
+            "holds (TRIDENT_MAX_HELD): retry later",
+            code="no_instance",
+            retry_after=5,
+        )
     roles.held += 1
     try:
         deadline = time.monotonic() + s.hold_timeout
         while missing:
             if time.monotonic() >= deadline:
                 raise APIError(
-                    503, f"{problem} after {s.hold_timeout:g} s held for one (TRIDENT_HOLD_TIMEOUT): "
-                    "start one, or let the autoscaler bring one up, and retry", code="no_instance",
+                    503,
+                    f"{problem} after {s.hold_timeout:g} s held for one (TRIDENT_HOLD_TIMEOUT): "
+                    "start one, or let the autoscaler bring one up, and retry",
+                    code="no_instance",
                     retry_after=5,
-                )  # fmt: skip
+                )
             await asyncio.sleep(POLL)
             missing, problem = await _missing(roles, needed)
     finally:

@@ -10,10 +10,11 @@ import uuid
 import torch
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
 
 from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt
-from common.errors import APIError
+from common.errors import APIError, clip
 from common.protocol import Resend
 from common.video import VideoLimits
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -21,6 +22,7 @@ from services.gateway.collector import OutputCollector
 from services.gateway.images import fetch_image
 from services.gateway.preprocess import VideoSampling
 from services.gateway.reply import Reply
+from services.gateway.request_context import trace_of
 from services.gateway.routing import route
 from services.gateway.state import Gateway
 
@@ -38,7 +40,11 @@ async def chat(gw: Gateway, body: ChatCompletionRequest, request: Request):
         raise APIError(400, f"at most {gw.images.max_images} images per request", param="messages")
     clips = body.video_urls()
     sampling = video_sampling(gw, body, len(clips)) if clips else None
-    prompt = gw.processor.chat_prompt(messages)
+    try:
+        prompt = gw.processor.chat_prompt(messages)
+    except TemplateError as exc:  # the checkpoint's template refuses them (its raise_exception)
+        message = f"messages: the model's chat template refuses them: {clip(str(exc), 200)}"
+        raise APIError(400, message, param="messages", code="chat_template") from None
     async with _within(deadline):
         if urls or clips:  # on the image threads (preprocess.py), never ahead of text-only requests
             blobs = await asyncio.gather(*(fetch_image(u, gw.images) for u in urls))
@@ -56,9 +62,11 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
     s = gw.settings
     if gw.processor.videos is None:
         raise APIError(
-            400, f"the served model ({gw.processor.family}) takes no video; send images",
-            param="messages", code="video_unsupported",
-        )  # fmt: skip
+            400,
+            f"the served model ({gw.processor.family}) takes no video; send images",
+            param="messages",
+            code="video_unsupported",
+        )
     if clips > s.max_videos:
         raise APIError(400, f"at most {s.max_videos} videos per request", param="messages")
     asked = body.mm_processor_kwargs
@@ -71,9 +79,12 @@ def video_sampling(gw: Gateway, body: ChatCompletionRequest, clips: int) -> Vide
             400, f"max_frames may be at most {s.video_max_frames}", param="mm_processor_kwargs.max_frames"
         )
     limits = VideoLimits(
-        max_bytes=s.max_video_bytes, max_duration_s=s.video_max_seconds, deadline_s=s.video_decode_timeout,
-        max_fps=s.video_max_fps, max_frames=s.video_max_frames,
-    )  # fmt: skip
+        max_bytes=s.max_video_bytes,
+        max_duration_s=s.video_max_seconds,
+        deadline_s=s.video_decode_timeout,
+        max_fps=s.video_max_fps,
+        max_frames=s.video_max_frames,
+    )
     return VideoSampling(limits, fps, frames, gw.processor.videos.rule)
 
 
@@ -86,30 +97,39 @@ async def completion(gw: Gateway, body: CompletionRequest, request: Request):
 
 
 async def serve(
-    gw: Gateway, request: Request, body: SamplingFields, processed: ProcessedPrompt, kind: str,
+    gw: Gateway,
+    request: Request,
+    body: SamplingFields,
+    processed: ProcessedPrompt,
+    kind: str,
     deadline: float,
-):  # fmt: skip
+):
     params = body.sampling_params(gw.settings.default_max_tokens)
     try:
         check_fits(len(processed.token_ids), params.max_tokens, max_model_len=gw.max_model_len)
     except AdmissionError as exc:
         raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from exc
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    request.state.completion_id = rid  # on the gateway's span, beside the client's X-Request-Id
     stream = await gw.bus.events.outputs(rid)  # subscribed before the task exists: nothing is missed
     try:
-        spec = await route(gw, rid, processed, params)
+        spec = await route(gw, rid, processed, params, trace_of(request.scope.get("state", {})))
     except BaseException:
         await stream.close()
         raise
     collector = OutputCollector(
-        stream, gw.processor.tokenizer, params.stop, deadline=deadline,
+        stream,
+        gw.processor.tokenizer,
+        params.stop,
+        deadline=deadline,
         arrival=getattr(request.state, "arrived", time.perf_counter()),
         keepalive=gw.settings.sse_keepalive if body.stream else None,
         on_tokens=lambda ids: gw.journal.add(rid, ids),
         ask=lambda index: gw.bus.events.resend(Resend(request_id=rid, index=index)),
         reconnects=lambda: gw.bus.reconnects,
-        fenced=gw.reaper.fenced, owner=spec.gateway,
-    )  # fmt: skip
+        fenced=gw.reaper.fenced,
+        owner=spec.gateway,
+    )
     reply = Reply(gw, spec, kind, body, collector)
     request.state.on_end = reply.end  # whatever becomes of the response, the request ends (door.py)
     if body.stream:
@@ -140,7 +160,7 @@ class _within:
 def _check_model(gw: Gateway, model: str) -> None:
     if model != gw.model_name:
         raise APIError(
-            404, f"model {model!r} does not exist; this server serves {gw.model_name!r}", param="model"
+            404, f"model {clip(model)!r} does not exist; this server serves {gw.model_name!r}", param="model"
         )
 
 

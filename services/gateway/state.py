@@ -23,6 +23,7 @@ from common.runtime import Runtime
 from common.stats import SLO
 from common.store import Store
 from common.store.recorder import StageRecorder
+from common.tracing import Tracing
 from common.transfer import TransferBackend, TransferConfig
 from services.gateway.images import ImagePolicy
 from services.gateway.journal import OutputJournal
@@ -128,6 +129,7 @@ class Links:
             secret=s.transfer_secret,
             inline_max_bytes=s.transfer_inline_max_bytes,
             tls=s.tls,
+            host_local=s.transfer_host_local,
         )
         runtime = await Runtime.connect(s, instance_id, transfer=transfer)
         return cls(runtime, s.max_queued_tasks, queued)
@@ -154,6 +156,7 @@ class Gateway:
         self.slo = SLO(settings.ttft_slo, settings.tbt_slo)  # each request's outcome is judged by it
         self.api_keys = settings.api_key_set
         self.metrics = Metrics.create()
+        self.tracing = Tracing.configured(settings.otlp_endpoint, "trident-gateway", self.instance_id)
         # Decoding images and running the HF processor take milliseconds of CPU per request; on the
         # event loop they would hold back every other request's tokens. One thread: the tokenizer
         # is not safe to share between threads, and the work stays in arrival order.
@@ -300,7 +303,10 @@ class Gateway:
             self.cpu.shutdown(wait=False, cancel_futures=True)
             self.preprocess.close()
 
-        return [self.journal.write, shut_cpu]
+        async def flush_spans() -> None:
+            await asyncio.to_thread(self.tracing.shutdown)
+
+        return [self.journal.write, shut_cpu, flush_spans]
 
     async def close(self) -> None:
         if self.links is not None:

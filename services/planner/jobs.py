@@ -69,9 +69,12 @@ def celery_url(url: str, tls: Tls | None = None) -> tuple[str, dict[str, Any]]:
 def celery_tls(tls: Tls) -> dict[str, Any]:
     """Celery's and kombu's TLS settings for Redis (a redis:// URL stays as it is beside them)."""
     return {
-        "ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": tls.ca, "ssl_certfile": tls.cert,
-        "ssl_keyfile": tls.key, "ssl_check_hostname": False,
-    }  # fmt: skip
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        "ssl_ca_certs": tls.ca,
+        "ssl_certfile": tls.cert,
+        "ssl_keyfile": tls.key,
+        "ssl_check_hostname": False,
+    }
 
 
 app = celery_app(PlannerSettings())

@@ -29,6 +29,7 @@ from common.planner.algorithm import plan as make_plan
 from common.planner.calibrate import ServiceCalibration, calibrate_from_service, transfer_model
 from common.planner.capacity import Capacity, recommend
 from common.planner.drift import current_deployment, kind_counts, measure_correction, workload_distance
+from common.planner.forecast import Forecast
 from common.planner.handover import hand_over, standing
 from common.planner.host_cpu import measure_host_cpu
 from common.planner.limits import MIN_INSTANCES, parse_counts
@@ -88,6 +89,18 @@ def load_profiles(source: str, published: list, trace: Sequence[TraceRecord] = (
 
 
 CPU_WINDOW = 60.0  # s: the host CPU a request costs is measured over at least this long
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What one plan is made from."""
+
+    trace: list[TraceEntry]  # the window's finished requests
+    profiles: ProfileSet  # calibrated, when they can be
+    calibration: ServiceCalibration | None
+    current: Deployment | None  # what the live instances form, if they form one
+    live: int  # live instances
+    instances: int  # how many to plan for
 
 
 class Planner:
@@ -223,48 +236,74 @@ class Planner:
         plan interval has passed since the last sizing (services/planner/capacity.py)."""
         s = self.settings
         predicted = forecast_load(self.window, s.forecast_config())
-        last = self.capacity
         if trigger is None:
-            since = time.monotonic() - self._sized_at
-            if last is not None and since < s.planner_capacity_min_interval:
-                return None  # a noisy forecast does not keep the planner's core busy
-            if moved(last, predicted, s.planner_capacity_change):
-                trigger = (
-                    "first"
-                    if last is None
-                    else f"forecast {last.forecast.rate:.3g} → {predicted.rate:.3g} req/s"
-                )
-            elif since >= s.planner_interval:
-                trigger = "interval"
-            else:
+            trigger = self._capacity_due(predicted)
+            if trigger is None:
                 return None
         started = time.monotonic()
         registered = await self.store.registry.instances()
         live = kind_counts(hb.roles for hb in registered if not hb.draining)
         running = {str(kind): n for kind, n in live.items() if kind}
         queued = await self._queued()
-        rate = max(predicted.rate, MIN_RATE)
         try:
-            capacity, error = await asyncio.to_thread(
-                recommend, from_records(self.window), self._profiles, self.slo, rate, s.capacity_limits(),
-                queued=queued, running=running, correction=self._correction,
-            ), None  # fmt: skip
+            capacity, error = await self._recommend(max(predicted.rate, MIN_RATE), queued, running), None
         except (OutOfReach, ValueError) as exc:
             capacity, error = None, str(exc)
         self.capacity = CapacityDecision(
-            time.time(), trigger, predicted, capacity, error,
-            {str(r): n for r, n in queued.items()}, running, time.monotonic() - started,
-        )  # fmt: skip
+            time.time(),
+            trigger,
+            predicted,
+            capacity,
+            error,
+            {str(r): n for r, n in queued.items()},
+            running,
+            time.monotonic() - started,
+        )
         self._sized_at = time.monotonic()
         self.metrics.record_capacity(self.capacity)
         if capacity is not None:
-            log.info("capacity (%s): %.3g req/s forecast → %s%s", trigger, predicted.rate,
-                     capacity.deployment.label, f" ({capacity.short})" if capacity.short else "")  # fmt: skip
+            log.info(
+                "capacity (%s): %.3g req/s forecast → %s%s",
+                trigger,
+                predicted.rate,
+                capacity.deployment.label,
+                f" ({capacity.short})" if capacity.short else "",
+            )
             if s.planner_follow_capacity:
                 await self._follow(capacity, running)
         else:
             log.warning("capacity (%s): none fits: %s", trigger, error)
         return self.capacity
+
+    def _capacity_due(self, predicted: Forecast) -> str | None:
+        """Why capacity is sized again now, if it is: the forecast moved (or there was none), or a
+        plan interval passed; never sooner than the minimum interval after the last sizing."""
+        s, last = self.settings, self.capacity
+        since = time.monotonic() - self._sized_at
+        if last is not None and since < s.planner_capacity_min_interval:
+            return None  # a noisy forecast does not keep the planner's core busy
+        if moved(last, predicted, s.planner_capacity_change):
+            return (
+                "first" if last is None else f"forecast {last.forecast.rate:.3g} → {predicted.rate:.3g} req/s"
+            )
+        if since >= s.planner_interval:
+            return "interval"
+        return None
+
+    async def _recommend(self, rate: float, queued: dict[Role, int], running: dict[str, int]) -> Capacity:
+        """The fewest instances that serve `rate` within the limits (common/planner/capacity.py), in a
+        thread: it simulates."""
+        return await asyncio.to_thread(
+            recommend,
+            from_records(self.window),
+            self._profiles,
+            self.slo,
+            rate,
+            self.settings.capacity_limits(),
+            queued=queued,
+            running=running,
+            correction=self._correction,
+        )
 
     async def _follow(self, capacity: Capacity, running: dict[str, int]) -> None:
         """Hand a recommendation that differs from what runs to the actuator, as a plan of its own
@@ -343,6 +382,49 @@ class Planner:
 
     # -- one plan --------------------------------------------------------------------------------
     async def replan(self, trigger: str) -> Decision:
+        on = await self._plan_inputs()
+        self.status = f"planning ({trigger})"
+        started = time.monotonic()
+        result, correction = await self._simulate(on)
+        duration = time.monotonic() - started
+        reason = f"{trigger}; {len(on.trace)} requests, {on.instances} instances"
+        if (runner := result.runner_up) is not None:
+            below = f"{result.margin:.0%} below"
+            reason += f"; runner-up {runner.deployment.label} at {runner.goodput:.3f} req/s ({below})"
+        decision_plan = await self.store.planning.put_plan(
+            result.deployment.method, result.deployment.counts, result.goodput, reason
+        )
+        await self.bus.events.plan(decision_plan)
+        inputs = {
+            **result.inputs,
+            "trace": summary(on.trace),
+            "current": on.current.to_dict() if on.current else None,
+            "live_instances": on.live,
+            "correction": dataclasses.asdict(correction),
+            "calibration": on.calibration.to_dict() if on.calibration else None,
+            "slo": dataclasses.asdict(self.slo),
+            "instances": on.instances,
+            "actuator": self.actuator.name,
+        }
+        self.decision = Decision(decision_plan, result, trigger, duration, inputs)
+        self.metrics.record(decision_plan, result, duration, trigger.split()[0])
+        self.planned_for, self.since_plan, self.planned_at = on.trace, 0, time.monotonic()
+        self.status = "planned"
+        log.info(
+            "plan %d (%s): %s, %.2f req/s at %.0f%% attainment, in %.1f s",
+            decision_plan.decision_id,
+            trigger,
+            result.deployment.label,
+            result.goodput,
+            100 * result.attainment,
+            duration,
+        )
+        await self._apply(decision_plan)
+        return self.decision
+
+    async def _plan_inputs(self) -> PlanInputs:
+        """The window as a trace, the profiles (calibrated when they can be), the deployment running
+        now and how many instances to plan for; NotPlanned when any is missing."""
         s = self.settings
         if len(self.window) < s.planner_min_requests:
             raise NotPlanned(f"need {s.planner_min_requests} finished requests, have {len(self.window)}")
@@ -355,19 +437,24 @@ class Planner:
         instances = s.planner_instances or self._instances(current, len(live))
         if instances < 1:
             raise NotPlanned("no live instances, and TRIDENT_PLANNER_INSTANCES is 0")
-        self.status = f"planning ({trigger})"
-        started = time.monotonic()
+        return PlanInputs(trace, profiles, calibration, current, len(live), instances)
+
+    async def _simulate(self, on: PlanInputs) -> tuple[PlanResult, Correction]:
+        """Algorithm 2 over the inputs, in a thread (it is CPU-bound), corrected by how the current
+        deployment's predictions compare with what it served."""
         correction = Correction()
-        if current is not None:
-            correction = await asyncio.to_thread(measure_correction, trace, current, profiles, self.slo)
-        self._profiles, self._correction = profiles, correction
+        if on.current is not None:
+            correction = await asyncio.to_thread(
+                measure_correction, on.trace, on.current, on.profiles, self.slo
+            )
+        self._profiles, self._correction = on.profiles, correction
         try:
             result = await asyncio.to_thread(
                 make_plan,
-                trace,
-                profiles,
+                on.trace,
+                on.profiles,
                 self.slo,
-                instances,
+                on.instances,
                 correction=correction,
                 progress=self._on_progress,
             )
@@ -375,37 +462,7 @@ class Planner:
             raise NotPlanned(str(exc)) from exc
         finally:
             self.progress = None
-        duration = time.monotonic() - started
-        reason = f"{trigger}; {len(trace)} requests, {instances} instances"
-        if (runner := result.runner_up) is not None:
-            below = f"{result.margin:.0%} below"
-            reason += f"; runner-up {runner.deployment.label} at {runner.goodput:.3f} req/s ({below})"
-        decision_plan = await self.store.planning.put_plan(
-            result.deployment.method, result.deployment.counts, result.goodput, reason
-        )
-        await self.bus.events.plan(decision_plan)
-        inputs = {
-            **result.inputs,
-            "trace": summary(trace),
-            "current": current.to_dict() if current else None,
-            "live_instances": len(live),
-            "correction": dataclasses.asdict(correction),
-            "calibration": calibration.to_dict() if calibration else None,
-            "slo": dataclasses.asdict(self.slo),
-            "instances": instances,
-            "actuator": self.actuator.name,
-        }
-        self.decision = Decision(decision_plan, result, trigger, duration, inputs)
-        self.metrics.record(decision_plan, result, duration, trigger.split()[0])
-        self.planned_for, self.since_plan, self.planned_at = trace, 0, time.monotonic()
-        self.status = "planned"
-        log.info(
-            "plan %d (%s): %s, %.2f req/s at %.0f%% attainment, in %.1f s",
-            decision_plan.decision_id, trigger, result.deployment.label, result.goodput,
-            100 * result.attainment, duration,
-        )  # fmt: skip
-        await self._apply(decision_plan)
-        return self.decision
+        return result, correction
 
     async def profiles(self, registered: list | None = None) -> tuple[ProfileSet, ServiceCalibration | None]:
         """The stage profiles plans use (TRIDENT_PLANNER_PROFILES) and, for the cluster's own, their

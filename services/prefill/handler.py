@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -42,16 +43,32 @@ from common.protocol import (
 from common.roles import Role
 from common.store import Stage
 from common.store.features import FEATURE_TTL
-from common.transfer import TransferError
+from common.transfer import TransferError, TransferPath
 from services.prefill.kv_stream import StreamedKv, StreamSink
 from services.settings import WorkerSettings
 from services.worker.context import StageContext
 from services.worker.ledger import Held
 from services.worker.stage import StageHandler
+from services.worker.stage_metrics import path_label
 
 log = logging.getLogger(__name__)
 KV_TTL = 120.0  # seconds prefill keeps exported KV when no release notice comes
 TURN_POLL = 0.02  # seconds between looks at the engine while a task waits its turn
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What a decode task says of the prefill: the tokens, how many of them have KV, the rope
+    offset, the prompt tokens found cached, the KV's wire format and, while it streams, the handle
+    of the prefill's outcome (`tail`)."""
+
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    num_tokens: int
+    rope_delta: int
+    cached_tokens: int
+    wire: KvWire
+    tail: str = ""
 
 
 class PrefillHandler(StageHandler):
@@ -66,6 +83,8 @@ class PrefillHandler(StageHandler):
         self.ctx.ledger.mark(held, Stage.PREFILL_ENDED)
         self.ctx.ledger.mark(held, Stage.FIRST_TOKEN)
         self.ctx.metrics.ran(self.role, held.marks, Stage.PREFILL_STARTED)
+        prompt = len(held.spec.prompt_token_ids)
+        self.ctx.spans.record(held, "prefill", Stage.PREFILL_STARTED, Stage.FIRST_TOKEN, prompt_tokens=prompt)
 
     def __init__(
         self,
@@ -88,9 +107,12 @@ class PrefillHandler(StageHandler):
     @classmethod
     def from_settings(cls, ctx: StageContext, settings: WorkerSettings) -> PrefillHandler:
         return cls(
-            ctx, prefetch=settings.prefetch, kv_layer_group=settings.kv_layer_group, kv_wire=settings.kv_wire,
+            ctx,
+            prefetch=settings.prefetch,
+            kv_layer_group=settings.kv_layer_group,
+            kv_wire=settings.kv_wire,
             kv_stream=settings.kv_stream,
-        )  # fmt: skip
+        )
 
     def finished(self, held: Held) -> None:
         """A request whose first token ended it here: a decoder that has its streamed KV learns so."""
@@ -182,11 +204,16 @@ class PrefillHandler(StageHandler):
             KvGroup(layer_start=g.start, layer_end=g.stop, handle=handle, shape=shape)
             for g, handle, shape in zip(layers, stream.handles, stream.shapes, strict=True)
         ]
-        task = self._decode_task(
-            held, groups, stream.prompt_token_ids, stream.output_token_ids, num_tokens=stream.num_tokens,
-            rope_delta=stream.rope_delta, cached_tokens=stream.cached_tokens, wire=stream.wire,
-            tail=stream.tail,
-        )  # fmt: skip
+        prefilled = Prefilled(
+            stream.prompt_token_ids,
+            stream.output_token_ids,
+            stream.num_tokens,
+            stream.rope_delta,
+            stream.cached_tokens,
+            stream.wire,
+            stream.tail,
+        )
+        task = self._decode_task(held, groups, prefilled)
         try:
             await ctx.dispatch.send(task, held.source)
         except Exception as exc:
@@ -209,42 +236,61 @@ class PrefillHandler(StageHandler):
                 held.sent = []  # the decoder answers for them once it has the outcome
                 return
             held.kv_stream = None  # its decode task was not queued: hand it on as if unstreamed
-        req, shapes, buffers = await ctx.engine.call(lambda: _export(ctx.engine.engine, rid, group, wire))
+        req, shapes, buffers, ready = await ctx.engine.call(
+            lambda: _export(ctx.engine.engine, rid, group, wire)
+        )
         ctx.ledger.check_live(held)  # (req is None only when the request was cancelled)
         groups, handles = [], []
         spec = ctx.engine.engine.kv_spec
         for layers, shape, buf in zip(layer_groups(spec.num_layers, group), shapes, buffers, strict=True):
             if buf.numel() * buf.element_size() <= ctx.transfer.config.inline_max_bytes:
                 # Rides inline in the decode task: nothing to pull, nothing to release.
-                kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, shape=shape,
-                                   inline=InlineTensor.from_tensor(buf))  # fmt: skip
+                kv_group = KvGroup(
+                    layer_start=layers.start,
+                    layer_end=layers.stop,
+                    shape=shape,
+                    inline=InlineTensor.from_tensor(buf),
+                )
             else:
-                handles.append(ctx.transfer.publish(buf))  # served until released: the ledger owns it
-                kv_group = KvGroup(layer_start=layers.start, layer_end=layers.stop, handle=handles[-1],
-                                   shape=shape)  # fmt: skip
+                # Served until released: the ledger owns it.
+                handles.append(ctx.transfer.publish(buf, ready=ready))
+                kv_group = KvGroup(
+                    layer_start=layers.start, layer_end=layers.stop, handle=handles[-1], shape=shape
+                )
             groups.append(kv_group)
         ctx.ledger.keep_kv(held, tuple(handles), KV_TTL)  # before any await: a cancel releases them
-        task = self._decode_task(
-            held, groups, tuple(req.prompt_token_ids), tuple(req.output_token_ids),
-            num_tokens=req.num_computed_tokens, rope_delta=req.rope_delta,
-            cached_tokens=req.num_cached_tokens, wire=wire,
-        )  # fmt: skip
+        prefilled = Prefilled(
+            tuple(req.prompt_token_ids),
+            tuple(req.output_token_ids),
+            req.num_computed_tokens,
+            req.rope_delta,
+            req.num_cached_tokens,
+            wire,
+        )
+        task = self._decode_task(held, groups, prefilled)
         await ctx.dispatch.send(task, held.source)
         await ctx.ledger.settle(rid)  # the KV stays until decode says it has it
 
-    def _decode_task(
-        self, held: Held, groups: list[KvGroup], prompt: tuple[int, ...], outputs: tuple[int, ...], *,
-        num_tokens: int, rope_delta: int, cached_tokens: int, wire: KvWire, tail: str = "",
-    ) -> DecodeTask:  # fmt: skip
-        """The request's decode task, its KV served here in `groups` (`tail`: it is streaming)."""
+    def _decode_task(self, held: Held, groups: list[KvGroup], prefilled: Prefilled) -> DecodeTask:
+        """The request's decode task, its KV served here in `groups`."""
         ctx, spec = self.ctx, self.ctx.engine.engine.kv_spec
         location = KvLocation(
-            owner=ctx.instance_id, address=ctx.transfer.address, groups=tuple(groups), num_tokens=num_tokens,
-            block_size=spec.block_size, dtype=dtype_name(spec.dtype), rope_delta=rope_delta, wire=wire,
-            tail=tail,
-        )  # fmt: skip
-        request = held.spec.model_copy(update={"prompt_token_ids": prompt, "output_token_ids": outputs})
-        return DecodeTask(request=request, kv=location, cached_tokens=cached_tokens)
+            owner=ctx.instance_id,
+            address=ctx.transfer.address,
+            groups=tuple(groups),
+            num_tokens=prefilled.num_tokens,
+            block_size=spec.block_size,
+            dtype=dtype_name(spec.dtype),
+            rope_delta=prefilled.rope_delta,
+            wire=prefilled.wire,
+            tail=prefilled.tail,
+        )
+        update = {
+            "prompt_token_ids": prefilled.prompt_token_ids,
+            "output_token_ids": prefilled.output_token_ids,
+        }
+        request = held.spec.model_copy(update=update)
+        return DecodeTask(request=request, kv=location, cached_tokens=prefilled.cached_tokens)
 
     async def watch(self) -> None:
         """Decode has pulled a request's KV: free it here."""
@@ -274,6 +320,7 @@ class PrefillHandler(StageHandler):
         ctx = self.ctx
         out: list[torch.Tensor | None] = []
         lacking: list[int] = []
+        paths: list[TransferPath] = []
         todo = [img for i, img in enumerate(held.spec.images) if i not in cached]
         if todo:
             ctx.ledger.mark(held, Stage.EP_TRANSFER_STARTED)
@@ -281,22 +328,29 @@ class PrefillHandler(StageHandler):
             if i in cached:
                 out.append(IN_PREFIX)
                 continue
-            features = await self._pull_one(held, img)
-            if features is None:
+            pulled = await self._pull_one(held, img)
+            if pulled is None:
                 lacking.append(i)
                 if Role.ENCODE not in ctx.roles:
                     return out, lacking
-            out.append(features)
+                out.append(None)
+                continue
+            out.append(pulled[0])
+            paths.append(pulled[1])
         if todo and not lacking:
-            ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED)
+            nbytes = sum(t.numel() * t.element_size() for t in out if t is not IN_PREFIX)
+            path = path_label(paths)
+            ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED, ep_path=path, ep_bytes=str(nbytes))
             seconds = held.marks[Stage.EP_TRANSFER_ENDED] - held.marks[Stage.EP_TRANSFER_STARTED]
-            pulled = sum(t.numel() * t.element_size() for t in out if t is not IN_PREFIX)
-            ctx.metrics.transferred("ep", seconds, pulled)
+            ctx.metrics.transferred("ep", seconds, nbytes, path)
+            ctx.spans.record(
+                held, "transfer", Stage.EP_TRANSFER_STARTED, Stage.EP_TRANSFER_ENDED, hop="ep", bytes=nbytes
+            )
         return out, lacking
 
-    async def _pull_one(self, held: Held, img: ImageSpec) -> torch.Tensor | None:
-        """One image's features, from the ref its task carries or the feature index; None when
-        they cannot be had."""
+    async def _pull_one(self, held: Held, img: ImageSpec) -> tuple[torch.Tensor, TransferPath] | None:
+        """One image's features and the path they came by, from the ref its task carries or the
+        feature index; None when they cannot be had."""
         ctx = self.ctx
         ref = img.features
         if ref is None:
@@ -307,7 +361,7 @@ class PrefillHandler(StageHandler):
         try:
             if ref is None:
                 raise TransferError(f"no features registered for image {img.content_hash[:12]}")
-            return await ctx.pull(held, ref)
+            return await ctx.pull_with_path(held, ref)
         except TransferError as exc:
             log.warning("features of %s for %s unavailable (%s)", img.content_hash[:12], held.request_id, exc)
             ctx.counters.feature_fetch_failures += 1
@@ -344,12 +398,18 @@ class PrefillHandler(StageHandler):
 
 def _export(
     engine: Engine, rid: str, group: int, wire: KvWire
-) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor]]:
+) -> tuple[Request | None, list[tuple[int, ...]], list[torch.Tensor], torch.cuda.Event | None]:
     """On the engine thread: the handed-off request, and its KV by group of layers: each buffer's
-    shape, and the buffer as it travels (packed by kv_quant on the INT8 wire)."""
+    shape, the buffer as it travels (packed by kv_quant on the INT8 wire), and on a GPU the event
+    behind the copies on the engine's stream (a same-host decoder reads them only after it)."""
     req = engine.handoff.handed_off(rid)
     if req is None:
-        return None, [], []
+        return None, [], [], None
     buffers = engine.handoff.export_kv(rid, group)
     shapes = [tuple(b.shape) for b in buffers]
-    return req, shapes, [kv_quant.pack(b) for b in buffers] if wire == KvWire.INT8 else buffers
+    buffers = [kv_quant.pack(b) for b in buffers] if wire == KvWire.INT8 else buffers
+    ready = None
+    if buffers and buffers[0].device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(buffers[0].device))
+    return req, shapes, buffers, ready

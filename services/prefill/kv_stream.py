@@ -44,8 +44,8 @@ class StreamedKv:
     cached_tokens: int
 
     def group(self, index: int, buffer: torch.Tensor) -> None:
-        """On the engine thread, inside the forward."""
-        buffer = buffer.to("cpu")
+        """On the engine thread, inside the forward. A GPU buffer stays on the GPU (within the
+        transfer's device budget): a decoder on this host copies it GPU to GPU."""
         self.transfer.fill(self.handles[index], kv_quant.pack(buffer) if self.wire == KvWire.INT8 else buffer)
 
     def finish(self, ended: bool, outputs: list[int]) -> bool:
@@ -81,10 +81,17 @@ class StreamSink:
         if len(req.output_token_ids) + 1 >= req.params.max_tokens:
             return None  # its first token is its last: it will not need decode
         stream = StreamedKv(
-            request_id=req.request_id, transfer=transfer, wire=wire, shapes=shapes,
-            handles=[transfer.reserve() for _ in shapes], tail=transfer.reserve(),
-            prompt_token_ids=tuple(req.prompt_token_ids), output_token_ids=tuple(req.output_token_ids),
-            num_tokens=req.num_tokens, rope_delta=req.rope_delta, cached_tokens=req.num_cached_tokens,
-        )  # fmt: skip
+            request_id=req.request_id,
+            transfer=transfer,
+            wire=wire,
+            shapes=shapes,
+            handles=[transfer.reserve() for _ in shapes],
+            tail=transfer.reserve(),
+            prompt_token_ids=tuple(req.prompt_token_ids),
+            output_token_ids=tuple(req.output_token_ids),
+            num_tokens=req.num_tokens,
+            rope_delta=req.rope_delta,
+            cached_tokens=req.num_cached_tokens,
+        )
         self.engine.event_loop.call_soon_threadsafe(handler.announce, stream)
         return stream

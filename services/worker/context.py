@@ -21,11 +21,12 @@ from common.engine.spec_prompt import spec_prompt
 from common.protocol import ErrorOutput, InlineTensor, RequestSpec, TensorRef
 from common.roles import Role
 from common.store import Store
-from common.transfer import TransferBackend, TransferError, fetch
+from common.transfer import TransferBackend, TransferError, TransferPath, fetch
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
 from services.worker.ledger import Held, Ledger
 from services.worker.stage_metrics import StageMetrics
+from services.worker.stage_spans import StageSpans
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +45,24 @@ class StageContext:
     draining: asyncio.Event = field(default_factory=asyncio.Event)  # set when the worker drains
     fenced: asyncio.Event = field(default_factory=asyncio.Event)  # set once taken for dead: do nothing
     metrics: StageMetrics = field(default_factory=StageMetrics.unregistered)
+    spans: StageSpans = field(default_factory=StageSpans.off)  # each stage's span, when tracing is on
 
     async def pull(self, held: Held, ref: InlineTensor | TensorRef | None) -> torch.Tensor:
         """A tensor a task points to, copied out of the transfer pool. Raises TransferError when it
         cannot be had, and Cancelled when the request was cancelled while it came."""
+        return (await self.pull_with_path(held, ref))[0]
+
+    async def pull_with_path(
+        self, held: Held, ref: InlineTensor | TensorRef | None
+    ) -> tuple[torch.Tensor, TransferPath]:
+        """`pull`, and how the tensor came (host-local, stream, inline): the transfer metrics say it.
+        A GPU tensor copied host-local lands on this instance's GPU, no copy more."""
         if ref is None:
             raise TransferError("nothing to pull")
         pulled = await fetch(self.transfer, ref)
-        tensor = pulled.tensor.clone()  # the pool buffer goes back for reuse
-        pulled.release()
+        tensor = pulled.take()  # out of the pool buffer, which goes back for reuse
         self.ledger.check_live(held)
-        return tensor
+        return tensor, pulled.path
 
     async def admit(
         self, held: Held, pixels: list[torch.Tensor | None], features: list[torch.Tensor | None]

@@ -10,6 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.failover import INSTANCE_HEADER
+from services.worker.model_server_metrics import ModelServerCollector, ModelServerLoad
 
 if TYPE_CHECKING:
     from common.engine.engine import Engine
@@ -140,6 +141,12 @@ def make_app(worker: WorkerInstance) -> FastAPI:
     app = FastAPI(title=f"trident worker {worker.instance_id}", docs_url=None, redoc_url=None)
     registry = worker.registry  # the stage histograms are in it already
     registry.register(WorkerCollector(worker))
+    block_size = worker.loop.engine.kv_spec.block_size
+
+    def load() -> ModelServerLoad:
+        return ModelServerLoad.of(worker.loop.stats, worker.ledger, block_size)
+
+    registry.register(ModelServerCollector(load, worker.settings.served_model_name))
 
     @app.get("/health")
     def health() -> Response:

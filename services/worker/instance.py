@@ -26,6 +26,7 @@ from common.failover import instance_name
 from common.protocol import Budgets, Heartbeat
 from common.roles import PULL_ORDER, Role, in_path_order, letters, parse_roles
 from common.runtime import Runtime
+from common.tracing import Tracing
 from common.transfer import TransferConfig
 from services.settings import WorkerSettings
 from services.worker import profiling
@@ -39,6 +40,7 @@ from services.worker.ledger import Ledger
 from services.worker.outputs import OutputPublisher
 from services.worker.stage import StageHandler
 from services.worker.stage_metrics import StageMetrics
+from services.worker.stage_spans import StageSpans
 from services.worker.step_log import StepLog
 from services.worker.upkeep import Housekeeping, StepPublisher
 from services.worker.worker import StageWorker
@@ -62,6 +64,9 @@ def transfer_config(s: WorkerSettings) -> TransferConfig:
         secret=s.transfer_secret,
         inline_max_bytes=s.transfer_inline_max_bytes,
         tls=s.tls,
+        host_local=s.transfer_host_local,
+        device=s.device if s.device.startswith("cuda") else None,  # where GPU tensors it pulls land
+        device_bytes=s.transfer_device_bytes,
     )
 
 
@@ -88,6 +93,7 @@ class WorkerInstance:
         self.counters = Counters()
         self.registry = CollectorRegistry()  # what /metrics serves (services/worker/http.py)
         self.metrics = StageMetrics(self.registry, self.instance_id, ",".join(sorted(self.roles)))
+        self.tracing = Tracing.configured(settings.otlp_endpoint, "trident-worker", self.instance_id)
         self.steps = StepLog()
         self._outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self.loop = EngineLoop(engine, self._outputs.put_nowait, self._core_board(stages))
@@ -111,6 +117,7 @@ class WorkerInstance:
             dispatch=runtime.dispatch,
             counters=self.counters,
             metrics=self.metrics,
+            spans=StageSpans(self.tracing, self.instance_id),
         )
         self._wire_stages(stages)
         self._wire_upkeep()
@@ -237,6 +244,7 @@ class WorkerInstance:
         instance was taken for dead: then they were handed on already, and it says nothing more."""
         fenced = self.ctx.fenced.is_set()
         closers = [self.loop.stop] if fenced else [self.intake.give_back, self.loop.stop]
+        closers.append(lambda: asyncio.to_thread(self.tracing.shutdown))  # the spans still batched
         await self.runtime.close(leave=not fenced, closers=closers)
         if self.loop.cores is not None:
             self.loop.cores.close()  # the slot is free for the next worker on this host

@@ -9,7 +9,9 @@ instance and its roles. What each measures (docs/running.md, "Metrics"):
   ready; prefill: features in hand → first token; decode: KV in place (or first token, where the
   same instance prefilled) → last token. Waiting inside the instance's batches counts here.
 - `trident_{ep,pd}_transfer_seconds` / `_bytes`: pulling one request's image features (E→P) or
-  KV (P→D); inline tensors that rode in the task count as bytes moved in no time.
+  KV (P→D); inline tensors that rode in the task count as bytes moved in no time. Label `path`:
+  how they came (`path_label`): `host_local` (copied from the owner's memory on this host, GPU to
+  GPU for GPU tensors), `stream` (over the transfer port), `inline`, or `mixed`.
 - `trident_engine_step_seconds{kind}`: one engine iteration, by what its batch held.
 """
 
@@ -22,6 +24,7 @@ from datetime import datetime
 from prometheus_client import CollectorRegistry, Histogram
 
 from common.roles import Role, StepKind
+from common.transfer import TransferPath
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BYTES = tuple(float(1 << k) for k in range(10, 33, 2))  # 1 KiB … 4 GiB, ×4
@@ -44,10 +47,18 @@ class StageMetrics:
             role: histogram(f"trident_{role}_seconds", f"The {role} stage at the instance that took it")
             for role in Role
         }
+        self._labels = labels
+
+        def by_path(name: str, doc: str, buckets: tuple[float, ...] = SECONDS):
+            family = Histogram(name, doc, [*labels, "path"], registry=registry, buckets=buckets)
+            for path in TransferPath:  # every path's series exists from the start, at zero
+                family.labels(**labels, path=path)
+            return family
+
         self.transfer = {
             hop: (
-                histogram(f"trident_{hop}_transfer_seconds", f"One request's {hop.upper()} pull"),
-                histogram(f"trident_{hop}_transfer_bytes", f"Bytes of one {hop.upper()} pull", BYTES),
+                by_path(f"trident_{hop}_transfer_seconds", f"One request's {hop.upper()} pull, by path"),
+                by_path(f"trident_{hop}_transfer_bytes", f"Bytes of one {hop.upper()} pull, by path", BYTES),
             )
             for hop in HOPS
         }
@@ -76,11 +87,23 @@ class StageMetrics:
         if began is not None:
             self.run[role].observe(max(0.0, (time.time() if at is None else at) - began))
 
-    def transferred(self, hop: str, seconds: float, nbytes: int) -> None:
+    def transferred(
+        self, hop: str, seconds: float, nbytes: int, path: str = TransferPath.STREAM.value
+    ) -> None:
+        """One request's pull on `hop` ("ep" or "pd"), by the path its tensors took (`path_label`)."""
         seconds_hist, bytes_hist = self.transfer[hop]
-        seconds_hist.observe(max(0.0, seconds))
-        bytes_hist.observe(nbytes)
+        seconds_hist.labels(**self._labels, path=path).observe(max(0.0, seconds))
+        bytes_hist.labels(**self._labels, path=path).observe(nbytes)
 
     def step(self, kind: StepKind, seconds: float) -> None:
         """On the engine thread (a histogram is thread-safe)."""
         self.steps[kind].observe(seconds)
+
+
+def path_label(paths: list[TransferPath]) -> str:
+    """How one request's tensors came: the path all its pulled ones took (inline ones aside),
+    `inline` when none was pulled, `mixed` when they took different ones."""
+    pulled = {p for p in paths if p is not TransferPath.INLINE}
+    if not pulled:
+        return TransferPath.INLINE.value
+    return pulled.pop().value if len(pulled) == 1 else "mixed"

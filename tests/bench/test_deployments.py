@@ -12,6 +12,7 @@ import pytest
 from common.infra import free_port
 from trident.bench import deployments
 from trident.bench.deployments import PEER, TRIDENT, Served
+from trident.launcher.local_up import UpCommand
 from trident.launcher.state import is_alive
 
 WORKERS = ("encoder", "prefill", "decode")  # compose.yaml's services for e+p+d
@@ -46,7 +47,7 @@ def environ(pid: int) -> dict[str, str]:
 @pytest.mark.slow
 def test_trident_up_serves_with_the_callers_environment_and_leaves_nothing(tiny_model_dir, tmp_path):
     env = {"TRIDENT_POLICY": "decode-first", "TRIDENT_PREFETCH": "0", "TRIDENT_KV_LAYER_GROUP": "1"}
-    with deployments.trident(tiny_model_dir, "e+p+d", port=free_port(), env=env, log_dir=tmp_path) as s:
+    with deployments.trident(UpCommand(tiny_model_dir, tmp_path, "e+p+d", env=env, port=free_port())) as s:
         assert s.model == "tiny-llava" and ask(s)["usage"]["completion_tokens"] == 4
         assert httpx.get(f"{s.planner_url}/health", timeout=5, trust_env=False).status_code == 200
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())

@@ -9,15 +9,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.services.conftest import e_p_d  # noqa: F401 - the shared E+P+D deployment, a fixture
-from tests.services.test_behaviour import instances
-from tests.services.test_stage_metrics import added, scrape
+from tests.helpers.probes import added, instances, scrape
 from trident.cli.app import app
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_short_sweep_against_a_live_cluster(tiny_model_dir: Path, tmp_path: Path, e_p_d) -> None:  # noqa: F811
+def test_a_short_sweep_against_a_live_cluster(tiny_model_dir: Path, tmp_path: Path, e_p_d) -> None:
     out = tmp_path / "bench"
     run = CliRunner().invoke(
         app,
@@ -89,7 +87,7 @@ def test_bad_arguments_are_usage_errors_before_any_load() -> None:
 def test_a_multi_turn_run_resends_its_history_and_the_prefill_instance_reuses_it(
     tmp_path: Path,
     tiny_model_dir: Path,
-    e_p_d,  # noqa: F811
+    e_p_d,
 ) -> None:
     prefill = instances(e_p_d, "prefill")[0]["http_address"]
     before = scrape(prefill)

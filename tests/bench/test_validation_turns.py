@@ -4,7 +4,7 @@ its server found cached come from its trace record, so the simulator replays wha
 from __future__ import annotations
 
 from common.protocol import TraceRecord
-from trident.bench.validation import Measured, attach, measured_entries
+from trident.bench.validation_run import Measured, attach, measured_entries
 
 
 def record(

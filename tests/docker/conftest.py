@@ -1,79 +1,20 @@
 """compose.yaml run by a real Docker engine, as users run it: one stack per module, torn down after.
 
 Skipped, with the reason, when no engine answers (`docker info` fails); `.ci/run` starts one where
-the machine can have it, so CI runs these.
+the machine can have it, so CI runs these: test_compose_up.py in `make test` (the smoke test), the
+rest (marked `extended`) in CI's second step.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
-import httpx
 import pytest
 
 from common.infra import free_port
-
-REPO = Path(__file__).resolve().parents[2]
-COMPOSE = REPO / "compose.yaml"
-UP_TIMEOUT = 900  # a cold build installs the project's dependencies into the image
-
-
-def engine_problem() -> str | None:
-    """Why no Docker engine can be used here, or None when one answers."""
-    if shutil.which("docker") is None:
-        return "no docker CLI on PATH"
-    try:
-        subprocess.run(["docker", "info"], capture_output=True, check=True, timeout=20)
-        subprocess.run(["docker", "compose", "version"], capture_output=True, check=True, timeout=20)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        return f"no Docker engine with Compose v2 answers ({exc})"
-    return None
-
-
-@dataclass
-class Stack:
-    project: str
-    env: dict[str, str]
-    url: str
-
-    def argv(self, *args: str) -> list[str]:
-        return ["docker", "compose", "-p", self.project, "-f", str(COMPOSE), *args]
-
-    def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        argv = self.argv(*args)
-        done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout)
-        if check and done.returncode != 0:
-            raise AssertionError(
-                f"{' '.join(argv)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
-            )
-        return done
-
-    def running(self) -> list[str]:
-        """Names of this project's containers that run now."""
-        out = subprocess.run(
-            ["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={self.project}"],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        return out.split()
-
-    def instances(self, role: str) -> list[dict]:
-        found = httpx.get(self.url + "/v1/cluster", timeout=10).json()["instances"]
-        return [i for i in found if role in i["roles"]]
-
-    def wait_for(self, check, timeout: float = 300.0) -> None:  # a bound: a busy host starts them slowly
-        deadline = time.monotonic() + timeout
-        while not check():
-            assert time.monotonic() < deadline, "not reached in time"
-            time.sleep(0.5)
-
-    def logs(self) -> str:
-        return self.compose("logs", "--no-color", "--tail", "60", check=False).stdout
+from tests.docker.stack import UP_TIMEOUT, Stack, engine_problem
+from tests.tiers import count_deployment
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +34,10 @@ def stack() -> Iterator[Stack]:
     }
     s = Stack(project=f"trident-test-{port}", env=env, url=f"http://127.0.0.1:{port}")
     try:
-        # Two decode replicas from the start: the failover tests need them, and scaling up later
-        # (which follow-plan and the hybrid profiles do) starts a container on a busy host again.
+        # Two decode replicas from the start: the kill and stop tests need them, and scaling up
+        # later (which follow-plan and the hybrid profiles do) starts a container on a busy host again.
         up = ("up", "-d", "--build", "--scale", "decode=2", "--wait", "--wait-timeout", "300")
+        count_deployment("docker compose")
         s.compose(*up, timeout=UP_TIMEOUT)
         yield s
     except BaseException:

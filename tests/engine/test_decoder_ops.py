@@ -38,9 +38,9 @@ from common.engine.decoder_ops import (
 from common.engine.models.llama import MLP, RMSNorm, apply_rotary
 from common.engine.paged_decode import flash_pages_fit, paged_decode_reference
 from common.engine.sampling import SamplingParams
-from tests.engine.conftest import check_mixed_batch, engines, make_image
-from tests.engine.test_decode_attention import reference as varlen_reference
-from tests.engine.test_parity import QUESTIONS
+from tests.helpers.attention import reference as varlen_reference
+from tests.helpers.engine import QUESTIONS, check_mixed_batch, engines
+from tests.helpers.images import make_image
 
 DTYPES = [torch.float32, torch.bfloat16]
 

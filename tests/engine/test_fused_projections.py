@@ -8,7 +8,8 @@ import pytest
 
 from common.checkpoints import write_checkpoint
 from common.engine.sampling import SamplingParams
-from tests.engine.conftest import engines, make_image
+from tests.helpers.engine import engines
+from tests.helpers.images import make_image
 
 PRESETS = ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 

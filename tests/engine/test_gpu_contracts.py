@@ -34,9 +34,8 @@ from common.engine.attention import (
 from common.engine.config import EngineConfig, Policy
 from common.engine.engine import Engine
 from common.engine.sampling import SamplingParams
-
-from .conftest import make_image
-from .test_parity import QUESTIONS
+from tests.helpers.engine import QUESTIONS
+from tests.helpers.images import make_image
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_flash = pytest.mark.skipif(

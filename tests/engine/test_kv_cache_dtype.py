@@ -13,7 +13,7 @@ from common.engine.kv_cache import KVCache, KVSpec
 from common.engine.sampling import SamplingParams
 from services.settings import WorkerSettings
 from services.worker.engine_settings import engine_config
-from tests.engine.test_decode_attention import BS, DIM, HEADS, KV_HEADS, cache, meta_for, reference
+from tests.helpers.attention import BS, DIM, HEADS, KV_HEADS, cache, meta_for, reference
 
 # Half precision keeps 11 significant bits (float16) or 8 (bfloat16); queries are rounded as well
 # on the CPU decode path. Attention outputs are averages of values of magnitude ~1.

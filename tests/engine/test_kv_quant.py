@@ -11,7 +11,8 @@ from common.engine.sampling import SamplingParams
 from common.protocol import KvGroup, KvLocation
 from common.protocol.tensors import int8_kv_nbytes
 from common.roles import Role
-from tests.engine.conftest import engines, make_image
+from tests.helpers.engine import engines
+from tests.helpers.images import make_image
 
 SHAPE = (4, 2, 3, 16, 2, 8)  # layers, k|v, blocks, block size, kv heads, head dim
 

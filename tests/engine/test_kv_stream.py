@@ -11,7 +11,8 @@ from common.checkpoints import write_checkpoint
 from common.engine.request import Status
 from common.engine.sampling import SamplingParams
 from common.roles import Role
-from tests.engine.conftest import engines, make_image
+from tests.helpers.engine import engines
+from tests.helpers.images import make_image
 
 PRESETS = ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 EP = frozenset({Role.ENCODE, Role.PREFILL})

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from common.engine import AdmissionError, Engine, SamplingParams
 from common.engine.loader import CheckpointError, load_model, map_weight_name
+from tests.helpers.images import png_header
 
 
 def copy_ckpt(src, dst, edit_config=None, edit_weights=None):
@@ -147,7 +148,7 @@ def test_generate_cli_prints_one_json_object_last(tiny_model_dir, tmp_path):
     """`trident generate --json` is a contract: its last line is one JSON object with text and token_ids."""
     from typer.testing import CliRunner
 
-    from tests.engine.conftest import make_image
+    from tests.helpers.images import make_image
     from trident.cli.app import app
 
     make_image(0).save(tmp_path / "img.png")
@@ -168,20 +169,6 @@ def test_generate_cli_prints_one_json_object_last(tiny_model_dir, tmp_path):
     assert plain.exit_code == 0 and plain.output.strip() == last["text"].strip()
     bad = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
     assert bad.exit_code == 2 and "does not exist" in bad.output
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A PNG that declares `width` x `height` pixels in its header and holds almost nothing."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
-    )
 
 
 @pytest.mark.parametrize(("side", "cap"), [(20000, 50_000_000), (20000, None), (3000, 1_000_000)])

@@ -12,8 +12,8 @@ from common.engine.request import ImageInput, Request, Status
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.roles import Role
-from tests.engine.conftest import engines
-from tests.engine.test_scheduler import complete, names, req
+from tests.helpers.engine import engines
+from tests.helpers.scheduling import complete, names, req
 
 
 def test_long_chunks_wait_until_the_time_they_took_is_earned_back() -> None:

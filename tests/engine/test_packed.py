@@ -14,7 +14,8 @@ from common.engine.config import EngineConfig
 from common.engine.packed import PACKED_ROWS, PackedLinear, pack_projections, packing_available
 from common.engine.sampling import SamplingParams
 from common.roles import Role
-from tests.engine.conftest import engines, make_image
+from tests.helpers.engine import engines
+from tests.helpers.images import make_image
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no MKL packed GEMM")
 

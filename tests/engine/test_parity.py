@@ -7,14 +7,7 @@ import pytest
 from common.engine.config import Policy
 from common.engine.sampling import SamplingParams
 from common.roles import Role
-from tests.engine.conftest import check_mixed_batch
-
-QUESTIONS = [
-    "What is in the picture?",
-    "Tell me a long story about a small boat that sails to the island at night",
-    "Hi",
-    "Count the apples and the pears on the table, then say which fruit there is more of",
-]
+from tests.helpers.engine import QUESTIONS, check_mixed_batch
 
 
 def check(engine, hf_generate, prompt, imgs, max_tokens):

@@ -14,7 +14,8 @@ from common.engine.models.qwen_vl import mrope_positions
 from common.engine.processor import REFERENCE_IMAGE
 from common.engine.sampling import SamplingParams
 from common.roles import Role
-from tests.engine.conftest import check_mixed_batch, engines, hf_greedy_ids, make_image
+from tests.helpers.engine import check_mixed_batch, engines, hf_greedy_ids
+from tests.helpers.images import make_image
 
 QUESTIONS = [
     "What is in the picture?",

@@ -19,7 +19,8 @@ from common.engine.processor import ProcessedPrompt
 from common.engine.request import ImageInput, Request
 from common.engine.sampling import SamplingParams
 from common.roles import Role
-from tests.engine.conftest import engines, hf_greedy_ids, make_image
+from tests.helpers.engine import engines, hf_greedy_ids
+from tests.helpers.images import make_image
 
 BS = 4  # block size of the unit tests
 

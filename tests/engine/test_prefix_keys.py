@@ -21,8 +21,8 @@ from common.engine.processor import VIDEO_RULES
 from common.engine.request import ImageInput, Request
 from common.engine.sampling import SamplingParams
 from common.video import VideoLimits, decode_video
-from tests.engine.conftest import engines, hf_greedy_ids, make_image
-from tests.engine.test_video_parity import hf_greedy
+from tests.helpers.engine import engines, hf_greedy, hf_greedy_ids
+from tests.helpers.images import make_image
 from tests.media.clips import make_clip
 
 BS = 4

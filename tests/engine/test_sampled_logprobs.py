@@ -12,7 +12,8 @@ from common.checkpoints import write_checkpoint
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.sampling import SamplingParams
-from tests.engine.conftest import hf_inputs, make_image
+from tests.helpers.engine import hf_inputs
+from tests.helpers.images import make_image
 
 PRESETS = ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 POSITIONS, TOP = 8, 5

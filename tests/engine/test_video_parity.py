@@ -26,7 +26,8 @@ from common.engine.processor import VIDEO_RULES, RequestProcessor
 from common.engine.sampling import SamplingParams
 from common.roles import Role
 from common.video import VideoLimits, decode_video
-from tests.engine.conftest import engines, make_image, until_eos
+from tests.helpers.engine import engines, hf_greedy
+from tests.helpers.images import make_image
 from tests.media.clips import make_clip
 
 PRESETS = [
@@ -69,27 +70,6 @@ def make_engine(model_dir):
 
 def prompt(body: str) -> str:
     return f"<|im_start|>user\n{body}Describe what happens.<|im_end|>\n<|im_start|>assistant\n"
-
-
-def hf_greedy(hf_model, processed, processor, max_tokens: int) -> list[int]:
-    ids = torch.as_tensor([processed.token_ids])
-    kinds = torch.zeros_like(ids, dtype=torch.int)
-    kinds[ids == processor.image_token_id] = 1
-    kinds[ids == processor.video_token_id] = 2
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": kinds}
-    pictures = [i for i in processed.images if not i.video]
-    videos = [i for i in processed.images if i.video]
-    if pictures:
-        inputs["pixel_values"] = torch.cat([i.pixel_values for i in pictures])
-        inputs["image_grid_thw"] = torch.as_tensor([i.grid_thw for i in pictures])
-    if videos:
-        inputs["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
-        inputs["video_grid_thw"] = torch.as_tensor([v.grid_thw for v in videos])
-        if hf_model.config.model_type == "qwen2_5_vl":
-            inputs["second_per_grid_ts"] = torch.as_tensor([v.seconds_per_patch for v in videos])
-    with torch.no_grad():
-        out = hf_model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
-    return until_eos(hf_model, out[0, ids.shape[1] :].tolist())
 
 
 CASES = {

@@ -121,7 +121,7 @@ def test_a_validation_error_says_where_and_why():
         chat(messages=null_url)
     error = explain(caught.value.errors())
     assert error.param == "messages.0.content.0.image_url.url"
-    assert error.message == "messages.0.content.0.image_url.url: is null; input should be a valid string"
+    assert error.message == "messages.0.content.0.image_url.url: is null; it must be a string"
     bad_json = [
         {
             "type": "json_invalid",
@@ -151,3 +151,70 @@ def test_video_parts_and_their_sampling_controls():
     for bad in ({"fps": 0}, {"max_frames": 1}, {"num_frames": 8}, {"fps": float("nan")}):
         with pytest.raises(ValidationError):
             chat(messages=[{"role": "user", "content": "hi"}], mm_processor_kwargs=bad)
+
+
+def integer_fields(model) -> list[str]:
+    """Every top-level field of `model` whose JSON schema takes an integer."""
+    fields = []
+    for name, prop in model.model_json_schema()["properties"].items():
+        kinds = [p.get("type") for p in prop.get("anyOf", [prop])]
+        if "integer" in kinds:
+            fields.append(name)
+    return fields
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest], ids=["chat", "completions"])
+def test_every_integer_field_refuses_a_string_a_decimal_and_a_boolean_as_the_openai_api_does(model):
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}
+    fields = integer_fields(model)
+    assert {"max_tokens", "n", "seed", "top_k"} <= set(fields)
+    for name in fields:
+        takes_bool = "boolean" in str(model.model_json_schema()["properties"][name])
+        for value, said in [
+            ("12", "a string"),
+            (12.0, "a decimal number (12.0)"),
+            (True, "a boolean (true)"),
+        ]:
+            if value is True and takes_bool:
+                continue
+            with pytest.raises(ValidationError) as caught:
+                model.model_validate({**base, name: value})
+            error = explain(caught.value.errors())
+            assert error.param == name, (name, value, error.message)
+            assert error.message.endswith(f"not {said}"), error.message
+    nested = [
+        (
+            {"prompt": [1, 2.0]},
+            "prompt.1",
+            "must be an integer, a string or an array, not a decimal number (2.0)",
+        ),
+        ({"mm_processor_kwargs": {"max_frames": "8"}}, "mm_processor_kwargs.max_frames", "not a string"),
+        ({"stop_token_ids": [True]}, "stop_token_ids.0", "must be an integer, not a boolean (true)"),
+        ({"temperature": "0.5"}, "temperature", "must be a number, not a string"),
+        ({"top_p": True}, "top_p", "must be a number, not a boolean (true)"),
+    ]
+    for change, param, said in nested:
+        if not set(change) <= set(model.model_fields):
+            continue
+        with pytest.raises(ValidationError) as caught:
+            model.model_validate({**base, **change})
+        error = explain(caught.value.errors())
+        assert (error.param, error.message.split(": ", 1)[1].endswith(said)) == (param, True), error.message
+    assert (
+        model.model_validate({**base, "max_tokens": 12, "seed": -3, "top_k": 5, "temperature": 1}).max_tokens
+        == 12
+    )
+
+
+def test_an_error_never_quotes_a_huge_input_back():
+    key = "k" * 1_000_000
+    with pytest.raises(ValidationError) as caught:
+        chat(mm_processor_kwargs={key: 1})
+    error = explain(caught.value.errors())
+    assert error.param.startswith("mm_processor_kwargs.kkk") and len(error.param) < 100
+    assert len(error.message) < 300, error.message
+    huge = "x" * 10_000_000
+    with pytest.raises(ValidationError) as caught:
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": huge}]}])
+    error = explain(caught.value.errors())
+    assert error.message == "messages.0.content.0.image_url: must be an object, not a string"

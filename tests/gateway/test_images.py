@@ -155,3 +155,49 @@ async def test_every_non_global_address_is_refused(host):
     IPv4-mapped loopback, beside the private ranges."""
     with pytest.raises(APIError, match="non-public"):
         await fetch_image(f"http://{host}/x.png", ImagePolicy())
+
+
+async def test_base64_broken_into_lines_decodes_as_rfc_2045_decoders_read_it():
+    """`base64.encodebytes` and the `base64` command wrap at 76 columns; CRLF and spaces likewise."""
+    for encoded in (
+        base64.encodebytes(PAYLOAD).decode(),
+        base64.encodebytes(PAYLOAD).decode().replace("\n", "\r\n"),
+        " ".join(base64.b64encode(PAYLOAD).decode()[i : i + 64] for i in range(0, 3000, 64)),
+    ):
+        assert "\n" in encoded or " " in encoded
+        assert await fetch_image("data:image/png;base64," + encoded, ImagePolicy()) == PAYLOAD
+
+
+@pytest.mark.parametrize(
+    ("payload", "said"),
+    [
+        ("iVBORw0KGgo*AAA", "holds '*' at character 11, outside the base64 alphabet"),
+        ("iVBORw0KGgo_AAA", "URL-safe base64 (- and _) is not taken: use + and /"),
+        ("iVBORw0KGgoAAA", "its length, 14 characters without whitespace, is not a multiple of 4"),
+        ("iVBO\nRw0K\u00e9Ggo", "holds '\\xe9' at character 9"),
+        ("iV==Rw0KGgoA", "'=' padding appears before its end"),
+    ],
+)
+async def test_base64_that_does_not_decode_says_what_is_wrong(payload, said):
+    with pytest.raises(APIError) as err:
+        await fetch_image("data:image/png;base64," + payload, ImagePolicy())
+    assert err.value.status == 400 and said in err.value.message, err.value.message
+    assert "line breaks and spaces are fine" in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://h:" + "9" * 10_000_000 + "/x.png", "its port is not a number from 0 to 65535"),
+        ("http://h:" + "x" * 10_000_000 + "/x.png", "its port is not a number from 0 to 65535"),
+        ("http://[" + "1" * 10_000_000 + "/x", "brackets (an IPv6 address) do not match"),
+        ("http://" + "a" * 10_000_000 + "/x.png", "a part of the name is empty or over 63 characters"),
+        ("ftp://" + "a" * 10_000_000, "must be a data: URL or an http(s) URL"),
+    ],
+)
+async def test_a_10_mb_url_gets_a_short_400_that_says_what_is_wrong(url, said):
+    """Regression: urllib's error quoted the whole port (and Python's integer-digits limit leaked)."""
+    with pytest.raises(APIError) as err:
+        await fetch_image(url, ImagePolicy())
+    assert err.value.status == 400 and said in err.value.message, err.value.message[:300]
+    assert len(err.value.message) < 300 and "set_int_max_str_digits" not in err.value.message

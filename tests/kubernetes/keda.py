@@ -9,11 +9,15 @@ that follow the planner's published counts through the rendered scalers:
   IfLower the larger / smaller of the two; with no fallback, the replicas stay as they are (the
   maintainers' account, kedacore/keda#6464);
 - inactive (the value at or below `activationThreshold`, 0 by default): `minReplicaCount`;
-- else an AverageValue target: ceil(value / threshold) replicas, within [max(1, min), max]."""
+- else an AverageValue target: ceil(value / threshold) replicas, within [max(1, min), max].
+
+And what the trigger reads: the planner's published counts (`desired`)."""
 
 from __future__ import annotations
 
 import math
+
+from services.planner.planner import Planner
 
 
 def replicas(scaled: dict, value: float | None, current: int) -> int:
@@ -35,3 +39,13 @@ def replicas(scaled: dict, value: float | None, current: int) -> int:
     if value <= float(meta.get("activationThreshold", 0)):
         return low
     return min(high, max(max(1, low), math.ceil(value / float(meta["threshold"]))))
+
+
+def desired(planner: Planner) -> dict[str, float]:
+    """trident_planner_desired_instances as Prometheus would scrape it (absent kinds: no series)."""
+    out = {}
+    for metric in planner.metrics.registry.collect():
+        for sample in metric.samples:
+            if sample.name == "trident_planner_desired_instances":
+                out[sample.labels["kind"]] = sample.value
+    return out

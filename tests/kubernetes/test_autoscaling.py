@@ -23,21 +23,12 @@ from common.roles import Role
 from services.planner.planner import Planner
 from services.settings import GatewaySettings, PlannerSettings
 from tests.kubernetes import keda
-from tests.kubernetes.test_flows import pods, settings
+from tests.kubernetes.keda import desired
+from tests.kubernetes.rendered import pods, settings
 from trident.kubernetes.render import Options, render
 
 VARIANTS = [(m, g) for m in METHOD_KINDS for g in (False, True)]
 RATE = 4.0  # requests/s before the step; 3x after
-
-
-def desired(planner: Planner) -> dict[str, float]:
-    """trident_planner_desired_instances as Prometheus would scrape it (absent kinds: no series)."""
-    out = {}
-    for metric in planner.metrics.registry.collect():
-        for sample in metric.samples:
-            if sample.name == "trident_planner_desired_instances":
-                out[sample.labels["kind"]] = sample.value
-    return out
 
 
 def trace(rate: float, now: float, count: int = 40) -> list[TraceRecord]:

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,10 @@ def workloads(objects: list[dict]) -> dict[str, dict]:
 
 def run_init(container: dict, models: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     script = container["command"][-1].replace("/models", str(models))
+    # The image has `trident` on PATH; here it is beside this interpreter (a venv not activated).
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+                          env={**os.environ, "PATH": path, **(env or {})})  # fmt: skip
 
 
 @pytest.mark.slow  # `trident make-model` run as the pod would (~20 s): `make test`, not the fast tier

@@ -24,14 +24,15 @@ from common.roles import parse_roles
 from common.store.connect import sentinel_target
 from common.transfer import create_backend
 from services.gateway.state import Links
-from services.settings import GatewaySettings, PlannerSettings, WorkerSettings
+from services.settings import GatewaySettings, WorkerSettings
 from services.worker.instance import transfer_config
 from tests.kubernetes.netpol import Endpoint, Policies
+from tests.kubernetes.rendered import NS, pods, settings
 from trident.kubernetes.flows import PULLS_FROM
 from trident.kubernetes.render import Options, render
 
 VARIANTS = [(m, tls, gpu) for m in METHOD_KINDS for tls in (True, False) for gpu in (False, True)]
-NS, MONITORING = "trident", "monitoring"
+MONITORING = "monitoring"
 NAMESPACES = {
     n: {"kubernetes.io/metadata.name": n} for n in (NS, MONITORING, "kube-system", "ingress", "other")
 }
@@ -45,39 +46,6 @@ OUTSIDE = {
     "metadata": Endpoint("metadata", None, ip="169.254.169.254", ports={"http": 80}),
 }
 UDP = {("kube-dns", 53)}  # DNS answers on both
-
-
-def pods(objects: list[dict]) -> dict[str, tuple[Endpoint, dict]]:
-    """Each workload's pods as one endpoint (name, labels, ports), with its container."""
-    out = {}
-    for i, o in enumerate(o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "Job")):
-        template = o["spec"]["template"]
-        (container,) = template["spec"]["containers"]
-        ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
-        out[o["metadata"]["name"]] = (
-            Endpoint(o["metadata"]["name"], NS, template["metadata"]["labels"], f"10.1.0.{i + 1}", ports),
-            container,
-        )
-    return out
-
-
-def settings(container: dict):
-    """The container's settings, as its service reads them (the folders it is given are not there)."""
-    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
-    given = {
-        k.removeprefix("TRIDENT_").lower(): v
-        for k, v in env.items()
-        if k.startswith("TRIDENT_") and k not in ("TRIDENT_SECRETS_DIR", "TRIDENT_TLS_DIR")
-    }
-    module = " ".join(container["command"])
-    kind = (
-        GatewaySettings
-        if "services.gateway" in module
-        else WorkerSettings
-        if "services.worker" in module
-        else PlannerSettings
-    )
-    return kind(**given), module
 
 
 class Rendered:

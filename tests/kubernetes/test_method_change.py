@@ -32,7 +32,8 @@ from services.planner.planner import Planner
 from services.settings import GatewaySettings, PlannerSettings
 from tests.gateway.in_process import gateway
 from tests.kubernetes import keda
-from tests.kubernetes.test_autoscaling import desired
+from tests.kubernetes.keda import desired
+from tests.tiers import count_deployment
 from trident.kubernetes.render import Options, render
 from trident.launcher.cluster import Cluster
 from trident.launcher.specs import worker_spec
@@ -105,6 +106,7 @@ def test_the_planner_moves_ep_d_to_e_p_d_through_keda_with_nothing_lost(
         RedisServer(workdir=tmp_path / "redis", password=secrets.redis_password) as redis,
     ):
         cluster = Cluster(tiny_model_dir, tmp_path, nats, redis, env={"TRIDENT_PROFILE": "off"})
+        count_deployment("cluster")  # its workers come and go below, as KEDA would scale them
         urls = {"nats_url": nats.address, "redis_url": redis.address, "secrets_dir": secrets_dir}
         gw_settings = GatewaySettings(model=tiny_model_dir, hold_timeout=240.0, **urls)
         planner_settings = PlannerSettings(

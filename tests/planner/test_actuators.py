@@ -21,7 +21,14 @@ from common.secrets import DeploymentSecrets
 from common.store import Store, StoreConfig
 from common.store.keys import Keys
 from services.planner.actuators import LauncherActuator, compose_command
-from tests.test_launcher import _read_until, _record, _stand_in_compose, _start_up, _stop_up, _wait_for
+from tests.helpers.stand_in_up import (
+    read_until,
+    stand_in_compose,
+    stand_in_record,
+    start_up,
+    stop_up,
+    wait_until,
+)
 from trident.launcher.follow import change_for
 from trident.launcher.processes import Child
 from trident.launcher.specs import ProcessSpec
@@ -110,49 +117,51 @@ def _register(r: redis.Redis, pid: int, roles: tuple[str, ...]) -> None:
 @pytest.mark.timeout(60)
 def test_trident_up_follows_the_plan(tmp_path: Path) -> None:
     """E+P+D → 2EP1D: the EP replicas start, and encoder and prefill drain only once both registered."""
-    _stand_in_compose(tmp_path)
+    stand_in_compose(tmp_path)
     planner_port = free_port()
-    proc, lines = _start_up(
+    proc, lines = start_up(
         tmp_path, "--port", str(free_port()), "--planner-port", str(planner_port), "--follow-plan"
     )
     try:
-        assert _read_until(lines, "planner:")[-1] == (
+        assert read_until(lines, "planner:")[-1] == (
             f"planner: http://127.0.0.1:{planner_port}/plan (trident up follows its plans)"
         )
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
         pids = {p["name"]: p["pid"] for p in state["processes"]}
-        planner_env = _record(tmp_path, pids["planner-1"])["env"]
+        planner_env = stand_in_record(tmp_path, pids["planner-1"])["env"]
         assert planner_env["TRIDENT_PLANNER_ACTUATOR"] == "launcher"
         assert planner_env["TRIDENT_HTTP_PORT"] == str(planner_port)
         password = DeploymentSecrets.read(Path(state["secrets"])).redis_password
         r = redis.Redis.from_url(state["servers"]["redis"]["url"], password=password)
         r.set(Keys("trident").plan_apply, _plan("ep+d", 7, ep=2, d=1).to_bytes())
-        _read_until(lines, "plan 7 (ep+d: 2 worker-ep, 1 decode): applying")
-        _read_until(lines, "will drain encoder-1, prefill-1")
+        read_until(lines, "plan 7 (ep+d: 2 worker-ep, 1 decode): applying")
+        read_until(lines, "will drain encoder-1, prefill-1")
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
         started = [p for p in state["processes"] if p["service"] == "worker-ep"]
         assert [p["name"] for p in started] == ["worker-ep-1", "worker-ep-2"] and state["method"] == "ep+d"
-        _wait_for(lambda: (tmp_path / "out" / f"{started[0]['pid']}.json").exists())
-        assert _record(tmp_path, started[0]["pid"])["env"]["TRIDENT_ROLES"] == "encode,prefill"
+        wait_until(lambda: (tmp_path / "out" / f"{started[0]['pid']}.json").exists())
+        assert stand_in_record(tmp_path, started[0]["pid"])["env"]["TRIDENT_ROLES"] == "encode,prefill"
         time.sleep(1.5)  # not registered yet: nothing drains
-        assert all(_record(tmp_path, pids[n]).get("drained") is None for n in ("encoder-1", "prefill-1"))
+        assert all(
+            stand_in_record(tmp_path, pids[n]).get("drained") is None for n in ("encoder-1", "prefill-1")
+        )
         for p in started:
             _register(r, p["pid"], ("encode", "prefill"))
-        _read_until(lines, "encoder-1: draining")
+        read_until(lines, "encoder-1: draining")
 
         def gone() -> bool:
             text = (tmp_path / ".trident" / "up.json").read_text()
             return "encoder-1" not in text and "prefill-1" not in text
 
-        _wait_for(gone)
+        wait_until(gone)
         state = json.loads((tmp_path / ".trident" / "up.json").read_text())
         names = sorted(p["name"] for p in state["processes"])
         assert names == ["decode-1", "gateway-1", "planner-1", "planner-jobs-1", "worker-ep-1", "worker-ep-2"]
         assert (
-            _record(tmp_path, pids["encoder-1"])["drained"]
-            and _record(tmp_path, pids["prefill-1"])["drained"]
+            stand_in_record(tmp_path, pids["encoder-1"])["drained"]
+            and stand_in_record(tmp_path, pids["prefill-1"])["drained"]
         )
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
     finally:
-        _stop_up(proc)
+        stop_up(proc)

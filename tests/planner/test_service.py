@@ -27,8 +27,7 @@ from services.planner.capacity import CapacityDecision, finish_lag, forecast_loa
 from services.planner.planner import Decision, Planner
 from services.settings import PlannerSettings
 from tests.deploy import running_cluster
-from tests.engine.conftest import make_image
-from tests.services.conftest import data_url
+from tests.helpers.images import data_url, make_image
 from trident.cli.app import app as cli_app
 from trident.launcher.cluster import Cluster
 

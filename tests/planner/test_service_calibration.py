@@ -21,7 +21,7 @@ from common.planner.types import Deployment
 from common.protocol import StepStats
 from common.protocol.records import Step
 from common.stats import SLO
-from tests.planner.test_simulator import CURVES
+from tests.helpers.planning import CURVES
 
 PROFILES = ProfileSet(CURVES, TransferModel())
 TRUE = {"encode": 2.0, "prefill": 1.5, "decode": 1.2}

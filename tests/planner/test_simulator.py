@@ -12,14 +12,8 @@ from common.planner.simulator import Correction, Simulation, simulate
 from common.planner.trace import TraceEntry
 from common.planner.types import Deployment
 from common.stats import SLO
+from tests.helpers.planning import CURVES
 
-# Encode 0.1 s an image, prefill 1 ms a token, decode 20 ms a step whatever the batch.
-CURVES = StageCurves(
-    encode=((1, 0.1), (2, 0.2)),
-    prefill=((1, 0.001), (1000, 1.0)),
-    decode=((1, 16, 0.02), (64, 16, 0.02), (1, 4096, 0.02), (64, 4096, 0.02)),
-    num_kv_blocks=64,
-)
 HOP = 0.01
 PROFILES = ProfileSet(CURVES, TransferModel(latency=HOP, bandwidth=1e12, hop=HOP))
 # α·TTFT = 0.15 s: τe = 1 image (two would take 0.2 s), τt = 150 tokens on E/P instances.

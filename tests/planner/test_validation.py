@@ -16,7 +16,8 @@ import pytest
 
 from common.stats import SLO
 from tests.deploy import WARM
-from trident.bench.validation import METRICS, validate
+from trident.bench.validation import METRICS
+from trident.bench.validation_run import Validation, validate
 
 FACTOR = 3.0
 RATES = (1.0, 4.0)  # unloaded-ish and loaded; bench/planner_validation.py sweeps more
@@ -29,9 +30,8 @@ def test_simulated_latencies_are_within_a_factor_of_a_real_deployment(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     method = "e+p+d"
-    calibration, comparisons = validate(
-        tiny_model_dir, method, RATES, 20, tmp_path, SLO(ttft=5.0, tbt=0.5), starter=WARM
-    )
+    run = Validation(method, RATES, 20, SLO(ttft=5.0, tbt=0.5))
+    calibration, comparisons = validate(tiny_model_dir, tmp_path, run, starter=WARM)
     assert [c.rate for c in comparisons] == list(RATES)
     for c in comparisons:
         # Each request's stage marks kept beside it, from its arrival on.

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.engine.test_loader import png_header
-from tests.services.test_e2e import user_message
+from tests.helpers.chat import body, user_message
+from tests.helpers.images import png_header
 
 
 def big_png_url(megabytes: int) -> str:
@@ -25,12 +25,6 @@ def big_png_url(megabytes: int) -> str:
 
 def png_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-def body(**over):
-    b = {"model": "tiny-llava", "messages": user_message([], "hi"), "max_tokens": 4}
-    b.update(over)
-    return b
 
 
 CASES = [

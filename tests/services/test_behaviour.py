@@ -5,31 +5,17 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from tests.deploy import running_cluster
-from tests.services.conftest import client_for, start
-from tests.services.test_e2e import user_message
-
-
-def metric(base_url: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples on one service."""
-    total = 0.0
-    for line in httpx.get(base_url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def instances(cluster, role: str) -> list[dict]:
-    found = cluster.instances()
-    return [i for i in found if role in i["roles"]]
+from tests.helpers.chat import client_for, user_message
+from tests.helpers.probes import instances, metric
 
 
 @pytest.fixture(scope="module")
 def two_decoders(tiny_model_dir, tmp_path_factory):
-    with start(tiny_model_dir, tmp_path_factory, "e+p+d", {"decode": 2}) as c:
+    workdir = tmp_path_factory.mktemp("two-decoders")
+    with running_cluster(tiny_model_dir, workdir, "e+p+d", {"decode": 2}) as c:
         deadline = time.monotonic() + 30
         while len(instances(c, "decode")) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.services.test_e2e import user_message
+from tests.helpers.chat import user_message
 
 
 @pytest.fixture(scope="module")

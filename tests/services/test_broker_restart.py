@@ -13,9 +13,8 @@ import httpx
 import pytest
 
 from tests.deploy import running_cluster
-from tests.services.conftest import client_for
-from tests.services.test_behaviour import metric
-from tests.services.test_e2e import user_message
+from tests.helpers.chat import client_for, user_message
+from tests.helpers.probes import metric
 
 STREAMS = 4
 TOKENS = 300

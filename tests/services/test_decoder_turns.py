@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.deploy import running_cluster
-from tests.services.test_behaviour import instances, metric
-from tests.services.test_kv_routing import PREAMBLE, client_for, routes, wait_for
+from tests.helpers.chat import PREAMBLE, client_for
+from tests.helpers.probes import instances, metric, prefix_routes, wait_for
 
 MAX_TOKENS = 8
 
@@ -74,7 +74,7 @@ def test_the_next_turn_continues_on_the_decoder_that_holds_the_history(continuin
         model="tiny-llava", messages=second, max_tokens=MAX_TOKENS, temperature=0
     )
     assert two.choices[0].message.content == hf_answer(hf_tiny, second)
-    assert routes(cluster, "decoder") == 1
+    assert prefix_routes(cluster, "decoder") == 1
     assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens - 16
     # The decoder ran the second turn's prefill; the prefill instance ran only the first turn's.
     assert metric(decoder["http_address"], "trident_prefills_total") == 1

@@ -18,9 +18,8 @@ import pytest
 from PIL import Image
 
 from tests.deploy import running_cluster
-from tests.services.test_behaviour import metric
-from tests.services.test_e2e import user_message
-from tests.services.test_limits import openai_error
+from tests.helpers.chat import openai_error, user_message
+from tests.helpers.probes import metric
 
 FLOOD = 1000
 FLOOR = 15  # seconds a slow body and slow headers are given: long enough to serve others meanwhile

@@ -1,42 +1,16 @@
-"""The deployed system against HF `generate`, under each of E+P+D, EP+D, ED+P and EPD."""
+"""The deployed system against HF `generate`, under each of E+P+D, EP+D, ED+P and EPD: one deployment
+per method, shared (tests/helpers/deployments.py) with every other module that asks for it."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import time
 
 import httpx
 import pytest
-import torch
 
 from common.protocol import TraceRecord
-from common.store import Store, StoreConfig
-from tests.engine.conftest import make_image
-from tests.services.conftest import client_for
-
-QUESTION = "What is in the picture? Describe it"
-
-
-def user_message(urls: list[str], text: str) -> list[dict]:
-    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": text}]
-    return [{"role": "user", "content": parts}]
-
-
-@functools.cache  # the same for every method and module: hf_tiny is the session's
-def reference(hf_tiny, num_images: int, max_tokens: int) -> tuple[str, int]:
-    """HF's greedy answer (text and token count) for the same chat."""
-    model, processor = hf_tiny
-    content = [{"type": "image"}] * num_images + [{"type": "text", "text": QUESTION}]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    images = [make_image(i) for i in range(num_images)] or None
-    enc = processor(text=prompt, images=images, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
-    ids = out[0, enc["input_ids"].shape[1] :].tolist()
-    eos = model.config.text_config.eos_token_id
-    ids = ids[: ids.index(eos) + 1] if eos in ids else ids
-    return processor.tokenizer.decode(ids, skip_special_tokens=True), len(ids)
+from tests.helpers.chat import QUESTION, client_for, reference, user_message
+from tests.helpers.probes import read_store
 
 
 @pytest.mark.parametrize("num_images", [0, 1, 2])
@@ -111,19 +85,6 @@ def test_the_trace_has_each_outcome_and_instances_publish_their_profiles(cluster
         metrics = httpx.get(inst["http_address"] + "/metrics", timeout=5).text
         assert f'profile_id="{inst["profile_id"]}"' in metrics
         assert "trident_token_budget{" in metrics
-
-
-def read_store(cluster, read):
-    """One read of the cluster's Redis, from this (synchronous) test."""
-
-    async def main():
-        store = await Store.connect(StoreConfig(url=cluster.redis.url))
-        try:
-            return await read(store)
-        finally:
-            await store.close()
-
-    return asyncio.run(main())
 
 
 def test_a_video_for_a_model_without_video_is_a_400(cluster):

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.services.test_bad_input import body
+from tests.helpers.chat import body
 
 FUZZ_CASES = int(os.environ.get("TRIDENT_FUZZ_CASES", "150"))
 ENDPOINTS = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest"}

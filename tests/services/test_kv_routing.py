@@ -14,12 +14,10 @@ import pytest
 import torch
 
 from tests.deploy import running_cluster
-from tests.engine.conftest import make_image
-from tests.services.conftest import client_for, data_url
-from tests.services.test_behaviour import instances, metric
-from tests.services.test_e2e import read_store
+from tests.helpers.chat import PREAMBLE, client_for
+from tests.helpers.images import data_url, make_image
+from tests.helpers.probes import instances, metric, prefix_routes, read_store, wait_for
 
-PREAMBLE = "You answer questions about foxes. " + "The quick brown fox jumps over the lazy dog. " * 24
 MAX_TOKENS = 8
 FIRST = "Where does the fox sleep?"  # the deployment's first question
 FIRST_ANSWER = "In a den."  # what a client would send back as the first turn's answer
@@ -61,17 +59,6 @@ def ask(cluster, question: str, image: int | None = None):
     )
 
 
-def wait_for(check, timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not reached in time: {what}"
-        time.sleep(0.1)
-
-
-def routes(cluster, reason: str) -> float:
-    return metric(cluster.url, f'trident_gateway_prefix_routes_total{{reason="{reason}"}}')
-
-
 def prefills(cluster) -> dict[str, dict]:
     return {i["instance_id"]: i for i in instances(cluster, "prefill")}
 
@@ -104,7 +91,7 @@ def test_a_request_goes_to_the_instance_that_holds_its_prefix(two_prefills, hf_t
         reply = ask(cluster, question)
         assert reply.choices[0].message.content == hf_answer(hf_tiny, question)
         assert reply.usage.prompt_tokens_details.cached_tokens >= prompt_tokens - 32  # all but the question
-        assert routes(cluster, "prefix") == i
+        assert prefix_routes(cluster, "prefix") == i
         assert metric(holder["http_address"], "trident_mailbox_tasks_total") == i
     others = [p for p in prefills(cluster).values() if p["instance_id"] != holder["instance_id"]]
     assert [metric(p["http_address"], "trident_prefills_total") for p in others] == [0]
@@ -122,11 +109,11 @@ def test_a_request_encoded_first_is_sent_on_to_the_holder_by_its_encoder(two_pre
     cluster = two_prefills
     holder = holder_of_one_prefill(cluster)
     before = metric(holder["http_address"], "trident_mailbox_tasks_total")
-    routed = routes(cluster, "prefix")
+    routed = prefix_routes(cluster, "prefix")
     reply = ask(cluster, "And what is in this picture?", image=2)
     assert reply.choices[0].message.content == hf_answer(hf_tiny, "And what is in this picture?", image=2)
     assert reply.usage.prompt_tokens_details.cached_tokens > 0
-    assert routes(cluster, "prefix") == routed + 1
+    assert prefix_routes(cluster, "prefix") == routed + 1
     assert metric(holder["http_address"], "trident_mailbox_tasks_total") == before + 1
     encoder = instances(cluster, "encode")[0]
     assert metric(encoder["http_address"], "trident_images_encoded_total") >= 1
@@ -143,7 +130,7 @@ def test_a_restarted_gateway_learns_where_prefixes_live(two_prefills, hf_tiny):
     before = metric(holder["http_address"], "trident_mailbox_tasks_total")
     reply = ask(cluster, "Who is quick?")
     assert reply.choices[0].message.content == hf_answer(hf_tiny, "Who is quick?")
-    assert routes(cluster, "prefix") == 1
+    assert prefix_routes(cluster, "prefix") == 1
     assert metric(holder["http_address"], "trident_mailbox_tasks_total") == before + 1
 
 
@@ -162,4 +149,4 @@ def test_a_request_sent_to_a_killed_holder_still_ends_with_the_answer(two_prefil
     (name,) = [n for n, p in cluster.procs.items() if p.pid == pid]
     cluster.procs.pop(name)
     found = httpx.get(cluster.url + "/metrics", timeout=5).text
-    assert routes(cluster, "prefix") == 2, found  # sent to the dead holder: the path under test
+    assert prefix_routes(cluster, "prefix") == 2, found  # sent to the dead holder: the path under test

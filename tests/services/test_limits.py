@@ -16,10 +16,8 @@ import pytest
 
 from common.infra import free_port
 from tests.deploy import running_cluster
-from tests.services.test_bad_input import body
-from tests.services.test_behaviour import instances, metric
-from tests.services.test_e2e import user_message
-from tests.services.test_recovery import pid_of
+from tests.helpers.chat import body, openai_error, user_message
+from tests.helpers.probes import instances, metric, pid_of
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +42,6 @@ def gateway(cluster, name: str, **env: str) -> str:
             pass
         time.sleep(0.2)
     raise TimeoutError(cluster.log(name)[-2000:])
-
-
-def openai_error(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
 
 
 def long_stream(url: str, **headers: str) -> httpx.Response:

@@ -12,7 +12,7 @@ import httpx
 
 from common.runtime import EXIT_LOOP_FAILED, FAULT_ENV
 from tests.deploy import running_cluster
-from tests.services.conftest import client_for
+from tests.helpers.chat import client_for
 
 EXIT_WAIT = 60.0  # seconds a process may take to close and exit on this loaded machine
 

@@ -1,54 +1,28 @@
 """The families whose image cost follows the image's size (Qwen-VL, LLaVA-NeXT) through the
 deployed services, against HF's own model: images of different sizes (so of different token
 counts) cross E→P as features (with Qwen3-VL's DeepStack features) and P→D as KV with the M-RoPE
-rope delta, and the answer is HF `generate`'s, streamed and whole, under the methods DEPLOYMENTS
-names (E+P+D, where every hand-off crosses processes, and hybrids, where some stay in memory)."""
+rope delta, and the answer is HF `generate`'s, streamed and whole, under E+P+D, where every
+hand-off crosses processes. Each family under the hybrids, where some hand-offs stay in memory:
+tests/stages/test_methods.py."""
 
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import pytest
 
-from common.checkpoints import write_checkpoint
 from common.engine.processor import RequestProcessor
-from tests.engine.conftest import hf_greedy_ids, make_image
-from tests.services.conftest import client_for, data_url, start
-from tests.services.test_e2e import QUESTION, user_message
+from tests.helpers.chat import QUESTION, client_for, user_message
+from tests.helpers.deployments import Deployment, shared
+from tests.helpers.engine import hf_greedy_ids
+from tests.helpers.images import data_url, make_image
 
 SIZES = [(120, 90), (56, 200)]
-METHODS = ("e+p+d", "ep+d", "ed+p", "epd")
-# Qwen2-VL (M-RoPE's rope delta across P→D) and Qwen3-VL (DeepStack's features across E→P) under
-# every method. Qwen2.5-VL adds only its vision tower's window attention and LLaVA-NeXT only what an
-# image's size makes of it on E: in CI both under E+P+D, where every hand-off crosses processes.
-# TRIDENT_FAMILY_METHODS=all runs every family under every method (16 deployments, ~4 min).
 FAMILIES = ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-llava-next")
-DEPLOYMENTS = [
-    (preset, method)
-    for preset in FAMILIES
-    for method in METHODS
-    if os.environ.get("TRIDENT_FAMILY_METHODS") == "all"
-    or method == "e+p+d"
-    or ("2.5" not in preset and "next" not in preset)
-]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """Each family's checkpoint, written once for all the methods it is deployed under."""
-    return functools.cache(
-        lambda preset: write_checkpoint(tmp_path_factory.mktemp("family") / preset, preset, seed=0)
-    )
-
-
-@pytest.fixture(scope="module", params=DEPLOYMENTS, ids=["-".join(d) for d in DEPLOYMENTS])
-def deployment(request, tmp_path_factory, checkpoints):
-    preset, method = request.param
-    model_dir = checkpoints(preset)
-    with start(model_dir, tmp_path_factory, method) as cluster:
-        yield preset, model_dir, cluster
+# One E+P+D deployment per family, shared with test_video_e2e.py: every hand-off crosses processes.
+# The hybrids (EP+D, ED+P, EPD) of every family run in process: tests/stages/test_methods.py.
+deployment = shared(*(Deployment.of(preset) for preset in FAMILIES), ids=list(FAMILIES))
 
 
 @functools.cache
@@ -71,19 +45,12 @@ def hf_answer(model_dir: Path, num_images: int, max_tokens: int) -> tuple[str, i
     return processor.tokenizer.decode(new, skip_special_tokens=True), len(new)
 
 
-@pytest.fixture(scope="module")
-def reference(deployment):
-    _, model_dir, _ = deployment
-    return functools.partial(hf_answer, model_dir)
-
-
 @pytest.mark.parametrize("num_images", [0, 2])
-def test_answers_match_hf_streaming_and_not(deployment, reference, num_images):
-    model, _, cluster = deployment
-    client = client_for(cluster)
+def test_answers_match_hf_streaming_and_not(deployment, num_images):
+    model, client = deployment.model.name, client_for(deployment)
     urls = [data_url(make_image(i, s)) for i, s in enumerate(SIZES[:num_images])]
     messages = user_message(urls, QUESTION)
-    want_text, want_tokens = reference(num_images, 16)
+    want_text, want_tokens = hf_answer(deployment.model, num_images, 16)
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
     assert whole.choices[0].message.content == want_text
     assert whole.usage.completion_tokens == want_tokens

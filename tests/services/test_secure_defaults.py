@@ -20,16 +20,15 @@ from common.secrets import NAMES, DeploymentSecrets
 from common.store.keys import Keys
 from common.transfer import TransferConfig, create_backend
 from common.transfer.errors import Forbidden, HandleNotFound
-from tests.services.conftest import client_for
-from tests.services.test_e2e import user_message
-from trident.launcher.local_up import LocalUp
+from tests.helpers.chat import client_for, user_message
+from trident.launcher.local_up import LocalUp, UpCommand
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def up(tiny_model_dir, tmp_path_factory):
-    deployment = LocalUp(tiny_model_dir, tmp_path_factory.mktemp("secure"), {"decode": 1}, {})
+    deployment = LocalUp(UpCommand(tiny_model_dir, tmp_path_factory.mktemp("secure"), scale={"decode": 1}))
     try:
         deployment.wait_whole(180)
         yield deployment

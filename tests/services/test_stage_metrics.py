@@ -1,7 +1,7 @@
 """Each stage's Prometheus histograms count what really passed through it: one queue wait and one
 run per request at each stage's instance, one E→P and one P→D pull per request with its bytes, every
 gap between tokens at the gateway, and the engines' steps by kind. The deployment is shared with
-other modules (tests/services/shared.py): the counts are what the module's requests added."""
+other modules (tests/helpers/deployments.py): the counts are what the module's requests added."""
 
 from __future__ import annotations
 
@@ -11,28 +11,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.conftest import make_image
-from tests.services.conftest import client_for, data_url
-from tests.services.test_behaviour import instances
-from tests.services.test_e2e import user_message
+from tests.helpers.chat import client_for, user_message
+from tests.helpers.images import data_url, make_image
+from tests.helpers.probes import added, instances, scrape
 
 REQUESTS = 4
-
-
-def scrape(base_url: str) -> dict[str, float]:
-    """Every sample on one service's /metrics, summed over labels other than `kind`."""
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=5).text):
-        for s in family.samples:
-            name = s.name + (f"{{{s.labels['kind']}}}" if "kind" in s.labels and "le" not in s.labels else "")
-            if "le" not in s.labels:
-                samples[name] = samples.get(name, 0.0) + s.value
-    return samples
-
-
-def added(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What each sample grew by between two scrapes."""
-    return {name: value - before.get(name, 0.0) for name, value in after.items()}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +66,19 @@ def test_transfers_count_each_pull_and_its_bytes(served):
         assert m[role][f"trident_{hop}_transfer_bytes_sum"] > 0, hop
 
 
+def test_each_pull_is_counted_under_the_path_it_took(e_p_d, served):
+    """The `path` label says how each request's tensors came (host-local, stream, inline, mixed)."""
+    for hop, role in (("ep", "prefill"), ("pd", "decode")):
+        text = httpx.get(instances(e_p_d, role)[0]["http_address"] + "/metrics", timeout=5).text
+        by_path: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == f"trident_{hop}_transfer_bytes_count":
+                    by_path[s.labels["path"]] = by_path.get(s.labels["path"], 0.0) + s.value
+        assert by_path and set(by_path) <= {"host_local", "stream", "inline", "mixed"}, by_path
+        assert sum(by_path.values()) >= REQUESTS, by_path
+
+
 def test_gateway_counts_every_gap_between_tokens(served):
     answers, _, gateway = served
     assert gateway["trident_gateway_tbt_seconds_count"] == sum(a.usage.completion_tokens - 1 for a in answers)
@@ -94,3 +90,20 @@ def test_instances_expose_budgets_scale_and_feature_cache(e_p_d, served):
     for role in ("encode", "prefill", "decode"):
         assert m[role]["trident_budget_scale"] > 0
         assert m[role]["trident_feature_cache_capacity_bytes"] >= 0
+
+
+def test_each_worker_serves_the_model_server_protocols_metrics_under_vllms_names(e_p_d, served):
+    """What a Gateway API Inference Extension endpoint picker scrapes by default (its flags' default
+    names): one gauge each, labelled with the served model, on every worker's /metrics."""
+    for role in ("encode", "prefill", "decode"):
+        text = httpx.get(instances(e_p_d, role)[0]["http_address"] + "/metrics", timeout=5).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+            (sample,) = families[name].samples
+            assert families[name].type == "gauge" and sample.labels == {"model_name": "tiny-llava"}, role
+            assert sample.value >= 0
+        assert 0 <= families["vllm:kv_cache_usage_perc"].samples[0].value <= 1
+        (info,) = families["vllm:cache_config_info"].samples
+        assert int(info.labels["block_size"]) > 0 and (
+            role == "encode" or int(info.labels["num_gpu_blocks"]) > 0
+        )

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from common.infra import netns
-from tests.engine.conftest import make_image
-from tests.services.conftest import data_url
-from tests.services.test_e2e import QUESTION, reference, user_message
+from tests.helpers.chat import QUESTION, reference, user_message
+from tests.helpers.images import data_url, make_image
+from tests.tiers import count_deployment
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""), pyt
 @pytest.mark.parametrize("transfer", ["ucx", "tls"])
 def test_answers_across_three_namespaces_equal_hf(tiny_model_dir, hf_tiny, tmp_path, transfer):
     tag, net = f"tr{os.getpid() % 10000}{transfer[0]}", 100 + (os.getpid() + len(transfer)) % 100
+    count_deployment("three hosts")
     with netns.Namespaces(tag, net) as spaces:
         spec = {
             "workdir": str(tmp_path), "model": str(tiny_model_dir), "transfer": transfer,
@@ -71,6 +72,7 @@ def test_losing_a_nats_node_or_the_redis_primary_loses_no_stream(tiny_model_dir,
     streaming load, `kill -9` of the node leading the task stream, then of the Redis primary: every
     request still ends with HF's text, and the sentinels promote the replica."""
     tag, net = f"ha{os.getpid() % 10000}", 100 + (os.getpid() + 7) % 100
+    count_deployment("three hosts")
     with netns.Namespaces(tag, net) as spaces:
         spec = {"workdir": str(tmp_path), "model": str(tiny_model_dir), "names": spaces.names,
                 "address": spaces.address}  # fmt: skip

@@ -21,17 +21,18 @@ from common.bus.connection import tls_options
 from common.certs import issue
 from common.secrets import DeploymentSecrets
 from common.tls import Tls
-from tests.services.conftest import client_for
-from tests.services.test_e2e import QUESTION, reference, user_message
+from tests.helpers.chat import QUESTION, client_for, reference, user_message
 from tests.tls_probes import only_alerts, probe, probes
-from trident.launcher.local_up import LocalUp, metric
+from trident.launcher.local_up import LocalUp, UpCommand, metric
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def up(tiny_model_dir, tmp_path_factory):
-    deployment = LocalUp(tiny_model_dir, tmp_path_factory.mktemp("tls-up"), {"decode": 1}, {}, tls=True)
+    deployment = LocalUp(
+        UpCommand(tiny_model_dir, tmp_path_factory.mktemp("tls-up"), scale={"decode": 1}, tls=True)
+    )
     try:
         deployment.wait_whole(180)
         yield deployment

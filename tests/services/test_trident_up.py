@@ -31,9 +31,8 @@ import yaml
 
 from common.infra import free_port
 from common.secrets import operator_header
-from tests.engine.conftest import make_image
-from tests.services.conftest import data_url
-from tests.services.test_e2e import user_message
+from tests.helpers.chat import user_message
+from tests.helpers.images import data_url, make_image
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "monitoring" / "grafana" / "dashboards" / "trident.json"

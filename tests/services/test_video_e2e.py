@@ -1,54 +1,35 @@
 """Video through the deployed services (issue 29): Qwen2-VL, Qwen2.5-VL and Qwen3-VL deployments
-under E+P+D (and one each under the hybrids EP+D, ED+P and EPD), where the clip's patches cross G→E
-by handle, its features E→P, and its KV with the rope delta P→D (Qwen2.5-VL's clip positions need
-the seconds each temporal patch spans, which travel in the task; Qwen3-VL's frames are picked its
-own way and stamped in the prompt). A `video_url` part (a data: URL of a real H.264 file) answers as
-HF's model does on the same sampled frames; every hostile video is a 4xx saying why, and the
-deployment answers the next request at once."""
+under E+P+D, where the clip's patches cross G→E by handle, its features E→P, and its KV with the
+rope delta P→D (Qwen2.5-VL's clip positions need the seconds each temporal patch spans, which
+travel in the task; Qwen3-VL's frames are picked its own way and stamped in the prompt). A
+`video_url` part (a data: URL of a real H.264 file) answers as HF's model does on the same sampled
+frames; every hostile video is a 4xx saying why, and the deployment answers the next request at
+once. The hybrids EP+D, ED+P and EPD run a clip in process: tests/stages/test_methods.py."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 
 import httpx
 import pytest
 
-from common.checkpoints import write_checkpoint
 from common.engine.processor import RequestProcessor
 from common.video import VideoLimits, decode_video
-from tests.engine.conftest import make_image
-from tests.engine.test_video_parity import hf_greedy
+from tests.helpers.chat import client_for
+from tests.helpers.deployments import Deployment, shared
+from tests.helpers.engine import hf_greedy
+from tests.helpers.images import data_url, make_image
 from tests.media.clips import declare_duration, make_clip
-from tests.services.conftest import client_for, data_url, start
 from trident.bench.clips import video_data_url
 
 pytestmark = pytest.mark.timeout(300)
 QUESTION = "What happens in the video?"
-
-
-@pytest.fixture(scope="module")
-def deployments(tmp_path_factory):
-    """A family's deployment, started the first time a test asks for it, stopped at the end."""
-    with contextlib.ExitStack() as stack:
-
-        @functools.cache
-        def checkpoint(preset: str):
-            return write_checkpoint(tmp_path_factory.mktemp("video") / preset, preset, seed=0)
-
-        @functools.cache
-        def deployed(preset: str, method: str = "e+p+d"):
-            model_dir = checkpoint(preset)
-            return model_dir, stack.enter_context(start(model_dir, tmp_path_factory, method))
-
-        yield deployed
-
-
-@pytest.fixture
-def cluster(deployments):
-    """The bounds are the gateway's, whatever the model: checked on one deployment."""
-    return deployments("tiny-qwen2-vl")[1]
+# Each family's E+P+D deployment: the same ones test_model_families.py runs its images on.
+FAMILIES = {name: Deployment.of(name) for name in ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl")}
+family = shared(*FAMILIES.values(), ids=list(FAMILIES))
+# The bounds are the gateway's, whatever the model: checked on one deployment.
+qwen2 = shared(FAMILIES["tiny-qwen2-vl"])
 
 
 CLIP = functools.cache(lambda: make_clip(30, fps=10, size=(112, 84), seed=1))
@@ -83,29 +64,21 @@ def messages(video: str, with_image: bool = False) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("name", "with_image"),
-    [("tiny-qwen2-vl", False), ("tiny-qwen2-vl", True), ("tiny-qwen2.5-vl", False), ("tiny-qwen3-vl", True)],
-)
-def test_a_clip_answers_as_hf(deployments, name, with_image):
-    model_dir, running = deployments(name)
-    client = client_for(running)
-    answer = client.chat.completions.create(
+    ("family", "with_image"),
+    [(FAMILIES["tiny-qwen2-vl"], False), (FAMILIES["tiny-qwen2-vl"], True),
+     (FAMILIES["tiny-qwen2.5-vl"], False), (FAMILIES["tiny-qwen3-vl"], True)],
+    ids=["tiny-qwen2-vl", "tiny-qwen2-vl-with-image", "tiny-qwen2.5-vl", "tiny-qwen3-vl-with-image"],
+    indirect=["family"],
+)  # fmt: skip
+def test_a_clip_answers_as_hf(family, with_image):
+    """Under E+P+D. The hybrids (the clip's features kept on an EP or ED instance, or all three
+    stages on one): tests/stages/test_methods.py."""
+    name = family.model.name
+    answer = client_for(family).chat.completions.create(
         model=name, messages=messages(video_data_url(CLIP()), with_image), max_tokens=16, temperature=0
     )
-    assert answer.choices[0].message.content == reference(model_dir, with_image, 16)
+    assert answer.choices[0].message.content == reference(family.model, with_image, 16)
     assert answer.usage.prompt_tokens > 40  # the clip's tokens are in the prompt
-
-
-@pytest.mark.parametrize(
-    ("method", "name"), [("ep+d", "tiny-qwen3-vl"), ("ed+p", "tiny-qwen2.5-vl"), ("epd", "tiny-qwen2-vl")]
-)
-def test_a_clip_answers_as_hf_under_the_other_methods(deployments, method, name):
-    """The hybrids: the clip's features stay on an EP or ED instance, or all three stages run on one."""
-    model_dir, running = deployments(name, method)
-    answer = client_for(running).chat.completions.create(
-        model=name, messages=messages(video_data_url(CLIP()), True), max_tokens=16, temperature=0
-    )
-    assert answer.choices[0].message.content == reference(model_dir, True, 16)
 
 
 HOSTILE = {
@@ -119,15 +92,15 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
-def test_a_hostile_clip_is_a_4xx_and_the_next_request_answers(cluster, name):
+def test_a_hostile_clip_is_a_4xx_and_the_next_request_answers(qwen2, name):
     make, status, words = HOSTILE[name]
     body = {"model": "tiny-qwen2-vl", "messages": messages(video_data_url(make())), "max_tokens": 4}
-    reply = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60)
+    reply = httpx.post(qwen2.url + "/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == status, reply.text
     assert words in reply.json()["error"]["message"] and reply.json()["error"]["param"] == "video_url"
     start = time.monotonic()
     ok = httpx.post(
-        cluster.url + "/v1/chat/completions",
+        qwen2.url + "/v1/chat/completions",
         json={"model": "tiny-qwen2-vl", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         timeout=60,
     )
@@ -139,14 +112,14 @@ def test_a_hostile_clip_is_a_4xx_and_the_next_request_answers(cluster, name):
     [({"fps": 100.0}, "mm_processor_kwargs.fps"), ({"max_frames": 10_000}, "mm_processor_kwargs.max_frames"),
      ({"num_frames": 4}, "mm_processor_kwargs.num_frames")],
 )  # fmt: skip
-def test_sampling_controls_within_the_caps(cluster, controls, param):
+def test_sampling_controls_within_the_caps(qwen2, controls, param):
     body = {
         "model": "tiny-qwen2-vl", "messages": messages(video_data_url(CLIP())), "max_tokens": 2,
         "mm_processor_kwargs": controls,
     }  # fmt: skip
-    reply = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60)
+    reply = httpx.post(qwen2.url + "/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
     body["mm_processor_kwargs"] = {"fps": 1.0, "max_frames": 4}  # asked within the caps: fewer frames
-    fewer = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60)
+    fewer = httpx.post(qwen2.url + "/v1/chat/completions", json=body, timeout=60)
     assert fewer.status_code == 200, fewer.text

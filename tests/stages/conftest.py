@@ -1,5 +1,5 @@
-"""Fixtures for the stage-handler tests: quiet NATS reconnects, the HF oracle, and the far side of
-a pull (the root conftest gives each test its own nats-server and redis-server)."""
+"""Fixtures for the stage-handler tests: quiet NATS reconnects and the far side of a pull (the root
+conftest gives each test its own nats-server and redis-server, and the HF oracle `hf_generate`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.engine.conftest import hf_generate  # noqa: F401  (the oracle fixture, shared)
 from tests.stages.rig import ServingThread
 
 

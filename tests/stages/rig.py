@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -21,10 +22,12 @@ from common.roles import Role, in_path_order, letters
 from common.store import Store, StoreConfig
 from common.store.recorder import StageRecorder
 from common.transfer import TcpBackend, TransferBackend, TransferConfig
+from services.settings import WorkerSettings
 from services.stages import STAGES
 from services.worker.context import StageContext
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
+from services.worker.engine_settings import engine_config
 from services.worker.finals import FINALS_WINDOW
 from services.worker.ledger import Ledger
 from services.worker.outputs import OutputPublisher
@@ -38,8 +41,11 @@ class ServingThread:
     """A TCP transfer backend that serves from a thread and event loop of its own. `freeze()` stops
     it answering (its loop blocks) until `thaw()`, the way a stalled owner would."""
 
-    def __init__(self, inline_max_bytes: int = INLINE_MAX) -> None:
-        self.backend = TcpBackend(TransferConfig(backend="tcp", inline_max_bytes=inline_max_bytes))
+    def __init__(self, inline_max_bytes: int = INLINE_MAX, host_local_min_bytes: int = 1 << 20) -> None:
+        config = TransferConfig(
+            backend="tcp", inline_max_bytes=inline_max_bytes, host_local_min_bytes=host_local_min_bytes
+        )
+        self.backend = TcpBackend(config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="serving", daemon=True)
         self._open = threading.Event()
@@ -121,14 +127,21 @@ class StageRig:
 @contextlib.asynccontextmanager
 async def stage_rig(
     roles: frozenset[Role], model: Path, nats: NatsServer, redis: RedisServer,
-    finals_window: float = FINALS_WINDOW, **engine: object,
+    finals_window: float = FINALS_WINDOW, host_local_min_bytes: int = 1 << 20,
+    settings: WorkerSettings | None = None, **engine: object,
 ) -> AsyncIterator[StageRig]:  # fmt: skip
-    config = EngineConfig(**{"roles": roles, "detokenize": False, "kv_cache_bytes": 16 << 20, **engine})
+    """`roles`' handlers on one engine, as one instance. With `settings`, the engine and handlers are
+    configured from them as a worker configures its own (`engine` still overrides the engine's)."""
+    if settings is None:  # `engine` may override these defaults too
+        config = EngineConfig(**{"roles": roles, "detokenize": False, "kv_cache_bytes": 16 << 20, **engine})
+    else:
+        config = dataclasses.replace(engine_config(settings, roles), **engine)
     loaded = await asyncio.to_thread(Engine, model, config)
     store = await Store.connect(StoreConfig(url=redis.url, prefix=NAMESPACE))
     name = f"{letters(roles)}-rig"
     bus = await Bus.connect(BusConfig(url=nats.url, prefix=NAMESPACE, name=name, ack_wait=5), store)
-    serving = ServingThread()
+    inline = INLINE_MAX if settings is None else settings.transfer_inline_max_bytes
+    serving = ServingThread(inline, host_local_min_bytes=host_local_min_bytes)
     transfer = serving.start()
     record = StageRecorder(store)
     steps: asyncio.Queue = asyncio.Queue()
@@ -137,7 +150,10 @@ async def stage_rig(
     ledger = Ledger(loop, transfer, record, finals_window=finals_window)
     dispatch = Dispatcher(bus.tasks, record, bus, store.registry, sender=name)  # as the runtime builds it
     ctx = StageContext(name, roles, loop, ledger, bus, store, transfer, dispatch, Counters())
-    handlers = {role: STAGES[role](ctx) for role in in_path_order(roles)}
+    handlers = {
+        role: STAGES[role](ctx) if settings is None else STAGES[role].from_settings(ctx, settings)
+        for role in in_path_order(roles)
+    }
     publisher = OutputPublisher.for_handlers(ctx, handlers.values())
 
     async def pump() -> None:

@@ -13,24 +13,12 @@ import pytest
 import torch
 
 from common.bus import Task
-from common.protocol import Cancel, EncodeTask, ImageSpec, PrefillTask, TensorRef, dtype_name
+from common.protocol import EncodeTask, ImageSpec, PrefillTask, TensorRef, dtype_name
 from common.roles import Role
 from common.store import Stage
 from services.worker.ledger import Cancelled
+from tests.stages.flows import D, E, P, cancel, nothing_queued, prefilled, request
 from tests.stages.rig import ServingThread, StageRig, stage_rig
-from tests.stages.test_handlers import D, E, P, prefilled, request
-
-
-async def cancel(rid: str, *rigs: StageRig) -> None:
-    """Cancel as the gateway does (a broadcast), and wait until every rig named has dropped it."""
-    await rigs[0].ctx.bus.events.cancel(Cancel(request_id=rid, reason="client went away"))
-    for rig in rigs:
-        await rig.until(lambda rig=rig: rid not in rig.ledger, what=f"{rid} dropped by {rig.ctx.instance_id}")
-
-
-async def nothing_queued(rig: StageRig, role: Role) -> None:
-    consumer = await rig.ctx.bus.consumer(role)
-    assert await consumer.fetch(1, timeout=0.3) == [], f"a {role} task was queued for a cancelled request"
 
 
 async def cancel_inside_the_pull(

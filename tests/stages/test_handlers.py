@@ -5,88 +5,37 @@ finishes the answer — equal to HF's — and each fallback sends the request wh
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
-from common.bus import EventStream, Task
 from common.protocol import (
     OUTPUT_KINDS,
     DecodeTask,
     EncodeTask,
-    FinalOutput,
-    ImageSpec,
     PrefillTask,
-    RequestSpec,
-    SamplingParams,
     TensorRef,
-    TokenDelta,
-    dtype_name,
 )
 from common.protocol.tensors import int8_kv_nbytes, nbytes_of
 from common.roles import Role
 from common.store import Stage
+from common.transfer import TransferPath
 from services.worker.ledger import AlreadyHeld
 from services.worker.worker import StageWorker
-from tests.engine.conftest import make_image
-from tests.stages.rig import ServingThread, StageRig, stage_rig
-
-E, P, D = (frozenset({r}) for r in Role)
-QUESTION = "What is in the picture? Describe it"
-
-
-def request(rig: StageRig, gateway: ServingThread, rid: str, num_images: int, max_tokens: int = 12):
-    """A request as the gateway sends it: processed prompt, pixels served by the gateway by handle."""
-    images = [make_image(i) for i in range(num_images)]
-    prompt = rig.engine.chat_prompt(QUESTION, num_images)
-    processed = rig.engine.processor.process(prompt, images)
-    specs = []
-    for img in processed.images:
-        handle = gateway.backend.publish(img.pixel_values.contiguous())
-        pixels = TensorRef(
-            owner="gateway", address=gateway.backend.address, handle=handle,
-            shape=tuple(img.pixel_values.shape), dtype=dtype_name(img.pixel_values.dtype),
-        )  # fmt: skip
-        specs.append(ImageSpec(content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=pixels))
-    spec = RequestSpec(
-        request_id=rid, prompt_token_ids=tuple(processed.token_ids), images=tuple(specs),
-        sampling=SamplingParams(max_tokens=max_tokens), arrival_time=time.time(),
-    )  # fmt: skip
-    return spec, prompt, images
-
-
-async def prefilled(p: StageRig, d: StageRig, owner: ServingThread, rid: str) -> tuple[RequestSpec, Task]:
-    """A text request prefilled by `p`, and the decode task `d` fetched for it (not yet taken)."""
-    spec, _, _ = request(p, owner, rid, num_images=0)
-    await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
-    await p.take(Role.PREFILL)
-    return spec, await d.fetch(Role.DECODE)
-
-
-async def answer(stream: EventStream, timeout: float = 30.0) -> list[int]:
-    """The output tokens in index order, up to the final message."""
-    tokens: dict[int, int] = {}
-    expected = None
-    async with asyncio.timeout(timeout):
-        while expected is None or len(tokens) < expected:
-            msg = await stream.get()
-            if isinstance(msg, TokenDelta):
-                tokens.update({msg.index + k: t for k, t in enumerate(msg.token_ids)})
-            elif isinstance(msg, FinalOutput):
-                expected = msg.num_outputs
-            else:
-                raise AssertionError(f"unexpected {msg}")
-    return [tokens[i] for i in range(expected)]
+from tests.stages.flows import D, E, P, answer, prefilled, request
+from tests.stages.rig import stage_rig
 
 
 @pytest.mark.parametrize("kv_stream", [True, False], ids=["streamed", "after-prefill"])
+@pytest.mark.parametrize("path", [TransferPath.STREAM, TransferPath.HOST_LOCAL])
 async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
-    tiny_model_dir, nats_server, redis_server, owner, hf_generate, kv_stream
+    tiny_model_dir, nats_server, redis_server, owner, hf_generate, kv_stream, path
 ):
+    # The tiny model's features and KV are small: host-local at any size, or never.
+    min_bytes = 0 if path is TransferPath.HOST_LOCAL else 1 << 40
     async with (
-        stage_rig(E, tiny_model_dir, nats_server, redis_server) as e,
-        stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
-        stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
+        stage_rig(E, tiny_model_dir, nats_server, redis_server, host_local_min_bytes=min_bytes) as e,
+        stage_rig(P, tiny_model_dir, nats_server, redis_server, host_local_min_bytes=min_bytes) as p,
+        stage_rig(D, tiny_model_dir, nats_server, redis_server, host_local_min_bytes=min_bytes) as d,
     ):
         p.handlers[Role.PREFILL].kv_stream = kv_stream
         spec, prompt, images = request(e, owner, "r-chain", num_images=2, max_tokens=12)
@@ -120,19 +69,24 @@ async def test_encode_prefill_decode_hand_on_in_turn_and_answer_as_hf(
         for rig in (e, p, d):
             await rig.idle()
         assert len(p.ctx.transfer.handles) == 0  # decode's release freed the KV it pulled
-        await e.ctx.ledger.record.flush()
+        for rig in (e, p, d):  # each wrote its marks through its own recorder
+            await rig.ctx.ledger.record.flush()
         marks = (await e.ctx.store.requests.get(spec.request_id)).stages
-        path = [
+        stages = [
             Stage.ENCODE_QUEUED, Stage.ENCODE_STARTED, Stage.ENCODE_ENDED, Stage.PREFILL_QUEUED,
             Stage.EP_TRANSFER_STARTED, Stage.EP_TRANSFER_ENDED, Stage.PREFILL_STARTED, Stage.FIRST_TOKEN,
             Stage.DECODE_QUEUED, Stage.PD_TRANSFER_STARTED, Stage.PD_TRANSFER_ENDED, Stage.DECODE_STARTED,
         ]  # fmt: skip
         if kv_stream:  # queued for decode, and pulled from, while the prefill still ran
-            path.remove(Stage.FIRST_TOKEN)
+            stages.remove(Stage.FIRST_TOKEN)
             assert marks[Stage.DECODE_QUEUED] < marks[Stage.FIRST_TOKEN] <= marks[Stage.PD_TRANSFER_ENDED]
 
-        assert [s for s in path if s in marks] == path
-        assert [marks[s] for s in path] == sorted(marks[s] for s in path)
+        assert [s for s in stages if s in marks] == stages
+        assert [marks[s] for s in stages] == sorted(marks[s] for s in stages)
+        # Each hop says how its tensors came, and how many bytes (the transfer metrics' label too).
+        info = (await e.ctx.store.requests.get(spec.request_id)).info
+        assert info["ep_path"] == info["pd_path"] == path.value
+        assert int(info["ep_bytes"]) > 0 and int(info["pd_bytes"]) > 0
 
 
 async def test_prefill_without_the_features_sends_the_request_back_to_encode(

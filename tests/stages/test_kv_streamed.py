@@ -15,9 +15,8 @@ import threading
 
 from common.protocol import DecodeTask, PrefillTask, SamplingParams
 from common.roles import Role
+from tests.stages.flows import D, P, answer, cancel, nothing_queued, request
 from tests.stages.rig import StageRig, stage_rig
-from tests.stages.test_cancel_races import cancel, nothing_queued
-from tests.stages.test_handlers import D, P, answer, request
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from common.roles import Role, parse_roles
 from common.transfer import TcpBackend, TransferConfig
 from services.prefill.handler import KV_TTL, _export
 from services.worker.ledger import Held, Ledger
-from tests.engine.conftest import make_image
+from tests.helpers.images import make_image
 
 ROLE_SETS = ("e", "p", "ep", "epd")
 BLOCKS = 16  # of 16 tokens: room for two or three requests at once, so long ones preempt others
@@ -122,7 +122,7 @@ class LedgerMachine(RuleBasedStateMachine):
         """What the handlers do with a hand-off, as far as holdings go: encode's features are shared
         by hash and outlive the request, so it settles; prefill serves its KV until released."""
         if stage == Role.DECODE:
-            req, _, buffers = _export(self.engine, held.request_id, 2, "native")
+            req, _, buffers, _ = _export(self.engine, held.request_id, 2, "native")
             assert req is not None
             self.ledger.keep_kv(held, tuple(self.transfer.publish(b) for b in buffers), KV_TTL)
         self.run(self.ledger.settle(held.request_id))

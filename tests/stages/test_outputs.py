@@ -14,8 +14,8 @@ from common.bus import EventStream
 from common.protocol import ErrorOutput, FinalOutput, Message, PrefillTask, Resend, TokenDelta, Usage
 from common.roles import Role
 from services.worker.finals import Finals
+from tests.stages.flows import answer, prefilled, request
 from tests.stages.rig import StageRig, stage_rig
-from tests.stages.test_handlers import answer, prefilled, request
 
 P, D = frozenset({Role.PREFILL}), frozenset({Role.DECODE})
 WINDOW = 1.0  # seconds the decoder keeps a finished request's outputs here

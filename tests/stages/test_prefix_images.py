@@ -24,9 +24,9 @@ from services.gateway.routing import LiveRoles, route
 from services.gateway.state import Metrics
 from services.settings import GatewaySettings
 from services.worker.kv_announce import PrefixAnnouncer
-from tests.engine.conftest import make_image
+from tests.helpers.images import make_image
+from tests.stages.flows import answer
 from tests.stages.rig import ServingThread, StageRig, stage_rig
-from tests.stages.test_handlers import answer
 
 E, P, D = (frozenset({r}) for r in Role)
 EP = frozenset({Role.ENCODE, Role.PREFILL})

@@ -23,9 +23,9 @@ from common.roles import Role
 from common.store.features import FEATURE_TTL
 from common.transfer import HandleNotFound, TcpBackend, TransferConfig
 from services.encoder.served import ServedFeatures
-from tests.engine.conftest import make_image
+from tests.helpers.images import make_image
+from tests.stages.flows import QUESTION, answer
 from tests.stages.rig import stage_rig
-from tests.stages.test_handlers import QUESTION, answer
 
 E, P, D = (frozenset({r}) for r in Role)
 KB = 1024

@@ -1,4 +1,5 @@
-"""Helpers for the substrate tests: running coroutines, and worker processes that can be killed."""
+"""Helpers for the substrate tests: running coroutines, worker processes that can be killed, and taking
+tasks from a queue. (Spawned pullers import this module first: it imports nothing that starts a thread.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from common.bus import Bus, BusConfig
+from common.bus import Bus, BusConfig, Task, TaskConsumer
 from common.protocol import PrefillTask, RequestSpec
 
 T = TypeVar("T")
@@ -63,12 +64,12 @@ def fetch_and_hang(config: BusConfig, role: str, conn: Connection) -> None:
     asyncio.run(main())
 
 
-def pull_forever(backend: str, address: str, handle: str, conn: Connection) -> None:
+def pull_forever(backend: str, address: str, handle: str, host_local: bool, conn: Connection) -> None:
     """A puller that reports each completed pull; it gets SIGKILLed in the middle of one."""
     from common.transfer import TransferConfig, create_backend
 
     async def main() -> None:
-        puller = create_backend(TransferConfig(backend=backend))  # type: ignore[arg-type]
+        puller = create_backend(TransferConfig(backend=backend, host_local=host_local))  # type: ignore[arg-type]
         await puller.start()
         while True:
             pulled = await puller.pull(address, handle)
@@ -76,3 +77,92 @@ def pull_forever(backend: str, address: str, handle: str, conn: Connection) -> N
             await asyncio.to_thread(conn.send, "pulled")
 
     asyncio.run(main())
+
+
+def pull_and_hold(backend: str, address: str, handle: str, device: str | None, conn: Connection) -> None:
+    """A same-host puller that says "mapped" once it has the owner's memory open, and then holds it,
+    copying nothing, until it is SIGKILLed: the reader that dies at the worst moment."""
+    import threading
+
+    from common.transfer import TransferConfig, create_backend
+
+    def hold() -> None:
+        conn.send("mapped")
+        threading.Event().wait()  # the copy never starts
+
+    async def main() -> None:
+        config = TransferConfig(backend=backend, timeout=600, device=device, host_local_cpu=True)  # type: ignore[arg-type]
+        puller = create_backend(config)
+        puller.on_mapped = hold
+        await puller.start()
+        await puller.pull(address, handle)
+
+    asyncio.run(main())
+
+
+def pull_unprivileged(backend: str, address: str, handle: str, conn: Connection) -> None:
+    """A puller in a user namespace of its own (root there, not over the owner's): it may not open
+    a non-dumpable owner's descriptors through /proc. Reports how its pull came and its bytes."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:  # CLONE_NEWUSER
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
+    import torch
+
+    from common.transfer import TransferConfig, create_backend
+
+    async def main() -> None:
+        puller = create_backend(TransferConfig(backend=backend, timeout=30, host_local_cpu=True))  # type: ignore[arg-type]
+        await puller.start()
+        with await puller.pull(address, handle) as tensor:
+            paths = {str(path): stats.pulls for path, stats in puller.stats.items()}
+            paths["fallbacks"] = puller.host_local_fallbacks
+            conn.send((paths, tensor.reshape(-1).view(torch.uint8).numpy().tobytes()))
+        await puller.close()
+
+    asyncio.run(main())
+
+
+def pull_held_until_told(
+    backend: str, address: str, handle: str, device: str | None, conn: Connection
+) -> None:
+    """A same-host puller that says "mapped" once it has the owner's memory open, waits for "go",
+    then finishes its pull and reports how it ended: ("ok", path) or (error type, message). For a
+    reader whose owner dies under it, in a process of its own (a GPU fault would end only it)."""
+    from common.transfer import TransferConfig, create_backend
+
+    def hold() -> None:
+        conn.send("mapped")
+        conn.recv()
+
+    async def main() -> None:
+        config = TransferConfig(backend=backend, timeout=20, device=device, host_local_cpu=True)  # type: ignore[arg-type]
+        puller = create_backend(config)
+        puller.on_mapped = hold
+        await puller.start()
+        try:
+            pulled = await puller.pull(address, handle)
+            conn.send(("ok", str(pulled.path)))
+        except Exception as exc:
+            conn.send((type(exc).__name__, str(exc)))
+
+    asyncio.run(main())
+
+
+async def take(consumer: TaskConsumer, n: int, ack: bool, within: float = 10.0) -> list[Task]:
+    """`n` distinct tasks, acked as they come or held. A fetch returns *up to* what it asks for
+    (under load, fewer), so ask again for the rest, within a bound; a held task that comes back
+    meanwhile (its ack wait lapsed) is taken once. A fetch can also bring more than it asked for (a
+    late message of an earlier fetch that timed out): what is past `n` goes back to the queue."""
+    got: dict[str, Task] = {}
+    deadline = time.monotonic() + within
+    while len(got) < n and time.monotonic() < deadline:
+        for task in await consumer.fetch(n - len(got), timeout=1.0):
+            rid = task.message.request.request_id
+            if rid not in got and len(got) >= n:
+                await task.nak()
+                continue
+            if ack:
+                assert await task.ack()
+            got.setdefault(rid, task)
+    return list(got.values())

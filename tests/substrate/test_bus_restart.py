@@ -8,30 +8,11 @@ import time
 
 import pytest
 
-from common.bus import Bus, BusConfig, Task, TaskConsumer
+from common.bus import Bus, BusConfig
 from common.infra import NatsServer
-from tests.substrate.helpers import prefill_task, run
+from tests.substrate.helpers import prefill_task, run, take
 
 pytestmark = pytest.mark.timeout(90)
-
-
-async def take(consumer: TaskConsumer, n: int, ack: bool, within: float = 10.0) -> list[Task]:
-    """`n` distinct tasks, acked as they come or held. A fetch returns *up to* what it asks for
-    (under load, fewer), so ask again for the rest, within a bound; a held task that comes back
-    meanwhile (its ack wait lapsed) is taken once. A fetch can also bring more than it asked for (a
-    late message of an earlier fetch that timed out): what is past `n` goes back to the queue."""
-    got: dict[str, Task] = {}
-    deadline = time.monotonic() + within
-    while len(got) < n and time.monotonic() < deadline:
-        for task in await consumer.fetch(n - len(got), timeout=1.0):
-            rid = task.message.request.request_id
-            if rid not in got and len(got) >= n:
-                await task.nak()
-                continue
-            if ack:
-                assert await task.ack()
-            got.setdefault(rid, task)
-    return list(got.values())
 
 
 def test_publishers_and_consumers_carry_on_across_a_nats_restart(nats_server: NatsServer) -> None:

@@ -20,8 +20,7 @@ from common.bus import Bus, BusConfig
 from common.infra.ha import NatsCluster, RedisGroup
 from common.store import Store, StoreConfig
 from common.store.connect import sentinel_target, sync_client
-from tests.substrate.helpers import prefill_task, run
-from tests.substrate.test_bus_restart import take
+from tests.substrate.helpers import prefill_task, run, take
 
 pytestmark = pytest.mark.timeout(120)
 LOOPBACK = ["127.0.0.1"] * 3

@@ -276,3 +276,15 @@ def test_prefix_blocks_carry_whole_keys_and_a_part_in_range() -> None:
         PrefixBlocks(instance_id="p", seq=1, block_size=16, gained=(b"\x01" * 8,))
     with pytest.raises(ValueError, match="part 2 of 2"):
         PrefixBlocks(instance_id="p", seq=1, block_size=16, snapshot=True, part=2, parts=2)
+
+
+def test_a_trace_context_travels_with_the_request_and_an_untraced_one_is_sent_as_before() -> None:
+    from common.protocol import TraceContext
+
+    plain = RequestSpec(request_id="r", prompt_token_ids=(1, 2), arrival_time=1.0)
+    assert "trace" not in msgpack.unpackb(PrefillTask(request=plain).to_bytes())[2]["request"]
+    context = TraceContext(traceparent="00-" + "ab" * 16 + "-" + "cd" * 8 + "-01", tracestate="k=v")
+    traced = plain.model_copy(update={"trace": context})
+    assert decode(PrefillTask(request=traced).to_bytes()).request.trace == context
+    with pytest.raises(ValueError, match="traceparent"):
+        TraceContext(traceparent="00-zz-not-a-trace-01")

@@ -1,6 +1,7 @@
 """Bulk transfer between two processes over real UCX (ucxx) and TCP: exact bytes, typed failures.
 
-The owner is a separate process (`OwnerProcess`); the puller is this test process.
+The owner is a separate process (`OwnerProcess`); the puller is this test process. The bytes go
+over the transport (host-local pulls off): test_transfer_host_local.py has the same-host path.
 """
 
 from __future__ import annotations
@@ -22,18 +23,15 @@ from common.transfer import (
     TransferBackend,
     TransferConfig,
     TransferError,
+    TransferPath,
     create_backend,
-    ucx_available,
 )
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
+from tests.substrate.backends import BACKENDS
 from tests.substrate.helpers import pull_forever, run, spawn
 
 pytestmark = pytest.mark.timeout(120)
 
-BACKENDS = [
-    pytest.param("ucx", marks=pytest.mark.skipif(not ucx_available(), reason="ucxx does not load here")),
-    "tcp",
-]
 SPECS = [
     TensorSpec((1024,), "uint8", 1),  # 1 KB
     TensorSpec((128, 128), "float32", 2),  # 64 KB
@@ -53,7 +51,8 @@ def owner(request: pytest.FixtureRequest) -> Iterator[OwnerProcess]:
 
 
 def _puller(backend: str, timeout: float = 5.0) -> TransferBackend:
-    return create_backend(TransferConfig(backend=backend, timeout=timeout))  # type: ignore[arg-type]
+    config = TransferConfig(backend=backend, timeout=timeout, host_local=False)  # type: ignore[arg-type]
+    return create_backend(config)
 
 
 def test_transfers_are_byte_identical(owner: OwnerProcess) -> None:
@@ -71,6 +70,7 @@ def test_transfers_are_byte_identical(owner: OwnerProcess) -> None:
             )
             pulled = await puller.pull(owner.address, handle, out=out)  # into the caller's tensor
             assert pulled.tensor is out and same_bytes(out, expected), spec
+            assert pulled.path is TransferPath.STREAM
         # Several at once from one owner, as decode pulls a request's KV layer groups.
         many = await puller.pull_many(owner.address, owner.handles)
         assert all(same_bytes(p.tensor, make_tensor(s)) for p, s in zip(many, SPECS, strict=True))
@@ -162,7 +162,7 @@ def test_owner_killed_mid_transfer_raises_a_typed_error_within_the_timeout(backe
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_puller_killed_mid_transfer_leaves_the_owner_serving(backend: str) -> None:
     with OwnerProcess(backend, [SPECS[BIG]]) as owner:
-        proc, conn = spawn(pull_forever, backend, owner.address, owner.handles[0])
+        proc, conn = spawn(pull_forever, backend, owner.address, owner.handles[0], False)
         try:
             assert conn.poll(60) and conn.recv() == "pulled"
             time.sleep(0.05)  # into the next pull

@@ -19,8 +19,8 @@ from common.transfer import (
     create_backend,
 )
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
+from tests.substrate.backends import BACKENDS
 from tests.substrate.helpers import run
-from tests.substrate.test_transfer import BACKENDS
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,6 +28,7 @@ from trident.bench.clips import clip_data_url
 from trident.bench.metrics import RequestResult
 from trident.bench.repeat import ImageSeed, Repeats
 
+TIMEOUT = 600.0  # seconds a request may take, its whole stream included, unless the caller says
 _TEXT = "the cat sat on a red mat near the old blue door while small birds sang in tall green trees"
 DEFAULT_IMAGE_SIZE = (640, 480)
 DEFAULT_CLIP = (8.0, 640, 360)  # (seconds, width, height) of a clip a trace gives no size for
@@ -108,22 +109,33 @@ def chat_body(entry: TraceEntry, index: int, opts: RequestOptions) -> dict:
     return request_body(messages, entry.output_tokens, opts)
 
 
+@dataclass(frozen=True)
+class _Session:
+    """What every request of one run shares: the client, the endpoint, the run's start (requests'
+    times count from it), and who is told of each result."""
+
+    client: httpx.AsyncClient
+    url: str
+    start: float  # time.perf_counter()
+    on_done: Callable[[RequestResult], None] | None = None
+
+    def done(self, result: RequestResult) -> None:
+        if self.on_done is not None:
+            self.on_done(result)
+
+
 async def _one(
-    client: httpx.AsyncClient,
-    url: str,
-    body: dict,
-    result: RequestResult,
-    start: float,
-    answer: list[str] | None = None,
+    session: _Session, body: dict, result: RequestResult, answer: list[str] | None = None
 ) -> RequestResult:
     """Send `body` at its scheduled time and time its stream; the text streamed goes to `answer`."""
+    start = session.start
     await asyncio.sleep(max(0.0, start + result.scheduled - time.perf_counter()))
     result.images = [image_digest(url) for url in image_urls(body)]
     sent = time.perf_counter()
     result.sent = sent - start
     last = None
     try:
-        async with client.stream("POST", url, json=body) as response:
+        async with session.client.stream("POST", session.url, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"http {response.status_code}: {_message(text)}"
@@ -192,7 +204,7 @@ async def run(
     opts: RequestOptions,
     *,
     api_key: str = "",
-    timeout: float = 600.0,
+    timeout: float = TIMEOUT,
     on_done: Callable[[RequestResult], None] | None = None,
 ) -> list[RequestResult]:
     """Send `entries` at their arrival times to `base_url`/v1/chat/completions; one result each,
@@ -205,16 +217,15 @@ async def run(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
-        start = time.perf_counter() + 0.2
+        session = _Session(client, url, time.perf_counter() + 0.2, on_done)
 
         async def one(i: int, e: TraceEntry) -> list[RequestResult]:
             if opts.repeats.multi_turn:
-                return await conversation(client, url, e, i, opts, start, on_done)
+                return await conversation(session, e, i, opts)
             r = RequestResult(index=i, scheduled=e.arrival, num_images=e.num_images)
             r.body = bodies[i] if opts.keep_bodies else None
-            r = await _one(client, url, bodies[i], r, start)
-            if on_done is not None:
-                on_done(r)
+            r = await _one(session, bodies[i], r)
+            session.done(r)
             return [r]
 
         done = await asyncio.gather(*(one(i, e) for i, e in enumerate(entries)))
@@ -234,13 +245,7 @@ def turn_messages(history: list[tuple[list[dict], str]], parts: list[dict], imag
 
 
 async def conversation(
-    client: httpx.AsyncClient,
-    url: str,
-    entry: TraceEntry,
-    index: int,
-    opts: RequestOptions,
-    start: float,
-    on_done: Callable[[RequestResult], None] | None = None,
+    session: _Session, entry: TraceEntry, index: int, opts: RequestOptions
 ) -> list[RequestResult]:
     """One user's `opts.repeats.turns` turns, the first at the entry's arrival, each later one a
     think time after the answer before it. Every turn resends the history (its answers as they
@@ -264,20 +269,18 @@ async def conversation(
         answer: list[str] = []
         body = request_body(messages, entry.output_tokens, opts)
         result.body = body if opts.keep_bodies else None
-        await _one(client, url, body, result, start, answer)
+        await _one(session, body, result, answer)
         results.append(result)
-        if on_done is not None:
-            on_done(result)
+        session.done(result)
         if not result.ok:
             break
         history.append((parts, "".join(answer)))
-        due = time.perf_counter() - start + repeats.think(draws)
+        due = time.perf_counter() - session.start + repeats.think(draws)
     for turn in range(len(results), repeats.turns):
         skipped = RequestResult(index=index * repeats.turns + turn, scheduled=due, turn=turn)
         skipped.error = "not sent: an earlier turn of its conversation failed"
         results.append(skipped)
-        if on_done is not None:
-            on_done(skipped)
+        session.done(skipped)
     return results
 
 

@@ -20,9 +20,13 @@ BENCH_FPS = 10  # frames per second of the clips a benchmark sends: enough for 2
 
 
 def encode_clip(
-    frames: Iterable[np.ndarray], fps: int, size: tuple[int, int], codec: str = "libx264", fmt: str = "mp4",
+    frames: Iterable[np.ndarray],
+    fps: int,
+    size: tuple[int, int],
+    codec: str = "libx264",
+    fmt: str = "mp4",
     options: dict[str, str] | None = None,
-) -> bytes:  # fmt: skip
+) -> bytes:
     """`frames` ([height, width, 3] uint8 each) as a `fmt` file of `codec` at `fps`."""
     import av  # here: a client that sends no clip runs without PyAV (an offline bundle leaves it out)
 

@@ -21,7 +21,8 @@ from common.infra import free_port
 from common.roles import InstanceKind
 from common.stats import SLO
 from trident.bench import deployments, llamacpp, plots
-from trident.bench.sweep import LoadSpec, SweepResult, run_sweep
+from trident.bench.sweep import Hooks, LoadSpec, SweepResult, Target, run_sweep
+from trident.launcher.local_up import UpCommand
 
 PEER = "transformers-serve"
 PEERS = (PEER, PEER + "-cb", llamacpp.LLAMACPP)
@@ -185,9 +186,11 @@ class Comparison:
 def planner_pick(planner_url: str, key: str, timeout: float = 300.0) -> dict:
     """The planner service's recommendation now (POST /plan/replan?wait=true, a write: `key`)."""
     response = httpx.post(
-        planner_url.rstrip("/") + "/plan/replan", params={"wait": "true"}, timeout=timeout,
+        planner_url.rstrip("/") + "/plan/replan",
+        params={"wait": "true"},
+        timeout=timeout,
         headers={"Authorization": f"Bearer {key}"},
-    )  # fmt: skip
+    )
     if response.status_code != 200:
         raise RuntimeError(f"the planner gave no plan ({response.status_code}): {response.text[:300]}")
     return response.json()
@@ -219,27 +222,29 @@ def started(system: System, model: Path, slo: SLO, log_dir: Path) -> Iterator[de
         "TRIDENT_PLANNER_MIN_REQUESTS": "20",
         **system.env,
     }
-    with deployments.trident(
-        model, system.method, port=port, scale=system.scale, env=env, log_dir=log_dir
-    ) as served:
+    up = UpCommand(model, log_dir, system.method, scale=system.scale, env=env, port=port)
+    with deployments.trident(up) as served:
         yield served
 
 
-def compare(
-    systems: list[System],
-    model: Path,
-    load: LoadSpec,
-    slo: SLO,
-    out: Path,
-    *,
-    ignore_eos: bool = True,
-    image_size: tuple[int, int] | None = None,
-    reporter: Callable[[str], contextlib.AbstractContextManager] | None = None,
-) -> Comparison:
-    """Each system in turn under `load`; results, a table and plots in `out` (module docstring)."""
-    from trident.bench.client import RequestOptions
+@dataclass(frozen=True)
+class Bench:
+    """What every system is measured under, and where the results go."""
 
-    result = Comparison(slo, load.describe())
+    load: LoadSpec
+    slo: SLO
+    out: Path
+    image_size: tuple[int, int] | None = None  # WxH for every image; None: the workload's sizes
+    ignore_eos: bool = True
+
+
+Reporter = Callable[[str], contextlib.AbstractContextManager[Hooks]]
+
+
+def compare(systems: list[System], model: Path, bench: Bench, reporter: Reporter | None = None) -> Comparison:
+    """Each system in turn under `bench.load`; results, a table and plots in `bench.out` (module
+    docstring)."""
+    result = Comparison(bench.slo, bench.load.describe())
     plan: dict | None = None
     wants_plan = any(s.name == PLANNER for s in systems)
     for system in systems:
@@ -248,38 +253,48 @@ def compare(
                 result.notes.setdefault(PLANNER, "no plan: run a Trident method before `planner`")
                 continue
             system = picked_system(plan)
-        log_dir = out / "logs" / system.name
         try:
-            with started(system, model, slo, log_dir) as served:
+            with started(system, model, bench.slo, bench.out / "logs" / system.name) as served:
                 if system.name == llamacpp.LLAMACPP:  # that it serves the same model as we do
                     agreements = llamacpp.greedy_parity(served.url, model, llamacpp.PARITY_PROMPTS)
                     result.notes[system.name] = llamacpp.parity_note(agreements)
-                opts = RequestOptions(
-                    model=served.model, ignore_eos=ignore_eos, image_size=image_size, seed=load.seed,
-                    fix_length=served.ignoring_eos,
-                )  # fmt: skip
-                with (
-                    reporter(system.name) if reporter else contextlib.nullcontext((None, None, None)) as hooks
-                ):
-                    on_start, on_done, on_rate = hooks
-                    sweep = run_sweep(
-                        system.name, served.url, served.model, load, slo, out / system.name,
-                        options=opts, on_start=on_start, on_done=on_done, on_rate=on_rate,
-                        meter=reuse_meter(system, served, model),
-                    )  # fmt: skip
-                result.results.append(sweep)
+                result.results.append(measure(system, served, model, bench, reporter))
                 if wants_plan and plan is None and not system.peer and served.planner_url:
-                    try:
-                        plan = planner_pick(served.planner_url, served.planner_key)
-                        result.notes[PLANNER] = (
-                            f"{plan['label']} (predicted goodput {plan['goodput']:.3g} req/s)"
-                        )
-                    except (RuntimeError, httpx.HTTPError) as exc:
-                        result.notes[PLANNER] = f"no plan: {exc}"
+                    plan = _ask_the_planner(served, result.notes)
         except (RuntimeError, TimeoutError, OSError) as exc:
             result.notes[system.name] = f"did not run: {exc}"
-        save(result, out)
+        save(result, bench.out)
     return result
+
+
+def measure(
+    system: System, served: deployments.Served, model: Path, bench: Bench, reporter: Reporter | None
+) -> SweepResult:
+    """One started system under the sweep."""
+    from trident.bench.client import RequestOptions
+
+    opts = RequestOptions(
+        model=served.model,
+        ignore_eos=bench.ignore_eos,
+        image_size=bench.image_size,
+        seed=bench.load.seed,
+        fix_length=served.ignoring_eos,
+    )
+    meter = reuse_meter(system, served, model)
+    target = Target(system.name, served.url, served.model, bench.out / system.name, options=opts, meter=meter)
+    with reporter(system.name) if reporter else contextlib.nullcontext(Hooks()) as hooks:
+        return run_sweep(target, bench.load, bench.slo, hooks)
+
+
+def _ask_the_planner(served: deployments.Served, notes: dict[str, str]) -> dict | None:
+    """The pick of the deployment's planner for the traffic it just served, noted; None if it had none."""
+    try:
+        plan = planner_pick(served.planner_url or "", served.planner_key)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        notes[PLANNER] = f"no plan: {exc}"
+        return None
+    notes[PLANNER] = f"{plan['label']} (predicted goodput {plan['goodput']:.3g} req/s)"
+    return plan
 
 
 def reuse_meter(system: System, served: deployments.Served, model: Path):

@@ -60,17 +60,35 @@ class Sample:
         return max(0.0, self.landed - self.step_end)
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """The prefill side as measured: the checkpoint, layers per KV transfer, the KV's wire format,
+    the transfer backend, the engine's torch threads."""
+
+    model: Path
+    group: int = 4
+    wire: KvWire = KvWire.NATIVE
+    backend: str = "auto"
+    threads: int = 1
+
+
 class Harness:
     """The prefill side: engine loop, transfer, sink; the puller process on the other end."""
 
-    def __init__(self, model: Path, group: int, wire: KvWire, backend: str, threads: int) -> None:
-        config = EngineConfig(roles=frozenset({Role.PREFILL}), num_threads=threads, token_budget=8192,
-                              kv_cache_bytes=1 << 30, prefix_caching=False, detokenize=False)  # fmt: skip
-        self.engine = Engine(model, config)
+    def __init__(self, prefill: Prefill) -> None:
+        config = EngineConfig(
+            roles=frozenset({Role.PREFILL}),
+            num_threads=prefill.threads,
+            token_budget=8192,
+            kv_cache_bytes=1 << 30,
+            prefix_caching=False,
+            detokenize=False,
+        )
+        self.engine = Engine(prefill.model, config)
         # Nothing rides inline: every prompt's KV travels by handle, however small the model.
-        config = TransferConfig(backend=backend, inline_max_bytes=0)  # type: ignore[arg-type]
+        config = TransferConfig(backend=prefill.backend, inline_max_bytes=0)  # type: ignore[arg-type]
         self.transfer = create_backend(config)
-        self.kv_layer_group, self.kv_wire, self.kv_stream = group, wire, True
+        self.kv_layer_group, self.kv_wire, self.kv_stream = prefill.group, prefill.wire, True
         self.ctx = self  # the sink reads handler.ctx.transfer
         self.step_end = self.step_seconds = 0.0  # the last step's end (its first token sampled) and length
         self.engine.on_step = self._stepped
@@ -109,8 +127,8 @@ class Harness:
         handles, streamed = [], rid in self._announced  # small KV does not stream
         if not streamed:  # the hand-off as the prefill stage does it when the KV did not stream
             group, wire = self.kv_layer_group, self.kv_wire
-            _, _, buffers = await self.loop.call(lambda: _export(self.engine, rid, group, wire))
-            handles = [self.transfer.publish(b) for b in buffers]
+            _, _, buffers, ready = await self.loop.call(lambda: _export(self.engine, rid, group, wire))
+            handles = [self.transfer.publish(b, ready=ready) for b in buffers]
             self.conn.send((self.transfer.address, handles))
         landed, nbytes = await asyncio.to_thread(self.conn.recv)
         await self.loop.call(lambda: self.engine.abort(rid))
@@ -152,9 +170,8 @@ async def _pull_loop(backend: str, conn) -> None:
     await puller.close()
 
 
-async def measure(model: Path, lengths: list[int], repeats: int, group: int, wire: KvWire, backend: str,
-                  threads: int = 1) -> dict:  # fmt: skip
-    harness = Harness(model, group, wire, backend, threads)
+async def measure(prefill: Prefill, lengths: list[int], repeats: int) -> dict:
+    harness = Harness(prefill)
     await harness.start()
     rows = {}
     try:
@@ -173,23 +190,31 @@ async def measure(model: Path, lengths: list[int], repeats: int, group: int, wir
                 steps[True].append(e.step_seconds)
             rows[length] = {
                 "kv_bytes": size,
-                "transfer_ms": _stat(after, 1000), "exposed_ms": _stat(exposed, 1000),
+                "transfer_ms": _stat(after, 1000),
+                "exposed_ms": _stat(exposed, 1000),
                 "hidden": _stat(hidden, 1),
-                "step_ms": _stat(steps[False], 1000), "streamed_step_ms": _stat(steps[True], 1000),
-            }  # fmt: skip
+                "step_ms": _stat(steps[False], 1000),
+                "streamed_step_ms": _stat(steps[True], 1000),
+            }
     finally:
         await harness.close()
     return rows
 
 
 def _stat(values: list[float], scale: float) -> dict:
-    return {"median": round(statistics.median(values) * scale, 3),
-            "min": round(min(values) * scale, 3), "max": round(max(values) * scale, 3)}  # fmt: skip
+    return {
+        "median": round(statistics.median(values) * scale, 3),
+        "min": round(min(values) * scale, 3),
+        "max": round(max(values) * scale, 3),
+    }
 
 
 def table(rows: dict) -> str:
-    lines = ["| prompt tokens | KV bytes | prefill step, ms (streamed) | transfer after prefill, ms "
-             "| exposed when streamed, ms | hidden |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| prompt tokens | KV bytes | prefill step, ms (streamed) | transfer after prefill, ms "
+        "| exposed when streamed, ms | hidden |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for length, r in rows.items():
         t, e, h = r["transfer_ms"], r["exposed_ms"], r["hidden"]
         lines.append(
@@ -219,8 +244,17 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     rate = single_thread_gflops()
     rows = asyncio.run(
-        measure(model, lengths, args.repeats, args.group, args.wire, args.backend, args.threads)
+        measure(Prefill(model, args.group, args.wire, args.backend, args.threads), lengths, args.repeats)
     )
     print(table(rows))
-    print(json.dumps({"matmul_gflops": round(rate, 1), "wire": args.wire, "group": args.group,
-                      "backend": args.backend, "overlap": rows}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "matmul_gflops": round(rate, 1),
+                "wire": args.wire,
+                "group": args.group,
+                "backend": args.backend,
+                "overlap": rows,
+            }
+        )
+    )

@@ -88,8 +88,10 @@ def converted(model_dir: Path, cache: Path = Path(".trident/gguf")) -> Gguf:
     script = THIRD_PARTY / "llamacpp_convert.py"
     run = subprocess.run(
         [str(python), str(script), str(model_dir), str(tmp), "--converter", str(converter)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if run.returncode != 0:
         raise RuntimeError(f"converting {model_dir} to GGUF failed:\n{run.stderr[-3000:]}")
     tmp.replace(out)
@@ -105,7 +107,6 @@ def llama_server(
     slots: int = 8,
     slot_context: int = 4096,  # a four-turn chat with LLaVA images reaches ~3,200 tokens
     threads: int | None = None,
-    ready_timeout: float = 300.0,
 ) -> Iterator[deployments.Served]:
     """`llama-server` on the converted checkpoint until the block ends: `slots` requests decode
     together (continuous batching), each with up to `slot_context` tokens; `threads` defaults to
@@ -126,9 +127,8 @@ def llama_server(
     url = f"http://127.0.0.1:{port}"
     log = log_dir / "llama-server.log"
     model = Path(model_dir).resolve().name
-    with deployments.peer_server(
-        argv, env=None, log=log, url=url, model=model, ready_timeout=ready_timeout, stop_timeout=30.0
-    ) as proc:
+    peer = deployments.PeerServer(argv, log, url, warm_model=model)
+    with deployments.peer_server(peer) as proc:
         yield deployments.Served(LLAMACPP, LLAMACPP, url, model, proc.pid, log)
 
 
@@ -154,12 +154,7 @@ def greedy_parity(
     `generate` on the prompt the server renders (its /apply-template, each image's marker put back
     as the family's placeholder; module docstring). The images are random, of a size neither side
     resizes: LLaVA-1.5's tower size, 224 pixels (8 × 28) for Qwen2-VL."""
-    import base64
-    import io
-
     import numpy as np
-    import torch
-    from PIL import Image
     from transformers import AutoModelForImageTextToText
 
     from common.engine.processor import RequestProcessor
@@ -175,15 +170,7 @@ def greedy_parity(
     placeholder = f"<|vision_start|>{processor.image_token}<|vision_end|>" if qwen else processor.image_token
     out = []
     for k, (text, count) in enumerate(prompts):
-        rng = np.random.default_rng(1000 + k)
-        images = [
-            Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)) for _ in range(count)
-        ]
-        urls = []
-        for image in images:
-            buf = io.BytesIO()
-            image.save(buf, format="PNG")
-            urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+        images, urls = _random_images(1000 + k, count, side)
         parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
         parts.append({"type": "text", "text": text})
         messages = [{"role": "user", "content": parts}]
@@ -192,22 +179,8 @@ def greedy_parity(
         )
         rendered.raise_for_status()
         prompt = MARKER.sub(lambda _: placeholder, rendered.json()["prompt"])
-        inputs = _hf_inputs(processor, prompt, images)
-        with torch.no_grad():
-            gen = model.generate(
-                **inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                output_scores=True, return_dict_in_generate=True,
-            )  # fmt: skip
-        ids = gen.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-        gaps = [float(s[0].topk(2).values.diff().abs()) for s in gen.scores]
-        body = {
-            "messages": messages, "max_tokens": tokens, "temperature": 0,
-            "ignore_eos": True, "cache_prompt": False,
-        }  # fmt: skip
-        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300, trust_env=False)
-        answer.raise_for_status()
-        served = answer.json()["choices"][0]["message"]["content"]
-
+        ids, gaps = _hf_greedy(model, _hf_inputs(processor, prompt, images), tokens)
+        served = _served_greedy(url, messages, tokens)
         # The longest run of HF's tokens whose text the served answer starts with (a token that ends
         # inside a UTF-8 character decodes to U+FFFD on both sides, so that is left off).
         prefixes = [processor.tokenizer.decode(ids[:n], skip_special_tokens=True) for n in range(tokens + 1)]
@@ -215,6 +188,56 @@ def greedy_parity(
         split = gaps[agreed] if agreed < tokens else None
         out.append(Agreement(count, agreed, tokens, split, float(np.median(gaps))))
     return out
+
+
+def _random_images(seed: int, count: int, side: int) -> tuple[list, list[str]]:
+    """`count` random square images of `side` pixels, and each as a PNG data URL."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)) for _ in range(count)]
+    urls = []
+    for image in images:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    return images, urls
+
+
+def _hf_greedy(model, inputs: dict, tokens: int) -> tuple[list[int], list[float]]:
+    """HF's greedy answer of exactly `tokens` tokens, and at each step the gap between its two best
+    logits."""
+    import torch
+
+    with torch.no_grad():
+        gen = model.generate(
+            **inputs,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    ids = gen.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return ids, [float(s[0].topk(2).values.diff().abs()) for s in gen.scores]
+
+
+def _served_greedy(url: str, messages: list[dict], tokens: int) -> str:
+    """The server's greedy answer of exactly `tokens` tokens, its prompt cache off."""
+    body = {
+        "messages": messages,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": False,
+    }
+    answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300, trust_env=False)
+    answer.raise_for_status()
+    return answer.json()["choices"][0]["message"]["content"]
 
 
 def _hf_inputs(processor, prompt: str, images: list) -> dict:

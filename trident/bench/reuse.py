@@ -86,9 +86,12 @@ class IdealCache:
         clips = [self._clip(url) for url in request.video_urls()]
         processed = self.processor.process(prompt, images, clips)
         req = Request(
-            "ideal", processed.token_ids, SamplingParams(), processed.images,
+            "ideal",
+            processed.token_ids,
+            SamplingParams(),
+            processed.images,
             image_positions=processed.image_positions,
-        )  # fmt: skip
+        )
         n, size = len(processed.token_ids), self.block_size
         keys = block_hashes(req, n // size, size)
         found = 0

@@ -115,60 +115,81 @@ class SweepResult:
         }
 
 
+@dataclass(frozen=True)
+class Target:
+    """The server a sweep measures, how its requests are made, and where its results go. With a
+    `meter`, each rate's summary says what it reused (trident/bench/reuse.py)."""
+
+    name: str
+    url: str
+    model: str
+    out: Path
+    api_key: str = ""
+    options: client.RequestOptions | None = None
+    meter: ReuseMeter | None = None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a sweep reports through: a rate starts (rate, requests), a request is done, a rate is
+    summarised."""
+
+    on_start: Callable[[float, int], None] | None = None
+    on_done: Callable[[RequestResult], None] | None = None
+    on_rate: Callable[[RateSummary], None] | None = None
+
+
 def run_sweep(
-    name: str,
-    url: str,
-    model: str,
-    load: LoadSpec,
-    slo: SLO,
-    out: Path,
-    *,
-    options: client.RequestOptions | None = None,
-    api_key: str = "",
-    on_start: Callable[[float, int], None] | None = None,
-    on_done: Callable[[RequestResult], None] | None = None,
-    on_rate: Callable[[RateSummary], None] | None = None,
-    every_rate: bool = False,
-    meter: ReuseMeter | None = None,
+    target: Target, load: LoadSpec, slo: SLO, hooks: Hooks | None = None, every_rate: bool = False
 ) -> SweepResult:
-    """The rates of `load` against `url` in turn, lowest first, until one misses the SLO's
+    """The rates of `load` against `target` in turn, lowest first, until one misses the SLO's
     attainment (no higher rate can count towards goodput; a server far past its capacity only
     takes long to drain) or, with `every_rate`, through all of them. Saves as it goes (module
-    docstring). With a `meter`, each rate's summary says what it reused (trident/bench/reuse.py)."""
-    out.mkdir(parents=True, exist_ok=True)
-    opts = options or client.RequestOptions(model=model, seed=load.seed)
-    result = SweepResult(name, url, model, slo, load.describe())
+    docstring)."""
+    hooks = hooks or Hooks()
+    target.out.mkdir(parents=True, exist_ok=True)
+    result = SweepResult(target.name, target.url, target.model, slo, load.describe())
     for k, rate in enumerate(sorted(load.rates)):
         entries = load.entries(rate)
-        if on_start is not None:
-            on_start(rate, len(entries) * load.repeats.turns)
-        # The same request shapes at every rate, but images and prompts of their own: a server that
-        # caches features or prompts (Trident's feature cache, llama.cpp's prompt cache) must not
-        # find the last rate's requests again.
-        # What the requests share (a system prompt, an image pool) stays the same across the rates.
-        content = dataclasses.replace(
-            opts,
-            seed=opts.seed * 1009 + k,
-            repeats=load.repeats,
-            keep_bodies=meter is not None and meter.ideal is not None,
-        )
-        if meter is not None:
-            meter.start()
-        measured = asyncio.run(client.run(url, entries, content, api_key=api_key, on_done=on_done))
+        if hooks.on_start is not None:
+            hooks.on_start(rate, len(entries) * load.repeats.turns)
+        measured = _measure(target, load, entries, k, hooks)
         result.requests[rate] = measured
         summary = summarise(rate, measured, slo)
-        if meter is not None:
-            summary.reuse = meter.measure(measured).to_dict()
+        if target.meter is not None:
+            summary.reuse = target.meter.measure(measured).to_dict()
         result.summaries.append(summary)
-        with (out / f"requests-{rate:g}.jsonl").open("w") as f:
+        with (target.out / f"requests-{rate:g}.jsonl").open("w") as f:
             for r in measured:
                 f.write(json.dumps(r.to_dict()) + "\n")
-        if on_rate is not None:
-            on_rate(summary)
+        if hooks.on_rate is not None:
+            hooks.on_rate(summary)
         if summary.attainment < slo.attainment and not every_rate:
             break
-    save(result, out)
+    save(result, target.out)
     return result
+
+
+def _measure(
+    target: Target, load: LoadSpec, entries: list[workload.TraceEntry], k: int, hooks: Hooks
+) -> list[RequestResult]:
+    """The `k`-th rate's requests sent and measured."""
+    opts = target.options or client.RequestOptions(model=target.model, seed=load.seed)
+    # The same request shapes at every rate, but images and prompts of their own: a server that
+    # caches features or prompts (Trident's feature cache, llama.cpp's prompt cache) must not
+    # find the last rate's requests again.
+    # What the requests share (a system prompt, an image pool) stays the same across the rates.
+    content = dataclasses.replace(
+        opts,
+        seed=opts.seed * 1009 + k,
+        repeats=load.repeats,
+        keep_bodies=target.meter is not None and target.meter.ideal is not None,
+    )
+    if target.meter is not None:
+        target.meter.start()
+    return asyncio.run(
+        client.run(target.url, entries, content, api_key=target.api_key, on_done=hooks.on_done)
+    )
 
 
 def save(result: SweepResult, out: Path) -> None:

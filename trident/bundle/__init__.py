@@ -72,6 +72,9 @@ ROOTS = MappingProxyType({
     "cryptography": ("`trident up` imports the CA it makes for --tls (common/certs.py)", True),
     "celery": ("the planner's what-if jobs worker, which `trident up` starts", True),
     "openai": ("`transformers serve`, the baseline, will not start without it", True),
+    "opentelemetry-api": ("W3C trace context through the stages (common/tracing.py)", True),
+    "opentelemetry-sdk": ("spans, when an OTLP endpoint is configured", True),
+    "opentelemetry-exporter-otlp-proto-http": ("their export over OTLP/HTTP (protobuf: the image's)", True),
 })  # fmt: skip
 
 # The project's runtime dependencies not carried, and why (the rest are ROOTS or in the image).

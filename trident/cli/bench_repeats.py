@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Protocol
 
 import typer
+
+if TYPE_CHECKING:
+    from trident.bench.repeat import Repeats
 
 SystemTokens = Annotated[
     int, typer.Option(min=0, help="A shared system prompt of about this many tokens in every request.")
@@ -26,19 +29,29 @@ ImageWindow = Annotated[
 ]
 
 
-def repeats(
-    seed: int,
-    system_prompt_tokens: int,
-    image_pool: int,
-    pool_share: float,
-    turns: int,
-    think_time: float,
-    image_prob: float,
-    image_window: int,
-):
+class RepeatFlags(Protocol):
+    """The flags above, as a command's parsed flags carry them (with its --seed)."""
+
+    seed: int
+    system_prompt_tokens: int
+    image_pool: int
+    pool_share: float
+    turns: int
+    think_time: float
+    image_prob: float
+    image_window: int
+
+
+def repeats(flags: RepeatFlags) -> Repeats:
     from trident.bench.repeat import Repeats
 
     return Repeats(
-        system_tokens=system_prompt_tokens, image_pool=image_pool, pool_share=pool_share, turns=turns,
-        think_time=think_time, image_prob=image_prob, image_window=image_window, seed=seed,
-    )  # fmt: skip
+        system_tokens=flags.system_prompt_tokens,
+        image_pool=flags.image_pool,
+        pool_share=flags.pool_share,
+        turns=flags.turns,
+        think_time=flags.think_time,
+        image_prob=flags.image_prob,
+        image_window=flags.image_window,
+        seed=flags.seed,
+    )

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -15,14 +14,13 @@ from rich.live import Live
 from rich.text import Text
 
 from trident.cli.top_view import Frame, TopError, read_frame, render
-
-UP_STATE = Path(".trident") / "up.json"
+from trident.launcher.state import STATE
 
 
 def default_url() -> str:
     """The gateway `trident up` started from this directory, else TRIDENT_PORT's (compose's) on loopback."""
     try:
-        return json.loads(UP_STATE.read_text())["gateway"]
+        return json.loads(STATE.read_text())["gateway"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"http://127.0.0.1:{os.environ.get('TRIDENT_PORT') or '8000'}"
 

@@ -100,9 +100,15 @@ def read_frame(url: str, api_key: str = "") -> Frame:
                 into.bounds.append(float(s.labels["le"]))
                 into.counts.append(s.value)
     return Frame(
-        time.time(), instances, plan, queued,
-        hist["trident_gateway_ttft_seconds"], hist["trident_gateway_tbt_seconds"], requests, routes,
-    )  # fmt: skip
+        time.time(),
+        instances,
+        plan,
+        queued,
+        hist["trident_gateway_ttft_seconds"],
+        hist["trident_gateway_tbt_seconds"],
+        requests,
+        routes,
+    )
 
 
 def _ms(seconds: float | None) -> str:
@@ -115,14 +121,16 @@ def render(url: str, frame: Frame, earlier: Frame | None) -> Group:
     ttft, tbt = frame.ttft.since(earlier and earlier.ttft), frame.tbt.since(earlier and earlier.tbt)
     rate = (frame.requests - earlier.requests) / max(frame.at - earlier.at, 1e-9) if earlier else None
     head = Text.assemble(
-        ("trident top ", "bold"), url, f"   {time.strftime('%H:%M:%S', time.localtime(frame.at))}\n",
+        ("trident top ", "bold"),
+        url,
+        f"   {time.strftime('%H:%M:%S', time.localtime(frame.at))}\n",
         f"TTFT p50/p90 {_ms(ttft.quantile(0.5))} / {_ms(ttft.quantile(0.9))}   ",
         f"TBT p50/p90 {_ms(tbt.quantile(0.5))} / {_ms(tbt.quantile(0.9))}   ",
         f"({span}, {int(ttft.total)} requests)\n",
         f"requests/s {'-' if rate is None else f'{rate:.2f}'}   queued: "
         + "  ".join(f"{s} {int(frame.queued.get(s, 0))}" for s in STAGES),
         f"\n{routing_line(frame, earlier)}",
-    )  # fmt: skip
+    )
     table = Table(title="instances", title_justify="left", expand=False)
     columns = (
         "instance",
@@ -146,11 +154,17 @@ def render(url: str, frame: Frame, earlier: Frame | None) -> Group:
         budgets = i.get("budgets") or {}
         state = "leaving" if i.get("leaving") else "draining" if i.get("draining") else "up"
         table.add_row(
-            i["instance_id"], ",".join(i.get("roles", ())), str(i.get("running", 0)),
-            str(i.get("queue_depth", 0)), str(budgets.get("image_budget", "-")),
-            str(budgets.get("token_budget", "-")), used, str(i.get("cached_kv_blocks", 0)),
-            prefix_hit(i, before.get(i["instance_id"])), state,
-        )  # fmt: skip
+            i["instance_id"],
+            ",".join(i.get("roles", ())),
+            str(i.get("running", 0)),
+            str(i.get("queue_depth", 0)),
+            str(budgets.get("image_budget", "-")),
+            str(budgets.get("token_budget", "-")),
+            used,
+            str(i.get("cached_kv_blocks", 0)),
+            prefix_hit(i, before.get(i["instance_id"])),
+            state,
+        )
     if not workers:
         table.add_row("(no worker has a heartbeat)", *[""] * (len(columns) - 1))
     return Group(head, table, _plan_line(frame.plan))

@@ -22,14 +22,10 @@ from trident.launcher.compose_follow import (
     GatewayView,
     default_gateway,
 )
-from trident.launcher.deployment import Deployment
-from trident.launcher.state import StateFile, clear_leftovers, is_alive, send, wait_gone
+from trident.launcher.deployment import Deployment, UpConfig
+from trident.launcher.state import HOME, STATE, StateFile, clear_leftovers, is_alive, send, wait_gone
 from trident.launcher.warm import WarmStarter
 
-# Everything `trident up` writes lives here, relative to the directory it runs in: models, logs, server
-# files, the state file (the same place `trident generate` keeps the tiny model).
-HOME = Path(".trident")
-STATE = HOME / "up.json"
 DEFAULT_PLANNER_PORT = 8100
 PORTS_FREED = 10.0  # seconds a dead run's ports get to be released after its processes are stopped
 
@@ -97,73 +93,109 @@ def wait_ports_free(ports: list[int], timeout: float) -> bool:
     return True
 
 
+# `trident up`'s flags, one alias each, so its signature reads as the table of them.
+Model = Annotated[
+    str | None,
+    typer.Option(
+        help="A checkpoint directory, or a preset name (tiny-llava, small-llava, ...; `trident "
+        "make-model --help` lists them) written to .trident/models/<preset> on first use; "
+        "default: tiny-llava."
+    ),
+]
+MethodFlag = Annotated[
+    Method, typer.Option(help="How stages group into instances: e+p+d, ep+d, ed+p or epd.")
+]
+Scale = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="SERVICE=N",
+        help="Processes of one of the method's services (decode=2; a role or ep/ed/epd works too).",
+    ),
+]
+Port = Annotated[int, typer.Option(min=1, max=65535, help="The gateway's API port.")]
+ComposeFlag = Annotated[
+    Path | None,
+    typer.Option("--file", "-f", exists=True, dir_okay=False, help="Compose file; default: compose.yaml."),
+]
+ReadyTimeout = Annotated[
+    float, typer.Option(min=1, help="Seconds to wait for the gateway's /ready before giving up.")
+]
+PlannerPort = Annotated[
+    int, typer.Option(min=0, max=65535, help="The planner's port; 0: 8100 if free, else any free port.")
+]
+FollowPlan = Annotated[
+    bool,
+    typer.Option(
+        "--follow-plan",
+        help="Apply the planner's plans: start and drain workers to match (the launcher actuator).",
+    ),
+]
+Ha = Annotated[
+    bool,
+    typer.Option(
+        "--ha",
+        help="Run NATS as a three-node cluster (the task stream kept on all three) and Redis as "
+        "a primary with a replica and three sentinels, so losing any one of them loses nothing.",
+    ),
+]
+TlsFlag = Annotated[
+    bool,
+    typer.Option(
+        "--tls",
+        help="Mutual TLS on every channel between the deployment's processes (NATS, Redis, bulk "
+        "transfers, the workers' HTTP), from a private CA made for this run under "
+        ".trident/secrets/tls. The gateway's API stays plain HTTP on loopback.",
+    ),
+]
+Warm = Annotated[
+    bool,
+    typer.Option(
+        "--warm/--cold",
+        help="--warm: fork each service from one process that imported torch and transformers "
+        "once (faster start and restart, shared pages); --cold: each from a bare interpreter.",
+    ),
+]
+
+
 def up(
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="A checkpoint directory, or a preset name (tiny-llava, small-llava, ...; `trident "
-            "make-model --help` lists them) written to .trident/models/<preset> on first use; "
-            "default: tiny-llava."
-        ),
-    ] = None,
-    method: Annotated[
-        Method, typer.Option(help="How stages group into instances: e+p+d, ep+d, ed+p or epd.")
-    ] = Method.E_P_D,
-    scale: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="SERVICE=N",
-            help="Processes of one of the method's services (decode=2; a role or ep/ed/epd works too).",
-        ),
-    ] = None,
-    port: Annotated[int, typer.Option(min=1, max=65535, help="The gateway's API port.")] = 8000,
-    file: Annotated[
-        Path | None,
-        typer.Option(
-            "--file", "-f", exists=True, dir_okay=False, help="Compose file; default: compose.yaml."
-        ),
-    ] = None,
-    ready_timeout: Annotated[
-        float, typer.Option(min=1, help="Seconds to wait for the gateway's /ready before giving up.")
-    ] = 120.0,
-    planner_port: Annotated[
-        int,
-        typer.Option(min=0, max=65535, help="The planner's port; 0: 8100 if free, else any free port."),
-    ] = 0,
-    follow_plan: Annotated[
-        bool,
-        typer.Option(
-            "--follow-plan",
-            help="Apply the planner's plans: start and drain workers to match (the launcher actuator).",
-        ),
-    ] = False,
-    ha: Annotated[
-        bool,
-        typer.Option(
-            "--ha",
-            help="Run NATS as a three-node cluster (the task stream kept on all three) and Redis as "
-            "a primary with a replica and three sentinels, so losing any one of them loses nothing.",
-        ),
-    ] = False,
-    tls: Annotated[
-        bool,
-        typer.Option(
-            "--tls",
-            help="Mutual TLS on every channel between the deployment's processes (NATS, Redis, bulk "
-            "transfers, the workers' HTTP), from a private CA made for this run under "
-            ".trident/secrets/tls. The gateway's API stays plain HTTP on loopback.",
-        ),
-    ] = False,
-    warm: Annotated[
-        bool,
-        typer.Option(
-            "--warm/--cold",
-            help="--warm: fork each service from one process that imported torch and transformers "
-            "once (faster start and restart, shared pages); --cold: each from a bare interpreter.",
-        ),
-    ] = True,
+    model: Model = None,
+    method: MethodFlag = Method.E_P_D,
+    scale: Scale = None,
+    port: Port = 8000,
+    file: ComposeFlag = None,
+    ready_timeout: ReadyTimeout = 120.0,
+    planner_port: PlannerPort = 0,
+    follow_plan: FollowPlan = False,
+    ha: Ha = False,
+    tls: TlsFlag = False,
+    warm: Warm = True,
 ) -> None:
     """Run compose.yaml's services as local processes (no Docker); Ctrl-C or `trident down` stops them."""
+    compose, counts = _compose_and_scale(file, method, scale)
+    try:
+        model_dir = resolve_model(model, HOME / "models", typer.echo).resolve()
+    except ModelError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
+    clear_dead_run(StateFile(STATE))
+    config = UpConfig(
+        compose=compose,
+        method=method,
+        scale=counts,
+        model=model_dir,
+        port=port,
+        home=HOME,
+        ready_timeout=ready_timeout,
+        planner_port=_free_ports(port, planner_port),
+        follow_plan=follow_plan,
+        ha=ha,
+        tls=tls,
+    )
+    deployment = Deployment(config, typer.echo, starter=WarmStarter() if warm else None)
+    raise typer.Exit(deployment.run())
+
+
+def _compose_and_scale(file: Path | None, method: Method, scale: list[str] | None):
+    """compose.yaml read, and --scale checked against its services for `method`."""
     try:
         counts = parse_scale(scale or [])
     except ValueError as exc:
@@ -177,11 +209,12 @@ def up(
         resolve_scale(compose, method, counts)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--scale") from None
-    try:
-        model_dir = resolve_model(model, HOME / "models", typer.echo).resolve()
-    except ModelError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--model") from None
-    clear_dead_run(StateFile(STATE))
+    return compose, counts
+
+
+def _free_ports(port: int, planner_port: int) -> int:
+    """Exit 1 if the gateway's or the planner's port is taken; the planner's port (8100 if free, else
+    any free one, unless --planner-port names one)."""
     if not port_free(port):
         typer.echo(f"error: port {port} is in use; choose another with --port", err=True)
         raise typer.Exit(1)
@@ -190,11 +223,7 @@ def up(
         raise typer.Exit(1)
     if not planner_port:
         planner_port = DEFAULT_PLANNER_PORT if port_free(DEFAULT_PLANNER_PORT) else free_port()
-    deployment = Deployment(
-        compose, method, counts, model_dir, port, HOME, ready_timeout, typer.echo, planner_port, follow_plan,
-        starter=WarmStarter() if warm else None, ha=ha, tls=tls,
-    )  # fmt: skip
-    raise typer.Exit(deployment.run())
+    return planner_port
 
 
 def down(

@@ -9,7 +9,8 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -26,7 +27,7 @@ from trident.launcher.processes import Child, Starter, stop_children
 from trident.launcher.signal_flag import SignalFlag
 from trident.launcher.specs import LocalSetup, plan, worker_spec
 from trident.launcher.state import StateFile, identity
-from trident.launcher.substrate import Substrate, start_substrate
+from trident.launcher.substrate import Substrate, SubstrateSetup, start_substrate
 
 Echo = Callable[..., None]
 
@@ -56,6 +57,25 @@ def example_curl(base_url: str, model_name: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class UpConfig:
+    """What one `trident up` runs: compose.yaml's services for a method, with replicas, on a model;
+    the gateway's and the planner's ports (0: no planner port given); where its files go (`home`);
+    how long start-up may take; and its options (--follow-plan, --ha, --tls)."""
+
+    compose: ComposeFile
+    method: Method
+    scale: Mapping[str, int]
+    model: Path
+    port: int
+    home: Path
+    ready_timeout: float = 120.0
+    planner_port: int = 0
+    follow_plan: bool = False
+    ha: bool = False  # a NATS cluster and a Redis primary, replica and sentinels (substrate.py)
+    tls: bool = False
+
+
 class Deployment:
     """Starts servers, then workers, then the gateway; stops the gateway, then workers, then servers.
 
@@ -65,35 +85,14 @@ class Deployment:
     With `follow_plan`, the workers follow the plan the planner's launcher actuator publishes (follow.py).
     """
 
-    def __init__(
-        self,
-        compose: ComposeFile,
-        method: Method,
-        scale: dict[str, int],
-        model: Path,
-        port: int,
-        home: Path,
-        ready_timeout: float = 120.0,
-        echo: Echo = typer.echo,
-        planner_port: int = 0,
-        follow_plan: bool = False,
-        starter: Starter | None = None,
-        ha: bool = False,
-        tls: bool = False,
-    ) -> None:
-        self.compose = compose
-        self.method = method
-        self.scale = scale
-        self.model = model
-        self.port = port
-        self.home = home
-        self.logs = home / "logs"
-        self.ready_timeout = ready_timeout
+    def __init__(self, config: UpConfig, echo: Echo = typer.echo, starter: Starter | None = None) -> None:
+        self.config = config
+        self.method = config.method  # what runs now: a plan the launcher follows may change it
+        self.logs = config.home / "logs"
         self.echo = echo
-        self.url = f"http://127.0.0.1:{port}"
-        self.planner_port = planner_port
-        self.planner_url = f"http://127.0.0.1:{planner_port}" if compose.planner and planner_port else None
-        self.follow_plan = follow_plan
+        self.url = f"http://127.0.0.1:{config.port}"
+        planner = config.compose.planner and config.planner_port
+        self.planner_url = f"http://127.0.0.1:{config.planner_port}" if planner else None
         self.starter = starter  # how a service process starts (processes.py; None: a bare interpreter)
         self._plans: PlanSource | None = None
         self._applied = 0  # decision id of the last plan acted on
@@ -101,14 +100,13 @@ class Deployment:
         self._retiring: dict[str, float] = {}  # child name -> monotonic time it was sent SIGTERM
         self._killed: set[str] = set()
         self._next_follow = 0.0
-        self.state = StateFile(home / "up.json")
-        self.ha = ha  # a NATS cluster and a Redis primary, replica and sentinels (substrate.py)
+        self.state = StateFile(config.home / "up.json")
         self.substrate = Substrate()
         # Made once per home and kept: NATS and Redis ask for them, and so does every transfer port.
-        self.secrets_dir = home / "secrets"
+        self.secrets_dir = config.home / "secrets"
         self.secrets = DeploymentSecrets.ensure(self.secrets_dir)
         # A private CA of this run's own, and the certificate every process shows (common/certs.py).
-        self.tls = issue(self.secrets_dir / "tls") if tls else None
+        self.tls = issue(self.secrets_dir / "tls") if config.tls else None
         self.children: list[Child] = []
         self._stop = SignalFlag()  # set by SIGINT/SIGTERM: no threading.Event (see signal_flag.py)
         self._force = SignalFlag()
@@ -147,24 +145,22 @@ class Deployment:
 
     def _start_servers(self) -> None:
         try:
-            start_substrate(
-                self.substrate, self.compose.servers, self.home, self.logs, self.secrets, self.ha, self.echo,
-                self.tls,
-            )  # fmt: skip
+            setup = SubstrateSetup(self.config.home, self.logs, self.secrets, self.config.ha, self.tls)
+            start_substrate(self.substrate, self.config.compose.servers, setup, self.echo)
         finally:
             self._write_state()  # `trident down` must find what started, even if the rest did not
 
     def _start_children(self) -> None:
         planner_env: dict[str, str] = {}
-        if self.planner_port:
-            planner_env["TRIDENT_HTTP_PORT"] = str(self.planner_port)
-        if self.follow_plan:
+        if self.config.planner_port:
+            planner_env["TRIDENT_HTTP_PORT"] = str(self.config.planner_port)
+        if self.config.follow_plan:
             planner_env["TRIDENT_PLANNER_ACTUATOR"] = "launcher"
-        board = (self.home / "cores.board").resolve()
+        board = (self.config.home / "cores.board").resolve()
         board.unlink(missing_ok=True)  # this deployment's workers only
         self.setup = LocalSetup(
-            model=self.model,
-            port=self.port,
+            model=self.config.model,
+            port=self.config.port,
             hosts=self.substrate.hosts,
             urls=self.substrate.urls,
             substrate_env=self.substrate.env,
@@ -172,9 +168,9 @@ class Deployment:
             user_env=os.environ,
             secrets_dir=self.secrets_dir.resolve(),
             core_board=board,
-            service_env={self.compose.planner: planner_env} if self.compose.planner else {},
+            service_env={self.config.compose.planner: planner_env} if self.config.compose.planner else {},
         )
-        for spec in plan(self.compose, self.method, self.scale, self.setup):
+        for spec in plan(self.config.compose, self.method, self.config.scale, self.setup):
             self._start_child(Child(spec, self.logs, os.environ, self.starter))
         self._write_state()
 
@@ -188,8 +184,8 @@ class Deployment:
 
     def _wait_ready(self) -> int | None:
         """None once the gateway is ready, else the exit code (0 if stopped meanwhile, 1 on failure)."""
-        self.echo(f"waiting for {self.url}/ready (up to {self.ready_timeout:.0f} s)")
-        deadline = time.monotonic() + self.ready_timeout
+        self.echo(f"waiting for {self.url}/ready (up to {self.config.ready_timeout:.0f} s)")
+        deadline = time.monotonic() + self.config.ready_timeout
         while not self._stop.is_set():
             for child in self.children:
                 if not child.running:
@@ -202,17 +198,19 @@ class Deployment:
                 return None
             if time.monotonic() >= deadline:
                 gateway = next(c for c in self.children if c.spec.gateway)
-                self.echo(f"error: the gateway was not ready after {self.ready_timeout:.0f} s", err=True)
+                self.echo(
+                    f"error: the gateway was not ready after {self.config.ready_timeout:.0f} s", err=True
+                )
                 self.echo(f"--- last lines of {gateway.log_path}:\n{gateway.log_tail()}", err=True)
                 return 1
             self._stop.wait(0.25)
         return 0
 
     def _announce(self) -> None:
-        model_name = os.environ.get("TRIDENT_MODEL_NAME") or self.model.name
+        model_name = os.environ.get("TRIDENT_MODEL_NAME") or self.config.model.name
         self.echo(f"gateway: {self.url}")
         if self.planner_url:
-            following = " (trident up follows its plans)" if self.follow_plan else ""
+            following = " (trident up follows its plans)" if self.config.follow_plan else ""
             self.echo(f"planner: {self.planner_url}/plan{following}")
             self.echo(f"  its writes take the key in {self.secrets_dir / 'planner-key'}")
         self.echo(f"try: {example_curl(self.url, model_name)}")
@@ -220,7 +218,7 @@ class Deployment:
 
     # -- while running ---------------------------------------------------------------------------
     def _supervise(self) -> int:
-        if self.follow_plan:
+        if self.config.follow_plan:
             namespace = os.environ.get("TRIDENT_NAMESPACE") or "trident"
             self._plans = PlanSource(self.substrate.redis_url, namespace, self.tls)
         try:
@@ -263,16 +261,17 @@ class Deployment:
                     self._retire(child, now)
 
     def _apply(self, plan_: Plan, now: float) -> None:
-        workers = set(self.compose.all_workers)
+        workers = set(self.config.compose.all_workers)
         busy = {c.name for c in self._pending[1]} if self._pending else set()
         active = [
-            c for c in self.children
+            c
+            for c in self.children
             if c.spec.service in workers and c.name not in self._retiring and c.name not in busy
-        ]  # fmt: skip
+        ]
         used: dict[str, set[int]] = {}
         for c in self.children:
             used.setdefault(c.spec.service, set()).add(int(c.name.rsplit("-", 1)[1]))
-        change: Change = change_for(self.compose, plan_, active, used)
+        change: Change = change_for(self.config.compose, plan_, active, used)
         label = ", ".join(f"{n} {s}" for s, n in change.counts.items())
         if change.empty:
             self.echo(f"plan {plan_.decision_id} ({plan_.method}: {label}): already running")
@@ -283,7 +282,7 @@ class Deployment:
         started = []
         for service, index in change.start:
             child = Child(
-                worker_spec(self.compose, service, index, self.setup, total),
+                worker_spec(self.config.compose, service, index, self.setup, total),
                 self.logs,
                 os.environ,
                 self.starter,
@@ -292,7 +291,7 @@ class Deployment:
             started.append(child)
         self._write_state()
         previous = self._pending[1] if self._pending else []
-        self._pending = (started, previous + change.retire, now + self.ready_timeout)
+        self._pending = (started, previous + change.retire, now + self.config.ready_timeout)
         if change.retire:
             names = ", ".join(c.name for c in change.retire)
             self.echo(f"will drain {names} once the new replicas are registered")
@@ -358,11 +357,11 @@ class Deployment:
             **identity(os.getpid()),  # this process: its argv as /proc shows it
             "method": self.method.value,
             "gateway": self.url,
-            "port": self.port,
+            "port": self.config.port,
             "planner": self.planner_url,
-            "follow_plan": self.follow_plan,
-            "model": str(self.model),
-            "compose": str(self.compose.path.resolve()),
+            "follow_plan": self.config.follow_plan,
+            "model": str(self.config.model),
+            "compose": str(self.config.compose.path.resolve()),
             "logs": str(self.logs.resolve()),
             "secrets": str(self.secrets_dir.resolve()),  # the servers' credentials (common/secrets.py)
             "servers": {

@@ -1,32 +1,39 @@
-"""`trident up` run as a child process, as a user runs it, for benchmarks that act on its processes.
+"""`trident up` run as a child process, as a user runs it: the one way the benchmarks and the tests
+start it (trident/bench/deployments.py for the systems `trident bench compare` measures, bench/faults.py
+and bench/overload.py for the processes they act on).
 
-The state file `trident up` writes (`.trident/up.json` in its working directory) names the pid of
-every server and service; the gateway's `/v1/cluster` lists the registered instances, whose ids end
-in their pid.
+It runs in `workdir`: the state file `trident up` writes there (`.trident/up.json`) names the pid of
+every server and service, and its NATS/Redis data and the services' logs (`.trident/logs/`) stay apart
+from any other `trident up` on the machine; the gateway's `/v1/cluster` lists the registered
+instances, whose ids end in their pid.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import redis
 
-from common.compose import load_compose
+from common.compose import Method, load_compose
 from common.infra import free_port
 from common.infra.ha import stream_leader
 from common.models import resolve_model
 from common.secrets import operator_header
 from common.tls import Tls
+from trident.launcher import child_server
+from trident.launcher.state import STATE, StateFile, clear_leftovers
 
-REPO = Path(__file__).resolve().parents[2]
-COMPOSE = REPO / "compose.yaml"
+COMPOSE = child_server.REPO / "compose.yaml"
+LOG = "trident-up.log"  # in the working directory, beside the services' own logs under .trident/logs
+# `trident` is the console script for trident.cli.app:app; this runs the same app with this interpreter.
+_TRIDENT_MAIN = "from trident.cli.app import app; app(prog_name='trident')"
 
 
 def model_or_tiny(model: Path | None, workdir: Path) -> Path:
@@ -35,40 +42,60 @@ def model_or_tiny(model: Path | None, workdir: Path) -> Path:
     return resolve_model(model, workdir / "models")
 
 
+@dataclass(frozen=True)
+class UpCommand:
+    """What `trident up` is asked to run, and where. `env` is added to this process's environment,
+    and the services get it under compose.yaml's own (TRIDENT_POLICY, TRIDENT_PREFETCH... reach every
+    worker)."""
+
+    model: Path
+    workdir: Path
+    method: str = Method.E_P_D.value
+    scale: Mapping[str, int] = field(default_factory=dict)  # compose service -> replicas
+    env: Mapping[str, str] = field(default_factory=dict)
+    port: int = 0  # the gateway's; 0: a free one
+    ha: bool = False
+    tls: bool = False
+    ready_timeout: float | None = None  # `trident up --ready-timeout`; None: its default
+
+    def argv(self, port: int, planner_port: int) -> list[str]:
+        argv = [
+            *(sys.executable, "-c", _TRIDENT_MAIN, "up", "--file", str(COMPOSE)),
+            *("--model", str(Path(self.model).resolve()), "--method", self.method),
+            *("--port", str(port), "--planner-port", str(planner_port)),
+            *(f"--scale={service}={n}" for service, n in self.scale.items()),
+        ]
+        if self.ready_timeout is not None:
+            argv += ["--ready-timeout", str(self.ready_timeout)]
+        return argv + (["--ha"] if self.ha else []) + (["--tls"] if self.tls else [])
+
+
 class LocalUp:
     """`trident up` as a child process, read through its state file and its gateway."""
 
-    def __init__(
-        self,
-        model: Path,
-        workdir: Path,
-        scale: dict[str, int],
-        env: dict[str, str],
-        ha: bool = False,
-        tls: bool = False,
-    ) -> None:
-        self.workdir = workdir
-        self.scale = scale
+    def __init__(self, command: UpCommand) -> None:
+        Method(command.method)  # ValueError for an unknown method, before anything starts
+        self.workdir = Path(command.workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.scale = dict(command.scale)
         # Each scaled service's roles, as compose.yaml gives them (TRIDENT_ROLES).
         services = load_compose(COMPOSE, os.environ).services
-        self.roles = {name: frozenset(services[name].roles) for name in scale}
-        self.port = free_port()
+        self.roles = {name: frozenset(services[name].roles) for name in self.scale}
+        self.port = command.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [
-            str(Path(sys.executable).with_name("trident")), "up", "-f", str(COMPOSE),
-            "--model", str(model), "--port", str(self.port), "--planner-port", str(free_port()),
-            *(f"--scale={service}={n}" for service, n in scale.items()), *(["--ha"] if ha else []),
-            *(["--tls"] if tls else []),
-        ]  # fmt: skip
-        env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
-        self.log = open(workdir / "up.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            argv, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        planner_port = free_port()
+        self.planner_url = f"http://127.0.0.1:{planner_port}"
+        self.log = self.workdir / LOG
+        argv = command.argv(self.port, planner_port)
+        self.proc = child_server.start(argv, child_server.child_env(command.env), self.workdir, self.log)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until the gateway's /ready answers 200; raises if `trident up` exits first or `timeout` passes."""
+        child_server.wait_until_ok(f"{self.url}/ready", self.proc, self.log, timeout)
 
     def state(self) -> dict:
         try:
-            return json.loads((self.workdir / ".trident" / "up.json").read_text())
+            return json.loads((self.workdir / STATE).read_text())
         except (OSError, ValueError):
             return {}
 
@@ -102,7 +129,7 @@ class LocalUp:
         start = time.monotonic()
         while not self.whole():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"trident up exited with {self.proc.returncode}; see {self.log.name}")
+                raise RuntimeError(f"trident up exited with {self.proc.returncode}; see {self.log}")
             if time.monotonic() - start > timeout:
                 raise RuntimeError(f"the deployment was not whole again after {timeout:.0f} s")
             time.sleep(0.25)
@@ -154,14 +181,15 @@ class LocalUp:
                 return _pid(inst)
         return _pid(found[0])
 
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGINT)  # a second one kills what is left
-            self.proc.wait(30)
-        self.log.close()
+    def stop(self, timeout: float = 120.0) -> None:
+        """SIGINT (it drains its services in order), then harder (child_server.stop); then whatever a
+        `trident up` that was killed or crashed left running, as `trident down` clears it."""
+        child_server.stop(self.proc, timeout)
+        state_file = StateFile(self.workdir / STATE)
+        state = state_file.read()
+        if state is not None:  # a clean stop removes it
+            clear_leftovers(state)
+            state_file.remove()
 
 
 def state_processes(state: dict) -> dict[str, int]:

@@ -14,6 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+# Everything `trident up` writes lives under HOME, relative to the directory it runs in: models, logs,
+# server files, the state file (the same place `trident generate` keeps the tiny model).
+HOME = Path(".trident")
+STATE = HOME / "up.json"
+
 
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot, or None if it is gone (or a zombie)."""

@@ -40,34 +40,38 @@ class Substrate:
             server.stop()
 
 
-def start_substrate(
-    found: Substrate,
-    kinds: dict[str, str],
-    home: Path,
-    logs: Path,
-    secrets: DeploymentSecrets,
-    ha: bool,
-    echo: Echo,
-    tls: Tls | None = None,
-) -> None:
+@dataclass(frozen=True)
+class SubstrateSetup:
+    """Where the servers keep their files and logs, the credentials they ask for, and how: one of
+    each or groups (`ha`), with the deployment's TLS or without."""
+
+    home: Path
+    logs: Path
+    secrets: DeploymentSecrets
+    ha: bool = False
+    tls: Tls | None = None
+
+
+def start_substrate(found: Substrate, kinds: dict[str, str], setup: SubstrateSetup, echo: Echo) -> None:
     """Start a server (or a group) for each compose service in `kinds` (service -> "nats" | "redis")
     into `found`, which holds every server before it starts: when a later start fails, the caller
     stops what did."""
+    tls, secrets = setup.tls, setup.secrets
     if tls is not None:
         found.env["TRIDENT_TLS_DIR"] = str(tls.folder.resolve())
     for service, kind in kinds.items():
-        workdir = home / service
+        workdir = setup.home / service
         if kind == "nats":
             # A fresh task stream, as a new nats container would have: no stale tasks from a past run.
             for store in [workdir / "jetstream", *workdir.glob("nats-*/jetstream")]:
                 shutil.rmtree(store, ignore_errors=True)
-        if not ha:
+        if not setup.ha:
             server: NatsServer | RedisServer = (
                 NatsServer(workdir=workdir, token=secrets.nats_token, tls=tls)
                 if kind == "nats"
                 else RedisServer(workdir=workdir, password=secrets.redis_password, tls=tls)
             )
-            _prepare(found, service, server, logs)
+            _prepare(found, service, server, setup.logs)
             server.start()
             echo(f"{service}: {server.address} (log {server.log_path})")
             found.hosts[service] = f"{server.host}:{server.port}"
@@ -80,7 +84,7 @@ def start_substrate(
             else RedisGroup(workdir, LOOPBACK, secrets.redis_password, tls=tls)
         )
         for server in group.servers:
-            _prepare(found, server.name, server, logs)
+            _prepare(found, server.name, server, setup.logs)
         group.start()
         for server in group.servers:
             echo(f"{server.name}: {server.host}:{server.port} (log {server.log_path})")

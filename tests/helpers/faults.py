@@ -1,0 +1,61 @@
+"""The deployments the fault tests strike (tests/services/test_failover.py, test_recovery.py): two of
+every worker, so a victim always has a survivor, shared by both modules; and `heal`, which after
+each test restarts what the test killed, stopped or left frozen, so the next test starts from the
+whole deployment instead of a fresh one."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.helpers.deployments import Deployment
+from tests.helpers.probes import pid_of
+from trident.launcher.cluster import Cluster
+
+# Far beyond any failover: a request that moved on by its ack deadline would fail the stall checks.
+SLOW_ACK = {"TRIDENT_TASK_ACK_WAIT": "30"}
+# E+P+D with two of each stage, and EPD with two instances.
+TWO_OF_EACH = Deployment.of(method="e+p+d", scale={"encoder": 2, "prefill": 2, "decode": 2}, env=SLOW_ACK)
+TWO_EPD = Deployment.of(method="epd", scale={"worker-epd": 2}, env=SLOW_ACK)
+HEAL_TIMEOUT = 120.0  # seconds: a restarted worker loads and profiles the model again
+
+
+def healed(cluster: Cluster) -> Iterator[Cluster]:
+    """The body of a test's fixture over a struck deployment: the deployment, healed afterwards."""
+    yield cluster
+    heal(cluster)
+
+
+def heal(cluster: Cluster) -> None:
+    """Wake every frozen process, restart every one that ended (its compose spec, on its port), and
+    wait until exactly the live workers are registered (the dead fenced or expired) and the gateway
+    is ready."""
+    for child in cluster.children.values():
+        child.signal(signal.SIGCONT)
+    for child in cluster.children.values():
+        if not child.running:
+            child.start()
+    workers = {child.pid for name, child in cluster.children.items() if name != "gateway"}
+    deadline = time.monotonic() + HEAL_TIMEOUT
+    while registered(cluster) != workers:
+        if time.monotonic() > deadline:
+            pytest.fail(f"not whole again within {HEAL_TIMEOUT:.0f} s: {registered(cluster)} != {workers}")
+        time.sleep(0.2)
+    cluster.wait_ready(HEAL_TIMEOUT)
+
+
+def registered(cluster: Cluster) -> set[int] | None:
+    """The pids of the workers the gateway lists (None while it does not answer)."""
+    try:
+        return {pid_of(i) for i in cluster.instances() if i["roles"]}  # a gateway has none
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
+def name_of_pid(cluster: Cluster, pid: int) -> str:
+    (name,) = [n for n, p in cluster.procs.items() if p.pid == pid]
+    return name

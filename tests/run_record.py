@@ -1,0 +1,100 @@
+"""What a run records of itself (a plugin of tests/conftest.py): the deployments it started, printed at
+its end (the suite's budget is 40 a full run); with `--store-durations`, each test's seconds and
+the shared deployments each module used, written to tests/durations.json, from which tests/lanes.py
+balances the next runs' lanes; and, in each lane, which of its tests are still to come, so that a
+shared deployment stops after the last one that needs it (tests/helpers/deployments.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+
+import pytest
+
+from tests.helpers.deployments import REGISTRY
+from tests.lanes import Recorded, assign
+from tests.tiers import DEPLOY_EVENT, START_EVENT, deployment_kind
+
+STARTED: Counter[str] = Counter()  # deployments by kind, in this process (or, on the controller, all)
+SECONDS: Counter[str] = Counter()  # test id -> setup + call + teardown
+SHARES: dict[str, set[str]] = {}  # module -> shared deployments it used, from every lane
+_last_start: list[list[str]] = []  # the argv of the last process a cluster started
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-durations", action="store_true",
+        help="write each test's seconds and each module's shared deployments to tests/durations.json",
+    )  # fmt: skip
+
+
+@pytest.hookimpl(trylast=True)  # after the fast tier's guard (tests/conftest.py): a start it refuses
+def pytest_configure(config: pytest.Config) -> None:  # raises before this hook counts it
+    sys.addaudithook(_count)
+
+
+def _count(event: str, args: tuple) -> None:
+    if event == DEPLOY_EVENT:
+        STARTED[args[0]] += 1
+    elif event == START_EVENT:
+        _last_start[:] = [[str(a) for a in args[0]]]
+    elif event == "subprocess.Popen" and not isinstance(args[1], str | bytes):
+        argv = [str(a) for a in args[1]]
+        if _last_start and argv == _last_start[0]:  # a cluster's process, started plainly
+            return
+        if kind := deployment_kind(argv):
+            STARTED[kind] += 1
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Each test's lane, as the controller assigns it (tests/lanes.py, from the same ids): what is
+    still to come after a test is what comes after it in its own lane (one lane in a run without)."""
+    items = session.items
+    laned = os.environ.get("PYTEST_XDIST_WORKER") and session.config.getoption("dist", "no") == "loadscope"
+    lanes = assign([i.nodeid for i in items], Recorded.load()) if laned else {}
+    lane = [lanes.get(i.nodeid.split("::")[0], 0) for i in items]
+    index = {id(item): n for n, item in enumerate(items)}
+
+    def later(item: pytest.Item) -> list[pytest.Item]:
+        n = index.get(id(item))
+        if n is None:
+            return []
+        return [x for x, k in zip(items[n + 1 :], lane[n + 1 :], strict=True) if k == lane[n]]
+
+    REGISTRY.later = later
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    REGISTRY.current = item
+    return (yield)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    SECONDS[report.nodeid] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for module, names in REGISTRY.used_by.items():
+        SHARES.setdefault(module, set()).update(names)
+    config = session.config
+    if hasattr(config, "workeroutput"):  # a lane: the controller sums and writes
+        config.workeroutput["deployments"] = dict(STARTED)
+        config.workeroutput["shares"] = {m: sorted(n) for m, n in SHARES.items()}
+        return
+    if config.getoption("store_durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        Recorded.load().merged(SECONDS, SHARES).save()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    output = getattr(node, "workeroutput", {})
+    STARTED.update(output.get("deployments", {}))
+    for module, names in output.get("shares", {}).items():
+        SHARES.setdefault(module, set()).update(names)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(STARTED.items()))
+    terminalreporter.write_line(f"deployments: {sum(STARTED.values())} started ({kinds or 'none'})")
