@@ -111,8 +111,8 @@ class EncodeHandler(StageHandler):
         await ctx.dispatch.send(PrefillTask(request=encoded), held.source, to=to or None)
         for entry in entries:  # after the task: it carries the refs; the index serves later requests
             await ctx.store.features.put(entry, ttl=FEATURE_TTL)
+        await self._unindex(evicted)  # before the request settles: an idle encoder has done it
         await ctx.ledger.settle(rid)
-        await self._unindex(evicted)
 
     async def _unindex(self, evicted: list[str]) -> None:
         """Features no longer served leave the index (if it still names this encoder), so routing
