@@ -57,9 +57,13 @@ class Handoff:
         if Role.PREFILL not in self.config.roles:
             return []
         req = Request(
-            "", list(prompt.token_ids), SamplingParams(), prompt.images,
-            output_token_ids=list(output_token_ids), image_positions=prompt.image_positions,
-        )  # fmt: skip
+            "",
+            list(prompt.token_ids),
+            SamplingParams(),
+            prompt.images,
+            output_token_ids=list(output_token_ids),
+            image_positions=prompt.image_positions,
+        )
         return self.lifecycle.scheduler.prefixes.covered(req)
 
     def export_kv(self, request_id: str, group_size: int) -> list[torch.Tensor]:

@@ -53,9 +53,13 @@ def block_hashes(req: Request, num_blocks: int, block_size: int) -> list[bytes]:
                     seen.add(k)
                     img = req.images[k]
                     shape = (
-                        img.num_tokens, img.grid_thw, img.image_size, img.video, img.seconds_per_patch,
+                        img.num_tokens,
+                        img.grid_thw,
+                        img.image_size,
+                        img.video,
+                        img.seconds_per_patch,
                         row - starts[k],
-                    )  # fmt: skip
+                    )
                     h.update(b"image" + img.content_hash.encode() + repr(shape).encode())
             known.append(h.digest())
     return known[:num_blocks]

@@ -46,10 +46,16 @@ async def gateway(rigs: list[StageRig], prefill: StageRig, pixels: ServingThread
     router = PrefixRouter(prefill.engine.processor.placeholder_ids, settings.kv_routing_min_tokens, 0)
     dispatch = Dispatcher(ctx.bus.tasks, ctx.ledger.record, ctx.bus, ctx.store.registry, sender="gateway-rig")
     gw = SimpleNamespace(
-        instance_id="gateway-rig", settings=settings, store=ctx.store, transfer=pixels.backend,
-        record=ctx.ledger.record, dispatch=dispatch, live_roles=LiveRoles(ctx.store), prefix_router=router,
+        instance_id="gateway-rig",
+        settings=settings,
+        store=ctx.store,
+        transfer=pixels.backend,
+        record=ctx.ledger.record,
+        dispatch=dispatch,
+        live_roles=LiveRoles(ctx.store),
+        prefix_router=router,
         metrics=Metrics.create(),
-    )  # fmt: skip
+    )
     announcer = PrefixAnnouncer(ctx.instance_id, ctx.engine, ctx.bus, interval=0.05, snapshot_every=0.2)
 
     async def index() -> None:

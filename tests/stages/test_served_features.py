@@ -75,14 +75,19 @@ def one_image(rig, gateway, rid: str, seed: int):
     img = rig.engine.processor.process(prompt, picture).images[0]
     handle = gateway.backend.publish(img.pixel_values.contiguous())
     pixels = TensorRef(
-        owner="gateway", address=gateway.backend.address, handle=handle,
-        shape=tuple(img.pixel_values.shape), dtype=dtype_name(img.pixel_values.dtype),
-    )  # fmt: skip
+        owner="gateway",
+        address=gateway.backend.address,
+        handle=handle,
+        shape=tuple(img.pixel_values.shape),
+        dtype=dtype_name(img.pixel_values.dtype),
+    )
     spec = RequestSpec(
-        request_id=rid, prompt_token_ids=tuple(rig.engine.processor.process(prompt, picture).token_ids),
+        request_id=rid,
+        prompt_token_ids=tuple(rig.engine.processor.process(prompt, picture).token_ids),
         images=(ImageSpec(content_hash=img.content_hash, num_tokens=img.num_tokens, pixels=pixels),),
-        sampling=SamplingParams(max_tokens=8), arrival_time=time.time(),
-    )  # fmt: skip
+        sampling=SamplingParams(max_tokens=8),
+        arrival_time=time.time(),
+    )
     return spec, prompt, picture
 
 
