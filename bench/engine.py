@@ -3,6 +3,7 @@
     python bench/engine.py [--preset small-llava] [--requests 32] [--max-tokens 64] [--model DIR]
     python bench/engine.py --quick          # tiny-llava, 8 requests: a smoke run
     python bench/engine.py --preset small-qwen2-vl   # any family: small-qwen2.5-vl, small-qwen3-vl, ...
+    python bench/engine.py --sampling-fields --requests 8   # TBT with and without the sampling fields
 
 Workload: `--requests` requests, each one distinct random image and a short question through the
 chat template, greedy, exactly `--max-tokens` output tokens (ignore_eos on our side,
@@ -52,6 +53,7 @@ from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from trident.bench.oracle import hf_model_inputs
+from trident.bench.sampling_cost import tbt_by_mode
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -103,6 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--quick", action="store_true", help="the preset's tiny sibling and 8 requests: a smoke run"
     )
+    ap.add_argument(
+        "--sampling-fields", action="store_true",
+        help="instead: our time between tokens greedy, sampled, and with every sampling field on (issue 48)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.quick:
         # The preset's tiny sibling: small-llava -> tiny-llava, small-qwen2-vl -> tiny-qwen2-vl.
@@ -420,6 +426,8 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = ensure_model(args.preset, args.model)
     load_before = os.getloadavg()
     engine = Engine(model_dir, EngineConfig(device=args.device))
+    if args.sampling_fields:
+        return sampling_fields(engine, args)
     dtype = engine.kv_spec.dtype  # HF runs in the engine's dtype: float32 on CPU, bfloat16 on CUDA
     hf = (
         AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype)
@@ -553,6 +561,33 @@ def result_json(args: argparse.Namespace, f: Findings) -> dict:
         "decode_flops_fraction": {str(b): round(x, 4) for b, x in it.decode_fraction().items()},
         "prefill_flops_fraction": round(it.prefill_fraction(), 4),
     }
+
+
+def sampling_fields(engine: Engine, args: argparse.Namespace) -> dict:
+    """`--sampling-fields`: the decode step's time (TBT) with `--requests` requests decoding together,
+    greedy, sampled, and with every sampling field on (trident/bench/sampling_cost.py)."""
+    work = make_workload(engine, args.requests, args.seed)
+    prompts = [(it.prompt, it.image) for it in work]
+    tbt_by_mode(engine, prompts[:2], 4, 1)  # warm-up
+    found = tbt_by_mode(engine, prompts, args.max_tokens, args.repeats)
+    tbt = {mode: got["tbt_ms"] for mode, got in found.items()}
+    print(f"\n{args.preset}: {args.requests} requests decoding together, {args.max_tokens} tokens each, "
+          f"{torch.get_num_threads()} threads; median decode step (TBT), {args.repeats} rounds")  # fmt: skip
+    for mode, got in found.items():
+        print(f"{mode:<16}{got['tbt_ms']:>9.2f} ms  ({got['steps']} steps), of it the sampler "
+              f"{got['sampler_ms']:.2f} ms")  # fmt: skip
+    result = {
+        "preset": args.preset if args.model is None else str(args.model),
+        "batch": args.requests,
+        "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(),
+        "tbt_ms": tbt,
+        "sampler_ms": {mode: got["sampler_ms"] for mode, got in found.items()},
+        "greedy_fields_over_greedy": round(tbt["greedy_fields"] / tbt["greedy"], 3),
+        "sampled_fields_over_sampled": round(tbt["sampled_fields"] / tbt["sampled"], 3),
+    }
+    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

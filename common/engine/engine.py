@@ -23,6 +23,7 @@ from common.engine.batch import Batch
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig
 from common.engine.feature_cache import FeatureCache
+from common.engine.forks import fork, forks_due
 from common.engine.governor import BudgetGovernor, budget_share
 from common.engine.handoff import Handoff
 from common.engine.integrity import check_integrity
@@ -37,8 +38,9 @@ from common.engine.prefix import PrefixLost
 from common.engine.processor import ProcessedPrompt, RequestProcessor, load_image, reference_image
 from common.engine.profiler import budget_target
 from common.engine.request import IN_PREFIX, Request
-from common.engine.sampling import SamplingParams, make_generator, sample
+from common.engine.sampling import SamplingParams, draw
 from common.engine.scheduler import Scheduler
+from common.protocol.sampling import choice_id
 from common.roles import Role
 
 log = logging.getLogger(__name__)
@@ -164,8 +166,9 @@ class Engine:
         with self.handoff.streaming(batch):
             result = self.runner.run(batch)
         held.advance(batch)
-        outputs += self._sampled(result)
-        outputs += held.hand_offs(batch)
+        forked: list[Request] = []
+        outputs += self._sampled(result, forked)
+        outputs += held.hand_offs(batch, forked)
         seconds = time.perf_counter() - started
         if self.governor is not None:
             self._govern(batch, seconds)
@@ -174,14 +177,34 @@ class Engine:
             self.on_step(batch, seconds)
         return outputs
 
-    def _sampled(self, result: ForwardResult) -> list[RequestOutput]:
-        """A token for each request the forward sampled, and the outputs they make."""
+    def _sampled(self, result: ForwardResult, forked: list[Request]) -> list[RequestOutput]:
+        """A token for each request the forward sampled, and the outputs they make. A request that
+        asks for n choices forks at its first token (forks.py): the copies that sample now share
+        its logits row, and join `forked`."""
         if not result.sampled:
             return []
-        params = [r.params for r in result.sampled]
-        draws = [make_generator(r.params.seed, len(r.output_token_ids)) for r in result.sampled]
-        tokens = sample(result.logits, params, draws)
-        return [self.lifecycle.append_token(r, t) for r, t in zip(result.sampled, tokens, strict=True)]
+        reqs, rows, outputs = list(result.sampled), list(range(len(result.sampled))), []
+        origin: dict[str, tuple[str, int]] = {}  # a copy's id -> (the request forked, its choice)
+        for row, req in enumerate(result.sampled):
+            if not forks_due(req):
+                continue
+            for index, copy, now in fork(self.lifecycle, self.cache, req):
+                origin[copy.request_id] = (req.request_id, index)
+                if now:
+                    reqs.append(copy)
+                    rows.append(row)
+                    forked.append(copy)
+                else:  # it prefills on its own: the worker learns of it now, its token comes later
+                    prompt = len(copy.prompt_token_ids)
+                    outputs.append(RequestOutput(copy.request_id, num_prompt_tokens=prompt,
+                                                 forked_from=req.request_id, choice=index))  # fmt: skip
+        logits = result.logits if len(rows) == len(result.sampled) else result.logits[rows]
+        samplers = [r.sampler or self.lifecycle.sampler_for(r.params) for r in reqs]
+        for req, drawn in zip(reqs, draw(logits, samplers, reqs), strict=True):
+            out = self.lifecycle.append_token(req, drawn.token, drawn.logprob)
+            out.forked_from, out.choice = origin.get(req.request_id, (None, 0))
+            outputs.append(out)
+        return outputs
 
     def _govern(self, batch: Batch, seconds: float) -> None:
         """Tell the governor how long this step took for the share of the budgets it used."""
@@ -228,23 +251,21 @@ class Engine:
     def generate(
         self, prompts: list[str], images: list[list] | None = None, params: SamplingParams | None = None
     ) -> list[Completion]:
-        """Run prompts to completion together (batched) and return them in order."""
+        """Run prompts to completion together (batched) and return them in order: with `params.n`
+        choices, n completions a prompt, in choice order."""
         images = images or [[] for _ in prompts]
         reqs = [self.add_request(p, imgs, params) for p, imgs in zip(prompts, images, strict=True)]
-        texts = {r.request_id: "" for r in reqs}
+        done: dict[str, Completion] = {}
         while self.has_unfinished():
             for out in self.step():
-                texts[out.request_id] += out.text
-        return [
-            Completion(
-                r.request_id,
-                texts[r.request_id],
-                r.output_token_ids,
-                r.finish_reason,
-                len(r.prompt_token_ids),
-            )
-            for r in reqs
-        ]
+                c = done.setdefault(out.request_id, Completion(out.request_id, "", [], None, 0))
+                c.text += out.text
+                c.token_ids += out.new_token_ids
+                c.logprobs += out.logprobs
+                c.finish_reason = out.finish_reason or c.finish_reason
+                c.num_prompt_tokens = out.num_prompt_tokens or c.num_prompt_tokens
+        n = params.n if params is not None else 1
+        return [done[choice_id(r.request_id, i)] for r in reqs for i in range(n)]
 
     def chat_prompt(self, text: str, num_images: int = 0) -> str:
         """A single-turn user prompt with `num_images` images before the text, in the model's template."""

@@ -66,6 +66,13 @@ class Handoff:
         )
         return self.lifecycle.scheduler.prefixes.covered(req)
 
+    def claim(self, request_id: str) -> None:
+        """The service has recorded a choice a step forked (forks.py) as a request of its own: from
+        now on its bookkeeping and the engine's agree about it (until then it is the engine's alone)."""
+        req = self.lifecycle.requests.get(request_id)
+        if req is not None:
+            req.unclaimed = False
+
     def export_kv(self, request_id: str, group_size: int) -> list[torch.Tensor]:
         """A (handed-off or running) request's KV as one contiguous buffer per group of layers."""
         table = self.blocks.table(request_id)
@@ -154,7 +161,14 @@ class Handoff:
             self.streamer.end()
 
     def _prefills_leaving(self, batch: Batch) -> list[Request]:
-        """The requests whose prompt this step finishes and whose decode runs elsewhere."""
+        """The requests whose prompt this step finishes and whose decode runs elsewhere — except
+        those whose decode task must carry what the step makes, which a task sent as the step
+        begins cannot: the choices a request asking for n forks into, and its first token's
+        log-probabilities (they go out with the KV after the step)."""
         if Role.DECODE in self.config.roles:
             return []
-        return [r for r, n in batch.prefills if r.num_computed_tokens + n == r.num_tokens]
+        return [
+            r
+            for r, n in batch.prefills
+            if r.num_computed_tokens + n == r.num_tokens and r.params.n == 1 and r.params.logprobs is None
+        ]

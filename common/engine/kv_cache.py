@@ -71,6 +71,11 @@ class KVCache:
         index = torch.as_tensor(block_ids, device=self.kv.device)
         self.kv[layers.start : layers.stop].index_copy_(2, index, buffer.to(self.kv))
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block `src`'s KV, every layer's, into block `dst` (a fork's own copy of a shared prompt's
+        last, partial block: the copies write their answers after it)."""
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
 
 def layer_groups(num_layers: int, group_size: int) -> list[range]:
     """Split layers into consecutive groups of `group_size` (the last may be shorter)."""

@@ -14,9 +14,11 @@ from common.engine.admission import AdmissionError, check_fits
 from common.engine.batch import Batch
 from common.engine.config import EngineConfig
 from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.logits import RequestSampler
 from common.engine.outputs import RequestOutput
 from common.engine.request import Request, Status
 from common.engine.scheduler import Scheduler
+from common.protocol import SamplingParams, TokenLogprob
 from common.roles import Role
 
 
@@ -68,6 +70,11 @@ class Lifecycle:
             kv_tokens=self.kv_tokens if has_lm else None,
         )
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        req.sampler = self.sampler_for(req.params)
+
+    def sampler_for(self, params: SamplingParams) -> RequestSampler:
+        """The logits processors a request with `params` samples through (logits.py)."""
+        return RequestSampler.build(params, frozenset(self.eos_ids))
 
     def enter(self, req: Request) -> None:
         """An admitted request joins the waiting queue, or leaves at once when its next stage is
@@ -101,12 +108,14 @@ class Lifecycle:
             if req.num_computed_tokens % self.config.block_size == 0:  # a block just filled
                 remember(req)
 
-    def append_token(self, req: Request, token: int) -> RequestOutput:
+    def append_token(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         """A sampled token: the request's output, and its end if the token ends it."""
         req.output_token_ids.append(token)
         text = req.detokenizer.add([token]) if self.config.detokenize or req.params.stop else ""
         reason = self.stop_reason(req)
         out = RequestOutput(req.request_id, [token], text, num_prompt_tokens=len(req.prompt_token_ids))
+        if logprob is not None:
+            out.logprobs.append(logprob)
         out.num_output_tokens = len(req.output_token_ids)
         out.num_cached_tokens = req.num_cached_tokens
         if reason:
@@ -125,9 +134,10 @@ class Lifecycle:
             return "length"
         return None
 
-    def hand_offs(self, batch: Batch) -> list[RequestOutput]:
-        """The requests this batch readied for a stage another instance runs."""
-        touched = [r for r, _ in batch.encodes] + [r for r, _ in batch.prefills]
+    def hand_offs(self, batch: Batch, forked: list[Request] = ()) -> list[RequestOutput]:
+        """The requests this batch readied for a stage another instance runs (`forked`: the copies
+        its prefills forked into, forks.py)."""
+        touched = [r for r, _ in batch.encodes] + [r for r, _ in batch.prefills] + list(forked)
         return [left for r in touched if (left := self.leave_if_elsewhere(r))]
 
     def leave_if_elsewhere(self, req: Request) -> RequestOutput | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.protocol import TokenLogprob
 from common.roles import Role
 
 
@@ -22,6 +23,12 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt's, found in the prefix cache (Request.num_cached_tokens)
+    # One per new token when the request asked for them (SamplingParams.logprobs).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Set on a choice's first output when it was forked from `forked_from` (forks.py): a new request
+    # here, choice `choice` of that one's n.
+    forked_from: str | None = None
+    choice: int = 0
 
 
 @dataclass
@@ -33,3 +40,4 @@ class Completion:
     token_ids: list[int]
     finish_reason: str | None
     num_prompt_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for

@@ -14,6 +14,7 @@ from enum import StrEnum
 import torch
 
 from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.logits import RequestSampler
 from common.protocol import SamplingParams
 from common.roles import Role
 
@@ -77,6 +78,11 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_remembered: int = 0
     cacheable: bool = True
+    # Its logits processors (logits.py), made when it is admitted; their state follows its tokens.
+    sampler: RequestSampler | None = None
+    # A choice forked from another request (forks.py) that the service driving the engine has not
+    # yet recorded as its own (Handoff.claim): it came into being inside a step.
+    unclaimed: bool = False
 
     @property
     def recomputable(self) -> bool:

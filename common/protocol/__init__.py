@@ -20,6 +20,7 @@ from common.protocol.events import (
     Release,
     Resend,
     TokenDelta,
+    TokenLogprob,
     Usage,
 )
 from common.protocol.records import DeadLetter, FeatureEntry, StageProfile, StepStats, TraceRecord
@@ -81,6 +82,7 @@ __all__ = [
     "TensorRef",
     "TokenDelta",
     "TokenId",
+    "TokenLogprob",
     "TraceContext",
     "TraceRecord",
     "Usage",

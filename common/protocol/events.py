@@ -15,6 +15,14 @@ Method = Literal["e+p+d", "ep+d", "ed+p", "epd"]
 
 
 # -- outputs: gateway ← prefill/decode, on the request's own subject ---------------------------------
+class TokenLogprob(Record):
+    """An output token's log-probability where it was sampled, and the most likely tokens there
+    (best first, as many as the request's `logprobs` asked): log-softmax of the model's raw logits."""
+
+    logprob: float
+    top: tuple[tuple[TokenId, float], ...] = ()
+
+
 class TokenDelta(Message):
     """New tokens of a request. `index` is the position of the first of them in the output.
 
@@ -23,10 +31,19 @@ class TokenDelta(Message):
     """
 
     KIND: ClassVar[str] = "out.delta"
+    VERSION: ClassVar[int] = 2  # v2: logprobs
     request_id: str
     index: int = Field(ge=0)
     token_ids: tuple[TokenId, ...] = Field(min_length=1)
     source: str = ""  # the instance that made them; the gateway ignores a fenced one's (failover)
+    # One per token when the request asked for them (SamplingParams.logprobs), else none.
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+    @model_validator(mode="after")
+    def _one_each(self) -> TokenDelta:
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise ValueError("a delta's logprobs are one per token, or none")
+        return self
 
 
 class Usage(Record):

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from common.protocol.codec import Message, Record
+from common.protocol.events import TokenLogprob
 from common.protocol.sampling import SamplingParams, TokenId
 from common.protocol.tensors import Dtype, InlineTensor, KvWire, Shape, TensorRef, int8_kv_nbytes
 from common.roles import Role
@@ -73,10 +74,24 @@ class RequestSpec(Record):
     # Tokens already generated and streamed, when the request resumes after the instance that
     # was generating it died: prefill computes them as context and generation continues after.
     output_token_ids: tuple[TokenId, ...] = ()
+    # Their log-probabilities when the request asks for them: one per output token, None where not
+    # known (tokens resumed from the gateway's journal: the gateway has them already); or none.
+    output_logprobs: tuple[TokenLogprob | None, ...] = ()
     # The gateway whose client waits for it: should that gateway die, its requests are dropped.
     gateway: str = ""
     # Its trace (sent only when it has one: an untraced request's bytes are as before).
     trace: TraceContext | None = None
+
+    def with_outputs(self, outputs: tuple[int, ...]) -> RequestSpec:
+        """The same request resuming from `outputs`: the log-probabilities it knows are kept for
+        the tokens it knew, None for those after (the gateway has them, it never asks again)."""
+        known = (
+            self.output_logprobs
+            if self.output_token_ids == tuple(outputs[: len(self.output_token_ids)])
+            else ()
+        )
+        logprobs = (*known[: len(outputs)], *[None] * (len(outputs) - len(known))) if known else ()
+        return self.model_copy(update={"output_token_ids": tuple(outputs), "output_logprobs": logprobs})
 
     def without_pixels(self) -> RequestSpec:
         """The same request with pixels dropped: what travels on after encoding."""
@@ -90,7 +105,7 @@ class StageTask(Message):
     prefill, v3 of decode: the request names its gateway; older payloads read as having none.)"""
 
     ROLE: ClassVar[Role]
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3  # v3: the sampling fields of issue 48 (n, logprobs, penalties, ...)
     request: RequestSpec
 
 
@@ -99,7 +114,7 @@ class EncodeTask(StageTask):
 
     KIND: ClassVar[str] = "task.encode"
     ROLE: ClassVar[Role] = Role.ENCODE
-    VERSION: ClassVar[int] = 4  # v3: prefill_to; v4: images in_prefix
+    VERSION: ClassVar[int] = 5  # v3: prefill_to; v4: images in_prefix; v5: the sampling fields (issue 48)
     # The prefill instance that holds the request's cached prefix, where the encoder sends the
     # prefill task (routing by cached prefix; empty: the shared queue).
     prefill_to: str = ""
@@ -186,8 +201,9 @@ class DecodeTask(StageTask):
     """
 
     KIND: ClassVar[str] = "task.decode"
-    # v1 spread the request's fields over the task itself; v4: cached_tokens; v5: kv.tail (streamed KV)
-    VERSION: ClassVar[int] = 5
+    # v1 spread the request's fields over the task itself; v4: cached_tokens; v5: kv.tail (streamed KV);
+    # v6: the sampling fields of issue 48, and the request's output_logprobs
+    VERSION: ClassVar[int] = 6
     ROLE: ClassVar[Role] = Role.DECODE
     kv: KvLocation
     cached_tokens: int = Field(0, ge=0)  # of the prompt's, the prefill found in its prefix cache

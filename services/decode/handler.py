@@ -78,8 +78,8 @@ class DecodeHandler(StageHandler):
                 await self._release_at_owner(msg)
                 await ctx.ledger.settle(spec.request_id)
                 return
-            held.sent = list(outputs)
-            held.spec = spec = spec.model_copy(update={"output_token_ids": tuple(outputs)})
+            held.sent, held.sent_logprobs = list(outputs), [None] * len(outputs)
+            held.spec = spec = spec.with_outputs(tuple(outputs))
         await self._admit(held, msg, spec, buffers, outputs)
 
     async def _sent_back_after_a_dead_decoder(self, held: Held, msg: DecodeTask) -> bool:
@@ -197,6 +197,6 @@ class DecodeHandler(StageHandler):
 
     async def _back_to_prefill(self, held: Held, outputs: tuple[int, ...]) -> None:
         """Queue the request for prefill again, over its prompt and `outputs` (the tokens the client has)."""
-        again = held.spec.model_copy(update={"output_token_ids": outputs})
+        again = held.spec.with_outputs(outputs)
         await self.ctx.dispatch.send(PrefillTask(request=again), held.source)
         await self.ctx.ledger.settle(held.request_id)

@@ -56,6 +56,8 @@ class EncodeHandler(StageHandler):
     async def take(self, task: Task) -> None:
         ctx = self.ctx
         spec = await ctx.resumed(task)
+        if spec is None:  # its choices resume, each with a task of its own
+            return
         held = ctx.ledger.begin(spec, self.role, task)
         ctx.metrics.taken(self.role, task.stored)
         ctx.ledger.mark(held, Stage.ENCODE_STARTED, encode_instance=ctx.instance_id)

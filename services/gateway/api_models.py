@@ -7,9 +7,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from common.errors import clip
+from common.errors import APIError, clip
 from common.protocol import SamplingParams
-from common.protocol.sampling import INT32, INT64, TokenId
+from common.protocol.sampling import INT32, INT64, MAX_BIAS, MAX_CHOICES, MAX_TOP_LOGPROBS, TokenId
 
 # Numbers as the OpenAI API takes them: a JSON number, never a string ("12") or a boolean; an
 # integer field takes no 12.0 either. (pydantic's lax mode would accept all three.)
@@ -70,7 +70,8 @@ class StreamOptions(_Lenient):
 
 class SamplingFields(_Lenient):
     """Fields shared by chat and text completions. A field the engine's sampler does not honour
-    is refused when set (400 naming it), never accepted and ignored; null or absent is fine."""
+    is refused when set (400 naming it and saying why), never accepted and ignored; null or absent
+    is fine."""
 
     model: str
     stream: bool = False
@@ -84,17 +85,16 @@ class SamplingFields(_Lenient):
     stop_token_ids: list[Annotated[TokenId, Strict()]] | None = (
         None  # vLLM's extension; the engine stops on them
     )
-    n: Int = 1
+    n: Int = Field(1, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False
-    presence_penalty: Finite = 0.0
-    frequency_penalty: Finite = 0.0
-    repetition_penalty: Finite = 1.0  # vLLM's extension; `vllm bench serve` sends 1.0
-    logprobs: Annotated[bool, Strict()] | Int | None = None
-    # OpenAI's and vLLM's sampling fields the engine does not implement: refused unless neutral.
-    logit_bias: dict[str, Any] | None = None
-    top_logprobs: Int | None = None
-    min_p: Finite = 0.0
-    min_tokens: Int = 0
+    presence_penalty: Finite = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Finite = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Finite = Field(1.0, gt=0.0)  # vLLM's extension (HF's definition)
+    # Token id (as a string, JSON's keys) -> a bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, Finite] | None = None
+    min_p: Finite = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: Int = Field(0, ge=0, le=INT32)  # vLLM's extension
+    # OpenAI's and vLLM's fields the engine does not implement: refused unless neutral (UNSUPPORTED).
     best_of: Int | None = None
     use_beam_search: bool = False
     length_penalty: Finite = 1.0
@@ -115,20 +115,6 @@ class SamplingFields(_Lenient):
             )
         return data
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported; send separate requests for more choices")
-        return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
-        return value
-
     @field_validator("stop")
     @classmethod
     def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
@@ -136,16 +122,24 @@ class SamplingFields(_Lenient):
             raise ValueError("stop takes at most 4 strings")
         return stop
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or int(key) > INT32:
+                raise _invalid(
+                    "logit_bias", f"logit_bias keys are token ids (non-negative integers); got {key[:40]!r}"
+                )
+            if not -MAX_BIAS <= value <= MAX_BIAS:
+                raise _invalid(
+                    "logit_bias", f"logit_bias values lie in [-100, 100]; token {key} has {value:g}"
+                )
+        return bias
+
     @model_validator(mode="after")
     def _supported(self):
         """Each field the sampler would ignore, named as the error's field (`_unsupported`)."""
         neutral = {
-            "repetition_penalty": self.repetition_penalty == 1.0,
-            "logprobs": not self.logprobs,
-            "logit_bias": not self.logit_bias,
-            "top_logprobs": not self.top_logprobs,
-            "min_p": self.min_p == 0.0,
-            "min_tokens": self.min_tokens == 0,
             "best_of": self.best_of in (None, 1),
             "use_beam_search": not self.use_beam_search,
             "length_penalty": self.length_penalty == 1.0,
@@ -157,10 +151,20 @@ class SamplingFields(_Lenient):
                 raise _unsupported(name, UNSUPPORTED[name])
         return self
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+        """What the engine samples with; `vocab_size`, when known, bounds logit_bias's ids (a 400
+        naming logit_bias past it)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        max_tokens = self.requested_max_tokens or default_max_tokens
+        if self.min_tokens > max_tokens:
+            message = f"min_tokens ({self.min_tokens}) may not exceed max_tokens ({max_tokens})"
+            raise APIError(400, message, param="min_tokens")
+        bias = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        if vocab_size is not None and (past := [t for t, _ in bias if t >= vocab_size]):
+            message = f"logit_bias token id {past[0]} is outside the vocabulary [0, {vocab_size})"
+            raise APIError(400, message, param="logit_bias")
         return SamplingParams(
-            max_tokens=self.requested_max_tokens or default_max_tokens,
+            max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -168,7 +172,20 @@ class SamplingFields(_Lenient):
             stop=tuple(s for s in stop if s),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            n=self.n,
+            logprobs=self.top_logprobs_asked,
+            logit_bias=bias,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
         )
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """None: no log-probabilities; k: each token's, and the k most likely at each position."""
+        return None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -183,6 +200,18 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(..., min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1, le=INT32)
     mm_processor_kwargs: VideoControls | None = None
+    logprobs: Annotated[bool, Strict()] | None = None  # each output token's log-probability
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # and the most likely, with logprobs
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise _invalid("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -225,6 +254,12 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[Int] | list[str] | list[list[Int]]
     max_tokens: Int | None = Field(16, ge=1, le=INT32)
+    # The log-probabilities of each output token and of the `logprobs` most likely at its position.
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -239,15 +274,16 @@ class CompletionRequest(SamplingFields):
 
 
 UNSUPPORTED = {
-    "repetition_penalty": "repetition_penalty is not supported; leave it at 1.0",
-    "logprobs": "logprobs are not supported; leave logprobs out or false",
-    "logit_bias": "logit_bias is not supported by this server's sampler; leave it out or null",
-    "top_logprobs": "top_logprobs is not supported (no logprobs are returned); leave it out or 0",
-    "min_p": "min_p is not supported; leave it at 0",
-    "min_tokens": "min_tokens is not supported; leave it at 0 (ignore_eos makes a reply run to max_tokens)",
-    "best_of": "best_of is not supported; leave it at 1",
-    "use_beam_search": "beam search is not supported; leave use_beam_search false",
-    "length_penalty": "length_penalty is not supported (it applies to beam search); leave it at 1.0",
+    "best_of": (
+        "best_of > 1 is not supported: it returns the most likely of several answers, so it must "
+        "generate all of them before the first token can be sent; ask for n choices (with logprobs "
+        "to rank them) instead"
+    ),
+    "use_beam_search": (
+        "beam search is not supported: this server samples each choice token by token; ask for n "
+        "choices with logprobs instead"
+    ),
+    "length_penalty": "length_penalty applies to beam search, which is not supported; leave it at 1.0",
     "response_format": 'only response_format {"type": "text"} is supported; structured output is not',
     "tools": "tools (function calling) are not supported; leave tools out",
 }
@@ -255,6 +291,10 @@ UNSUPPORTED = {
 
 def _unsupported(field: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_field", message, {"param": field})
+
+
+def _invalid(field: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", message, {"param": field})
 
 
 def _invalid_unicode(data: Any) -> str | None:

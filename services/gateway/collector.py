@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from common.bus import EventStream
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.errors import APIError
-from common.protocol import ErrorOutput, FinalOutput, Message, TokenDelta
+from common.protocol import ErrorOutput, FinalOutput, Message, TokenDelta, TokenLogprob
 from common.stats import SLO, request_tbt, slo_met
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,9 @@ class Piece:
     text: str
     token_ids: list[int] = field(default_factory=list)
     keepalive: bool = False  # no output: the request is still waiting
+    # One per token when the request asked for log-probabilities (None: an instance that did not
+    # know them said the token again; it never happens on the paths a token normally takes).
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
 @dataclass
@@ -122,6 +125,7 @@ class OutputCollector:
         self.complete = False  # every output arrived, up to the final one
         self.asks = 0  # Resends sent
         self._tokens: dict[int, int] = {}  # index -> token, arrived but not yet released
+        self._logprobs: dict[int, TokenLogprob | None] = {}  # index -> its logprobs, likewise
         self._expected: int | None = None  # how many outputs there are, once the final said
         now = time.perf_counter()
         self._progress = now  # when a token was last released (or the collector began)
@@ -206,11 +210,14 @@ class OutputCollector:
             )
         elif isinstance(msg, TokenDelta):
             for k, token in enumerate(msg.token_ids):
-                if msg.index + k >= self.received:
-                    self._tokens[msg.index + k] = token
-        ids = []
+                at = msg.index + k
+                if at >= self.received and (at not in self._tokens or self._logprobs.get(at) is None):
+                    self._tokens[at] = token  # a copy with logprobs wins over one without
+                    self._logprobs[at] = msg.logprobs[k] if msg.logprobs else None
+        ids, logprobs = [], []
         while self.received in self._tokens:
             ids.append(self._tokens.pop(self.received))
+            logprobs.append(self._logprobs.pop(self.received, None))
             self.received += 1
         stuck = bool(self._tokens) or (self._expected is not None and self.received < self._expected)
         if not stuck:
@@ -224,7 +231,7 @@ class OutputCollector:
         self.clock.add(len(ids), self._progress)
         if self.on_tokens is not None:
             self.on_tokens(ids)
-        return Piece(self.detok.add(ids), ids)
+        return Piece(self.detok.add(ids), ids, logprobs=logprobs)
 
     def _budget(self) -> float:
         return round(self.deadline - self.clock.arrival, 1)

@@ -15,9 +15,11 @@ from jinja2 import TemplateError
 from common.engine.admission import AdmissionError, check_fits
 from common.engine.processor import InputError, ProcessedPrompt
 from common.errors import APIError, clip
-from common.protocol import Resend
+from common.protocol import Resend, SamplingParams
+from common.protocol.sampling import choice_id
 from common.video import VideoLimits
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.choices import Choices
 from services.gateway.collector import OutputCollector
 from services.gateway.images import fetch_image
 from services.gateway.preprocess import VideoSampling
@@ -104,37 +106,57 @@ async def serve(
     kind: str,
     deadline: float,
 ):
-    params = body.sampling_params(gw.settings.default_max_tokens)
+    params = body.sampling_params(gw.settings.default_max_tokens, gw.vocab_size)
     try:
         check_fits(len(processed.token_ids), params.max_tokens, max_model_len=gw.max_model_len)
     except AdmissionError as exc:
         raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from exc
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     request.state.completion_id = rid  # on the gateway's span, beside the client's X-Request-Id
-    stream = await gw.bus.events.outputs(rid)  # subscribed before the task exists: nothing is missed
+    ids = [choice_id(rid, i) for i in range(params.n)]  # each choice runs as a request of its own
+    streams = []  # subscribed before the task exists: nothing is missed
     try:
+        for choice in ids:
+            streams.append(await gw.bus.events.outputs(choice))
         spec = await route(gw, rid, processed, params, trace_of(request.scope.get("state", {})))
     except BaseException:
-        await stream.close()
+        for stream in streams:
+            await stream.close()
         raise
-    collector = OutputCollector(
-        stream,
-        gw.processor.tokenizer,
-        params.stop,
-        deadline=deadline,
-        arrival=getattr(request.state, "arrived", time.perf_counter()),
-        keepalive=gw.settings.sse_keepalive if body.stream else None,
-        on_tokens=lambda ids: gw.journal.add(rid, ids),
-        ask=lambda index: gw.bus.events.resend(Resend(request_id=rid, index=index)),
-        reconnects=lambda: gw.bus.reconnects,
-        fenced=gw.reaper.fenced,
-        owner=spec.gateway,
-    )
-    reply = Reply(gw, spec, kind, body, collector)
+    for choice in ids[1:]:  # each choice is traced as a request: the copies prefill nothing
+        gw.record.create(
+            choice,
+            arrival=spec.arrival_time,
+            prompt_tokens=len(processed.token_ids),
+            max_tokens=params.max_tokens,
+        )
+    keepalive = gw.settings.sse_keepalive if body.stream else None
+    collectors = [
+        _collector(
+            gw, request, choice, stream, params, deadline, spec.gateway, keepalive if len(ids) == 1 else None
+        )
+        for choice, stream in zip(ids, streams, strict=True)
+    ]
+    reply = Reply(gw, spec, kind, body, Choices(collectors, keepalive), ids)
     request.state.on_end = reply.end  # whatever becomes of the response, the request ends (door.py)
     if body.stream:
         return StreamingResponse(reply.sse(), media_type="text/event-stream")
     return await reply.whole(request)
+
+
+def _collector(
+    gw: Gateway, request: Request, rid: str, stream, params: SamplingParams, deadline: float, owner: str,
+    keepalive: float | None,
+) -> OutputCollector:  # fmt: skip
+    """The collector of one choice's outputs (`rid`: its request id), journaled and asked for again
+    under that id."""
+    return OutputCollector(
+        stream, gw.processor.tokenizer, params.stop, deadline=deadline,
+        arrival=getattr(request.state, "arrived", time.perf_counter()), keepalive=keepalive,
+        on_tokens=lambda ids: gw.journal.add(rid, ids),
+        ask=lambda index: gw.bus.events.resend(Resend(request_id=rid, index=index)),
+        reconnects=lambda: gw.bus.reconnects, fenced=gw.reaper.fenced, owner=owner,
+    )  # fmt: skip
 
 
 class _within:

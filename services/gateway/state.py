@@ -29,6 +29,7 @@ from services.gateway.images import ImagePolicy
 from services.gateway.journal import OutputJournal
 from services.gateway.kv_routing import REASONS as ROUTE_REASONS
 from services.gateway.kv_routing import PrefixRouter
+from services.gateway.logprobs import TokenText
 from services.gateway.preprocess import ImagePreprocessor
 from services.gateway.queues import QueueDepths
 from services.gateway.routing import LiveRoles
@@ -144,6 +145,7 @@ class Gateway:
         text_config = load_config(settings.model).text_config
         self.max_model_len = text_config.max_position_embeddings
         self.vocab_size = text_config.vocab_size  # token-id prompts must index the embedding table
+        self.token_text = TokenText(self.processor.tokenizer)  # log-probabilities' tokens as text and bytes
         self.images = ImagePolicy(
             max_bytes=settings.max_image_bytes,
             timeout_s=settings.image_fetch_timeout,

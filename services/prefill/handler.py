@@ -128,6 +128,8 @@ class PrefillHandler(StageHandler):
     async def take(self, task: Task) -> None:
         ctx = self.ctx
         spec = await ctx.resumed(task)
+        if spec is None:  # its choices resume, each with a task of its own
+            return
         held = ctx.ledger.begin(spec, self.role, task)
         ctx.metrics.taken(self.role, task.stored)
         if spec.images and not self.prefetch:
@@ -285,9 +287,13 @@ class PrefillHandler(StageHandler):
             wire=prefilled.wire,
             tail=prefilled.tail,
         )
+        # The outputs' log-probabilities made here ride along: the decoder answers for them now.
+        outputs = prefilled.output_token_ids
+        logprobs = tuple(held.sent_logprobs[: len(outputs)]) if any(held.sent_logprobs) else ()
         update = {
             "prompt_token_ids": prefilled.prompt_token_ids,
-            "output_token_ids": prefilled.output_token_ids,
+            "output_token_ids": outputs,
+            "output_logprobs": logprobs,
         }
         request = held.spec.model_copy(update=update)
         return DecodeTask(request=request, kv=location, cached_tokens=prefilled.cached_tokens)

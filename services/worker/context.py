@@ -19,6 +19,7 @@ from common.engine import AdmissionError
 from common.engine.processor import InputError
 from common.engine.spec_prompt import spec_prompt
 from common.protocol import ErrorOutput, InlineTensor, RequestSpec, TensorRef
+from common.protocol.sampling import choice_id
 from common.roles import Role
 from common.store import Store
 from common.transfer import TransferBackend, TransferError, TransferPath, fetch
@@ -82,15 +83,29 @@ class StageContext:
         except (AdmissionError, InputError, ValueError) as exc:
             await self.fail(spec.request_id, "invalid_request_error", str(exc))
 
-    async def resumed(self, task: Task) -> RequestSpec:
+    async def resumed(self, task: Task) -> RequestSpec | None:
         """The task's request, resuming from the tokens already streamed if this is a redelivery: the
-        instance that had it may have died while generating (a hybrid holds its task until the end)."""
+        instance that had it may have died while generating (a hybrid holds its task until the end).
+
+        A request of n choices that had been forked (some choice streamed a token) resumes as its
+        choices, each from its own tokens: one task each, queued now, and this one settled (None)."""
         spec = task.message.request
         if not task.redelivered:
             return spec
-        return spec.model_copy(
-            update={"output_token_ids": await self.streamed(spec.request_id, spec.output_token_ids)}
-        )
+        if spec.sampling.n > 1:
+            ids = [choice_id(spec.request_id, i) for i in range(spec.sampling.n)]
+            streamed = [await self.streamed(rid, ()) for rid in ids]
+            if not any(streamed):
+                return spec  # never forked, or nothing reached the client: it runs afresh
+            for index, (rid, outputs) in enumerate(zip(ids, streamed, strict=True)):
+                choice = spec.model_copy(
+                    update={"request_id": rid, "sampling": spec.sampling.for_choice(index)}
+                )
+                again = task.message.model_copy(update={"request": choice.with_outputs(outputs)})
+                await self.dispatch.send(again, task.stream_seq)
+            await task.ack()
+            return None
+        return spec.with_outputs(await self.streamed(spec.request_id, spec.output_token_ids))
 
     async def streamed(self, request_id: str, known: tuple[int, ...]) -> tuple[int, ...]:
         """The output tokens a request resumes from: the gateway's journal of what it streamed, when

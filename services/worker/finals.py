@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.protocol import ErrorOutput, FinalOutput
+from common.protocol import ErrorOutput, FinalOutput, TokenLogprob
 
 FINALS_WINDOW = 120.0  # seconds: outlasts a broker restart and the gateway's asks after it
 
@@ -26,6 +26,7 @@ class Ended:
     tokens: tuple[int, ...]  # every output token of the request
     last: FinalOutput | ErrorOutput  # how it ended
     at: float  # when (the window's clock)
+    logprobs: tuple[TokenLogprob | None, ...] = ()  # one per token when asked for (None: not known)
 
 
 class Finals:
@@ -38,10 +39,13 @@ class Finals:
     def __len__(self) -> int:
         return len(self._ended)
 
-    def keep(self, request_id: str, tokens: list[int], last: FinalOutput | ErrorOutput) -> None:
-        """The request ended with `last` after `tokens`: keep both for the window."""
+    def keep(
+        self, request_id: str, tokens: list[int], last: FinalOutput | ErrorOutput,
+        logprobs: list[TokenLogprob | None] | tuple = (),
+    ) -> None:  # fmt: skip
+        """The request ended with `last` after `tokens` (and their `logprobs`): keep them for the window."""
         self._ended.pop(request_id, None)  # ended again (a retry): it goes to the back
-        self._ended[request_id] = Ended(tuple(tokens), last, self.clock())
+        self._ended[request_id] = Ended(tuple(tokens), last, self.clock(), tuple(logprobs))
         self.sweep()
 
     def get(self, request_id: str) -> Ended | None:

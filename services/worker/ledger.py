@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from common.engine.request import Status
-from common.protocol import RequestSpec
+from common.protocol import RequestSpec, TokenLogprob
 from common.roles import Role
 from common.store import Stage
 from services.worker.finals import FINALS_WINDOW, Finals
@@ -79,6 +79,14 @@ class Held:
     # Every output token the request has while it runs here: those it came with, then those made
     # here. What a gateway that missed some is sent again; emptied when the request is handed on.
     sent: list[int] = field(default_factory=list)
+    # Their log-probabilities, one per token of `sent` (None where not known here: tokens resumed
+    # from the gateway's journal, which it never asks for again), when the request asks for them.
+    sent_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # n choices (common/engine/forks.py): a choice forked here came with no task of its own, so the
+    # task of the request it was forked from is acked only once every such choice has left too.
+    forked_from: Held | None = None
+    forks: set[str] = field(default_factory=set)  # the choices forked from this one still here
+    awaits_forks: bool = False  # it left (settled) and its task waits for `forks`
 
     @property
     def holds_task(self) -> bool:
@@ -86,8 +94,30 @@ class Held:
 
     @property
     def source(self) -> int | str:
-        """The step that hands this request on: its task's stream sequence (see common/dispatch.py)."""
-        return self.task.stream_seq if self.task is not None else "local"
+        """The step that hands this request on: its task's stream sequence (see common/dispatch.py),
+        for a forked choice the task of the request it came from."""
+        if self.task is not None:
+            return self.task.stream_seq
+        return self.task_seq if self.forked_from is not None and self.task_seq is not None else "local"
+
+    def keep_sent(self, index: int, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
+        """Tokens made here from output `index` on (with their log-probabilities, if asked)."""
+        self.sent[index:] = tokens
+        if len(self.sent_logprobs) < index:
+            self.sent_logprobs += [None] * (index - len(self.sent_logprobs))
+        self.sent_logprobs[index:] = logprobs or [None] * len(tokens)
+
+    def logprobs_from(self, index: int) -> tuple[TokenLogprob, ...]:
+        """The log-probabilities of `sent[index:]`, or none unless every one of them is known."""
+        return known_logprobs(self.sent_logprobs, len(self.sent), index)
+
+
+def known_logprobs(logprobs: list | tuple, num_tokens: int, index: int) -> tuple[TokenLogprob, ...]:
+    """`logprobs[index:num_tokens]` when every one is known, else none (a delta carries all or none)."""
+    found = tuple(logprobs[index:num_tokens])
+    if len(found) < num_tokens - index or any(lp is None for lp in found):
+        return ()
+    return found
 
 
 @dataclass(eq=False)
@@ -152,10 +182,29 @@ class Ledger:
                 raise AlreadyHeld(rid)
             self._drop(old)
         held = self._held[rid] = Held(rid, role, spec, task, seq, sent=list(spec.output_token_ids))
+        held.sent_logprobs = list(spec.output_logprobs) or [None] * len(held.sent)
         self.changes += 1
         if self.on_begin is not None:
             self.on_begin()
         return held
+
+    def adopt(self, parent: Held, choices: list[tuple[str, int]]) -> list[Held]:
+        """Record the choices the engine forked `parent` into, (id, choice index) each: requests of
+        their own from now on, whose task is `parent`'s (common/engine/forks.py). A choice cancelled
+        already (a gateway cancels every choice of a request) is not recorded: the caller drops it."""
+        asked = parent.spec.sampling
+        parent.spec = parent.spec.model_copy(update={"sampling": asked.for_choice(0)})
+        adopted = []
+        for rid, index in choices:
+            if rid in self._cancelled or rid in self._held:
+                continue
+            spec = parent.spec.model_copy(update={"request_id": rid, "sampling": asked.for_choice(index)})
+            held = Held(rid, parent.role, spec, None, parent.task_seq, in_engine=True, forked_from=parent)
+            self._held[rid] = held
+            parent.forks.add(rid)
+            adopted.append(held)
+            self.changes += 1
+        return adopted
 
     def mark(self, held: Held, stage: Stage, **info: str) -> None:
         """A stage mark in the request's record (Redis, off the critical path) and in `held`."""
@@ -201,13 +250,29 @@ class Ledger:
         held = self._held.get(request_id)
         if held is None:
             return
-        task, held.task = held.task, None
         if not keep_outputs:
-            held.sent = []
+            held.sent, held.sent_logprobs = [], []
+        if held.forks:  # its task waits for the choices forked from it, which have none of their own
+            held.awaits_forks = True
+            if not held.kv_handles:
+                self.leave_engine(held)
+            return
+        task, held.task = held.task, None
         if not held.kv_handles:
             self._drop(held)
         if task is not None and not task.settled:
             await task.ack()
+        await self._fork_left(held)
+
+    async def _fork_left(self, held: Held) -> None:
+        """A forked choice left (settled or cancelled): the task it came under is acked once the
+        request it came from and all its other choices have left too."""
+        parent = held.forked_from
+        if parent is None:
+            return
+        parent.forks.discard(held.request_id)
+        if not parent.forks and parent.awaits_forks and self._held.get(parent.request_id) is parent:
+            await self.settle(parent.request_id)
 
     async def release_kv(self, request_id: str) -> None:
         """The next stage pulled the KV (or nobody came for it in time): free it."""
@@ -229,6 +294,7 @@ class Ledger:
         self._drop(held)
         if held.holds_task:
             await held.task.ack()
+        await self._fork_left(held)
         return True
 
     def _remember_cancel(self, request_id: str) -> None:
@@ -283,9 +349,10 @@ class Ledger:
         kept = {h.request_id for h in self._held.values() if h.kv_handles and h.kv_stream is None}
         for held in self._held.values():
             assert not held.cancelled, f"{held.request_id}: cancelled but still recorded"
-            assert held.holds_task or held.kv_stream is not None or not held.sent, (
-                f"{held.request_id}: handed on but keeps its outputs"
-            )
+            # (A forked choice runs under its parent's task: its outputs are its own until it settles.)
+            assert (
+                held.holds_task or held.kv_stream is not None or held.forked_from is not None or not held.sent
+            ), f"{held.request_id}: handed on but keeps its outputs"
             missing = [h for h in held.kv_handles if h not in self.transfer.handles]
             assert not missing, f"{held.request_id}: kept KV handles {missing} are no longer served"
         in_engine, handed_off = await self.engine.call(lambda: engine_view(self.engine.engine))
@@ -315,5 +382,8 @@ def engine_view(engine: Engine) -> tuple[set[str], set[str]]:
     """On the engine thread: check its integrity, and say which requests it holds and which of
     those are handed off."""
     engine.check_integrity()
-    handed_off = {rid for rid, r in engine.requests.items() if r.status == Status.HANDED_OFF}
-    return set(engine.requests), handed_off
+    # A choice forked in a step whose outputs the event loop has not yet published is the
+    # engine's alone: the ledger records it as it publishes them (OutputPublisher._adopt_forks).
+    held = {rid for rid, r in engine.requests.items() if not r.unclaimed}
+    handed_off = {rid for rid in held if engine.requests[rid].status == Status.HANDED_OFF}
+    return held, handed_off

@@ -17,7 +17,7 @@ from common.engine import RequestOutput
 from common.protocol import FinalOutput, Message, Resend, TokenDelta, Usage
 from common.roles import Role
 from services.worker.context import StageContext
-from services.worker.ledger import Cancelled, Held
+from services.worker.ledger import Cancelled, Held, known_logprobs
 from services.worker.stage import StageHandler
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class OutputPublisher:
     async def publish(self, outputs: list[RequestOutput]) -> None:
         if self.ctx.fenced.is_set():
             return  # taken for dead: its requests go on elsewhere
+        self._adopt_forks(outputs)
         for out in outputs:
             held = self.ctx.ledger.get(out.request_id)
             if held is None or held.cancelled:
@@ -54,6 +55,25 @@ class OutputPublisher:
             except Exception as exc:  # one request's failure must not stop the others' outputs
                 log.exception("output of %s failed", out.request_id)
                 await self.ctx.fail(out.request_id, "server_error", f"internal error: {exc}")
+
+    def _adopt_forks(self, outputs: list[RequestOutput]) -> None:
+        """The choices a step forked requests into (common/engine/forks.py) get their records, all
+        of a request's at once, before any of their outputs; those of a request no longer held
+        here (cancelled meanwhile), or cancelled themselves, leave the engine."""
+        forked: dict[str, list[tuple[str, int]]] = {}
+        for out in outputs:
+            if out.forked_from is not None:
+                forked.setdefault(out.forked_from, []).append((out.request_id, out.choice))
+        ledger, engine = self.ctx.ledger, self.ctx.engine
+        for parent_id, choices in forked.items():
+            parent = ledger.get(parent_id)
+            live = parent is not None and ledger.live(parent)
+            adopted = {h.request_id for h in ledger.adopt(parent, choices)} if live else set()
+            for rid, _ in choices:
+                if rid in adopted:
+                    engine.post(lambda rid=rid: engine.engine.handoff.claim(rid))
+                else:
+                    engine.post(lambda rid=rid: engine.engine.abort(rid))
 
     async def watch(self) -> None:
         """Answer every gateway's Resend for the requests this instance has or ended lately."""
@@ -69,10 +89,13 @@ class OutputPublisher:
         rid = ask.request_id
         held = self.ctx.ledger.get(rid)
         last: Message | None = None
-        if held is not None and not held.cancelled:
-            tokens = held.sent
-        elif (ended := self.ctx.ledger.finals.get(rid)) is not None:
+        # An ended request's finals first: one forked into choices keeps its record (and task)
+        # after it ended, until they have left too (ledger.py), but no longer its outputs.
+        if (ended := self.ctx.ledger.finals.get(rid)) is not None:
             tokens, last = ended.tokens, ended.last
+            logprobs = known_logprobs(ended.logprobs, len(tokens), ask.index)
+        elif held is not None and not held.cancelled:
+            tokens, logprobs = held.sent, held.logprobs_from(ask.index)
         else:
             return
         if len(tokens) <= ask.index and last is None:
@@ -80,7 +103,10 @@ class OutputPublisher:
         self.said_again += 1
         events = self.ctx.bus.events
         if len(tokens) > ask.index:
-            again = TokenDelta(request_id=rid, index=ask.index, token_ids=tokens[ask.index :], source=self.me)
+            again = TokenDelta(
+                request_id=rid, index=ask.index, token_ids=tokens[ask.index :], source=self.me,
+                logprobs=logprobs,
+            )  # fmt: skip
             await events.publish_output(again)
         if last is not None:
             await events.publish_output(last)
@@ -90,10 +116,12 @@ class OutputPublisher:
         ctx, rid = self.ctx, out.request_id
         if out.new_token_ids:
             index = out.num_output_tokens - len(out.new_token_ids)
-            held.sent[index:] = out.new_token_ids
-            await ctx.bus.events.publish_output(
-                TokenDelta(request_id=rid, index=index, token_ids=out.new_token_ids, source=self.me)
-            )
+            held.keep_sent(index, out.new_token_ids, out.logprobs)
+            delta = TokenDelta(
+                request_id=rid, index=index, token_ids=out.new_token_ids, source=self.me,
+                logprobs=tuple(out.logprobs),
+            )  # fmt: skip
+            await ctx.bus.events.publish_output(delta)
             if index == 0:
                 for handler in self.handlers:
                     handler.first_token(held)
@@ -112,7 +140,7 @@ class OutputPublisher:
                 source=self.me,
             )
             await ctx.bus.events.publish_output(final)
-            ctx.ledger.finals.keep(rid, held.sent, final)
+            ctx.ledger.finals.keep(rid, held.sent, final, held.sent_logprobs)
             if ctx.ledger.record is not None:
                 ctx.ledger.record.finish(rid, out.num_output_tokens, out.finish_reason, out.num_cached_tokens)
             ctx.counters.finished += 1

@@ -125,3 +125,25 @@ def test_engine_without_text_detokenises_only_for_stop_strings(make_engine):
     stop = text[5:8]
     got = engine.generate([prompt], params=SamplingParams(max_tokens=20, stop=(stop,)))[0]
     assert got.finish_reason == "stop" and got.text == text[: text.index(stop)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    vocab=st.sampled_from([3, 64, 65, 1000, 32064]),
+    scale=st.sampled_from([0.01, 1.0, 3.0, 30.0]),
+    top_p=st.floats(0.0, 1.0, exclude_min=True, exclude_max=True),
+    seed=st.integers(0, 2**16),
+)
+def test_top_p_among_the_most_likely_keeps_what_a_full_sort_keeps(vocab, scale, top_p, seed):
+    """_top_p looks among the k most likely tokens, k growing: the tokens it keeps, and their
+    probabilities, are those of the smallest prefix of the whole sorted vocabulary reaching top_p."""
+    from common.engine.sampling import _top_p
+
+    probs = torch.softmax(
+        torch.randn(vocab, generator=torch.Generator().manual_seed(seed)).double() * scale, -1
+    )
+    ordered, order = probs.sort(descending=True)
+    drop = ordered.cumsum(0) - ordered >= top_p
+    drop[0] = False
+    want = torch.zeros_like(probs).scatter_(0, order, ordered.masked_fill(drop, 0.0))
+    assert torch.equal(_top_p(probs, top_p), want)

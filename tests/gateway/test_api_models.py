@@ -45,13 +45,13 @@ def test_sampling_params_and_max_completion_tokens_precedence():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"n": 2}, "only n=1"),
+        ({"n": 33}, "less than or equal to 32"),
         ({"max_tokens": 0}, "greater than or equal to 1"),
         ({"messages": []}, "at least 1"),
         ({"temperature": 3}, "less than or equal to 2"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
-        ({"presence_penalty": 0.5}, "not supported"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty is not supported"),
+        ({"presence_penalty": 2.5}, "less than or equal to 2"),
+        ({"repetition_penalty": 0}, "greater than 0"),
         ({"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]}, "does not match"),
     ],
 )
@@ -82,11 +82,13 @@ def test_what_vllm_bench_serve_sends_validates():
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"logit_bias": {"15": 100}}, "logit_bias"),
-        ({"min_p": 0.05}, "min_p"),
-        ({"min_tokens": 2}, "min_tokens"),
+        ({"logit_bias": {"15": 101}}, "logit_bias"),
+        ({"logit_bias": {"token": 1}}, "logit_bias"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
         ({"best_of": 3}, "best_of"),
         ({"top_logprobs": 1}, "top_logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
