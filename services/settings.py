@@ -305,6 +305,14 @@ class WorkerSettings(ServiceSettings):
         description="Bytes of image features an engine keeps by content hash; unset: 512 MiB on an "
         "encode-only instance (which holds no KV), 64 MiB on any other",
     )
+    served_feature_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="On an encoder that hands on to prefill: bytes of image features it serves for prefill "
+        "instances to pull (each image's once, by content hash); past it the least recently used are "
+        "dropped (and leave the feature index), and a prefill instance that still wanted one recomputes "
+        "or re-encodes it. The newest request's features are always kept; idle ones also go after 600 s",
+    )
     decode_graphs: DecodeGraphMode = Field(
         DecodeGraphMode.AUTO,
         description="Decode-only steps padded to fixed batch and context buckets and replayed from CUDA "

@@ -2,8 +2,10 @@
 
 A test is slow when it starts a deployment: one of our services as its own process (a cluster from
 trident/launcher/cluster.py, the planner), `trident up` (real or with stand-in services), or Docker
-Compose. Those take tens of seconds each; everything else (the engine against HF, the substrate
-against a real nats-server and redis-server, in-process services) stays in the fast tier.
+Compose. Those take tens of seconds each, and so does a benchmark run whole on the CPU or a
+property sweep (tests/bench, tests/stages/test_ledger_property.py), which are slow too; everything
+else (the engine against HF, the substrate against a real nats-server and redis-server, in-process
+services) stays in the fast tier.
 
 Every test under tests/services and tests/docker runs against a deployment and is marked slow by
 its folder (SLOW_FOLDERS); elsewhere a slow test or module says so itself (`@pytest.mark.slow`,

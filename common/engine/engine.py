@@ -35,9 +35,10 @@ from common.engine.malloc import keep_freed_memory
 from common.engine.model_runner import ForwardResult, ModelRunner
 from common.engine.op_checks import select_ops, shapes_of
 from common.engine.outputs import Completion, RequestOutput
+from common.engine.prefix import PrefixLost
 from common.engine.processor import ProcessedPrompt, RequestProcessor, load_image, reference_image
 from common.engine.profiler import budget_target
-from common.engine.request import Request
+from common.engine.request import IN_PREFIX, Request
 from common.engine.sampling import SamplingParams, draw
 from common.engine.scheduler import Scheduler
 from common.protocol.sampling import choice_id
@@ -121,14 +122,36 @@ class Engine:
             req.mrope_positions, req.rope_delta = self._mrope_positions(req)
         if req.output_token_ids and self.lifecycle.finished_already(req):
             return req
-        for img in req.images:
-            cached = self.features.get(img.content_hash) if img.features is None else None
+        for img in req.images:  # an image it has no features of, or expects in its prefix
+            lacking = img.features is None or img.features is IN_PREFIX
+            cached = self.features.get(img.content_hash) if lacking else None
             if cached is not None:
                 img.features, img.pixel_values = cached, None
+        if Role.PREFILL in self.config.roles:
+            self._reuse_prefix(req)
         if req.needs_encode and Role.ENCODE not in self.config.roles:
+            self.scheduler.prefixes.unpin(req)  # whatever it attached goes with it
             raise AdmissionError(f"request {rid} has images to encode but this instance has no encode role")
         self.lifecycle.enter(req)
         return req
+
+    def _reuse_prefix(self, req: Request) -> None:
+        """Images wholly inside the cached prefix are neither encoded nor pulled (PrefixReuse.pin).
+        A request whose prefix stands in for images takes every block its prefill needs now, so it
+        never waits for blocks holding a prefix others could use; one that could not be computed
+        again after a preemption (an image without pixels, on an instance that also decodes)
+        takes its whole length, as an imported one does. Raises PrefixLost naming the images whose
+        features must come from elsewhere."""
+        prefixes = self.scheduler.prefixes
+        missing = prefixes.pin(req)
+        if req.pins_prefix:
+            whole = Role.DECODE in self.config.roles and not req.recomputable
+            need = len(req.prompt_token_ids) + req.params.max_tokens if whole else req.num_tokens
+            if self.blocks.allocate(req.request_id, need) is None:
+                missing = req.bound_to_prefix()
+                prefixes.unpin(req)
+        if missing:
+            raise PrefixLost(req.request_id, missing)
 
     def _mrope_positions(self, req: Request) -> tuple[torch.Tensor, int]:
         try:

@@ -18,6 +18,7 @@ from common.engine.block_manager import blocks_needed
 from common.engine.kv_cache import KVCache, layer_groups
 from common.engine.kv_stream import KvSink, KvStreamer
 from common.engine.lifecycle import Lifecycle
+from common.engine.processor import ProcessedPrompt
 from common.engine.request import CONSUMED, ImageInput, Request, Status
 from common.engine.sampling import SamplingParams
 from common.roles import Role
@@ -48,6 +49,22 @@ class Handoff:
         it is not held here as handed off (aborted meanwhile)."""
         req = self.lifecycle.requests.get(request_id)
         return req if req is not None and req.status == Status.HANDED_OFF else None
+
+    def cached_images(self, prompt: ProcessedPrompt, output_token_ids: Sequence[int] = ()) -> list[int]:
+        """Which of a prompt's images lie wholly inside the prefix cached here now: a prefill
+        handler need not pull their features (it admits them IN_PREFIX), as their KV is here.
+        Admission attaches the prefix, or says it is gone by then (PrefixLost)."""
+        if Role.PREFILL not in self.config.roles:
+            return []
+        req = Request(
+            "",
+            list(prompt.token_ids),
+            SamplingParams(),
+            prompt.images,
+            output_token_ids=list(output_token_ids),
+            image_positions=prompt.image_positions,
+        )
+        return self.lifecycle.scheduler.prefixes.covered(req)
 
     def claim(self, request_id: str) -> None:
         """The service has recorded a choice a step forked (forks.py) as a request of its own: from

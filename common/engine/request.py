@@ -22,6 +22,10 @@ from common.roles import Role
 # The features of an image used where the request was prefilled (its KV was imported): only the
 # image's identity is kept here, for the request's prefix keys. Not encoded again, and never read.
 CONSUMED = torch.empty(0)
+# The features of an image whose KV lies in the request's cached prefix, attached when it was
+# admitted (PrefixReuse.pin): neither encoded nor pulled, and never read, since every chunk the
+# request computes starts past it. Its pixels, if it came with any, stay for a recompute.
+IN_PREFIX = torch.empty(0)
 
 
 class Status(StrEnum):
@@ -87,8 +91,27 @@ class Request:
     @property
     def recomputable(self) -> bool:
         """Whether its KV can be computed again here after a preemption: not when an image's
-        features were consumed elsewhere (its KV was imported)."""
-        return all(img.features is not CONSUMED for img in self.images)
+        features were consumed elsewhere (its KV was imported), nor when an image's KV is in its
+        attached prefix and it came without pixels to encode again."""
+        return not self.bound_to_prefix() and all(img.features is not CONSUMED for img in self.images)
+
+    def bound_to_prefix(self) -> list[int]:
+        """The images IN_PREFIX that came without pixels: their KV is nowhere but in its prefix."""
+        images = enumerate(self.images)
+        return [i for i, img in images if img.features is IN_PREFIX and img.pixel_values is None]
+
+    @property
+    def pins_prefix(self) -> bool:
+        """Whether its attached prefix stands in for images' features: kept while it waits."""
+        return any(img.features is IN_PREFIX for img in self.images)
+
+    def lose_prefix(self) -> None:
+        """Its KV is gone (a preemption): images that relied on the prefix are encoded again from
+        their pixels. Only a recomputable request is ever preempted."""
+        for img in self.images:
+            if img.features is IN_PREFIX:
+                assert img.pixel_values is not None, f"{self.request_id} lost KV it cannot compute again"
+                img.features = None
 
     # Prompt tokens found in the prefix cache when it was (last) admitted: usage reports them as
     # cached. A request prefilled elsewhere carries the prefill instance's count.
@@ -142,12 +165,22 @@ class Request:
     def images_to_encode(self) -> list[int]:
         return [i for i, img in enumerate(self.images) if img.features is None]
 
+    def image_spans(self) -> list[tuple[int, int]]:
+        """Each image's placeholders in the prompt: (first position, last position + 1)."""
+        spans, row = [], 0
+        positions = self.image_positions
+        for img in self.images:
+            spans.append((int(positions[row]), int(positions[row + img.num_tokens - 1]) + 1))
+            row += img.num_tokens
+        return spans
+
     def image_feature_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of all images' features concatenated in prompt order, taken from
-        the images that hold them (a prefill chunk touches one or two, not all)."""
+        the images that hold them (a prefill chunk touches one or two, not all; never one whose KV
+        was in its prefix)."""
         pieces, base = [], 0
         for img in self.images:
-            n = img.features.shape[0]
+            n = img.num_tokens
             lo, hi = max(start, base), min(stop, base + n)
             if lo < hi:
                 pieces.append(img.features[lo - base : hi - base])

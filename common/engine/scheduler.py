@@ -136,6 +136,7 @@ class Scheduler:
         self.blocks.free(req.request_id)
         self.running.remove(req)
         req.num_computed_tokens = req.num_remembered = 0  # its full blocks stay cached, to be found again
+        req.lose_prefix()  # images whose KV was in its prefix are encoded again
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)

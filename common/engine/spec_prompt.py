@@ -44,13 +44,23 @@ def spec_prompt(
 def spec_block_hashes(spec: RequestSpec, placeholders: int | Collection[int], block_size: int) -> list[bytes]:
     """The prefix-cache keys of the prompt's full blocks, as a prefill instance of that block size
     computes them (common/engine/prefix.py)."""
+    req = _spec_request(spec, placeholders)
+    return block_hashes(req, len(req.prompt_token_ids) // block_size, block_size)
+
+
+def spec_image_spans(spec: RequestSpec, placeholders: int | Collection[int]) -> list[tuple[int, int]]:
+    """Each image's placeholders in the prompt, (first position, last + 1): an image lies in a
+    cached prefix of n tokens when its span ends at n or before."""
+    return _spec_request(spec, placeholders).image_spans() if spec.images else []
+
+
+def _spec_request(spec: RequestSpec, placeholders: int | Collection[int]) -> Request:
     none = [None] * len(spec.images)
     prompt = spec_prompt(spec, placeholders, none, none)
-    req = Request(
+    return Request(
         spec.request_id,
         prompt.token_ids,
         SamplingParams(),
         prompt.images,
         image_positions=prompt.image_positions,
     )
-    return block_hashes(req, len(prompt.token_ids) // block_size, block_size)

@@ -41,6 +41,11 @@ class ImageSpec(Record):
     # one temporal patch spans, which place its tokens in time (Qwen2.5-VL's M-RoPE).
     video: bool = False
     seconds_per_patch: PositiveFloat | None = None
+    # In an encode task: the gateway found the image's KV in the cached prefix of the instance the
+    # prefill goes to (`EncodeTask.prefill_to`), so an encoder that hands on passes it by, pixels
+    # unpulled. The prefill instance checks its own cache and, if the prefix is gone, fetches the
+    # features or sends the request back to encode as for any lost features.
+    in_prefix: bool = False
 
 
 TRACEPARENT = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"  # W3C trace context, version 00
@@ -109,15 +114,15 @@ class EncodeTask(StageTask):
 
     KIND: ClassVar[str] = "task.encode"
     ROLE: ClassVar[Role] = Role.ENCODE
-    VERSION: ClassVar[int] = 4  # v3: prefill_to; v4: the sampling fields of issue 48
+    VERSION: ClassVar[int] = 5  # v3: prefill_to; v4: images in_prefix; v5: the sampling fields (issue 48)
     # The prefill instance that holds the request's cached prefix, where the encoder sends the
     # prefill task (routing by cached prefix; empty: the shared queue).
     prefill_to: str = ""
 
     @model_validator(mode="after")
     def _has_pixels(self) -> EncodeTask:
-        if not any(img.pixels is not None for img in self.request.images):
-            raise ValueError("an encode task needs at least one image with pixels")
+        if not any(img.pixels is not None and not img.in_prefix for img in self.request.images):
+            raise ValueError("an encode task needs at least one image with pixels to encode")
         return self
 
 

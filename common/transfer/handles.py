@@ -50,6 +50,7 @@ class Entry:
     no_fd: bool = False  # copying it into a memfd failed: its bytes stream instead
     retired: bool = False  # released or expired: a job that ends on it frees what it made
     broken: bool = False  # a job preparing it failed: answered "not found" (the puller recomputes)
+    used: float = 0.0  # monotonic time it was published or last served (`last_use`)
 
     @property
     def filled(self) -> bool:
@@ -114,8 +115,9 @@ class HandleTable:
     ) -> str:  # fmt: skip
         tensor, ready = self._servable(tensor, ready)
         handle = handle or uuid.uuid4().hex
-        expires = time.monotonic() + ttl if ttl else None
-        entry = Entry(tensor, expires, ttl if sliding and ttl else None, ready=ready)
+        now = time.monotonic()
+        expires = now + ttl if ttl else None
+        entry = Entry(tensor, expires, ttl if sliding and ttl else None, ready=ready, used=now)
         with self._lock:
             old = self._entries.pop(handle, None)
             if old is not None:
@@ -187,8 +189,9 @@ class HandleTable:
                     return None
                 entry.waiters.append(wake)
                 return WAITING
+            entry.used = time.monotonic()
             if entry.sliding is not None:
-                entry.expires = time.monotonic() + entry.sliding
+                entry.expires = entry.used + entry.sliding
                 heapq.heappush(self._expiry, (entry.expires, handle))
             return entry
 
@@ -223,6 +226,11 @@ class HandleTable:
     # -- releasing (any thread) --------------------------------------------------------------------
     def __contains__(self, handle: str) -> bool:
         return self.get(handle) is not None
+
+    def last_use(self, handle: str) -> float | None:
+        """When the handle was published or last served (monotonic); None if it is not held."""
+        entry = self.get(handle)
+        return entry.used if entry is not None else None
 
     def pop(self, handle: str) -> bool:
         with self._lock:

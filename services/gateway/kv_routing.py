@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from common.engine.spec_prompt import spec_block_hashes
+from common.engine.spec_prompt import spec_block_hashes, spec_image_spans
 from common.protocol import Heartbeat, PrefixBlocks, RequestSpec
 from common.roles import Role
 
@@ -101,6 +101,10 @@ class Choice:
     target: str | None  # the instance to send the request to; None: the shared queue
     reason: str  # one of REASONS
     cached_tokens: int = 0  # what the target is expected to find in its cache
+    # The request's images wholly inside that cached prefix: their KV is there, so they need
+    # neither encoding nor features (routing.py routes them around the encode stage).
+    in_prefix: tuple[int, ...] = ()
+    encodes: bool = False  # whether the target holds the vision tower (EP, EPD): it encodes the rest
 
 
 class PrefixRouter:
@@ -121,7 +125,7 @@ class PrefixRouter:
             return Choice(None, "none")
         prompt = len(spec.prompt_token_ids)
         chains: dict[int, list[bytes]] = {}
-        best: tuple[float, int, str, str] | None = None  # (cost, cached tokens, instance, reason)
+        best: tuple[float, int, Heartbeat, str] | None = None  # (cost, cached tokens, instance, reason)
         for hb in prefills + decoders:
             size = self.index.block_size(hb.instance_id)
             if size is None:
@@ -140,14 +144,17 @@ class PrefixRouter:
             cost = prompt - cached + self.load_tokens * self._load(hb)
             # At equal cost the decoder: its KV then never moves between instances.
             if best is None or cost < best[0] or (cost == best[0] and reason == "decoder"):
-                best = (cost, cached, hb.instance_id, reason)
+                best = (cost, cached, hb, reason)
         if best is None:
             return Choice(None, "none")
         if prefills:
             shared = prompt + self.load_tokens * min(self._load(hb) for hb in prefills)
             if best[0] >= shared:
                 return Choice(None, "load", 0)
-        return Choice(best[2], best[3], best[1])
+        _, cached, hb, reason = best
+        spans = spec_image_spans(spec, self.placeholders)
+        inside = tuple(i for i, (_, end) in enumerate(spans) if end <= cached)
+        return Choice(hb.instance_id, reason, cached, inside, Role.ENCODE in hb.roles)
 
     def _load(self, hb: Heartbeat) -> int:
         """Requests waiting at the instance, as its last heartbeat says."""

@@ -1,5 +1,11 @@
 """Modality-aware routing (002 §3.4) and task publishing: text-only requests, and requests whose
-image features are all in the feature store, go straight to prefill; the rest go to encode.
+image features are all in the feature store, go straight to prefill; the rest go to encode. An
+image wholly inside the prefix cached on the prefill instance chosen for the request (kv_routing.py)
+needs no encoding and no features: its KV is there. So a turn that resends only history images goes
+straight to that instance, and one that also adds an image goes there too when it holds the vision
+tower (EP, EPD: it encodes the new image itself), else through encode with the history images marked
+to pass by. The prefill instance checks its own cache and, if the prefix was evicted meanwhile,
+fetches or recomputes those features as it does for any lost ones.
 
 Redis holds what routing reads (the registry, the feature index) but is not needed to route: while
 it restarts, features count as not stored and routing waits, a bounded time, for the registry to
@@ -31,6 +37,7 @@ from common.protocol import (
 )
 from common.roles import Role
 from common.store.features import FEATURE_TTL
+from services.gateway.kv_routing import Choice
 
 log = logging.getLogger(__name__)
 PIXEL_TTL = 300.0  # seconds the gateway serves pixels at most (released when the request ends)
@@ -79,42 +86,33 @@ async def route(
     task (carrying `trace`, the request's trace context); returns the request as sent."""
     hashes = [img.content_hash for img in prompt.images]
     stored = await _stored_features(gw, hashes)
-    needs_encode = any(h not in stored for h in hashes)
-    await _wait_for_roles(gw, ({Role.ENCODE} if needs_encode else set()) | {Role.PREFILL, Role.DECODE})
-    images = []
-    for img in prompt.images:
-        # Pixels stay on the gateway, served by handle: the encoder pulls them, and a prefill
-        # instance that cannot fetch the features later recomputes from them.
-        pixels = gw.transfer.publish(img.pixel_values.contiguous(), ttl=PIXEL_TTL)
-        ref = TensorRef(
-            owner=gw.instance_id,
-            address=gw.transfer.address,
-            handle=pixels,
-            shape=tuple(img.pixel_values.shape),
-            dtype=dtype_name(img.pixel_values.dtype),
-        )
-        features = None if needs_encode else stored[img.content_hash].ref
-        images.append(
-            ImageSpec(
-                content_hash=img.content_hash,
-                num_tokens=img.num_tokens,
-                pixels=ref,
-                features=features,
-                grid_thw=img.grid_thw,
-                image_size=img.image_size,
-                video=img.video,
-                seconds_per_patch=img.seconds_per_patch,
-            )
-        )
+    await _wait_for_roles(gw, {Role.PREFILL, Role.DECODE})
     spec = RequestSpec(
         request_id=rid,
         prompt_token_ids=tuple(prompt.token_ids),
-        images=tuple(images),
+        images=tuple(_image_spec(gw, img) for img in prompt.images),
         sampling=sampling,
         arrival_time=time.time(),
         gateway=gw.instance_id,
         trace=trace,
     )
+    choice = _prefix_choice(gw, spec)  # the prefill instance holding its prefix, if any
+    inside = set(choice.in_prefix)
+    # What must be encoded first: images neither stored nor in the target's cached prefix, unless
+    # the target holds the vision tower (EP, EPD), which encodes them there beside its history.
+    unresolved = [i for i, h in enumerate(hashes) if i not in inside and h not in stored]
+    needs_encode = bool(unresolved) and not choice.encodes
+    if needs_encode:
+        await _wait_for_roles(gw, {Role.ENCODE})
+        images = tuple(img.model_copy(update={"in_prefix": i in inside}) for i, img in enumerate(spec.images))
+    else:  # to prefill: the features stored, the rest found in the prefix (or encoded) there
+        images = tuple(
+            img.model_copy(update={"features": stored[img.content_hash].ref})
+            if img.content_hash in stored
+            else img
+            for img in spec.images
+        )
+    spec = spec.model_copy(update={"images": images})
     gw.record.create(
         rid,
         arrival=spec.arrival_time,
@@ -124,7 +122,7 @@ async def route(
         max_tokens=sampling.max_tokens,
         encoded_images=sum(h in stored for h in hashes),
     )
-    to = _prefix_holder(gw, spec)  # an encoder sends the prefill task there once it has encoded
+    to = choice.target  # an encoder sends the prefill task there once it has encoded
     task = EncodeTask(request=spec, prefill_to=to or "") if needs_encode else PrefillTask(request=spec)
     try:
         await gw.dispatch.send(task, "gateway", to=None if needs_encode else to)
@@ -133,22 +131,45 @@ async def route(
     except PublishError as exc:
         raise Unavailable("the message broker did not store the request in time") from exc
     gw.metrics.routed.labels(task.ROLE).inc()
+    gw.metrics.images_in_prefix.inc(len(inside))
     return spec
 
 
-def _prefix_holder(gw, spec: RequestSpec) -> str | None:
-    """The prefill instance to send the request to for the prefix it caches (kv_routing.py), or
-    None for the shared queue."""
+def _image_spec(gw, img) -> ImageSpec:
+    """An image as it travels: its pixels stay on the gateway, served by handle, for an encoder to
+    pull, and for a prefill instance that cannot have the features to recompute from."""
+    pixels = gw.transfer.publish(img.pixel_values.contiguous(), ttl=PIXEL_TTL)
+    ref = TensorRef(
+        owner=gw.instance_id,
+        address=gw.transfer.address,
+        handle=pixels,
+        shape=tuple(img.pixel_values.shape),
+        dtype=dtype_name(img.pixel_values.dtype),
+    )
+    return ImageSpec(
+        content_hash=img.content_hash,
+        num_tokens=img.num_tokens,
+        pixels=ref,
+        grid_thw=img.grid_thw,
+        image_size=img.image_size,
+        video=img.video,
+        seconds_per_patch=img.seconds_per_patch,
+    )
+
+
+def _prefix_choice(gw, spec: RequestSpec) -> Choice:
+    """Where the request's prefill goes for the prefix it caches (kv_routing.py); target None: the
+    shared queue."""
     router = gw.prefix_router
     if router is None:
-        return None
+        return Choice(None, "none")
     try:
         choice = router.choose(spec, gw.live_roles.beats)
     except Exception:  # a shortcut: without it, the shared queue
         log.exception("routing %s by prefix failed; queued for any instance", spec.request_id)
-        return None
+        return Choice(None, "none")
     gw.metrics.prefix_routes.labels(choice.reason).inc()
-    return choice.target
+    return choice
 
 
 async def _stored_features(gw, hashes: list[str]) -> dict:

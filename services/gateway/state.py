@@ -45,6 +45,7 @@ class Metrics:
     requests: Counter
     routed: Counter
     prefix_routes: Counter
+    images_in_prefix: Counter
     prefix_index_keys: Gauge
     in_flight: Gauge
     queued: Gauge
@@ -73,6 +74,12 @@ class Metrics:
                 "prompt's prefix), load (a prefix was cached, but its holder was too busy), none (no "
                 "useful prefix anywhere), fallback (sent, then moved to the shared queue)",
                 ["reason"],
+                registry=r,
+            ),
+            Counter(
+                "trident_gateway_images_in_prefix",
+                "Images sent on neither encoded nor with features: their KV was cached where the request "
+                "was routed",
                 registry=r,
             ),
             Gauge(

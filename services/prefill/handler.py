@@ -2,6 +2,12 @@
 prefetch, 002 §3.2), run chunked prefill, then export the KV by layer group and queue the decode
 task, keeping the KV until decode has pulled it.
 
+An image wholly inside the prefix this instance caches is neither pulled nor encoded: its KV is
+here (the engine attaches the prefix at admission; if it was evicted meanwhile, the engine says so
+and its features are fetched as any other's). Features that are not stored anywhere are computed
+here from the image's pixels when this instance holds the vision tower (an EP or EPD instance the
+gateway sent a turn to for its cached history), else the request goes back to the encode queue.
+
 Fallbacks: features that cannot be pulled (owner gone, evicted) are recomputed here when this
 instance holds the vision tower, else the request goes back to the encode queue; when its pixels
 are gone too, the request fails with a retryable error.
@@ -20,10 +26,13 @@ from common.bus import Task
 from common.engine import Engine, kv_quant
 from common.engine.admission import PREFILL_WAITING, prefill_room
 from common.engine.kv_cache import layer_groups
-from common.engine.request import Request
+from common.engine.prefix import PrefixLost
+from common.engine.request import IN_PREFIX, Request
+from common.engine.spec_prompt import spec_prompt
 from common.protocol import (
     DecodeTask,
     EncodeTask,
+    ImageSpec,
     InlineTensor,
     KvGroup,
     KvLocation,
@@ -125,23 +134,56 @@ class PrefillHandler(StageHandler):
         ctx.metrics.taken(self.role, task.stored)
         if spec.images and not self.prefetch:
             await self._wait_for_turn(held)
+        cached = await self._cached_images(held)
+        inputs = await self._inputs(held, cached)
+        if inputs is None:
+            return
+        ctx.ledger.mark(held, Stage.PREFILL_STARTED, prefill_instance=ctx.instance_id)
+        ctx.counters.prefills += 1
+        try:
+            await ctx.admit(held, *inputs)
+        except PrefixLost as lost:  # evicted since it was looked at: fetch those as any other
+            log.info("%s; fetching their features", lost)
+            inputs = await self._inputs(held, set())
+            if inputs is not None:
+                await ctx.admit(held, *inputs)
+
+    async def _cached_images(self, held: Held) -> set[int]:
+        """The request's images whose KV the prefix cached here holds now (nothing to pull for them)."""
+        spec, ctx = held.spec, self.ctx
+        if not spec.images:
+            return set()
+        engine = ctx.engine.engine
+        none = [None] * len(spec.images)
+        try:
+            prompt = spec_prompt(spec, engine.processor.placeholder_ids, none, none)
+        except ValueError:
+            return set()  # a prompt the engine cannot take: admission fails it, saying why
+        outputs = list(spec.output_token_ids)
+        return set(await ctx.engine.call(lambda: engine.handoff.cached_images(prompt, outputs)))
+
+    async def _inputs(self, held: Held, cached: set[int]) -> tuple[list, list] | None:
+        """Each image's pixels and features as the engine takes them: IN_PREFIX for those in
+        `cached`, pulled features for the rest, or where they cannot be had their pixels to encode
+        here if this instance holds the vision tower. None when the request went back to encode or
+        failed (its pixels gone too)."""
+        ctx, spec = self.ctx, held.spec
+        features, lacking = await self._pull_features(held, cached)
         pixels: list[torch.Tensor | None] = [None] * len(spec.images)
-        features = await self._pull_features(held)
-        if features is None:  # lost: recompute here if we hold the vision tower, else send it back
+        if lacking:
             ctx.ledger.check_live(held)  # (or dropped because the request was cancelled meanwhile)
             if Role.ENCODE not in ctx.roles:
                 await self._send_back_to_encode(held)
-                return
-            pixels, features = await self._pull_pixels(held), [None] * len(spec.images)
+                return None
+            pixels = await self._pull_pixels(held, lacking)
             if pixels is None:
                 ctx.ledger.check_live(held)
                 await ctx.fail(
                     held.request_id, "service_unavailable", "image features and pixels are both gone; retry"
                 )
-                return
-        ctx.ledger.mark(held, Stage.PREFILL_STARTED, prefill_instance=ctx.instance_id)
-        ctx.counters.prefills += 1
-        await ctx.admit(held, pixels, features)
+                return None
+            ctx.counters.images_to_encode += len(lacking)
+        return pixels, features
 
     def announce(self, stream: StreamedKv) -> None:
         """On the event loop, while the request's last prefill step runs: queue its decode task,
@@ -275,45 +317,71 @@ class PrefillHandler(StageHandler):
             await asyncio.sleep(TURN_POLL)
             ctx.ledger.check_live(held)
 
-    async def _pull_features(self, held: Held) -> list[torch.Tensor | None] | None:
-        """Every image's features; None when any cannot be had (owner gone, evicted)."""
-        ctx, rid = self.ctx, held.request_id
-        if not held.spec.images:
-            return []
-        ctx.ledger.mark(held, Stage.EP_TRANSFER_STARTED)
+    async def _pull_features(
+        self, held: Held, cached: set[int]
+    ) -> tuple[list[torch.Tensor | None], list[int]]:
+        """Each image's features (IN_PREFIX for those in `cached`), and the images whose features
+        cannot be had (owner gone, evicted, never stored). On an instance without the vision tower
+        the first such image ends the pulls: the request goes back to encode whole."""
+        ctx = self.ctx
         out: list[torch.Tensor | None] = []
+        lacking: list[int] = []
         paths: list[TransferPath] = []
-        for img in held.spec.images:
-            ref = img.features
-            if ref is None:
-                found = await ctx.store.features.get_many_touched([img.content_hash], FEATURE_TTL)
-                ref = found[img.content_hash].ref if found else None
-            try:
-                if ref is None:
-                    raise TransferError(f"no features registered for image {img.content_hash[:12]}")
-                tensor, path = await ctx.pull_with_path(held, ref)
-                out.append(tensor)
-                paths.append(path)
-            except TransferError as exc:
-                log.warning(
-                    "features of %s for %s unavailable (%s); recomputing", img.content_hash[:12], rid, exc
-                )
-                ctx.counters.feature_fetch_failures += 1
-                if isinstance(ref, TensorRef):
-                    await ctx.store.features.remove(img.content_hash, ref.owner)
-                return None
-        nbytes, path = sum(t.numel() * t.element_size() for t in out), path_label(paths)
-        ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED, ep_path=path, ep_bytes=str(nbytes))
-        seconds = held.marks[Stage.EP_TRANSFER_ENDED] - held.marks[Stage.EP_TRANSFER_STARTED]
-        ctx.metrics.transferred("ep", seconds, nbytes, path)
-        ctx.spans.record(
-            held, "transfer", Stage.EP_TRANSFER_STARTED, Stage.EP_TRANSFER_ENDED, hop="ep", bytes=nbytes
-        )
-        return out
+        todo = [img for i, img in enumerate(held.spec.images) if i not in cached]
+        if todo:
+            ctx.ledger.mark(held, Stage.EP_TRANSFER_STARTED)
+        for i, img in enumerate(held.spec.images):
+            if i in cached:
+                out.append(IN_PREFIX)
+                continue
+            pulled = await self._pull_one(held, img)
+            if pulled is None:
+                lacking.append(i)
+                if Role.ENCODE not in ctx.roles:
+                    return out, lacking
+                out.append(None)
+                continue
+            out.append(pulled[0])
+            paths.append(pulled[1])
+        if todo and not lacking:
+            nbytes = sum(t.numel() * t.element_size() for t in out if t is not IN_PREFIX)
+            path = path_label(paths)
+            ctx.ledger.mark(held, Stage.EP_TRANSFER_ENDED, ep_path=path, ep_bytes=str(nbytes))
+            seconds = held.marks[Stage.EP_TRANSFER_ENDED] - held.marks[Stage.EP_TRANSFER_STARTED]
+            ctx.metrics.transferred("ep", seconds, nbytes, path)
+            ctx.spans.record(
+                held, "transfer", Stage.EP_TRANSFER_STARTED, Stage.EP_TRANSFER_ENDED, hop="ep", bytes=nbytes
+            )
+        return out, lacking
 
-    async def _pull_pixels(self, held: Held) -> list[torch.Tensor | None] | None:
+    async def _pull_one(self, held: Held, img: ImageSpec) -> tuple[torch.Tensor, TransferPath] | None:
+        """One image's features and the path they came by, from the ref its task carries or the
+        feature index; None when they cannot be had."""
+        ctx = self.ctx
+        ref = img.features
+        if ref is None:
+            found = await ctx.store.features.get_many_touched([img.content_hash], FEATURE_TTL)
+            ref = found[img.content_hash].ref if found else None
+        if ref is None and Role.ENCODE in ctx.roles:
+            return None  # stored nowhere: encoded here, as the gateway may have meant
         try:
-            return [await self.ctx.pull(held, img.pixels) for img in held.spec.images]
+            if ref is None:
+                raise TransferError(f"no features registered for image {img.content_hash[:12]}")
+            return await ctx.pull_with_path(held, ref)
+        except TransferError as exc:
+            log.warning("features of %s for %s unavailable (%s)", img.content_hash[:12], held.request_id, exc)
+            ctx.counters.feature_fetch_failures += 1
+            if isinstance(ref, TensorRef):
+                await ctx.store.features.remove(img.content_hash, ref.owner)
+            return None
+
+    async def _pull_pixels(self, held: Held, indices: list[int]) -> list[torch.Tensor | None] | None:
+        """The pixels of the images at `indices` (None for the rest); None when any are gone."""
+        try:
+            return [
+                await self.ctx.pull(held, img.pixels) if i in indices else None
+                for i, img in enumerate(held.spec.images)
+            ]
         except TransferError as exc:
             log.warning("pixels of %s unavailable: %s", held.request_id, exc)
             return None

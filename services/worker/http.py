@@ -27,7 +27,10 @@ class WorkerCollector:
         w = self.w
         labels = ["instance", "roles"]
         values = [w.instance_id, ",".join(sorted(w.roles))]
-        for kind, table in ((CounterMetricFamily, self.counters()), (GaugeMetricFamily, self.gauges())):
+        stages = [h.figures() for h in w.handlers.values()]  # each stage's own
+        counters = self.counters() + [row for c, _ in stages for row in c]
+        gauges = self.gauges() + [row for _, g in stages for row in g]
+        for kind, table in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
             for name, value, doc in table:
                 metric = kind(f"trident_{name}", doc, labels=labels)
                 metric.add_metric(values, value)

@@ -62,6 +62,11 @@ class StageHandler:
         """A request ended in this instance's engine: the stage's marks and metrics of it
         (decode's; nothing by default)."""
 
+    def figures(self) -> tuple[list[tuple[str, float, str]], list[tuple[str, float, str]]]:
+        """The stage's own counters and gauges for /metrics, each (name, value, help), named
+        trident_<name> (none by default)."""
+        return [], []
+
     def room(self, load: Load) -> int:
         """How many of this stage's tasks to fetch now."""
         return type(self).pull_rule(load)

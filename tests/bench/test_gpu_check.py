@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from common.engine.decoder_ops import REFERENCE_OPS
 from tests.bench import run_bench
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 
 
+@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
 def test_the_gpu_check_rehearses_every_step_on_the_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     _, printed = run_bench(

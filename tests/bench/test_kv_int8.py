@@ -14,7 +14,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kv_int8.py"
 
 
 @pytest.mark.parametrize(
-    ("compare", "share"), [("int8", 0.254), pytest.param("bf16", 0.5, marks=pytest.mark.slow)]
+    ("compare", "share"),
+    [pytest.param("int8", 0.254, marks=pytest.mark.slow), pytest.param("bf16", 0.5, marks=pytest.mark.slow)],
 )
 def test_the_kv_int8_bench_reports_agreement_and_wire_bytes(tiny_model_dir: Path, compare, share) -> None:
     _, report = run_bench(

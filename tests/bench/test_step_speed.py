@@ -23,6 +23,7 @@ def run(tiny_model_dir: Path, *extra: str, cwd: Path | None = None) -> dict:
     )[1]  # fmt: skip
 
 
+@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
 def test_both_engines_are_timed_at_each_batch(tiny_model_dir: Path) -> None:
     result = run(tiny_model_dir, "--no-llamacpp")
     assert set(result["steps"]) == {"trident packed=auto", "trident packed=off"}
@@ -37,12 +38,14 @@ def test_both_engines_are_timed_at_each_batch(tiny_model_dir: Path) -> None:
     assert all(r > 0 for r in result["prefill_matmul_share"]["trident packed=auto"].values())
 
 
+@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
 def test_a_half_precision_kv_cache_is_a_third_engine(tiny_model_dir: Path) -> None:
     result = run(tiny_model_dir, "--no-llamacpp", "--kv-cache-dtype", "float16")
     assert set(result["steps"]) == {"trident packed=auto", "trident packed=off", "trident kv=f16"}
     assert set(result["trident_over"]["trident kv=f16"]["decode"]) == {"1", "4"}
 
 
+@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
 def test_without_llama_cpp_built_it_says_how_to_build_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--rounds", "1"],

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from common.engine.spec_prompt import spec_block_hashes
-from common.protocol import Heartbeat, PrefixBlocks, RequestSpec, SamplingParams
+from common.protocol import Heartbeat, ImageSpec, PrefixBlocks, RequestSpec, SamplingParams
 from common.roles import Role
 from services.gateway import kv_routing
 from services.gateway.kv_routing import PrefixIndex, PrefixRouter
@@ -131,3 +131,25 @@ def test_a_decoder_that_holds_the_history_continues_a_turn_whose_rest_is_short()
     assert router.choose(spec(PROMPT), [prefill, decoder("d1", up_to=1000)]).target == "p1"
     # A decoder that does not prefill turns (0) is never a target, whatever it holds.
     assert router_holding(d1=19).choose(spec(PROMPT), [decoder("d1", up_to=0)]).target is None
+
+
+def test_the_images_wholly_inside_the_chosen_prefix_are_named_and_whether_it_encodes():
+    """What routing sends around the encode stage (routing.py): the images whose placeholders all
+    lie in the prefix the target holds — not one that runs past it — and whether the target holds
+    the vision tower, to encode the others itself."""
+    tokens = list(PROMPT)
+    first, second = range(2 * BS, 5 * BS), range(9 * BS + 3, 13 * BS)  # the second ends in block 12
+    for p in (*first, *second):
+        tokens[p] = IMAGE_TOKEN
+    images = tuple(
+        ImageSpec(content_hash=h, num_tokens=len(span)) for h, span in (("cat", first), ("dog", second))
+    )
+    request = spec(tokens).model_copy(update={"images": images})
+    held = spec_block_hashes(request, IMAGE_TOKEN, BS)
+    for blocks, inside in ((12, (0,)), (13, (0, 1)), (4, ())):
+        router = PrefixRouter(IMAGE_TOKEN, min_tokens=16, load_tokens=256)
+        router.index.apply(PrefixBlocks(instance_id="p1", seq=1, block_size=BS, gained=tuple(held[:blocks])))
+        choice = router.choose(request, [beat("p1")])
+        assert (choice.target, choice.in_prefix, choice.encodes) == ("p1", inside, False), blocks
+    hybrid = beat("p1", roles=(Role.ENCODE, Role.PREFILL))
+    assert router.choose(request, [hybrid]).encodes

@@ -136,6 +136,7 @@ def test_a_worker_measures_its_host_and_itself() -> None:
         pass
     busy1, own1 = cpu.counters()
     wall = time.monotonic() - start
-    assert own1 - own0 >= 0.3 and (own1 - own0) / wall > 0.5  # most of a core while it spun
+    # It spun 0.3 s of its own CPU; a loaded host stretches the wall time, never the CPU time.
+    assert 0.3 - 0.02 <= own1 - own0 <= wall + 0.05
     assert busy1 - busy0 >= own1 - own0 - 0.05  # the host's busy cores hold this process (to a tick)
     assert host_id() and cpu.host == host_id() and cpu.cores == 2

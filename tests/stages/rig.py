@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.aio import raise_if_cancelled
 from common.bus import Bus, BusConfig, Task
 from common.dispatch import Dispatcher
 from common.engine import Engine, EngineConfig
@@ -131,8 +132,8 @@ async def stage_rig(
 ) -> AsyncIterator[StageRig]:  # fmt: skip
     """`roles`' handlers on one engine, as one instance. With `settings`, the engine and handlers are
     configured from them as a worker configures its own (`engine` still overrides the engine's)."""
-    if settings is None:
-        config = EngineConfig(roles=roles, detokenize=False, kv_cache_bytes=16 << 20, **engine)
+    if settings is None:  # `engine` may override these defaults too
+        config = EngineConfig(**{"roles": roles, "detokenize": False, "kv_cache_bytes": 16 << 20, **engine})
     else:
         config = dataclasses.replace(engine_config(settings, roles), **engine)
     loaded = await asyncio.to_thread(Engine, model, config)
@@ -147,7 +148,7 @@ async def stage_rig(
     loop = EngineLoop(loaded, steps.put_nowait)
     loop.start()
     ledger = Ledger(loop, transfer, record, finals_window=finals_window)
-    dispatch = Dispatcher(bus.tasks, record)
+    dispatch = Dispatcher(bus.tasks, record, bus, store.registry, sender=name)  # as the runtime builds it
     ctx = StageContext(name, roles, loop, ledger, bus, store, transfer, dispatch, Counters())
     handlers = {
         role: STAGES[role](ctx) if settings is None else STAGES[role].from_settings(ctx, settings)
@@ -157,6 +158,7 @@ async def stage_rig(
 
     async def pump() -> None:
         while True:
+            raise_if_cancelled()  # a cancel nats-py swallowed mid-publish (common/aio.py) still ends it
             await publisher.publish(await steps.get())
 
     watches = [h.watch() for h in handlers.values()]

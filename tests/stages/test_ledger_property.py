@@ -50,6 +50,7 @@ class Clock:
         return self.now
 
 
+@pytest.mark.slow  # a property sweep of minutes: `make test`, not the fast tier
 @pytest.mark.parametrize("roles", ROLE_SETS)
 def test_random_sequences_keep_ledger_and_engine_in_agreement(roles: str, tiny_model_dir) -> None:
     block_bytes = 16 * 4 * 2 * 2 * 16 * 4  # tokens x layers x (K, V) x kv heads x head dim x fp32

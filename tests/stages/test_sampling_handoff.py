@@ -140,6 +140,13 @@ async def test_a_field_survives_the_hand_off_and_a_decoders_replay(
         await send(p, rid, params)
         prefill = await p.take(Role.PREFILL)
         decodes = [await d1.take(Role.DECODE) for _ in ids]  # one decode task a choice
+        if params.logprobs is not None:  # the prefill's tokens' log-probabilities ride with each task
+            for task in decodes:
+                request = task.message.request
+                made = want[ids.index(request.request_id)].logprobs[: len(request.output_token_ids)]
+                assert len(request.output_logprobs) == len(request.output_token_ids) >= 1
+                got = [lp.logprob for lp in request.output_logprobs]
+                assert got == pytest.approx([lp.logprob for lp in made], abs=1e-4)
         await p.until(lambda: prefill.settled, what="the prefill task settled once every choice left")
         await asyncio.to_thread(holding.wait, 60)
         last = next(t for t in decodes if t.message.request.request_id == ids[-1])
