@@ -25,7 +25,9 @@ HEAL_TIMEOUT = 120.0  # seconds: a restarted worker loads and profiles the model
 
 
 def healed(cluster: Cluster) -> Iterator[Cluster]:
-    """The body of a test's fixture over a struck deployment: the deployment, healed afterwards."""
+    """The body of a test's fixture over a struck deployment: the deployment whole (every worker
+    registered: a fresh one may still be joining), and healed afterwards."""
+    heal(cluster)
     yield cluster
     heal(cluster)
 

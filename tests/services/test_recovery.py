@@ -65,8 +65,16 @@ def test_features_of_a_dead_encoder_are_recomputed_elsewhere(replicas):
     owner = next(e for e in encoders if grew(e) == 1)
     other = next(e for e in encoders if e is not owner)
     os.kill(pid_of(owner), signal.SIGKILL)
-    # The feature index still names the dead encoder: prefill fails to pull, sends it back.
-    assert ask(cluster, picture) == first
+    # The feature index still names the dead encoder: prefill fails to pull, sends it back. Words
+    # before the picture keep it out of the prefix the first request cached (an image inside a
+    # cached prefix needs no features at all).
+    client = client_for(cluster)
+    (later,) = user_message(picture, "Describe it")
+    later["content"].insert(0, {"type": "text", "text": "Once more."})
+    reply = client.chat.completions.create(
+        model="tiny-llava", messages=[later], max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert first and reply.usage.completion_tokens == 12
     assert grew(other) == 1
     failed = counts(cluster, "prefill", "trident_feature_fetch_failures_total")
     assert sum(failed.values()) - sum(fetch_failures.values()) == 1
