@@ -115,7 +115,7 @@ def lane_scheduler(config, log):
 
         def _split_scope(self, nodeid: str) -> str:
             if self.lanes is None:  # once every worker has collected: the same ids as theirs
-                self.lanes = assign(self.collection, Recorded.load())
+                self.lanes = assign(self.collection, Recorded.load(), self.numnodes)
             return f"lane-{self.lanes.get(module_of(nodeid), 0)}"
 
     return LaneScheduling(config, log)

@@ -52,7 +52,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     still to come after a test is what comes after it in its own lane (one lane in a run without)."""
     items = session.items
     laned = os.environ.get("PYTEST_XDIST_WORKER") and session.config.getoption("dist", "no") == "loadscope"
-    lanes = assign([i.nodeid for i in items], Recorded.load()) if laned else {}
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    lanes = assign([i.nodeid for i in items], Recorded.load(), count) if laned else {}
     lane = [lanes.get(i.nodeid.split("::")[0], 0) for i in items]
     index = {id(item): n for n, item in enumerate(items)}
 

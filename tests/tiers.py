@@ -2,8 +2,9 @@
 
 A test is slow when it starts a deployment: one of our services as its own process (a cluster from
 trident/launcher/cluster.py, the planner), `trident up` (real or with stand-in services), or Docker
-Compose. Those take tens of seconds each, and so does a benchmark run whole on the CPU or a
-property sweep (tests/bench, tests/stages/test_ledger_property.py), which are slow too; everything
+Compose. Those take tens of seconds each, and so does a benchmark run whole on the CPU, a
+property sweep or an external validator run over every rendered object (tests/bench,
+tests/stages/test_ledger_property.py, the schema and checkov checks), which are slow too; everything
 else (the engine against HF, the substrate against a real nats-server and redis-server, in-process
 services) stays in the fast tier.
 

@@ -54,6 +54,7 @@ def test_the_gpu_check_rehearses_every_step_on_the_cpu(tiny_model_dir: Path, tmp
     assert identity["ops"]["paged_decode"] == "reference"
 
 
+@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
 def test_without_a_gpu_it_says_how_to_rehearse() -> None:
     import torch
 

@@ -54,6 +54,7 @@ def written(rendered, tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow  # an external validator over every object (tens of seconds): `make test`, not the fast tier
 def test_the_objects_pass_the_kubernetes_schemas(written: Path) -> None:
     files = sorted(str(p) for p in written.glob("*/trident.yaml"))
     run = subprocess.run([tool("kubernetes-validate"), "--strict", *files], capture_output=True, text=True)
@@ -99,6 +100,7 @@ def test_the_custom_resources_pass_their_crd_schemas(rendered) -> None:
     assert code == 1 and "isCA" in lines[0]["error"]
 
 
+@pytest.mark.slow  # an external validator over every object (tens of seconds): `make test`, not the fast tier
 def test_checkov_passes_with_the_written_down_exceptions(written: Path) -> None:
     config = ROOT / "deploy" / "kubernetes" / "checkov.yaml"
     failed, passed = checkov(written, "--config-file", str(config))

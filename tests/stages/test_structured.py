@@ -14,6 +14,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+import pytest
+
 from common.bus import EventStream, keep_alive
 from common.protocol import (
     EncodeTask,
@@ -182,6 +184,7 @@ def requests(per_schema: int) -> list[tuple[str, dict, int | None]]:
     return [(n, s, None if k == 0 else k) for n, s in SCHEMAS.items() for k in range(per_schema)]
 
 
+@pytest.mark.slow  # a sweep of hundreds of answers through four rigs: `make test`, not the fast tier
 async def test_two_hundred_answers_of_ten_schemas_validate_under_the_four_methods(
     tiny_model_dir, nats_server, redis_server, owner
 ):
