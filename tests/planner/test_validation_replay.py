@@ -28,6 +28,8 @@ import pytest
 from common.stats import SLO
 from trident.bench.validation import goodput, replay_folder, summary
 
+pytestmark = pytest.mark.slow  # every recorded validation run replayed: `make test`, not the fast tier
+
 DATA = Path(__file__).resolve().parents[1] / "data"
 BOUND = 0.35
 RUNS = ("planner_validation/run8", "planner_validation/run9", "planner_validation/run10")

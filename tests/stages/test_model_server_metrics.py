@@ -95,5 +95,8 @@ async def test_a_decoding_request_runs_and_its_blocks_count_as_used(
         assert metrics["vllm:gpu_cache_usage_perc"][1] == truth["used"] / total
         await pd.ledger.abort(spec.request_id)  # as its client leaving would
         await pd.idle()
-        assert scrape(pd)["vllm:num_requests_running"][1] == 0.0
+        # The figures are the engine thread's, refreshed as it comes back from the call idle() made.
+        gone = lambda: scrape(pd)["vllm:num_requests_running"][1] == 0.0  # noqa: E731
+        await pd.until(gone, 5, "no running request in the figures")
+        assert scrape(pd)["vllm:kv_cache_usage_perc"][1] == 0.0
         await stream.close()

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 LOOPBACK = ["127.0.0.1"] * 3
 
 
+@pytest.mark.slow  # a failover waited out on the servers' own timers: `make test`, not the fast tier
 def test_the_task_stream_keeps_every_task_when_its_leader_node_dies(tmp_path: Path) -> None:
     with NatsCluster(tmp_path, LOOPBACK, token="t0ken") as cluster:
 
@@ -68,6 +69,7 @@ def test_the_task_stream_keeps_every_task_when_its_leader_node_dies(tmp_path: Pa
         assert cluster.settled()
 
 
+@pytest.mark.slow  # a failover waited out on the servers' own timers: `make test`, not the fast tier
 def test_a_store_follows_the_primary_the_sentinels_promote(tmp_path: Path) -> None:
     with RedisGroup(tmp_path, LOOPBACK, password="s3cret") as group:
         assert sentinel_target(group.url) is not None
