@@ -18,11 +18,13 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.hf
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # loaded on the first grammar: an engine that serves none never maps the parser
+    import llguidance
 
 log = logging.getLogger(__name__)
 CACHE_SIZE = 128  # compiled grammars kept; a schema's text is its key, so clients reusing one hit
@@ -99,6 +101,8 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
+                import llguidance.hf
+
                 try:
                     self._tokenizer = llguidance.hf.from_tokenizer(
                         self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos or None
@@ -109,6 +113,8 @@ class Grammars:
 
     def check(self, grammar: str) -> str | None:
         """Why `grammar` cannot be used (the parser's words, cut short), or None when it can."""
+        import llguidance
+
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         return error[:ERROR_CHARS] if error else None
 
@@ -129,6 +135,8 @@ class Grammars:
             if matcher is not None:
                 self._compiled.move_to_end(grammar)
                 return matcher.deep_copy()
+        import llguidance
+
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the grammar does not compile: {matcher.get_error()[:ERROR_CHARS]}")
