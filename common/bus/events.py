@@ -9,6 +9,7 @@ not be lost, use JetStream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import OutboundBufferLimitError
+from nats.errors import ConnectionClosedError, FlushTimeoutError, OutboundBufferLimitError
 
 from common.aio import raise_if_cancelled
 from common.bus.subjects import Subjects
@@ -38,6 +39,7 @@ from common.protocol import (
 
 log = logging.getLogger(__name__)
 PUBLISH_PATIENCE = 60.0  # seconds a publish waits for NATS to return once the client's buffer is full
+SUBSCRIBE_FLUSH_TIMEOUT = 5.0  # seconds a new subscription waits for the server to confirm it
 
 
 class EventStream:
@@ -140,9 +142,15 @@ class EventBus:
     async def subscribe(
         self, subject: str, expect: tuple[type[Message], ...], queue: str = ""
     ) -> EventStream:
-        """Messages on `subject` (wildcards allowed); with `queue`, one member of the group gets each."""
+        """Messages on `subject` (wildcards allowed); with `queue`, one member of the group gets each.
+        Returns once the server has the subscription, so a message published after this returns is
+        not missed (while the broker is away the subscription waits in the client's buffer instead,
+        and is made on reconnect)."""
         stream = EventStream(expect, self._sink)
         stream._sub = await self._nc.subscribe(subject, queue=queue, cb=stream._on_msg)
+        if self._nc.is_connected:
+            with contextlib.suppress(FlushTimeoutError, ConnectionClosedError):
+                await self._nc.flush(timeout=SUBSCRIBE_FLUSH_TIMEOUT)
         return stream
 
     # -- the named events ----------------------------------------------------------------------------
