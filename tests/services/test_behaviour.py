@@ -1,7 +1,8 @@
 """Replicas share work, routing skips the encoder when it can, and a cancelled stream frees its KV.
 
 On the E+P+D deployment with two of each stage that the fault tests strike (tests/helpers/faults.py),
-made whole before this module: what a test counts is what its own requests added."""
+made whole before this module: what a test counts is what its own requests added. For the scarce-KV
+case its two decoders give way to one with little KV, and are put back after it."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.deploy import running_cluster
 from tests.helpers.chat import client_for, user_message
 from tests.helpers.deployments import shared
-from tests.helpers.faults import TWO_OF_EACH, healed
+from tests.helpers.faults import TWO_OF_EACH, healed, replaced_decoder
 from tests.helpers.images import data_url, make_image
 from tests.helpers.probes import instances, metric
 
@@ -119,13 +119,12 @@ def test_cancelled_stream_releases_its_kv_blocks(two_decoders):
     assert stopped_at - before < 1000, "the request should have been cancelled, not run to max_tokens"
 
 
-def test_requests_wait_for_scarce_decode_kv_instead_of_being_dropped(tiny_model_dir, tmp_path_factory):
-    # KV for ~200 tokens per instance: a decoder holds two of these requests at a time, so most wait
-    # for blocks. Each must be answered: a decode task that waits is held, not given back until it
-    # runs out of deliveries and is dead-lettered.
-    workdir = tmp_path_factory.mktemp("scarce-kv")
-    kv = {"TRIDENT_KV_CACHE_BYTES": str(200 << 10)}
-    with running_cluster(tiny_model_dir, workdir, "e+p+d", env=kv) as c:
+def test_requests_wait_for_scarce_decode_kv_instead_of_being_dropped(two_of_each):
+    # KV for ~200 tokens on the one decoder (in place of the deployment's two for this test): it
+    # holds two of these requests at a time, so most wait for blocks. Each must be answered: a
+    # decode task that waits is held, not given back until it runs out of deliveries and is
+    # dead-lettered.
+    with replaced_decoder(two_of_each, "decode-scarce-kv", TRIDENT_KV_CACHE_BYTES=str(200 << 10)) as c:
         client = client_for(c)
 
         def ask(i: int):
