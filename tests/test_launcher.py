@@ -357,29 +357,6 @@ def test_up_runs_method_restarts_and_down_drains(
 
 @pytest.mark.slow  # `trident up` over stand-in services
 @pytest.mark.timeout(60)
-def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    """SIGINT (Ctrl-C) drains like `trident down`, and `trident up` exits 0."""
-    stand_in_compose(tmp_path)
-    proc, lines = start_up(tmp_path, "--method", "epd", "--port", str(free_port()))
-    try:
-        read_until(lines, "gateway:")
-        state = json.loads((tmp_path / ".trident" / "up.json").read_text())
-        assert [p["name"] for p in state["processes"]] == ["worker-epd-1", *PLANNER, "gateway-1"]
-        assert (
-            stand_in_record(tmp_path, state["processes"][0]["pid"])["env"]["TRIDENT_ROLES"]
-            == "encode,prefill,decode"
-        )
-        proc.send_signal(signal.SIGINT)
-        assert "stopped" in read_until(lines, None)
-        assert proc.wait(timeout=10) == 0
-    finally:
-        stop_up(proc)
-    assert all(stand_in_record(tmp_path, p["pid"]).get("drained") for p in state["processes"])
-    assert not any(is_alive(server) for server in state["servers"].values())
-
-
-@pytest.mark.slow  # `trident up` over stand-in services
-@pytest.mark.timeout(60)
 def test_up_fails_when_a_service_dies_during_start_up(tmp_path: Path, monkeypatch) -> None:
     # The gateway waits for every worker, as a real one does, so it is never ready here: else, on a
     # busy machine, the stand-in gateway answered /ready before the failing decoder had exited.
@@ -417,9 +394,10 @@ def test_a_killed_up_takes_its_servers_and_services_with_it(tmp_path: Path) -> N
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_a_second_up_clears_what_a_dead_one_left(tmp_path: Path) -> None:
+def test_a_second_up_clears_what_a_dead_one_left_and_ctrl_c_stops_it(tmp_path: Path) -> None:
     """A gateway that outlived its SIGKILLed `trident up` held the port: the next `trident up` on that
-    port refused to start. It now stops what the dead run's state file names, then starts."""
+    port refused to start. It now stops what the dead run's state file names, then starts. And
+    SIGINT (Ctrl-C) drains that second run like `trident down`, and it exits 0."""
     stand_in_compose(tmp_path, gateway_mode="stubborn-gateway")
     port = free_port()
     first, lines = start_up(tmp_path, "--method", "epd", "--port", str(port))
@@ -434,6 +412,7 @@ def test_a_second_up_clears_what_a_dead_one_left(tmp_path: Path) -> None:
         wait_until(lambda: not any(is_alive(r) for r in others), timeout=20)
         assert is_alive(gateway)  # it ignores the SIGTERM its parent's death sent
 
+        stand_in_compose(tmp_path)  # the second run's gateway stops when told, as every other service
         second, lines = start_up(tmp_path, "--method", "epd", "--port", str(port))
         try:
             seen = read_until(lines, "gateway:", timeout=40)
@@ -443,10 +422,18 @@ def test_a_second_up_clears_what_a_dead_one_left(tmp_path: Path) -> None:
             assert not is_alive(gateway)
             again = json.loads((tmp_path / ".trident" / "up.json").read_text())
             assert again["pid"] == second.pid and again["port"] == port
+            assert [p["name"] for p in again["processes"]] == ["worker-epd-1", *PLANNER, "gateway-1"]
+            assert (
+                stand_in_record(tmp_path, again["processes"][0]["pid"])["env"]["TRIDENT_ROLES"]
+                == "encode,prefill,decode"
+            )
             second.send_signal(signal.SIGINT)
-            assert second.wait(timeout=30) == 0
+            assert "stopped" in read_until(lines, None)
+            assert second.wait(timeout=10) == 0
         finally:
             stop_up(second)
+        assert all(stand_in_record(tmp_path, p["pid"]).get("drained") for p in again["processes"])
+        assert not any(is_alive(server) for server in again["servers"].values())
     finally:
         stop_up(first)
         with contextlib.suppress(ProcessLookupError):

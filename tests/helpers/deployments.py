@@ -12,14 +12,17 @@ its own (`tests.deploy.running_cluster`), or restarts its victim before the next
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from common.checkpoints import write_checkpoint
+from common.infra import free_port
 from tests.deploy import running_cluster
 from trident.launcher.cluster import Cluster
 
@@ -133,6 +136,24 @@ def shared(*keys: Deployment, ids: list[str] | None = None):
     params = list(keys) if len(keys) > 1 else None
     ids = ids or (params and [k.name for k in keys])
     return pytest.fixture(scope="module", params=params, ids=ids)(fixture)
+
+
+def extra_gateway(cluster: Cluster, name: str, timeout: float = 60.0, **env: str) -> str:
+    """Another gateway on a running deployment, configured by `env` over the deployment's, ready;
+    returns its URL. A module that needs a gateway configured its own way starts one beside a shared
+    deployment's (and stops it, `cluster.stop(name)`), instead of a deployment of its own."""
+    port = free_port()
+    cluster.start(name, "services.gateway", TRIDENT_PORT=str(port), **env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(cluster.log(name)[-2000:])
 
 
 @functools.cache

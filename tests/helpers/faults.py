@@ -1,19 +1,21 @@
 """The deployments the fault tests strike (tests/services/test_failover.py, test_recovery.py): two of
 every worker, so a victim always has a survivor, shared by both modules; and `heal`, which after
 each test restarts what the test killed, stopped or left frozen, so the next test starts from the
-whole deployment instead of a fresh one."""
+whole deployment instead of a fresh one. And `replaced_decoder`: a shared deployment's decoders
+swapped for one configured otherwise, for a while, and put back."""
 
 from __future__ import annotations
 
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from tests.helpers.deployments import Deployment
-from tests.helpers.probes import pid_of
+from tests.helpers.probes import instances, pid_of, wait_for
 from trident.launcher.cluster import Cluster
 
 # Far beyond any failover: a request that moved on by its ack deadline would fail the stall checks.
@@ -61,3 +63,26 @@ def registered(cluster: Cluster) -> set[int] | None:
 def name_of_pid(cluster: Cluster, pid: int) -> str:
     (name,) = [n for n, p in cluster.procs.items() if p.pid == pid]
     return name
+
+
+@contextmanager
+def replaced_decoder(cluster: Cluster, name: str, **env: str) -> Iterator[Cluster]:
+    """The deployment, whole, with its decode instances replaced by one, `name`, a replica of
+    compose's decode service under `env`; afterwards the plain ones back on their own specs, and the
+    deployment whole again."""
+    heal(cluster)
+    specs = {n: c.spec for n, c in cluster.children.items() if c.spec.service == "decode"}
+    cluster.start(name, "services.decode", **env)
+    try:
+        wait_for(lambda: len(instances(cluster, "decode")) == len(specs) + 1, what=f"{name} registered")
+        for plain in specs:
+            cluster.stop(plain)  # the plain decoders drain and leave
+        wait_for(lambda: len(instances(cluster, "decode")) == 1, what=f"{', '.join(specs)} gone")
+        yield cluster
+    finally:
+        if name in cluster.procs:
+            cluster.stop(name)
+        for plain, spec in specs.items():
+            if plain not in cluster.procs:
+                cluster.start_spec(spec)
+        heal(cluster)

@@ -1,7 +1,10 @@
 """The gateway's door against clients that misbehave, on a real deployment over real sockets: a
 flood of slow bodies holds no in-flight slot and is cut at the body deadline while others are
 served; a 413 or 408 closes the connection; a connection slow to send its headers is closed; and
-two clients' large images neither stall a text request nor leave their memory held."""
+two clients' large images neither stall a text request nor leave their memory held.
+
+The gateway configured for it runs beside the shared EPD deployment's (tests/conftest.py), which
+serves its requests; it is stopped after the module."""
 
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ import socket
 import threading
 import time
 from base64 import b64encode
+from dataclasses import dataclass
 
 import httpx
 import pytest
 from PIL import Image
 
-from tests.deploy import running_cluster
 from tests.helpers.chat import openai_error, user_message
+from tests.helpers.deployments import extra_gateway
 from tests.helpers.probes import metric
 
 FLOOD = 1000
@@ -34,13 +38,23 @@ GATEWAY = {
 }
 
 
+@dataclass(frozen=True)
+class Door:
+    """The gateway configured above: where it listens, and its pid (whose memory a test reads)."""
+
+    url: str
+    pid: int
+
+
 @pytest.fixture(scope="module")
-def epd(tiny_model_dir, tmp_path_factory):
+def door(epd):
     """One gateway configured as above, for every test here (a gateway takes long to start on a
-    loaded machine)."""
-    workdir = tmp_path_factory.mktemp("door")
-    with running_cluster(tiny_model_dir, workdir, "epd", env=GATEWAY, ready_timeout=300) as c:
-        yield c
+    loaded machine), on the shared EPD deployment."""
+    url = extra_gateway(epd, "gateway-door", timeout=300, **GATEWAY)
+    try:
+        yield Door(url, epd.procs["gateway-door"].pid)
+    finally:
+        epd.stop("gateway-door")
 
 
 def address(url: str) -> tuple[str, int]:
@@ -94,11 +108,11 @@ def ends(socks: list[socket.socket], within: float) -> list[bytes | None]:
     return [out.get(s, b"OPEN") for s in socks]
 
 
-def test_a_flood_of_slow_bodies_holds_no_slot_and_is_cut_while_others_are_served(epd):
+def test_a_flood_of_slow_bodies_holds_no_slot_and_is_cut_while_others_are_served(door):
     """Regression: a request held an in-flight slot while its body trickled in, so 1,100 slow
     clients made every other request 429, and the server never closed them."""
     enough_descriptors(FLOOD + 100)
-    url = epd.url
+    url = door.url
     addr = address(url)
     opened = time.monotonic()
     slow = [slow_body(addr) for _ in range(FLOOD)]
@@ -129,18 +143,18 @@ def test_a_flood_of_slow_bodies_holds_no_slot_and_is_cut_while_others_are_served
     assert httpx.post(url + "/v1/completions", json=TEXT, timeout=30).status_code == 200
 
 
-def test_a_slow_body_gets_408_and_its_connection_closed(epd):
+def test_a_slow_body_gets_408_and_its_connection_closed(door):
     started = time.monotonic()
-    sock = slow_body(address(epd.url))
+    sock = slow_body(address(door.url))
     (reply,) = ends([sock], within=FLOOR + 10)
     assert reply and reply.startswith(b"HTTP/1.1 408") and b"connection: close" in reply.lower(), reply
     assert b"did not arrive in time: 9 of 1,000 bytes" in reply
     assert FLOOR - 1 < time.monotonic() - started < FLOOR + 5
 
 
-def test_a_413_closes_the_connection_and_the_client_cannot_go_on_sending(epd):
+def test_a_413_closes_the_connection_and_the_client_cannot_go_on_sending(door):
     """Regression: after a 413 the connection stayed open and the client kept sending its body."""
-    addr = address(epd.url)
+    addr = address(door.url)
     declared = socket.create_connection(addr, timeout=10)  # 1 GB declared
     declared.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -176,12 +190,12 @@ def rss_kb(pid: int) -> int:
 
 
 @pytest.mark.alone  # a latency bound and a memory bound: another lane beside it would move both
-def test_large_images_stall_no_text_request_and_their_memory_is_given_back(epd):
+def test_large_images_stall_no_text_request_and_their_memory_is_given_back(door):
     """Regression: two clients' 8 images of 7000x7000 made a text request wait 39 s (one thread
     preprocessed every image) and left 3.6 GB held. Here each request's 8 images of 3000x3000 are
     accepted (the request cap is set to fit them) and decoded; the default cap's 7000x7000 ones
     are refused from their headers."""
-    url, pid = epd.url, epd.procs["gateway"].pid
+    url, pid = door.url, door.pid
     big = [png_url(SIDE, SIDE, c) for c in range(IMAGES)]
     huge = [png_url(7000, 7000, c) for c in range(IMAGES)]
     chat = {"model": "tiny-llava", "max_tokens": 2}
@@ -234,10 +248,10 @@ def test_large_images_stall_no_text_request_and_their_memory_is_given_back(epd):
     assert settled <= 1.1 * idle, (idle, peak, settled)
 
 
-def test_a_request_past_the_pixel_cap_is_413_naming_the_field(epd):
+def test_a_request_past_the_pixel_cap_is_413_naming_the_field(door):
     over = [png_url(5000, 5000, 1)] * 3  # 75 Mpx together, above the 72 Mpx set here
     reply = httpx.post(
-        epd.url + "/v1/chat/completions",
+        door.url + "/v1/chat/completions",
         json={"model": "tiny-llava", "max_tokens": 2, "messages": user_message(over, "x")},
         timeout=60,
     )

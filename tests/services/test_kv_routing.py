@@ -1,7 +1,12 @@
 """Routing by cached prefix in a deployment (e+p+d, two prefill instances): a request goes to the
 prefill instance that holds its prompt's prefix, and computes only the rest; a restarted gateway
 learns where prefixes live again from the instances' snapshots; and a request sent to a holder that
-was just killed still ends, with HF's answer, taken back to the shared queue within the bound."""
+was just killed still ends, with HF's answer, taken back to the shared queue within the bound.
+
+On the E+P+D deployment with two of each stage that the fault tests strike (tests/helpers/faults.py),
+made whole before each test and after it (the killed holder restarted): its own preamble and picture,
+which no other module sends, keep what others cached out of its prefixes, and what a test counts is
+what this module's requests added."""
 
 from __future__ import annotations
 
@@ -13,13 +18,21 @@ import httpx
 import pytest
 import torch
 
-from tests.deploy import running_cluster
+from tests.helpers.announcements import Announcements
 from tests.helpers.chat import PREAMBLE, client_for
+from tests.helpers.deployments import shared
+from tests.helpers.faults import TWO_OF_EACH, heal, healed
 from tests.helpers.images import data_url, make_image
 from tests.helpers.probes import instances, metric, prefix_routes, read_store, wait_for
 
 MAX_TOKENS = 8
-FIRST = "Where does the fox sleep?"  # the deployment's first question
+# A preamble of this module's own: other modules' prompts share no block with it (PREAMBLE's first
+# blocks may be cached on either prefill instance by whatever ran on the deployment before). Its
+# words are one block of tiny-llava's tokens (16) exactly: the questions start where they did after
+# PREAMBLE alone, so "all but the question" is cached as it was.
+OWN_PREAMBLE = "Routing requests by a prefix. " + PREAMBLE
+PICTURE = 460  # an image no other module sends: no encoder or feature store has it yet
+FIRST = "Where does the fox sleep?"  # this module's first question
 FIRST_ANSWER = "In a den."  # what a client would send back as the first turn's answer
 
 
@@ -28,10 +41,10 @@ def messages(question: str, image: int | None = None) -> list[dict]:
     that test image (a turn that adds an image: the request is encoded first, and its prefix is the
     cached first turn — LLaVA's template puts a message's images before its text)."""
     if image is None:
-        return [{"role": "user", "content": PREAMBLE + question}]
+        return [{"role": "user", "content": OWN_PREAMBLE + question}]
     picture = {"type": "image_url", "image_url": {"url": data_url(make_image(image))}}
     return [
-        {"role": "user", "content": PREAMBLE + FIRST},
+        {"role": "user", "content": OWN_PREAMBLE + FIRST},
         {"role": "assistant", "content": FIRST_ANSWER},
         {"role": "user", "content": [{"type": "text", "text": question}, picture]},
     ]
@@ -63,38 +76,59 @@ def prefills(cluster) -> dict[str, dict]:
     return {i["instance_id"]: i for i in instances(cluster, "prefill")}
 
 
-def holder_of_one_prefill(cluster) -> dict:
-    """The prefill instance that has run a prefill (the deployment's first request)."""
-    ran = [i for i in prefills(cluster).values() if metric(i["http_address"], "trident_prefills_total") > 0]
+two_of_each = shared(TWO_OF_EACH)
+
+
+@pytest.fixture(scope="module")
+def baseline(two_of_each) -> dict[str, dict[str, float]]:
+    """What the instances had counted before this module's first request, by metric and instance
+    id (a restarted instance, under a new id, counts from 0)."""
+    heal(two_of_each)  # every worker registered, whatever the module before left
+    names = ("trident_prefills_total", "trident_mailbox_tasks_total")
+    return {n: {i: metric(p["http_address"], n) for i, p in prefills(two_of_each).items()} for n in names}
+
+
+@pytest.fixture
+def two_prefills(two_of_each, baseline):
+    """Two prefill instances (and two of each other stage), whole before the test and after it."""
+    yield from healed(two_of_each)
+
+
+def since(baseline: dict, name: str, instance: dict) -> float:
+    """`name` on `instance`, less what it had counted before this module."""
+    return metric(instance["http_address"], name) - baseline[name].get(instance["instance_id"], 0.0)
+
+
+def holder_of_one_prefill(cluster, baseline: dict) -> dict:
+    """The prefill instance that has run a prefill since this module began (its first request)."""
+    ran = [i for i in prefills(cluster).values() if since(baseline, "trident_prefills_total", i) > 0]
     assert len(ran) == 1, ran
     return ran[0]
 
 
-@pytest.fixture(scope="module")
-def two_prefills(tiny_model_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("kvrouting")
-    with running_cluster(tiny_model_dir, workdir, "e+p+d", {"prefill": 2}) as cluster:
-        wait_for(lambda: len(prefills(cluster)) == 2, what="two prefill instances")
-        yield cluster
-
-
-def test_a_request_goes_to_the_instance_that_holds_its_prefix(two_prefills, hf_tiny):
+def test_a_request_goes_to_the_instance_that_holds_its_prefix(two_prefills, baseline, hf_tiny):
     cluster = two_prefills
-    first = ask(cluster, FIRST)
-    assert first.choices[0].message.content == hf_answer(hf_tiny, FIRST)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    prompt_tokens = first.usage.prompt_tokens
-    wait_for(lambda: metric(cluster.url, "trident_gateway_prefix_index_keys") >= prompt_tokens // 16 - 1,
-             what="the gateway indexing the first prompt's blocks")  # fmt: skip
-    holder = holder_of_one_prefill(cluster)
+    routed = prefix_routes(cluster, "prefix")
+    with Announcements(cluster) as heard:
+        sent = time.monotonic()
+        first = ask(cluster, FIRST)
+        answered = time.monotonic()
+        assert first.choices[0].message.content == hf_answer(hf_tiny, FIRST)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        prompt_tokens = first.usage.prompt_tokens
+        holder = holder_of_one_prefill(cluster, baseline)
+        # What the gateway indexes it by (its index's size says nothing here: others' keys are in it).
+        heard.wait_gained(
+            holder["instance_id"], sent, answered, "the holder announcing the first prompt's blocks"
+        )
     for i, question in enumerate(["What does the fox eat?", "Is the dog lazy?", "How fast is it?"], 1):
         reply = ask(cluster, question)
         assert reply.choices[0].message.content == hf_answer(hf_tiny, question)
         assert reply.usage.prompt_tokens_details.cached_tokens >= prompt_tokens - 32  # all but the question
-        assert prefix_routes(cluster, "prefix") == i
-        assert metric(holder["http_address"], "trident_mailbox_tasks_total") == i
+        assert prefix_routes(cluster, "prefix") == routed + i
+        assert since(baseline, "trident_mailbox_tasks_total", holder) == i
     others = [p for p in prefills(cluster).values() if p["instance_id"] != holder["instance_id"]]
-    assert [metric(p["http_address"], "trident_prefills_total") for p in others] == [0]
+    assert [since(baseline, "trident_prefills_total", p) for p in others] == [0]
     # The planner's trace says what the cache spared, so its simulator does not compute it again.
     wait_for(lambda: traced(cluster, reply.id) is not None, what="the last request's trace entry")
     assert traced(cluster, reply.id).cached_tokens == reply.usage.prompt_tokens_details.cached_tokens
@@ -105,26 +139,33 @@ def traced(cluster, rid: str):
     return found[0] if found else None
 
 
-def test_a_request_encoded_first_is_sent_on_to_the_holder_by_its_encoder(two_prefills, hf_tiny):
+def test_a_request_encoded_first_is_sent_on_to_the_holder_by_its_encoder(two_prefills, baseline, hf_tiny):
     cluster = two_prefills
-    holder = holder_of_one_prefill(cluster)
+    holder = holder_of_one_prefill(cluster, baseline)
     before = metric(holder["http_address"], "trident_mailbox_tasks_total")
     routed = prefix_routes(cluster, "prefix")
-    reply = ask(cluster, "And what is in this picture?", image=2)
-    assert reply.choices[0].message.content == hf_answer(hf_tiny, "And what is in this picture?", image=2)
+    encoders = instances(cluster, "encode")
+    encoded = sum(metric(e["http_address"], "trident_images_encoded_total") for e in encoders)
+    question = "And what is in this picture?"
+    reply = ask(cluster, question, image=PICTURE)
+    assert reply.choices[0].message.content == hf_answer(hf_tiny, question, image=PICTURE)
     assert reply.usage.prompt_tokens_details.cached_tokens > 0
     assert prefix_routes(cluster, "prefix") == routed + 1
     assert metric(holder["http_address"], "trident_mailbox_tasks_total") == before + 1
-    encoder = instances(cluster, "encode")[0]
-    assert metric(encoder["http_address"], "trident_images_encoded_total") >= 1
+    assert sum(metric(e["http_address"], "trident_images_encoded_total") for e in encoders) >= encoded + 1
 
 
-def test_a_restarted_gateway_learns_where_prefixes_live(two_prefills, hf_tiny):
+def test_a_restarted_gateway_learns_where_prefixes_live(two_prefills, baseline, hf_tiny):
     cluster = two_prefills
-    holder = holder_of_one_prefill(cluster)
-    cluster.stop("gateway")
-    cluster.start("gateway", "services.gateway")
-    cluster.wait_ready()
+    holder = holder_of_one_prefill(cluster, baseline)
+    with Announcements(cluster) as heard:
+        cluster.stop("gateway")
+        cluster.start("gateway", "services.gateway")
+        cluster.wait_ready()
+        # The holder's own snapshot, not the first of any instance's: the others hold keys too.
+        heard.wait_snapshot(
+            holder["instance_id"], time.monotonic(), "the holder's snapshot after the restart"
+        )
     wait_for(lambda: metric(cluster.url, "trident_gateway_prefix_index_keys") > 0,
              what="a snapshot reaching the new gateway")  # fmt: skip
     before = metric(holder["http_address"], "trident_mailbox_tasks_total")
@@ -134,19 +175,19 @@ def test_a_restarted_gateway_learns_where_prefixes_live(two_prefills, hf_tiny):
     assert metric(holder["http_address"], "trident_mailbox_tasks_total") == before + 1
 
 
-def test_a_request_sent_to_a_killed_holder_still_ends_with_the_answer(two_prefills, hf_tiny):
+def test_a_request_sent_to_a_killed_holder_still_ends_with_the_answer(two_prefills, baseline, hf_tiny):
     """Killed just before the request: the gateway still lists it, sends the request there, and
     takes it back to the shared queue after TRIDENT_KV_ROUTING_TAKE_BACK (or the failover hands it
-    on first); the other prefill instance computes it."""
+    on first); the other prefill instance computes it. (Restarted after the test, as every victim.)"""
     cluster = two_prefills
-    holder = holder_of_one_prefill(cluster)
+    holder = holder_of_one_prefill(cluster, baseline)
+    routed = prefix_routes(cluster, "prefix")
     pid = int(holder["instance_id"].rsplit("-", 1)[1])
     os.kill(pid, signal.SIGKILL)
     began = time.monotonic()
     reply = ask(cluster, "Is the fox still there?")
     assert reply.choices[0].message.content == hf_answer(hf_tiny, "Is the fox still there?")
     assert time.monotonic() - began < 20
-    (name,) = [n for n, p in cluster.procs.items() if p.pid == pid]
-    cluster.procs.pop(name)
     found = httpx.get(cluster.url + "/metrics", timeout=5).text
-    assert prefix_routes(cluster, "prefix") == 2, found  # sent to the dead holder: the path under test
+    # Sent to the dead holder: the path under test.
+    assert prefix_routes(cluster, "prefix") == routed + 1, found

@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 
-from common.infra import free_port
 from tests.deploy import running_cluster
 from tests.helpers.chat import body, openai_error, user_message
+from tests.helpers.deployments import extra_gateway as gateway
 from tests.helpers.probes import instances, metric, pid_of
 
 
@@ -26,22 +26,6 @@ def epd(tiny_model_dir, tmp_path_factory):
     ttl = {"TRIDENT_HEARTBEAT_TTL": "60"}
     with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("limits"), "epd", env=ttl) as c:
         yield c
-
-
-def gateway(cluster, name: str, **env: str) -> str:
-    """Another gateway on the same deployment, configured by `env`; returns its URL."""
-    port = free_port()
-    cluster.start(name, "services.gateway", TRIDENT_PORT=str(port), **env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(cluster.log(name)[-2000:])
 
 
 def long_stream(url: str, **headers: str) -> httpx.Response:

@@ -1,5 +1,8 @@
 """A real `trident up` (EP+D with its planner), as a user runs it: it prints its gateway, serves,
-keeps its state file, and drains and exits 0 on SIGTERM. And what the user watches it with:
+keeps its state file, and drains and exits 0 on SIGTERM. It is closed by default: NATS asks for the
+deployment's token, Redis for its password, every transfer port for its secret, and the planner's
+writes for its key (a client without them reads no output subject, writes no plan, pulls nothing
+and re-plans nothing; with them, what the services get, it does). And what the user watches it with:
 
 - the shipped Prometheus config passes `promtool check config`;
 - every metric the Grafana dashboard queries is exposed by the running services, and a real
@@ -9,6 +12,7 @@ keeps its state file, and drains and exits 0 on SIGTERM. And what the user watch
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -17,21 +21,28 @@ import re
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import nats
 import openai
 import pytest
+import redis
 import yaml
 
 from common.infra import free_port
-from common.secrets import operator_header
-from tests.helpers.chat import user_message
+from common.secrets import NAMES, DeploymentSecrets, operator_header
+from common.store.keys import Keys
+from common.transfer import TransferConfig, create_backend
+from common.transfer.errors import Forbidden, HandleNotFound
+from tests.helpers.chat import client_for, user_message
 from tests.helpers.images import data_url, make_image
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,10 +62,15 @@ def wait_for(check, timeout: float, what: str):
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_model_dir, tmp_path_factory):
+def home(tmp_path_factory) -> Path:
+    """Where `trident up` runs: its compose.yaml, and the .trident folder it makes."""
+    return tmp_path_factory.mktemp("up")
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model_dir, home):
     """`trident up --method ep+d` (workers, gateway, planner and its jobs worker as processes), after
     a few requests with images: (gateway, planner, workers). It must drain and exit 0 on SIGTERM."""
-    home = tmp_path_factory.mktemp("up")
     shutil.copy(REPO / "compose.yaml", home / "compose.yaml")
     port, planner_port = free_port(), free_port()
     proc = subprocess.Popen(
@@ -262,3 +278,122 @@ def test_trident_top_once_prints_a_frame_and_says_when_it_cannot(deployment):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert gone.returncode == 1 and "error: cannot read" in gone.stderr
+
+
+# -- closed by default ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Running:
+    """The deployment above as its user reads it: its gateway and the state file it keeps."""
+
+    url: str
+    home: Path
+
+    def state(self) -> dict:
+        return json.loads((self.home / ".trident" / "up.json").read_text())
+
+    def cluster(self) -> list[dict]:
+        """Every registered instance, addresses included (the operator's view of /v1/cluster)."""
+        operator = operator_header(Path(self.state()["secrets"]))
+        return httpx.get(self.url + "/v1/cluster", headers=operator, timeout=5).json()["instances"]
+
+    def instances(self, role: str) -> list[dict]:
+        return [i for i in self.cluster() if role in i["roles"]]
+
+
+@pytest.fixture(scope="module")
+def up(deployment, home) -> Running:
+    return Running(deployment[0], home)
+
+
+def secrets_of(up: Running) -> DeploymentSecrets:
+    return DeploymentSecrets.read(Path(up.state()["secrets"]))
+
+
+def test_the_secrets_are_made_for_the_deployment_and_readable_by_its_owner_only(up):
+    folder = Path(up.state()["secrets"])
+    for name in NAMES:
+        assert stat.S_IMODE((folder / name).stat().st_mode) == 0o600
+    found = secrets_of(up)
+    assert len({found.nats_token, found.redis_password, found.transfer_secret}) == 3
+    answer = client_for(up).chat.completions.create(
+        model="tiny-llava", max_tokens=3, messages=user_message([], "hello")
+    )
+    assert answer.usage.completion_tokens == 3  # the services themselves have what they need
+
+
+def test_nats_refuses_a_client_without_the_token(up):
+    address = up.state()["servers"]["nats"]["url"]
+
+    async def subscribe(url: str) -> None:
+        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)
+        try:
+            await nc.subscribe("trident.out.>")
+            await nc.flush(timeout=2)
+        finally:
+            await nc.close()
+
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        asyncio.run(subscribe(address))
+    token = secrets_of(up).nats_token
+    asyncio.run(subscribe(address.replace("nats://", f"nats://{token}@")))  # with it: allowed
+
+
+def test_redis_refuses_a_plan_written_without_the_password(up):
+    url = up.state()["servers"]["redis"]["url"]
+    plan_key = Keys("trident").plan_apply
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(url, socket_timeout=2).set(plan_key, b"x")
+    with redis.Redis.from_url(url, password=secrets_of(up).redis_password) as client:
+        assert client.exists(plan_key) == 0  # nothing was written
+        assert client.ping()
+
+
+def test_a_transfer_port_answers_only_with_the_secret(up):
+    (decoder,) = up.instances("decode")
+    address = decoder["transfer_address"]
+
+    async def pull(secret: str) -> Exception:
+        puller = create_backend(TransferConfig(timeout=10, secret=secret))
+        await puller.start()
+        try:
+            await puller.pull(address, "no-such-handle")
+        except Exception as exc:
+            return exc
+        finally:
+            await puller.close()
+        raise AssertionError("a pull of a handle nobody published succeeded")
+
+    assert isinstance(asyncio.run(pull("")), Forbidden)
+    assert isinstance(asyncio.run(pull("wrong")), Forbidden)
+    # With the secret the owner looks the handle up: the refusal was the secret's, not the handle's.
+    assert isinstance(asyncio.run(pull(secrets_of(up).transfer_secret)), HandleNotFound)
+
+
+def test_the_planners_writes_take_the_deployments_planner_key(up):
+    """Regression: with keys off (the default), POST /plan/replan and /plan/jobs answered 202 to anyone."""
+    planner = up.state()["planner"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the planner starts beside the workers, maybe later
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(planner + "/health", timeout=2).status_code == 200:
+                break
+        time.sleep(0.5)
+    for path in ("/plan/replan", "/plan/jobs"):
+        refused = httpx.post(planner + path, json={}, timeout=10)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", path
+    key = {"Authorization": f"Bearer {secrets_of(up).planner_key}"}
+    assert httpx.post(planner + "/plan/replan", headers=key, timeout=10).status_code == 202
+
+
+def test_the_cluster_view_shows_where_instances_listen_to_the_operator_only(up):
+    """Regression: GET /v1/cluster listed every instance's HTTP and transfer address to anyone who
+    reached the gateway. They are shown under the deployment's planner key, blank to others."""
+    anyone = httpx.get(up.url + "/v1/cluster", timeout=5).json()
+    assert anyone["instances"] and "planner key" in anyone["addresses"]
+    assert all(i["http_address"] == i["transfer_address"] == "" for i in anyone["instances"])
+    assert all(i["instance_id"] and i["roles"] for i in anyone["instances"])  # the rest stays
+    wrong = httpx.get(up.url + "/v1/cluster", headers={"Authorization": "Bearer nope"}, timeout=5).json()
+    assert all(i["http_address"] == "" for i in wrong["instances"])
+    operator = up.cluster()  # under the planner key
+    assert all(i["http_address"].startswith("http://127.0.0.1:") for i in operator)
+    assert all(i["transfer_address"] for i in operator)
