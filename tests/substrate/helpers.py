@@ -14,6 +14,19 @@ from common.bus import Bus, BusConfig, Task, TaskConsumer
 from common.protocol import PrefillTask, RequestSpec
 
 T = TypeVar("T")
+# Bound on waiting for a transfer owner to notice what a reader did or that it died (UCX: its
+# liveness probe).
+SETTLE = 5.0
+
+
+def settles(check: Callable[[], bool], timeout: float = SETTLE) -> bool:
+    """Whether `check` holds within `timeout` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch
 from common.transfer import PeerLost, PeerUnreachable, TransferConfig, TransferPath, create_backend
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
 from tests.substrate.backends import BACKENDS
-from tests.substrate.helpers import pull_and_hold, pull_held_until_told, run, spawn
+from tests.substrate.helpers import pull_and_hold, pull_held_until_told, run, settles, spawn
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -32,22 +31,12 @@ SPECS = [
     TensorSpec((8, 2, 1 << 21), "float16", 34, GPU),  # 64 MB
 ]
 BIG = 3
-SETTLE = 5.0
 
 
 def _puller(backend: str, device: str | None = GPU, **kw):  # type: ignore[no-untyped-def]
     # host_local_cpu: a GPU tensor moved to host memory goes by memfd over UCX too, as over TCP.
     config = TransferConfig(backend=backend, timeout=20.0, device=device, host_local_cpu=True, **kw)  # type: ignore[arg-type]
     return create_backend(config)
-
-
-def _until(check: Callable[[], bool], timeout: float = SETTLE) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -114,7 +103,7 @@ def test_the_owners_gpu_memory_is_freed_on_release(backend: str) -> None:
 
         run(main())
         assert owner.release(handle)
-        assert _until(lambda: owner.stats()["cuda_allocated"] <= base), owner.stats()
+        assert settles(lambda: owner.stats()["cuda_allocated"] <= base), owner.stats()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -148,9 +137,9 @@ def test_a_reader_killed_holding_gpu_memory_leaves_the_owner_whole(backend: str)
         finally:
             if proc.is_alive():
                 proc.kill()
-        assert _until(lambda: owner.stats()["leases"] == 0), "the dead reader's hold was kept"
+        assert settles(lambda: owner.stats()["leases"] == 0), "the dead reader's hold was kept"
         assert owner.release(handle)
-        assert _until(lambda: owner.stats()["cuda_allocated"] <= base), owner.stats()
+        assert settles(lambda: owner.stats()["cuda_allocated"] <= base), owner.stats()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,7 +32,7 @@ from common.transfer.errors import Forbidden
 from common.transfer.shm import mapped_segments, open_segments
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
 from tests.substrate.backends import BACKENDS
-from tests.substrate.helpers import pull_and_hold, pull_unprivileged, run, spawn
+from tests.substrate.helpers import pull_and_hold, pull_unprivileged, run, settles, spawn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,7 +43,6 @@ SPECS = [
     TensorSpec((2, 1 << 20), "int64", 24),  # 16 MB
 ]
 BIG = 2
-SETTLE = 5.0  # bound on waiting for an owner to notice a dead reader (UCX: its liveness probe)
 
 
 def _config(backend: str, **kw) -> TransferConfig:
@@ -53,15 +52,6 @@ def _config(backend: str, **kw) -> TransferConfig:
 
 def _dev_shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def _until(check: Callable[[], bool], timeout: float = SETTLE) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -179,7 +169,7 @@ def test_a_reader_killed_holding_the_memory_leaves_nothing_behind(backend: str) 
             if proc.is_alive():
                 proc.kill()
         # Its connection dropped (TCP) or its process is found gone (UCX): the hold ends.
-        assert _until(lambda: owner.stats()["leases"] == 0), "the dead reader's hold was kept"
+        assert settles(lambda: owner.stats()["leases"] == 0), "the dead reader's hold was kept"
         assert owner.release(owner.handles[0])
         # What it held went back to the pool, to be lent again (the owner's only memfd).
         assert owner.stats()["handles"] == 0 and owner.stats()["idle_segments"] == 1
