@@ -36,26 +36,29 @@ def healed(cluster: Cluster) -> Iterator[Cluster]:
 
 def heal(cluster: Cluster) -> None:
     """Wake every frozen process, restart every one that ended (its compose spec, on its port), and
-    wait until exactly the live workers are registered (the dead fenced or expired) and the gateway
-    is ready."""
+    wait until exactly the live workers are registered and none of them drains (the dead fenced or
+    expired; one told to stop has left, and is restarted) and the gateway is ready."""
     for child in cluster.children.values():
         child.signal(signal.SIGCONT)
-    for child in cluster.children.values():
-        if not child.running:
-            child.start()
-    workers = {child.pid for name, child in cluster.children.items() if name != "gateway"}
     deadline = time.monotonic() + HEAL_TIMEOUT
-    while registered(cluster) != workers:
+    while True:
+        for child in cluster.children.values():
+            if not child.running:  # ended before this heal, or a drain that finished during it
+                child.start()
+        workers = {child.pid for name, child in cluster.children.items() if name != "gateway"}
+        if (now := registered(cluster)) == workers:
+            break
         if time.monotonic() > deadline:
-            pytest.fail(f"not whole again within {HEAL_TIMEOUT:.0f} s: {registered(cluster)} != {workers}")
+            pytest.fail(f"not whole again within {HEAL_TIMEOUT:.0f} s: {now} != {workers}")
         time.sleep(0.2)
     cluster.wait_ready(HEAL_TIMEOUT)
 
 
 def registered(cluster: Cluster) -> set[int] | None:
-    """The pids of the workers the gateway lists (None while it does not answer)."""
+    """The pids of the workers the gateway lists and that do not drain (None while it does not
+    answer; a gateway has no roles): a draining worker is on its way out, so it does not count."""
     try:
-        return {pid_of(i) for i in cluster.instances() if i["roles"]}  # a gateway has none
+        return {pid_of(i) for i in cluster.instances() if i["roles"] and not i["draining"]}
     except (httpx.HTTPError, ValueError, KeyError):
         return None
 

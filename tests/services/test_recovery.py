@@ -120,7 +120,7 @@ def test_sigterm_drains_a_decoder_mid_stream(replicas):
     stream = client_for(cluster).chat.completions.create(
         model="tiny-llava",
         messages=user_message([], "a long story"),
-        max_tokens=400,
+        max_tokens=LONG,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
@@ -135,15 +135,15 @@ def test_sigterm_drains_a_decoder_mid_stream(replicas):
         if len(chunks) == 20:  # early: a client behind the stream must still find it draining
             while_draining.append(httpx.get(decoder["http_address"] + "/ready", timeout=5).status_code)
             while_draining.append(metric(decoder["http_address"], "trident_held_requests"))
-    assert chunks[-1].usage.completion_tokens == 400
-    assert while_draining == [503, 1]
     name = name_of_pid(cluster, pid_of(decoder))
-    try:
+    try:  # before the checks: a failed one must not leave the next test a decoder on its way out
         code = cluster.procs[name].wait(30)
     except subprocess.TimeoutExpired:
         pytest.fail(
             f"the decoder was still running 30 s after its stream ended:\n{cluster.log(name)[-3000:]}"
         )
+    assert chunks[-1].usage.completion_tokens == LONG
+    assert while_draining == [503, 1]
     assert code == 0, cluster.log(name)[-3000:]
     wait_for(lambda: decoder["instance_id"] not in [i["instance_id"] for i in instances(cluster, "decode")])
 
