@@ -110,8 +110,11 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     n, k = probs.numel(), min(64, probs.numel())
     while True:
         values, order = probs.topk(k)  # the first k of the sorted order
-        if k == n or values.sum() >= top_p:  # the prefix ends among them: the rest are dropped
-            drop = values.cumsum(0) - values >= top_p
+        # Summed in order, as the cut below and a full sort's cumsum sum them: with top_p near 1,
+        # values.sum() (rounded otherwise) reached it where the cumsum did not, and kept too few.
+        mass = values.cumsum(0)
+        if k == n or mass[-1] >= top_p:  # the prefix ends among them: the rest are dropped
+            drop = mass - values >= top_p
             drop[0] = False
             return torch.zeros_like(probs).scatter_(0, order, values.masked_fill(drop, 0.0))
         k = min(4 * k, n)
