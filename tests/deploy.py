@@ -1,7 +1,7 @@
 """Deployments as the tests run them: the launcher's clusters (trident/launcher/cluster.py), small
 and checking themselves, their service processes forked from one warm parent (warm.py), as `trident
 up` starts them by default, so that none imports torch and transformers anew. The Docker tests run
-compose's plain `python -m services.*` command lines."""
+compose's plain `python -m services.*` command lines, under the same test settings."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from trident.launcher.warm import WarmStarter
 
 WARM = WarmStarter()
 
-# Over compose.yaml's environment in every process a test starts.
+# Over compose.yaml's environment in every process a test starts (and in the Docker tests' containers:
+# tests/docker/stack.py writes it into a compose override).
 TEST_ENV = {
     "TRIDENT_NUM_THREADS": "1",
     "TRIDENT_ALLOW_PRIVATE_IMAGE_URLS": "0",

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 import pytest
 
 from common.infra import free_port
-from tests.docker.stack import UP_TIMEOUT, Stack, engine_problem
+from tests.docker.stack import UP_TIMEOUT, Stack, engine_problem, settings_override
 from tests.tiers import count_deployment
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     problem = engine_problem()
     if problem is not None:
         pytest.skip(problem)
@@ -32,7 +32,8 @@ def stack() -> Iterator[Stack]:
         "TRIDENT_PLANNER_INSTANCES": "4",
         "TRIDENT_PLANNER_MIN_REQUESTS": "10",
     }
-    s = Stack(project=f"trident-test-{port}", env=env, url=f"http://127.0.0.1:{port}")
+    overrides = (settings_override(tmp_path_factory.mktemp("compose") / "test-settings.yaml"),)
+    s = Stack(project=f"trident-test-{port}", env=env, url=f"http://127.0.0.1:{port}", overrides=overrides)
     try:
         # Two decode replicas from the start: the kill and stop tests need them, and scaling up
         # later (which follow-plan and the hybrid profiles do) starts a container on a busy host again.

@@ -13,12 +13,25 @@ from pathlib import Path
 
 import httpx
 import openai
+import yaml
 
+from tests.deploy import TEST_ENV
 from tests.helpers.chat import user_message
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
+IMAGE = "trident:cpu"
 UP_TIMEOUT = 900  # a cold build installs the project's dependencies into the image
+
+
+def settings_override(path: Path) -> Path:
+    """A compose file that puts the test settings every deployment a test starts runs under
+    (tests/deploy.py: one torch thread, a small KV cache, one timed run per profiled point) into
+    each of compose.yaml's services built from the project's image; written to `path`."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    ours = sorted(name for name, spec in services.items() if spec.get("image") == IMAGE)
+    path.write_text(yaml.safe_dump({"services": {name: {"environment": dict(TEST_ENV)} for name in ours}}))
+    return path
 
 
 def engine_problem() -> str | None:
@@ -38,9 +51,11 @@ class Stack:
     project: str
     env: dict[str, str]
     url: str
+    overrides: tuple[Path, ...] = ()  # compose files over compose.yaml, in order
 
     def argv(self, *args: str) -> list[str]:
-        return ["docker", "compose", "-p", self.project, "-f", str(COMPOSE), *args]
+        files = [arg for path in (COMPOSE, *self.overrides) for arg in ("-f", str(path))]
+        return ["docker", "compose", "-p", self.project, *files, *args]
 
     def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         argv = self.argv(*args)
