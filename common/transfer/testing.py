@@ -14,8 +14,9 @@ import os
 import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from types import TracebackType
-from typing import Self
+from typing import ClassVar, Self
 
 import torch
 
@@ -76,7 +77,12 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class OwnerProcess:
-    """Spawns an owner; `address` and `handles` are set once `start()` returns."""
+    """Starts an owner; `address` and `handles` are set once `start()` returns.
+
+    The owner is a fresh interpreter (spawned) unless `context` names another multiprocessing
+    context: the tests start theirs from a forkserver that has imported torch already."""
+
+    context: ClassVar[BaseContext | None] = None
 
     def __init__(self, backend: str, specs: list[TensorSpec], env: dict[str, str] | None = None) -> None:
         self.backend = backend
@@ -88,7 +94,7 @@ class OwnerProcess:
         self._proc: mp.process.BaseProcess | None = None
 
     def start(self, timeout: float = 60.0) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = self.context or mp.get_context("spawn")
         parent, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_owner_main, args=(self.backend, self.specs, self.env, child), daemon=True

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from common.bus import Bus, BusConfig, Task, TaskConsumer
 from common.protocol import PrefillTask, RequestSpec
+from tests.deploy import WARM
 
 T = TypeVar("T")
 # Bound on waiting for a transfer owner to notice what a reader did or that it died (UCX: its
@@ -52,8 +53,9 @@ def prefill_task(request_id: str) -> PrefillTask:
 
 
 def spawn(target: Callable[..., None], *args: Any) -> tuple[mp.process.BaseProcess, Connection]:
-    """Start `target(*args, conn)` in a fresh interpreter; returns the process and our pipe end."""
-    ctx = mp.get_context("spawn")
+    """Start `target(*args, conn)` in a process of its own, forked from the suite's warm forkserver
+    (tests/deploy.py), which imported torch once; returns the process and our pipe end."""
+    ctx = WARM.context()
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(*args, child), daemon=True)
     proc.start()

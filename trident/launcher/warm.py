@@ -105,14 +105,19 @@ class WarmStarter:
         self._packages = tuple(packages)  # the modules it forks; any other command starts plainly
         self._context: multiprocessing.context.ForkServerContext | None = None
 
+    def context(self) -> multiprocessing.context.ForkServerContext:
+        """The forkserver context its forks come from (the server starts, importing the preload, on
+        the first start): any process made from it, not only a service, skips those imports."""
+        if self._context is None:
+            self._context = multiprocessing.get_context("forkserver")
+            self._context.set_forkserver_preload(self._preload)
+        return self._context
+
     def start(self, argv: Sequence[str], env: Mapping[str, str], log: Path) -> Forked | subprocess.Popen:
         module = module_of(argv, self._packages)
         if module is None:
             return plain_start(argv, env, log)
-        if self._context is None:
-            self._context = multiprocessing.get_context("forkserver")
-            self._context.set_forkserver_preload(self._preload)
-        process = self._context.Process(
+        process = self.context().Process(
             target=run_module, args=(module, dict(env), str(log), list(argv)), name=module, daemon=True
         )  # daemon: should the caller exit with it still running, multiprocessing sends it SIGTERM
         process.start()
