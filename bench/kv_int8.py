@@ -1,7 +1,7 @@
 """INT8 KV on the prefill→decode wire (issue 27): how far it moves what decode computes.
 
     python bench/kv_int8.py [--presets small-llava,small-qwen2-vl] [--prompts 100] [--max-tokens 32]
-                            [--threads 2]
+                            [--threads 2] [--compare int8|bf16|int8,bf16]
 
 For each preset, `--prompts` requests (a third with no image, a third with one, a third with two;
 questions from a fixed list) are prefilled once by a prefill engine. Decode engines import the
@@ -241,16 +241,21 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compare", choices=("int8", "bf16"), default="int8", help="what the KV is rounded to")
+    ap.add_argument(
+        "--compare", default="int8", help="what the KV is rounded to: int8, bf16, or both (int8,bf16)"
+    )
     args = ap.parse_args()
+    compares = args.compare.split(",")
+    if unknown := set(compares) - {"int8", "bf16"}:
+        ap.error(f"--compare takes int8 and bf16, not {', '.join(sorted(unknown))}")
     torch.set_num_threads(args.threads)
     start, gflops = time.monotonic(), single_thread_gflops()
     rows = []
-    for preset in args.presets.split(","):
-        rows.append(measure(preset, args.prompts, args.max_tokens, args.compare))
+    for preset, compare in itertools.product(args.presets.split(","), compares):
+        rows.append(measure(preset, args.prompts, args.max_tokens, compare))
         r = rows[-1]
         print(
-            f"{preset}: first-step max |Δlogit| {r['first_logit_max_abs_diff']} "
+            f"{preset} ({compare}): first-step max |Δlogit| {r['first_logit_max_abs_diff']} "
             f"(logit std {r['logit_std']}), "
             f"tokens {r['token_agreement']:.1%} (teacher-forced), {r['free_running_agreement']:.1%} (free), "
             f"identical answers {r['identical_answers']:.1%}, wire {r['wire_over_native']:.1%} of native",

@@ -125,10 +125,6 @@ def measure(args: argparse.Namespace, batches: list[int], model_dir: Path) -> tu
         engines[f"trident kv={short}"] = Engine(model_dir, config(args.threads, "auto", args.kv_cache_dtype))
     binary, gguf = llamacpp.batched_bench_binary(), None
     if not args.no_llamacpp:
-        if not binary.exists():
-            raise SystemExit(
-                f"llama-batched-bench is not built ({binary}): run `{llamacpp.SETUP}` or pass --no-llamacpp"
-            )
         gguf = llamacpp.converted(model_dir).model
     samples: Samples = {}
 
@@ -171,6 +167,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if not args.no_llamacpp and not (binary := llamacpp.batched_bench_binary()).exists():  # before any work
+        raise SystemExit(
+            f"llama-batched-bench is not built ({binary}): run `{llamacpp.SETUP}` or pass --no-llamacpp"
+        )
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = resolve_model(args.model or args.preset, REPO / ".trident" / "models")
     torch.set_num_threads(args.threads)

@@ -24,9 +24,10 @@ def run(tiny_model_dir: Path, *extra: str, cwd: Path | None = None) -> dict:
 
 
 @pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
-def test_both_engines_are_timed_at_each_batch(tiny_model_dir: Path) -> None:
-    result = run(tiny_model_dir, "--no-llamacpp")
-    assert set(result["steps"]) == {"trident packed=auto", "trident packed=off"}
+def test_both_engines_and_a_half_precision_kv_cache_are_timed_at_each_batch(tiny_model_dir: Path) -> None:
+    """One run: the packed and the unpacked engine, and a half-precision KV cache as a third."""
+    result = run(tiny_model_dir, "--no-llamacpp", "--kv-cache-dtype", "float16")
+    assert set(result["steps"]) == {"trident packed=auto", "trident packed=off", "trident kv=f16"}
     for by_phase in result["steps"].values():
         assert set(by_phase) == {"prefill", "decode"}
         for by_batch in by_phase.values():
@@ -35,14 +36,8 @@ def test_both_engines_are_timed_at_each_batch(tiny_model_dir: Path) -> None:
                 assert 0 < cell["min_ms"] <= cell["median_ms"] <= cell["max_ms"]
     over = result["trident_over"]["trident packed=off"]
     assert result["packed_bytes"] > 0 and set(over["decode"]) == set(over["prefill"]) == {"1", "4"}
-    assert all(r > 0 for r in result["prefill_matmul_share"]["trident packed=auto"].values())
-
-
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
-def test_a_half_precision_kv_cache_is_a_third_engine(tiny_model_dir: Path) -> None:
-    result = run(tiny_model_dir, "--no-llamacpp", "--kv-cache-dtype", "float16")
-    assert set(result["steps"]) == {"trident packed=auto", "trident packed=off", "trident kv=f16"}
     assert set(result["trident_over"]["trident kv=f16"]["decode"]) == {"1", "4"}
+    assert all(r > 0 for r in result["prefill_matmul_share"]["trident packed=auto"].values())
 
 
 @pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
