@@ -1,21 +1,32 @@
 """Deterministic random-weight LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints in Hugging
-Face format (see `write_checkpoint`)."""
+Face format (see `write_checkpoint`).
 
-from common.checkpoints.presets import (
-    PRESETS,
-    AnyPreset,
-    LlavaNextPreset,
-    Preset,
-    Qwen2_5VLPreset,
-    Qwen2VLPreset,
-    Qwen3VLPreset,
-    QwenVLPreset,
-    build_config,
-    build_qwen_vl_config,
-    count_parameters,
-    get_preset,
-)
-from common.checkpoints.writer import CheckpointExistsError, is_checkpoint_dir, write_checkpoint
+The names below load on first use: the preset table (what `trident` lists as its choices) imports no
+transformers, and the writer, which does, loads only when a checkpoint is written or checked."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.checkpoints.presets import (
+        PRESETS,
+        AnyPreset,
+        LlavaNextPreset,
+        Preset,
+        Qwen2_5VLPreset,
+        Qwen2VLPreset,
+        Qwen3VLPreset,
+        QwenVLPreset,
+        build_config,
+        build_qwen_vl_config,
+        count_parameters,
+        get_preset,
+    )
+    from common.checkpoints.writer import CheckpointExistsError, is_checkpoint_dir, write_checkpoint
+
+_WRITER = ("CheckpointExistsError", "is_checkpoint_dir", "write_checkpoint")
 
 __all__ = [
     "PRESETS",
@@ -34,3 +45,12 @@ __all__ = [
     "is_checkpoint_dir",
     "write_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    home = "common.checkpoints.writer" if name in _WRITER else "common.checkpoints.presets"
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value

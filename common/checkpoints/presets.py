@@ -4,24 +4,22 @@ the HF configs built from them."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
-from transformers import (
-    CLIPVisionConfig,
-    LlamaConfig,
-    LlavaConfig,
-    LlavaForConditionalGeneration,
-    LlavaNextConfig,
-    LlavaNextForConditionalGeneration,
-    PreTrainedConfig,
-    PreTrainedModel,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2VLForConditionalGeneration,
-    Qwen3VLForConditionalGeneration,
-)
+
+if TYPE_CHECKING:
+    from transformers import LlavaConfig, LlavaNextConfig, PreTrainedConfig, PreTrainedModel
+
+
+def hf_class(name: str) -> type[PreTrainedModel]:
+    """A transformers model class by name, imported when first asked for: the preset table itself,
+    which the CLI reads to list its choices, imports no transformers."""
+    return getattr(importlib.import_module("transformers"), name)
+
 
 GIB = 1024**3
 MIB = 1024**2
@@ -37,10 +35,10 @@ class Preset:
     """Every shape and storage choice of one LLaVA-1.5 preset (and, with its tiling, of a LlavaNextPreset);
     the config is derived from this alone."""
 
-    # The model family (selects the config, tokenizer, processor files and manifest format) and its HF model
-    # class, whose config_class is the config built.
+    # The model family (selects the config, tokenizer, processor files and manifest format) and the name of
+    # its HF model class, whose config_class is the config built.
     family: ClassVar[str] = "llava"
-    model_class: ClassVar[type[PreTrainedModel]] = LlavaForConditionalGeneration
+    hf_model: ClassVar[str] = "LlavaForConditionalGeneration"
 
     name: str
     # CLIP vision tower
@@ -74,6 +72,11 @@ class Preset:
         return (self.image_size // self.patch_size) ** 2
 
     @property
+    def model_class(self) -> type[PreTrainedModel]:
+        """The HF model class `hf_model` names."""
+        return hf_class(self.hf_model)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """The storage dtype of every weight tensor."""
         return getattr(torch, self.dtype)
@@ -97,7 +100,7 @@ class LlavaNextPreset(Preset):
     base tile's features go first. So the placeholder count depends on the image's size (`image_tokens`)."""
 
     family: ClassVar[str] = "llava_next"
-    model_class: ClassVar[type[PreTrainedModel]] = LlavaNextForConditionalGeneration
+    hf_model: ClassVar[str] = "LlavaNextForConditionalGeneration"
 
     # (height, width) resolutions an image may be tiled at; each side a whole number of tiles.
     image_grid_pinpoints: tuple[tuple[int, int], ...]
@@ -150,10 +153,10 @@ class QwenVLPreset:
     how they enter the HF config (`vision_fields`, `text_fields`).
     """
 
-    # The model family (selects the config, tokenizer, processor files and manifest format), its HF model
-    # class (whose config_class is the config built) and the processor class a release's files name.
+    # The model family (selects the config, tokenizer, processor files and manifest format), the name of its
+    # HF model class (whose config_class is the config built) and the processor class a release's files name.
     family: ClassVar[str]
-    model_class: ClassVar[type[PreTrainedModel]]
+    hf_model: ClassVar[str]
     processor_class: ClassVar[str]
     # The vision tower's activation and the image processor's normalisation constants.
     vision_act: ClassVar[str]
@@ -217,6 +220,11 @@ class QwenVLPreset:
         return self.patch_size * self.spatial_merge_size
 
     @property
+    def model_class(self) -> type[PreTrainedModel]:
+        """The HF model class `hf_model` names."""
+        return hf_class(self.hf_model)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """The storage dtype of every weight tensor."""
         return getattr(torch, self.dtype)
@@ -248,7 +256,7 @@ class Qwen2VLPreset(QwenVLPreset):
     """Qwen2-VL: LayerNorm ViT blocks with a quick-GELU MLP, full attention; Qwen2 text model."""
 
     family: ClassVar[str] = "qwen2_vl"
-    model_class: ClassVar[type[PreTrainedModel]] = Qwen2VLForConditionalGeneration
+    hf_model: ClassVar[str] = "Qwen2VLForConditionalGeneration"
     processor_class: ClassVar[str] = "Qwen2VLProcessor"
     vision_act: ClassVar[str] = "quick_gelu"
 
@@ -273,7 +281,7 @@ class Qwen2_5VLPreset(QwenVLPreset):
     window_size pixels, the fullatt_block_indexes blocks over the whole image; Qwen2 text model."""
 
     family: ClassVar[str] = "qwen2_5_vl"
-    model_class: ClassVar[type[PreTrainedModel]] = Qwen2_5_VLForConditionalGeneration
+    hf_model: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
     processor_class: ClassVar[str] = "Qwen2_5_VLProcessor"
     vision_act: ClassVar[str] = "silu"
 
@@ -306,7 +314,7 @@ class Qwen3VLPreset(QwenVLPreset):
     positions; Qwen3 text model (q/k RMSNorm, no attention biases, explicit head_dim, interleaved M-RoPE)."""
 
     family: ClassVar[str] = "qwen3_vl"
-    model_class: ClassVar[type[PreTrainedModel]] = Qwen3VLForConditionalGeneration
+    hf_model: ClassVar[str] = "Qwen3VLForConditionalGeneration"
     processor_class: ClassVar[str] = "Qwen3VLProcessor"
     vision_act: ClassVar[str] = "gelu_pytorch_tanh"
     image_mean: ClassVar[tuple[float, float, float]] = (0.5, 0.5, 0.5)
@@ -646,6 +654,8 @@ def build_config(
 ) -> LlavaConfig | LlavaNextConfig:
     """The LlavaConfig (LlavaNextConfig for a LlavaNextPreset) for a preset, with special-token ids taken
     from the trained tokenizer."""
+    from transformers import CLIPVisionConfig, LlamaConfig
+
     vision = CLIPVisionConfig(
         hidden_size=preset.vision_hidden,
         intermediate_size=preset.vision_intermediate,
@@ -743,7 +753,7 @@ def build_qwen_vl_config(
 
 def meta_model(config: PreTrainedConfig) -> PreTrainedModel:
     """Instantiate the model on the meta device: names and shapes without allocating any weights."""
-    model_classes = [cls.model_class for cls in (*LLAVA_FAMILIES, *QWEN_FAMILIES)]
+    model_classes = [hf_class(cls.hf_model) for cls in (*LLAVA_FAMILIES, *QWEN_FAMILIES)]
     try:
         model_class = next(cls for cls in model_classes if type(config) is cls.config_class)
     except StopIteration:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from common.checkpoints import PRESETS, CheckpointExistsError, count_parameters, write_checkpoint
+from common.checkpoints import PRESETS
 from trident.cli.bench import bench_app
 from trident.cli.bundle import bundle
 from trident.cli.certs import certs
@@ -63,6 +63,8 @@ def make_model(
 ) -> None:
     """Write a random-weight HF-format checkpoint (config, weights, tokenizer, ...) of any preset's family:
     LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL or Qwen3-VL."""
+    from common.checkpoints import CheckpointExistsError, count_parameters, write_checkpoint  # transformers
+
     try:
         path = write_checkpoint(directory, preset=preset.value, seed=seed, overwrite=force)
     except CheckpointExistsError as exc:
