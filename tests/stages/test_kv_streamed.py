@@ -58,7 +58,9 @@ async def test_a_prefill_that_dies_while_its_kv_streams_sends_the_request_back_o
         stream = await d.ctx.bus.events.outputs(spec.request_id)
         with held_after_forward(p) as (reached, release):
             prefill, decode = await streamed_task(p, d, spec)
-            assert prefill.settled  # the decode task is the request's one task now
+            # Settled while the step is still held: the decode task is the request's one task now.
+            # (Queued first, then settled: a decoder may have the task a moment before the ack.)
+            await p.until(lambda: prefill.settled, what="the prefill task settled")
             assert await asyncio.to_thread(reached.wait, 30)
             taking = asyncio.create_task(d.handlers[Role.DECODE].take(decode))
             await d.until(lambda: d.ctx.ledger.get(spec.request_id) is not None, what="decode took it")
