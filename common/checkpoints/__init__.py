@@ -6,8 +6,9 @@ transformers, and the writer, which does, loads only when a checkpoint is writte
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from common.lazy import lazy_names
 
 if TYPE_CHECKING:
     from common.checkpoints.presets import (
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
         get_preset,
     )
     from common.checkpoints.writer import CheckpointExistsError, is_checkpoint_dir, write_checkpoint
-
-_WRITER = ("CheckpointExistsError", "is_checkpoint_dir", "write_checkpoint")
 
 __all__ = [
     "PRESETS",
@@ -47,10 +46,8 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    home = "common.checkpoints.writer" if name in _WRITER else "common.checkpoints.presets"
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+_WRITER = ("CheckpointExistsError", "is_checkpoint_dir", "write_checkpoint")  # the rest: presets
+__getattr__ = lazy_names(
+    __name__,
+    {name: f"common.checkpoints.{'writer' if name in _WRITER else 'presets'}" for name in __all__},
+)

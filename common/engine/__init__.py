@@ -5,8 +5,9 @@ need) does not import torch and transformers with the engine."""
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from common.lazy import lazy_names
 
 if TYPE_CHECKING:
     from common.engine.admission import AdmissionError
@@ -15,15 +16,6 @@ if TYPE_CHECKING:
     from common.engine.outputs import Completion, RequestOutput
     from common.engine.sampling import SamplingParams
 
-_HOMES = {
-    "AdmissionError": "common.engine.admission",
-    "Completion": "common.engine.outputs",
-    "Engine": "common.engine.engine",
-    "EngineConfig": "common.engine.config",
-    "Policy": "common.engine.config",
-    "RequestOutput": "common.engine.outputs",
-    "SamplingParams": "common.engine.sampling",
-}
 __all__ = [
     "AdmissionError",
     "Completion",
@@ -35,10 +27,15 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(
+    __name__,
+    {
+        "AdmissionError": "common.engine.admission",
+        "Completion": "common.engine.outputs",
+        "Engine": "common.engine.engine",
+        "EngineConfig": "common.engine.config",
+        "Policy": "common.engine.config",
+        "RequestOutput": "common.engine.outputs",
+        "SamplingParams": "common.engine.sampling",
+    },
+)
