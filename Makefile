@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-serial test-fast test-durations demo up lint format install system-deps clean
+.PHONY: test test-serial test-fast test-extended test-durations demo up lint format install system-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,8 +46,9 @@ system-deps:
 # Two lanes side by side (tests/lanes.py, balanced from tests/durations.json): the suite mostly waits
 # on processes, so two lanes on two cores take little more than the longer alone. Tests marked
 # `alone` (a time or memory bound that a lane beside them would move) run afterwards, by themselves.
-# `make test-serial` is the one-lane run. Tests marked `extended` (Compose beyond its smoke test) are
-# CI's second step (.ci/run), not part of `make test`.
+# `make test-serial` is the one-lane run. Tests marked `extended` (the top of the pyramid: Compose
+# beyond its smoke test, three hosts in network namespaces, the soak, benchmark scripts run whole)
+# are `make test-extended`, CI's second step (.ci/run), not part of `make test`.
 LANES := -n 2 --dist loadscope
 
 test: install
@@ -60,6 +61,9 @@ test-serial: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -m "not extended"
+
+test-extended: install
+	$(BIN)/python -m pytest -q $(LANES) -m extended
 
 # `make test`'s lanes, recording each test's seconds into tests/durations.json (commit it): run it
 # when the suite's shape has changed, so that the lanes stay even.

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 
 def load_script(path: Path, name: str) -> ModuleType:
     """A script that is not a package module (bench/*.py), imported from its file."""
@@ -28,3 +30,10 @@ def run_bench(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return done, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def whole_run(test):
+    """Marks a test that runs a benchmark script whole on the CPU (tens of seconds): slow, and in CI's
+    second step (`make test-extended`) rather than `make test`, which keeps the benchmarks' own
+    contracts (their tables, their parsing, their units) and the product they measure."""
+    return pytest.mark.slow(pytest.mark.extended(test))

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from tests.bench import run_bench
+from tests.bench import run_bench, whole_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "decode_attention.py"
 
 
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
+@whole_run
 def test_every_way_is_timed_and_two_runs_where_there_is_a_second_run(tiny_model_dir: Path) -> None:
     _, result = run_bench(
         SCRIPT, "--model", str(tiny_model_dir), "--batches", "1,3", "--contexts", "40,400", "--rounds",

@@ -8,15 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from common.engine.decoder_ops import REFERENCE_OPS
-from tests.bench import run_bench
+from tests.bench import run_bench, whole_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 
 
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
+@whole_run
 def test_the_gpu_check_rehearses_every_step_on_the_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     _, printed = run_bench(
@@ -54,7 +52,7 @@ def test_the_gpu_check_rehearses_every_step_on_the_cpu(tiny_model_dir: Path, tmp
     assert identity["ops"]["paged_decode"] == "reference"
 
 
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
+@whole_run
 def test_without_a_gpu_it_says_how_to_rehearse() -> None:
     import torch
 

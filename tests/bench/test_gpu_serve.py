@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench import load_script, run_bench
+from tests.bench import load_script, run_bench, whole_run
 from tests.tiers import count_deployment
 from trident.bench.steps import Steps
 
@@ -56,7 +56,7 @@ def test_a_step_past_the_deadline_is_skipped_and_a_failing_one_stops_nothing(tmp
     assert json.loads((tmp_path / "out.json").read_text())["runs"]["ran"] is True
 
 
-@pytest.mark.slow
+@whole_run
 @pytest.mark.timeout(1000)
 def test_the_gpu_serving_check_rehearses_every_step_on_the_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "gpu_serve.json"

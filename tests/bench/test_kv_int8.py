@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench import run_bench
+from tests.bench import run_bench, whole_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kv_int8.py"
 
@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kv_int8.py"
 SHARES = {"int8": 0.254, "bf16": 0.5}  # of the native wire bytes: INT8 with its scales, and bfloat16
 
 
-@pytest.mark.slow
+@whole_run
 def test_the_kv_int8_bench_reports_agreement_and_wire_bytes(tiny_model_dir: Path) -> None:
     _, report = run_bench(
         SCRIPT, "--presets", str(tiny_model_dir), "--prompts", "6", "--max-tokens", "5", "--threads",

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from tests.bench import run_bench
+from tests.bench import run_bench, whole_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kv_overlap.py"
 
 
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
+@whole_run
 def test_the_overlap_bench_reports_hidden_shares_by_prompt_length(tiny_model_dir: Path) -> None:
     """Over TCP (the UCX path of a reserved handle: tests/substrate/test_transfer_reserved.py)."""
     run, report = run_bench(

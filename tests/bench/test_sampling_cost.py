@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from tests.bench import run_bench
+from tests.bench import run_bench, whole_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "engine.py"
 
 
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
+@whole_run
 def test_every_mode_is_timed_over_the_same_decode_steps(tiny_model_dir: Path) -> None:
     _, result = run_bench(
         SCRIPT, "--model", str(tiny_model_dir), "--sampling-fields", "--requests", "4", "--max-tokens", "6",

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from tests.bench import load_script, run_bench
+from tests.bench import load_script, run_bench, whole_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_profile.py"
 
@@ -24,7 +22,7 @@ def test_ops_fall_in_the_groups_the_table_names() -> None:
     assert script.group_of("aten::lift_fresh") == "other"
 
 
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
+@whole_run
 def test_a_profile_of_prefill_and_decode_steps(tiny_model_dir: Path) -> None:
     _, result = run_bench(
         SCRIPT, "--model", str(tiny_model_dir), "--batches", "1,2", "--repeats", "1", "--context", "32",

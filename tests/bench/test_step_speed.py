@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench import run_bench
+from tests.bench import run_bench, whole_run
 from trident.bench import llamacpp
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_speed.py"
@@ -23,7 +23,7 @@ def run(tiny_model_dir: Path, *extra: str, cwd: Path | None = None) -> dict:
     )[1]  # fmt: skip
 
 
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
+@whole_run
 def test_both_engines_and_a_half_precision_kv_cache_are_timed_at_each_batch(tiny_model_dir: Path) -> None:
     """One run: the packed and the unpacked engine, and a half-precision KV cache as a third."""
     result = run(tiny_model_dir, "--no-llamacpp", "--kv-cache-dtype", "float16")
@@ -40,7 +40,7 @@ def test_both_engines_and_a_half_precision_kv_cache_are_timed_at_each_batch(tiny
     assert all(r > 0 for r in result["prefill_matmul_share"]["trident packed=auto"].values())
 
 
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
+@whole_run
 def test_without_llama_cpp_built_it_says_how_to_build_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--rounds", "1"],
@@ -54,7 +54,7 @@ def test_without_llama_cpp_built_it_says_how_to_build_it(tiny_model_dir: Path, t
     not (llamacpp.batched_bench_binary().exists() and llamacpp.converter_python().exists()),
     reason="llama.cpp is not built here (bash bench/third_party/llamacpp.sh)",
 )
-@pytest.mark.slow
+@whole_run
 def test_llama_cpp_is_timed_beside_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     result = run(tiny_model_dir, cwd=tmp_path)  # the GGUF cache goes under ./.trident
     for kv in ("f16", "f32"):

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from common.transfer import ucx_available
-from tests.bench import run_bench
+from tests.bench import run_bench, whole_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "transfer.py"
 
 
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
+@whole_run
 def test_the_kv_bench_times_host_local_against_the_stream() -> None:
     run, report = run_bench(
         SCRIPT, "--kv", "--quick", "--kv-shape", "4,2,64", "--kv-tokens", "2048", "--kv-dtype", "float32",

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from common.checkpoints import write_checkpoint
-from tests.bench import run_bench
+from tests.bench import run_bench, whole_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "vision_tower.py"
 
 
-@pytest.mark.slow  # a whole benchmark run on the CPU (tens of seconds): `make test`, not the fast tier
+@whole_run
 def test_both_towers_are_timed_and_agree(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path / "tiny-qwen2-vl", "tiny-qwen2-vl", seed=0)
     _, result = run_bench(

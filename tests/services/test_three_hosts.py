@@ -24,7 +24,12 @@ from tests.tiers import count_deployment
 REPO = Path(__file__).resolve().parents[2]
 
 WHY_NOT = netns.problem()
-pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""), pytest.mark.timeout(400)]
+# More than one host: CI's second step (`make test-extended`), not `make test`.
+pytestmark = [
+    pytest.mark.extended,
+    pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""),
+    pytest.mark.timeout(400),
+]
 
 
 # "tls" runs the TCP backend (UCX has no encryption), so it covers the TCP path across the hosts

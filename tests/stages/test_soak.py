@@ -25,6 +25,9 @@ from common.protocol import OUTPUT_KINDS, FinalOutput, PrefillTask, RequestSpec,
 from common.roles import Role
 from tests.stages.rig import StageRig, stage_rig
 
+# A soak of 5,000 requests: CI's second step (`make test-extended`), not `make test`.
+pytestmark = pytest.mark.extended
+
 REQUESTS = 5_000
 IN_FLIGHT = 512  # requests the "gateway" keeps going at once
 MAX_TOKENS = 2  # the first token from prefill, one decode step
