@@ -35,7 +35,9 @@ $(TOOLS_STAMP):
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS)/npm $(CRD_MODELS)
 	touch $(TOOLS_STAMP)
 
-install: system-deps $(STAMP) $(TOOLS_STAMP)
+# The two venvs are built side by side: each spends most of its time unpacking and compiling.
+install: system-deps
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(TOOLS_STAMP)
 
 # redis-server, and prometheus/promtool (the monitoring profile's tests), come from Debian; installed
 # only when missing.
