@@ -193,3 +193,23 @@ def test_no_test_module_imports_another_or_a_conftest() -> None:
                 if any(p.startswith("test_") or p == "conftest" for p in parts):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
     assert not found, "\n".join(found)
+
+
+def body_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of a function's body, its docstring and signature left out (a CLI command's signature is
+    its table of options)."""
+    body = function.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return function.end_lineno - body[0].lineno + 1
+
+
+def test_no_function_body_runs_past_sixty_lines() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({body_lines(node)} lines)"
+        for package in ("common", "services", "trident", "bench")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and body_lines(node) > 60
+    ]
+    assert not long, "split these into named parts:\n" + "\n".join(long)
