@@ -9,9 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
     from transformers import LlavaConfig, LlavaNextConfig, PreTrainedConfig, PreTrainedModel
 
 
@@ -79,6 +78,8 @@ class Preset:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The storage dtype of every weight tensor."""
+        import torch  # here, not at the top: the CLI reads the presets without torch
+
         return getattr(torch, self.dtype)
 
     def config_fields(self) -> dict[str, object]:
@@ -227,6 +228,8 @@ class QwenVLPreset:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The storage dtype of every weight tensor."""
+        import torch  # here, not at the top: the CLI reads the presets without torch
+
         return getattr(torch, self.dtype)
 
     def vision_fields(self) -> dict[str, object]:
@@ -758,6 +761,8 @@ def meta_model(config: PreTrainedConfig) -> PreTrainedModel:
         model_class = next(cls for cls in model_classes if type(config) is cls.config_class)
     except StopIteration:
         raise TypeError(f"no model class for {type(config).__name__}") from None
+    import torch
+
     with torch.device("meta"):
         return model_class(config)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.stats import SLO
-from trident.bench import client, plots, workload
+from trident.bench import client, workload
 from trident.bench.metrics import RateSummary, RequestResult, goodput, summarise
 from trident.bench.repeat import Repeats, conversation_rate
 
@@ -193,6 +193,8 @@ def _measure(
 
 
 def save(result: SweepResult, out: Path) -> None:
+    from trident.bench import plots  # matplotlib: here, not when the CLI starts
+
     (out / "results.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     points = [(s.rate, s.attainment) for s in result.summaries]
     plots.attainment_plot({result.name: points}, result.slo, out / "attainment.png")
