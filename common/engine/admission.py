@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.engine.processor import InputError
+from common.engine.errors import InputError
 
 
 class AdmissionError(InputError):

@@ -21,6 +21,7 @@ from common.engine import build
 from common.engine.admission import AdmissionError
 from common.engine.batch import Batch
 from common.engine.block_manager import BlockManager
+from common.engine.budgets import budget_target
 from common.engine.config import EngineConfig
 from common.engine.feature_cache import FeatureCache
 from common.engine.forks import fork, forks_due
@@ -37,7 +38,6 @@ from common.engine.op_checks import select_ops, shapes_of
 from common.engine.outputs import Completion, RequestOutput
 from common.engine.prefix import PrefixLost
 from common.engine.processor import ProcessedPrompt, RequestProcessor, load_image, reference_image
-from common.engine.profiler import budget_target
 from common.engine.request import IN_PREFIX, Request
 from common.engine.sampling import SamplingParams, draw
 from common.engine.scheduler import Scheduler

@@ -22,6 +22,7 @@ from PIL import Image, UnidentifiedImageError
 from transformers import AutoProcessor, AutoTokenizer, Qwen2VLImageProcessorPil
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
+from common.engine.errors import InputError
 from common.engine.loader import CheckpointError, load_config
 from common.engine.models.qwen_vl import VARIANTS as QWEN_VL
 from common.engine.request import ImageInput
@@ -29,10 +30,6 @@ from common.engine.video_input import VideoPatching
 
 # The families that take clips, and how each picks, sizes and stamps their frames.
 VIDEO_RULES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
-
-
-class InputError(ValueError):
-    """Bad user input (an undecodable image, a prompt the model cannot take); maps to a 4xx."""
 
 
 class ImageTooLarge(InputError):

@@ -3,7 +3,7 @@ papers' GPU figures), interpolated, plus memory and transfer costs.
 
 A `StageCurves` holds one hardware + model's latency as a function of batch shape. Budgets are not
 stored with it but derived for each instance kind and SLO with the engine's own binary search
-(`common.engine.profiler.search_budget`), so a what-if plan for other SLOs gets the budgets the
+(`common.engine.budgets.search_budget`), so a what-if plan for other SLOs gets the budgets the
 instances would pick at start-up.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.engine.profiler import budget_target, latency_limit, search_budget
+from common.engine.budgets import budget_target, latency_limit, search_budget
 from common.planner.types import KIND_ROLES
 from common.roles import InstanceKind, Role, StepKind
 from common.stats import SLO

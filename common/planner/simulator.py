@@ -25,10 +25,10 @@ import numpy as np
 
 from common.engine.admission import Load, decode_room, encode_room, prefill_room
 from common.engine.block_manager import BlockManager, blocks_needed
+from common.engine.budgets import budget_target, latency_limit
 from common.engine.config import EngineConfig, Policy
 from common.engine.governor import BudgetGovernor, budget_share
 from common.engine.prefix import PrefixReuse
-from common.engine.profiler import budget_target, latency_limit
 from common.engine.request import ImageInput, Request, Status
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Batch, Scheduler

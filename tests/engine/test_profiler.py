@@ -8,15 +8,13 @@ from contextlib import contextmanager
 
 import torch
 
+from common.engine.budgets import budget_target, latency_limit, search_budget
 from common.engine.profiler import (
     DECODE_EVERY_BATCH_TO,
     DENSE_CONTEXTS,
     BudgetProfiler,
     StageProfile,
-    budget_target,
-    latency_limit,
     powers_of_two,
-    search_budget,
 )
 from common.protocol import StageProfile as StageProfileRecord
 from common.protocol import decode as decode_message
