@@ -28,7 +28,7 @@ from tests.kubernetes.rendered import pods, settings
 from trident.kubernetes.render import Options, render
 
 VARIANTS = [(m, g) for m in METHOD_KINDS for g in (False, True)]
-RATE = 4.0  # requests/s before the step; 3x after
+RATE = 5.0  # requests/s before the step; 3x after (12 req/s sits on the edge of a third EPD instance)
 
 
 def trace(rate: float, now: float, count: int = 40) -> list[TraceRecord]:
