@@ -94,7 +94,7 @@ def test_cancelled_stream_releases_its_kv_blocks(two_decoders):
         )
 
     client = client_for(two_decoders)
-    before = generated()
+    before, total = generated(), total_blocks()
     stream = client.chat.completions.create(
         model="tiny-llava", messages=user_message([], "a long story please"), max_tokens=2000, temperature=0,
         stream=True, extra_body={"ignore_eos": True},
@@ -104,15 +104,17 @@ def test_cancelled_stream_releases_its_kv_blocks(two_decoders):
         got += bool(chunk.choices and chunk.choices[0].delta.content)
         if got >= 5:
             break
+    # The stream is open until close(), and the request decodes on meanwhile: read as little as
+    # the check needs before closing (on a loaded machine, each scrape of six instances is slow).
     deadline = time.monotonic() + 5
-    while free_blocks() == total_blocks() and time.monotonic() < deadline:
+    while (held := free_blocks()) == total and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert free_blocks() < total_blocks(), "the request should hold KV while it runs"
     stream.close()
+    assert held < total, "the request should hold KV while it runs"
     deadline = time.monotonic() + 15
-    while free_blocks() != total_blocks() and time.monotonic() < deadline:
+    while free_blocks() != total and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert free_blocks() == total_blocks()
+    assert free_blocks() == total_blocks() == total
     stopped_at = generated()
     time.sleep(0.5)
     assert generated() == stopped_at, "the request should have stopped decoding"
