@@ -29,8 +29,28 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+class HFWeights:
+    """What a preset's checkpoint is made of, for both families: the HF model class its `hf_model`
+    names and the storage dtype of its weights (`dtype`, a field of each preset)."""
+
+    hf_model: ClassVar[str]
+    dtype: str
+
+    @property
+    def model_class(self) -> type[PreTrainedModel]:
+        """The HF model class `hf_model` names."""
+        return hf_class(self.hf_model)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The storage dtype of every weight tensor."""
+        import torch  # here, not at the top: the CLI reads the presets without torch
+
+        return getattr(torch, self.dtype)
+
+
 @dataclass(frozen=True)
-class Preset:
+class Preset(HFWeights):
     """Every shape and storage choice of one LLaVA-1.5 preset (and, with its tiling, of a LlavaNextPreset);
     the config is derived from this alone."""
 
@@ -69,18 +89,6 @@ class Preset:
         """Placeholder tokens of one image_size x image_size image (LLaVA-1.5: of every image): one per
         patch, the CLS token dropped ("default" strategy)."""
         return (self.image_size // self.patch_size) ** 2
-
-    @property
-    def model_class(self) -> type[PreTrainedModel]:
-        """The HF model class `hf_model` names."""
-        return hf_class(self.hf_model)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The storage dtype of every weight tensor."""
-        import torch  # here, not at the top: the CLI reads the presets without torch
-
-        return getattr(torch, self.dtype)
 
     def config_fields(self) -> dict[str, object]:
         """The family's own entries of the top-level HF config."""
@@ -145,7 +153,7 @@ class LlavaNextPreset(Preset):
 
 
 @dataclass(frozen=True, kw_only=True)
-class QwenVLPreset:
+class QwenVLPreset(HFWeights):
     """Every shape and storage choice of one Qwen vision-language preset; the config derives from it alone.
 
     The fields are what Qwen2-VL, Qwen2.5-VL and Qwen3-VL share: a ViT over Conv3d patches whose merger
@@ -219,18 +227,6 @@ class QwenVLPreset:
     def image_factor(self) -> int:
         """Resized image sides are multiples of this; one merged (placeholder) token covers factor^2 px."""
         return self.patch_size * self.spatial_merge_size
-
-    @property
-    def model_class(self) -> type[PreTrainedModel]:
-        """The HF model class `hf_model` names."""
-        return hf_class(self.hf_model)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The storage dtype of every weight tensor."""
-        import torch  # here, not at the top: the CLI reads the presets without torch
-
-        return getattr(torch, self.dtype)
 
     def vision_fields(self) -> dict[str, object]:
         """The family's entries of the HF vision config: by default a ViT of its own width whose merger
