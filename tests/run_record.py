@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -20,6 +21,8 @@ STARTED: Counter[str] = Counter()  # deployments by kind, in this process (or, o
 SECONDS: Counter[str] = Counter()  # test id -> setup + call + teardown
 SHARES: dict[str, set[str]] = {}  # module -> shared deployments it used, from every lane
 _last_start: list[list[str]] = []  # the argv of the last process a cluster started
+LANE_ENDS: dict[str, float] = {}  # worker -> seconds from the run's start to its lane's end
+_began = time.monotonic()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -91,6 +94,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
     output = getattr(node, "workeroutput", {})
+    worker = getattr(getattr(node, "gateway", None), "id", f"lane {len(LANE_ENDS)}")
+    LANE_ENDS[worker] = time.monotonic() - _began
     STARTED.update(output.get("deployments", {}))
     for module, names in output.get("shares", {}).items():
         SHARES.setdefault(module, set()).update(names)
@@ -99,3 +104,6 @@ def pytest_testnodedown(node, error) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(STARTED.items()))
     terminalreporter.write_line(f"deployments: {sum(STARTED.values())} started ({kinds or 'none'})")
+    if len(LANE_ENDS) > 1:  # how even the lanes came out: the run waits for the last
+        ends = ", ".join(f"{w} {s:.0f} s" for w, s in sorted(LANE_ENDS.items()))
+        terminalreporter.write_line(f"lanes ended: {ends}")
