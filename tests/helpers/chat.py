@@ -4,6 +4,7 @@ oracle), and the OpenAI error shape every refusal must have."""
 from __future__ import annotations
 
 import functools
+import json
 
 import httpx
 import openai
@@ -21,6 +22,18 @@ def user_message(urls: list[str], text: str) -> list[dict]:
 
 def client_for(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+_UNSTRUCK: dict[tuple[int, str], str] = {}
+
+
+def unstruck(cluster, **ask) -> str:
+    """The text `cluster` answers to the (seeded or greedy) request `ask` with nothing struck:
+    asked once per deployment and request, the oracle every fault test that sends it compares to."""
+    key = (id(cluster), json.dumps(ask, sort_keys=True))
+    if key not in _UNSTRUCK:
+        _UNSTRUCK[key] = client_for(cluster).chat.completions.create(**ask).choices[0].message.content
+    return _UNSTRUCK[key]
 
 
 def body(**over) -> dict:
