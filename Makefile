@@ -45,9 +45,10 @@ system-deps:
 	@(command -v redis-server && command -v promtool && command -v prometheus) >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq redis-server prometheus >/dev/null)
 
-# Two lanes side by side (tests/lanes.py, balanced from tests/durations.json): the suite mostly waits
-# on processes, so two lanes on two cores take little more than the longer alone. Tests marked
-# `alone` (a time or memory bound that a lane beside them would move) run afterwards, by themselves.
+# Two lanes side by side (tests/lanes.py: units of work weighed from tests/durations.json, the
+# heaviest first to whichever lane runs low): the suite mostly waits on processes, so two lanes on
+# two cores take little more than half of it. Tests marked `alone` (a time or memory bound that a
+# lane beside them would move) run last, by themselves, once the other lane has ended.
 # `make test-serial` is the one-lane run. Tests marked `extended` (the top of the pyramid: Compose
 # beyond its smoke test, three hosts in network namespaces, the soak, benchmark scripts run whole)
 # are `make test-extended`, CI's second step (.ci/run), not part of `make test`.
@@ -56,8 +57,7 @@ LANES := -n 2 --dist loadscope
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q $(LANES) -m "not alone and not extended"
-	$(BIN)/python -m pytest -q -m "alone and not extended"
+	$(BIN)/python -m pytest -q $(LANES) -m "not extended"
 
 test-serial: install
 	$(BIN)/ruff check .
@@ -67,10 +67,10 @@ test-serial: install
 test-extended: install
 	$(BIN)/python -m pytest -q $(LANES) -m extended
 
-# `make test`'s lanes, recording each test's seconds into tests/durations.json (commit it): run it
-# when the suite's shape has changed, so that the lanes stay even.
+# `make test`, recording each test's seconds into tests/durations.json (commit it): run it when the
+# suite's shape has changed, so that the units are weighed as they now are.
 test-durations: install
-	$(BIN)/python -m pytest -q $(LANES) -m "not alone and not extended" --store-durations
+	$(BIN)/python -m pytest -q $(LANES) -m "not extended" --store-durations
 
 # The quick loop: every test that starts no deployment (tests/tiers.py says which are slow; every
 # `alone` test is slow too).

@@ -1,5 +1,6 @@
 """Shared pytest fixtures; the fast tier's guard; the machine's speed beside the run's time. What a run
-records of itself (deployments started, durations, lanes) is the plugin tests/run_record.py."""
+records of itself (deployments started, durations) is the plugin tests/run_record.py; the lanes' scheduler
+is tests/lanes.py."""
 
 import os
 import sys
@@ -14,11 +15,10 @@ from PIL import Image
 from common.checkpoints import write_checkpoint
 from common.infra import NatsServer, RedisServer
 from tests.helpers.deployments import REGISTRY, Deployment, shared
-from tests.lanes import lane_scheduler
 from tests.tiers import START_EVENT, mark_slow_folders, starts_a_deployment
 from trident.bench.machine import single_thread_gflops
 
-pytest_plugins = ["tests.run_record"]
+pytest_plugins = ["tests.lanes", "tests.run_record"]
 MATMUL_AT_START = pytest.StashKey[tuple[float, float]]()  # (GFLOP/s, time.monotonic()) at session start
 RUNNING: list[pytest.Item] = []  # the test whose setup, call or teardown runs now
 
@@ -63,12 +63,6 @@ def _refuse_unmarked_deployments(event: str, args: tuple) -> None:
             f"{RUNNING[-1].nodeid} starts a deployment ({' '.join(argv)[:160]}) but is not marked slow: "
             "add `pytestmark = pytest.mark.slow` to its module (see tests/tiers.py)"
         )
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """`--dist loadscope` runs the suite's two lanes side by side (tests/lanes.py)."""
-    return lane_scheduler(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

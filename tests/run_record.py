@@ -1,8 +1,8 @@
 """What a run records of itself (a plugin of tests/conftest.py): the deployments it started, printed at
 its end (the suite's budget is 40 a full run); with `--store-durations`, each test's seconds and
 the shared deployments each module used, written to tests/durations.json, from which tests/lanes.py
-balances the next runs' lanes; and, in each lane, which of its tests are still to come, so that a
-shared deployment stops after the last one that needs it (tests/helpers/deployments.py)."""
+weighs the next runs' units of work; and, in each unit, which of its tests are still to come, so
+that a shared deployment stops after the last one that needs it (tests/helpers/deployments.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from tests.helpers.deployments import REGISTRY
-from tests.lanes import Recorded, assign
+from tests.lanes import Recorded, alone_ids, units
 from tests.tiers import DEPLOY_EVENT, START_EVENT, deployment_kind
 
 STARTED: Counter[str] = Counter()  # deployments by kind, in this process (or, on the controller, all)
@@ -51,20 +51,20 @@ def _count(event: str, args: tuple) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Each test's lane, as the controller assigns it (tests/lanes.py, from the same ids): what is
-    still to come after a test is what comes after it in its own lane (one lane in a run without)."""
+    """Each test's unit, as the controller makes them (tests/lanes.py, from the same ids): what is
+    still to come after a test, in its lane, is what comes after it in its unit (the rest of the
+    session in a run without lanes)."""
     items = session.items
     laned = os.environ.get("PYTEST_XDIST_WORKER") and session.config.getoption("dist", "no") == "loadscope"
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    lanes = assign([i.nodeid for i in items], Recorded.load(), count) if laned else {}
-    lane = [lanes.get(i.nodeid.split("::")[0], 0) for i in items]
+    unit_of = units([i.nodeid for i in items], Recorded.load(), alone_ids(items)) if laned else {}
+    unit = [unit_of.get(i.nodeid, "") for i in items]
     index = {id(item): n for n, item in enumerate(items)}
 
     def later(item: pytest.Item) -> list[pytest.Item]:
         n = index.get(id(item))
         if n is None:
             return []
-        return [x for x, k in zip(items[n + 1 :], lane[n + 1 :], strict=True) if k == lane[n]]
+        return [x for x, u in zip(items[n + 1 :], unit[n + 1 :], strict=True) if u == unit[n]]
 
     REGISTRY.later = later
 
