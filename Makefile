@@ -16,11 +16,22 @@ unexport PYTHONDONTWRITEBYTECODE
 
 # torch first, pinned, so pip takes the CPU build from local disk instead of a multi-GB CUDA build.
 # --no-compile: pip would compile all ~15,000 modules (two thirds of the install's time), of which the
-# services and tests import about a quarter; the services' own imports are compiled here, once, so
-# that the first processes a run starts side by side do not each compile torch.
-$(STAMP): $(BIN)/python pyproject.toml
+# services and tests import about a quarter. What the services import is compiled here instead, once,
+# so that the first processes a run starts side by side do not each compile torch: torch's own while
+# pip installs the rest (numpy, which torch looks for, is not complete yet), then the remainder.
+$(VENV)/.torch: $(BIN)/python
 	$(BIN)/pip install --quiet --no-compile torch==2.13.0
+	touch $@
+
+$(VENV)/.torch-compiled: $(VENV)/.torch
+	$(BIN)/python -W ignore -c 'import sys; sys.modules["numpy"] = None; import torch'
+	touch $@
+
+$(VENV)/.deps: $(VENV)/.torch pyproject.toml
 	$(BIN)/pip install --quiet --no-compile -e '.[test,bench]'
+	touch $@
+
+$(STAMP): $(VENV)/.deps $(VENV)/.torch-compiled
 	$(BIN)/python -c 'import importlib, trident.launcher.warm as w; [importlib.import_module(m) for m in w.PRELOAD]'
 	touch $(STAMP)
 
@@ -43,9 +54,9 @@ $(TOOLS_STAMP):
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS)/npm $(CRD_MODELS)
 	touch $(TOOLS_STAMP)
 
-# The two venvs are built side by side: each spends most of its time unpacking and compiling.
+# The two venvs are built side by side, and torch is compiled while the rest of its venv unpacks.
 install: system-deps
-	@$(MAKE) --no-print-directory -j2 $(STAMP) $(TOOLS_STAMP)
+	@$(MAKE) --no-print-directory -j3 $(STAMP) $(TOOLS_STAMP)
 
 # redis-server, and prometheus/promtool (the monitoring profile's tests), come from Debian; installed
 # only when missing.
