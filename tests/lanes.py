@@ -62,7 +62,7 @@ class Recorded:
     def save(self, path: Path = DURATIONS) -> None:
         body = {
             "about": "seconds per test and shared deployments per module, from `pytest --store-durations` "
-            "(tests/lanes.py balances the lanes of `make test` with them)",
+            "(tests/lanes.py weighs the units of work of `make test`'s lanes with them)",
             "tests": dict(sorted(self.tests.items())),
             "shares": dict(sorted(self.shares.items())),
         }
