@@ -131,19 +131,13 @@ def lane_scheduler(config, log, alone: Callable[[], Collection[str]]):
                 self.weight = weights(self.unit_of, recorded)
             return self.unit_of[nodeid]
 
-        def _assign_work_unit(self, node) -> None:
+        def _assign_work_unit(self, node) -> None:  # what loadscope's _reschedule calls on a lane run low
             waiting = [u for u in self.workqueue if u != ALONE]
             if not waiting:
                 self._run_alone()
                 return
             self.workqueue.move_to_end(max(waiting, key=self.weight.__getitem__), last=False)
             super()._assign_work_unit(node)
-
-        def _reschedule(self, node) -> None:
-            if list(self.workqueue) == [ALONE] and not node.shutting_down:
-                self._run_alone()
-            else:
-                super()._reschedule(node)
 
         def remove_node(self, node):
             crashed = super().remove_node(node)
