@@ -87,6 +87,7 @@ def test_a_checkpoint_from_an_image_or_the_hub(tmp_path: Path, tiny_model_dir: P
     volume = tmp_path / "hub"
     (volume / "tiny-llava").mkdir(parents=True)
     wait = pod["initContainers"][0]["command"][-1].replace("/models", str(volume))
+    wait = wait.replace("sleep 5", "sleep 0.1")  # a pod looks every 5 s; the test need not wait so long
     waiting = subprocess.Popen(["sh", "-c", wait], stdout=subprocess.DEVNULL)
     try:
         with contextlib.suppress(subprocess.TimeoutExpired):

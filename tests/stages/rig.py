@@ -35,6 +35,7 @@ from services.worker.stage import StageHandler
 
 NAMESPACE = "stages"
 INLINE_MAX = 1024  # bytes: features and KV of the tiny model travel by handle, so they are pulled
+ACK_WAIT = 5.0  # seconds before NATS delivers an unsettled task again (production's is 30)
 
 
 class ServingThread:
@@ -128,10 +129,11 @@ class StageRig:
 async def stage_rig(
     roles: frozenset[Role], model: Path, nats: NatsServer, redis: RedisServer,
     finals_window: float = FINALS_WINDOW, host_local_min_bytes: int = 1 << 20,
-    settings: WorkerSettings | None = None, **engine: object,
+    settings: WorkerSettings | None = None, ack_wait: float = ACK_WAIT, **engine: object,
 ) -> AsyncIterator[StageRig]:  # fmt: skip
     """`roles`' handlers on one engine, as one instance. With `settings`, the engine and handlers are
-    configured from them as a worker configures its own (`engine` still overrides the engine's)."""
+    configured from them as a worker configures its own (`engine` still overrides the engine's).
+    Rigs that share a test share their consumers: give them all the same `ack_wait`."""
     if settings is None:  # `engine` may override these defaults too
         config = EngineConfig(**{"roles": roles, "detokenize": False, "kv_cache_bytes": 16 << 20, **engine})
     else:
@@ -139,7 +141,7 @@ async def stage_rig(
     loaded = await asyncio.to_thread(Engine, model, config)
     store = await Store.connect(StoreConfig(url=redis.url, prefix=NAMESPACE))
     name = f"{letters(roles)}-rig"
-    bus = await Bus.connect(BusConfig(url=nats.url, prefix=NAMESPACE, name=name, ack_wait=5), store)
+    bus = await Bus.connect(BusConfig(url=nats.url, prefix=NAMESPACE, name=name, ack_wait=ack_wait), store)
     inline = INLINE_MAX if settings is None else settings.transfer_inline_max_bytes
     serving = ServingThread(inline, host_local_min_bytes=host_local_min_bytes)
     transfer = serving.start()

@@ -128,9 +128,9 @@ async def test_a_late_second_delivery_of_a_handed_on_prefill_task_is_a_duplicate
     first is acked and taken after. It is the same task, not the request coming back: it must not
     replace the record that keeps the KV for decode (that released the KV and aborted the engine
     entry the first delivery's step still used)."""
-    async with (
-        stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
-        stage_rig(D, tiny_model_dir, nats_server, redis_server) as d,
+    async with (  # a short ack wait: the second delivery comes a second after the first
+        stage_rig(P, tiny_model_dir, nats_server, redis_server, ack_wait=1.0) as p,
+        stage_rig(D, tiny_model_dir, nats_server, redis_server, ack_wait=1.0) as d,
     ):
         p.handlers[Role.PREFILL].kv_stream = kv_stream
         spec, _, _ = request(p, owner, "r-late-ack", num_images=0)

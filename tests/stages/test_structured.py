@@ -32,7 +32,7 @@ from services.gateway.journal import OutputJournal
 from services.worker.ledger import AlreadyHeld
 from tests.helpers.images import make_image
 from tests.helpers.schemas import MAX_TOKENS, SCHEMAS, grammar, valid
-from tests.stages.rig import ServingThread, StageRig, stage_rig
+from tests.stages.rig import ACK_WAIT, ServingThread, StageRig, stage_rig
 
 E, P, D = (frozenset({r}) for r in Role)
 METHODS = {"e+p+d": (E, P, D), "ep+d": (E | P, D), "ed+p": (E | D, P), "epd": (E | P | D,)}
@@ -100,9 +100,14 @@ class Pulling:
 
 
 @contextlib.asynccontextmanager
-async def deployed(roles: tuple[frozenset[Role], ...], model, nats, redis) -> AsyncIterator[Pulling]:
+async def deployed(
+    roles: tuple[frozenset[Role], ...], model, nats, redis, ack_wait: float = ACK_WAIT
+) -> AsyncIterator[Pulling]:
     async with contextlib.AsyncExitStack() as stack:
-        rigs = [await stack.enter_async_context(stage_rig(r, model, nats, redis)) for r in roles]
+        rigs = [
+            await stack.enter_async_context(stage_rig(r, model, nats, redis, ack_wait=ack_wait))
+            for r in roles
+        ]
         pulling = Pulling(rigs)
         try:
             yield pulling
@@ -203,7 +208,8 @@ async def test_a_decoder_killed_mid_answer_is_replaced_and_the_answer_still_vali
     a live decoder sends the request to prefill over the journaled tokens, and prefill and the new
     decoder rebuild the grammar from them. The answer is the one an undisturbed run gives."""
     schema = SCHEMAS["line_items"]
-    async with deployed((E | P, D, D), tiny_model_dir, nats_server, redis_server) as pulling:
+    # A short ack wait: the dead decoder's task comes back two seconds after its last beat.
+    async with deployed((E | P, D, D), tiny_model_dir, nats_server, redis_server, ack_wait=2.0) as pulling:
         ep, d1, d2 = pulling.rigs
         await pulling.stop(d2)  # the spare decoder waits until the first one dies
         undisturbed, _ = (await run_all(pulling, owner, [("whole", schema, None)], "undisturbed"))[0]
