@@ -9,17 +9,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from PIL import Image
 
-from common.checkpoints import write_checkpoint
+from common import checkpoints  # not `from ... import write_checkpoint`: that loads transformers
 from common.infra import NatsServer, RedisServer
 from tests.helpers.deployments import REGISTRY, Deployment, shared
 from tests.tiers import START_EVENT, mark_slow_folders, starts_a_deployment
 from trident.bench.machine import single_thread_gflops
 
 pytest_plugins = ["tests.lanes", "tests.run_record"]
-MATMUL_AT_START = pytest.StashKey[tuple[float, float]]()  # (GFLOP/s, time.monotonic()) at session start
+MATMUL: dict[str, float] = {}  # single-thread fp32 GFLOP/s at the "start" and the "end" of the run
+_began = time.monotonic()
 RUNNING: list[pytest.Item] = []  # the test whose setup, call or teardown runs now
 
 
@@ -29,6 +29,8 @@ def pytest_configure(config: pytest.Config) -> None:
         # A lane of `make test` (tests/lanes.py): two lanes on two cores. Torch's own pool would
         # take both cores in each, and its threads spin while they wait: the lanes then slow each
         # other several-fold (the engine tests ran 4x slower beside the other lane).
+        import torch  # here, not above: the lanes' controller imports no torch before starting them
+
         torch.set_num_threads(1)
 
 
@@ -65,18 +67,39 @@ def _refuse_unmarked_deployments(event: str, args: tuple) -> None:
         )
 
 
+def _lanes_controller(config: pytest.Config) -> bool:
+    return config.pluginmanager.getplugin("dsession") is not None
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[MATMUL_AT_START] = (single_thread_gflops(), time.monotonic())
+    """Each lane measures the machine itself: its controller would import torch first (a second
+    before the lanes can start), and it is idle while they run."""
+    if not _lanes_controller(session.config):
+        MATMUL["start"] = single_thread_gflops()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not _lanes_controller(session.config):
+        MATMUL["end"] = single_thread_gflops()
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["matmul"] = dict(MATMUL)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """A lane's measurements: the run's start from the first lane to report, its end from the last."""
+    measured = getattr(node, "workeroutput", {}).get("matmul", {})
+    MATMUL.setdefault("start", measured.get("start", float("nan")))
+    MATMUL["end"] = measured.get("end", float("nan"))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """The run's time beside the machine's single-thread fp32 matmul rate at its start and end: this
     machine's speed varies from run to run (and with what else runs), so a time means little alone."""
-    before, started = config.stash[MATMUL_AT_START]
-    elapsed = time.monotonic() - started
+    start, end = (MATMUL.get(k, float("nan")) for k in ("start", "end"))
     terminalreporter.write_line(
-        f"machine: single-thread fp32 matmul {before:.1f} GFLOP/s at the start, "
-        f"{single_thread_gflops():.1f} at the end; {elapsed:.0f} s of pytest"
+        f"machine: single-thread fp32 matmul {start:.1f} GFLOP/s at the start, "
+        f"{end:.1f} at the end; {time.monotonic() - _began:.0f} s of pytest"
     )
 
 
@@ -95,7 +118,8 @@ e_p_d = shared(Deployment.of(method="e+p+d"))
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny-llava checkpoint (seed 0), written once per test session; treat it as read-only."""
-    return write_checkpoint(tmp_path_factory.mktemp("checkpoints") / "tiny-llava", "tiny-llava", seed=0)
+    folder = tmp_path_factory.mktemp("checkpoints")
+    return checkpoints.write_checkpoint(folder / "tiny-llava", "tiny-llava", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -111,6 +135,8 @@ def hf_tiny(tiny_model_dir: Path):
 def hf_generate(hf_tiny):
     """Greedy HF `generate` for one prompt: the generated ids, cut after the first eos. Each answer
     is computed once per session (greedy HF is deterministic): several tests ask the same."""
+    import torch
+
     model, processor = hf_tiny
     answers: dict[tuple, list[int]] = {}
 

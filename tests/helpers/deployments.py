@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.checkpoints import write_checkpoint
+from common import checkpoints  # its writer (and transformers) loads when a checkpoint is written
 from common.infra import free_port
 from tests.deploy import running_cluster
 from trident.launcher.cluster import Cluster
@@ -158,7 +158,7 @@ def extra_gateway(cluster: Cluster, name: str, timeout: float = 60.0, **env: str
 
 @functools.cache
 def _written(preset: str, folder: Path) -> Path:
-    return write_checkpoint(folder / preset, preset, seed=0)
+    return checkpoints.write_checkpoint(folder / preset, preset, seed=0)
 
 
 def _checkpoint(preset: str, request: pytest.FixtureRequest) -> Path:
