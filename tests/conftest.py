@@ -13,6 +13,7 @@ from PIL import Image
 
 from common import checkpoints  # not `from ... import write_checkpoint`: that loads transformers
 from common.infra import NatsServer, RedisServer
+from tests.deploy import WARM
 from tests.helpers.deployments import REGISTRY, Deployment, shared
 from tests.tiers import START_EVENT, mark_slow_folders, starts_a_deployment
 from trident.bench.machine import single_thread_gflops
@@ -37,6 +38,13 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mark_slow_folders(items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A run that starts no deployment (the fast tier) forks only tensor owners and pullers from the
+    warm forkserver (tests/substrate): it imports what they need, not the services (~4 s a lane)."""
+    if not any(item.get_closest_marker("slow") for item in session.items):
+        WARM.preload(("torch", "common.transfer.testing", "tests.substrate.helpers"))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploy import WARM
 from trident.launcher.warm import Forked, WarmStarter, module_of
 
 CHILD = [sys.executable, "-m", "tests.warm_child"]
@@ -35,7 +36,9 @@ def test_only_service_modules_run_by_this_interpreter_are_forked():
 
 
 def test_a_fork_runs_its_module_with_its_environment_and_log_and_reads_like_a_popen(tmp_path: Path):
-    starter = WarmStarter(preload=(), packages=("tests.",))
+    # This lane's one forkserver is the suite's (tests/deploy.py): asking it for another preload
+    # would change what the lane's later services find imported, should this test start it.
+    starter = WarmStarter(preload=WARM.preloaded, packages=("tests.",))
     env = {**os.environ, "WARM_CHILD_OUT": str(tmp_path), "WARM_CHILD_MARK": "mine"}
     log = tmp_path / "child.log"
     proc = starter.start(CHILD, env, log)

@@ -98,7 +98,8 @@ class Forked:
 
 class WarmStarter:
     """Starts `python -m services.*` command lines as forks of a warm forkserver; any other command
-    line as a plain child process."""
+    line as a plain child process. A process has one forkserver (multiprocessing's): starters in one
+    process share it, and it imports the preload of the first start."""
 
     def __init__(self, preload: Sequence[str] = PRELOAD, packages: Sequence[str] = ("services.",)) -> None:
         self._preload = list(preload)
@@ -112,6 +113,17 @@ class WarmStarter:
             self._context = multiprocessing.get_context("forkserver")
             self._context.set_forkserver_preload(self._preload)
         return self._context
+
+    @property
+    def preloaded(self) -> tuple[str, ...]:
+        return tuple(self._preload)
+
+    def preload(self, modules: Sequence[str]) -> None:
+        """Have the forkserver import `modules` instead, when it starts (the first start; later, this
+        changes nothing): a caller whose forks are no services needs only what they import."""
+        self._preload = list(modules)
+        if self._context is not None:
+            self._context.set_forkserver_preload(self._preload)
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], log: Path) -> Forked | subprocess.Popen:
         module = module_of(argv, self._packages)
