@@ -2,6 +2,7 @@
 records of itself (deployments started, durations) is the plugin tests/run_record.py; the lanes' scheduler
 is tests/lanes.py."""
 
+import atexit
 import os
 import sys
 import time
@@ -73,6 +74,26 @@ def _refuse_unmarked_deployments(event: str, args: tuple) -> None:
             f"{RUNNING[-1].nodeid} starts a deployment ({' '.join(argv)[:160]}) but is not marked slow: "
             "add `pytestmark = pytest.mark.slow` to its module (see tests/tiers.py)"
         )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        atexit.register(_exit_once_the_exit_handlers_ran)
+
+
+def _exit_once_the_exit_handlers_ran() -> None:
+    """A lane's interpreter spends ~3 s tearing down what its tests left loaded (models, engines,
+    torch), and the run waits for it. Registered last, this runs first: it runs the other exit
+    handlers (children reaped, logs flushed, temporary files removed), then ends the process."""
+    run_the_rest = getattr(atexit, "_run_exitfuncs", None)  # CPython's; elsewhere, a plain exit
+    if run_the_rest is None:
+        return
+    atexit.unregister(_exit_once_the_exit_handlers_ran)
+    run_the_rest()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _lanes_controller(config: pytest.Config) -> bool:
