@@ -29,6 +29,7 @@ from common.planner.types import Deployment
 from common.planner.workloads import generate
 from common.stats import SLO
 from common.store import Store, StoreConfig
+from common.store.requests import Stage
 from common.threads import thread_split
 from services.settings import WorkerSettings
 from trident.bench.repeat import Repeats, conversation_rate
@@ -141,10 +142,12 @@ def attach(measured: Sequence[Measured], records: Sequence) -> None:
         record = by_id.get(m.request_id)
         if record is None:
             raise RuntimeError(f"no trace record for {m.request_id}")
-        if getattr(record, "ttft", None) is None:
+        if getattr(record, "ttft", None) is None or Stage.FIRST_TOKEN not in record.stages:
+            # The gateway's outcome and the decoder's end mark can both land before prefill's own
+            # writes (its recorder queues them): the calibration reads the first-token mark too.
             raise RuntimeError(
-                f"the trace record of {m.request_id} has no gateway-measured TTFT "
-                f"(finish reason {record.finish_reason!r}, stages {sorted(record.stages)})"
+                f"the trace record of {m.request_id} has no gateway-measured TTFT or first-token mark "
+                f"yet (finish reason {record.finish_reason!r}, stages {sorted(record.stages)})"
             )
         m.ttft, m.tbt_p90 = record.ttft, record.tbt_p90 or 0.0
         start = record.stages.get("arrival", record.arrival)
