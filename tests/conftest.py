@@ -1,11 +1,10 @@
-"""Shared pytest fixtures; the fast tier's guard; the machine's speed beside the run's time. What a run
-records of itself (deployments started, durations) is the plugin tests/run_record.py; the lanes' scheduler
-is tests/lanes.py."""
+"""Shared pytest fixtures; the fast tier's guard. What a run records of itself (deployments started,
+durations, the machine's speed beside the run's time) is the plugin tests/run_record.py; the lanes'
+scheduler is tests/lanes.py."""
 
 import atexit
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,11 +16,8 @@ from common.infra import NatsServer, RedisServer
 from tests.deploy import WARM
 from tests.helpers.deployments import REGISTRY, Deployment, shared
 from tests.tiers import START_EVENT, mark_slow_folders, starts_a_deployment
-from trident.bench.machine import single_thread_gflops
 
 pytest_plugins = ["tests.lanes", "tests.run_record"]
-MATMUL: dict[str, float] = {}  # single-thread fp32 GFLOP/s at the "start" and the "end" of the run
-_began = time.monotonic()
 RUNNING: list[pytest.Item] = []  # the test whose setup, call or teardown runs now
 
 
@@ -94,42 +90,6 @@ def _exit_once_the_exit_handlers_ran() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _lanes_controller(config: pytest.Config) -> bool:
-    return config.pluginmanager.getplugin("dsession") is not None
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """Each lane measures the machine itself: its controller would import torch first (a second
-    before the lanes can start), and it is idle while they run."""
-    if not _lanes_controller(session.config):
-        MATMUL["start"] = single_thread_gflops()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    if not _lanes_controller(session.config):
-        MATMUL["end"] = single_thread_gflops()
-    if hasattr(session.config, "workeroutput"):
-        session.config.workeroutput["matmul"] = dict(MATMUL)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error) -> None:
-    """A lane's measurements: the run's start from the first lane to report, its end from the last."""
-    measured = getattr(node, "workeroutput", {}).get("matmul", {})
-    MATMUL.setdefault("start", measured.get("start", float("nan")))
-    MATMUL["end"] = measured.get("end", float("nan"))
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """The run's time beside the machine's single-thread fp32 matmul rate at its start and end: this
-    machine's speed varies from run to run (and with what else runs), so a time means little alone."""
-    start, end = (MATMUL.get(k, float("nan")) for k in ("start", "end"))
-    terminalreporter.write_line(
-        f"machine: single-thread fp32 matmul {start:.1f} GFLOP/s at the start, "
-        f"{end:.1f} at the end; {time.monotonic() - _began:.0f} s of pytest"
-    )
 
 
 @pytest.fixture(scope="session", autouse=True)

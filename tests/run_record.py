@@ -1,8 +1,9 @@
-"""What a run records of itself (a plugin of tests/conftest.py): the deployments it started, printed at
-its end (the suite's budget is 40 a full run); with `--store-durations`, each test's seconds and
-the shared deployments each module used, written to tests/durations.json, from which tests/lanes.py
-weighs the next runs' units of work; and, in each unit, which of its tests are still to come, so
-that a shared deployment stops after the last one that needs it (tests/helpers/deployments.py)."""
+"""What a run records of itself (a plugin of tests/conftest.py): the deployments it started and the
+machine's speed, printed at its end (the suite's budget is 40 deployments a full run); with
+`--store-durations`, each test's seconds and the shared deployments each module used, written to
+tests/durations.json, from which tests/lanes.py weighs the next runs' units of work; and, in each
+unit, which of its tests are still to come, so that a shared deployment stops after the last one
+that needs it (tests/helpers/deployments.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ import pytest
 from tests.helpers.deployments import REGISTRY
 from tests.lanes import Recorded, alone_ids, units
 from tests.tiers import DEPLOY_EVENT, START_EVENT, deployment_kind
+from trident.bench.machine import single_thread_gflops
 
 STARTED: Counter[str] = Counter()  # deployments by kind, in this process (or, on the controller, all)
 SECONDS: Counter[str] = Counter()  # test id -> setup + call + teardown
 SHARES: dict[str, set[str]] = {}  # module -> shared deployments it used, from every lane
 _last_start: list[list[str]] = []  # the argv of the last process a cluster started
 LANE_ENDS: dict[str, float] = {}  # worker -> seconds from the run's start to its lane's end
+MATMUL: dict[str, float] = {}  # single-thread fp32 GFLOP/s at the "start" and the "end" of the run
 _began = time.monotonic()
 
 
@@ -48,6 +51,17 @@ def _count(event: str, args: tuple) -> None:
             return
         if kind := deployment_kind(argv):
             STARTED[kind] += 1
+
+
+def _lanes_controller(config: pytest.Config) -> bool:
+    return config.pluginmanager.getplugin("dsession") is not None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Each lane measures the machine itself: the lanes' controller would import torch for it (a second
+    before the lanes can start), and it is idle while they run."""
+    if not _lanes_controller(session.config):
+        MATMUL["start"] = single_thread_gflops()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -83,7 +97,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     for module, names in REGISTRY.used_by.items():
         SHARES.setdefault(module, set()).update(names)
     config = session.config
+    if not _lanes_controller(config):
+        MATMUL["end"] = single_thread_gflops()
     if hasattr(config, "workeroutput"):  # a lane: the controller sums and writes
+        config.workeroutput["matmul"] = dict(MATMUL)
         config.workeroutput["deployments"] = dict(STARTED)
         config.workeroutput["shares"] = {m: sorted(n) for m, n in SHARES.items()}
         return
@@ -97,6 +114,9 @@ def pytest_testnodedown(node, error) -> None:
     worker = getattr(getattr(node, "gateway", None), "id", f"lane {len(LANE_ENDS)}")
     LANE_ENDS[worker] = time.monotonic() - _began
     STARTED.update(output.get("deployments", {}))
+    measured = output.get("matmul", {})  # the run's start from the first lane to end, its end from the last
+    MATMUL.setdefault("start", measured.get("start", float("nan")))
+    MATMUL["end"] = measured.get("end", float("nan"))
     for module, names in output.get("shares", {}).items():
         SHARES.setdefault(module, set()).update(names)
 
@@ -107,3 +127,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if len(LANE_ENDS) > 1:  # how even the lanes came out: the run waits for the last
         ends = ", ".join(f"{w} {s:.0f} s" for w, s in sorted(LANE_ENDS.items()))
         terminalreporter.write_line(f"lanes ended: {ends}")
+    # This machine's speed varies from run to run (and with what else runs): a time means little alone.
+    start, end = (MATMUL.get(k, float("nan")) for k in ("start", "end"))
+    terminalreporter.write_line(
+        f"machine: single-thread fp32 matmul {start:.1f} GFLOP/s at the start, "
+        f"{end:.1f} at the end; {time.monotonic() - _began:.0f} s of pytest"
+    )
