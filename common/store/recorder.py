@@ -8,10 +8,11 @@ once (bench/recorder.py: 1.7× the writes per second of one at a time). One at a
 at 60 req/s on two busy cores fell more than 5 s behind, and its requests were traced without
 the outcome the client saw.
 
-The trace entry of a request needs the worker's end mark and the gateway's outcome, whichever
-comes second appends it. A worker that marks an end also keeps the request for `trace_grace`
-seconds and then appends the entry itself if it is still missing (the gateway died, or its
-client left): every finished request is traced, exactly once.
+The trace entry of a request needs the worker's end mark, the gateway's outcome and (where it
+made tokens) prefill's first-token mark; whichever comes last appends it. A worker that marks an
+end also keeps the request for `trace_grace` seconds and then appends the entry itself if it is
+still missing (the gateway died, or its client left): every finished request is traced, exactly
+once.
 """
 
 from __future__ import annotations

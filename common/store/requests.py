@@ -107,7 +107,11 @@ class RequestLog:
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={stage.value: repr(time.time() if at is None else at), **info})
             pipe.expire(key, self._ttl)
-            await pipe.execute()
+            pipe.hexists(key, Stage.END.value)
+            pipe.hexists(key, "ttft")
+            *_, ended, reported = await pipe.execute()
+        if stage is Stage.FIRST_TOKEN and ended and reported:  # prefill's mark came last
+            await self.append_trace(request_id, whole=True)
 
     async def finish(
         self,
@@ -120,12 +124,13 @@ class RequestLog:
     ) -> bool:
         """Mark the end (the worker that produced the last token). Only the first call counts: a
         redelivered final step changes nothing and returns False. The trace entry is appended here
-        if the gateway's outcome is already in, else by `outcome()` or, failing that, `append_trace()`."""
+        if the gateway's outcome is already in, else by `outcome()` or prefill's first-token `mark()`
+        (whichever comes last) or, failing those, `append_trace()`."""
         end = time.time() if at is None else at
         args = [repr(end), output_tokens, finish_reason, self._ttl, cached_tokens]
         state = await self._finish_once(keys=[self._keys.request(request_id)], args=args)
         if state == 1:
-            await self.append_trace(request_id)
+            await self.append_trace(request_id, whole=True)
         return state >= 0
 
     async def outcome(self, request_id: str, *, ttft: float, tbt_p90: float | None, slo_met: bool) -> bool:
@@ -140,13 +145,19 @@ class RequestLog:
             pipe.expire(key, self._ttl)
             pipe.hexists(key, Stage.END.value)
             *_, ended = await pipe.execute()
-        return bool(ended) and await self.append_trace(request_id)
+        return bool(ended) and await self.append_trace(request_id, whole=True)
 
-    async def append_trace(self, request_id: str) -> bool:
+    async def append_trace(self, request_id: str, whole: bool = False) -> bool:
         """Append the request's trace entry with whatever the record holds now, unless it was
-        appended already (the worker and the gateway may both get here; one wins the flag)."""
+        appended already (the worker and the gateway may both get here; one wins the flag). With
+        `whole`, only once prefill's first-token mark is in too, where the request made tokens:
+        prefill's recorder queues its writes, so the decoder's end and the gateway's outcome can
+        both come first, and then the mark appends it (`mark`)."""
         record = await self.get(request_id)
         if record is None or Stage.END.value not in record.stages:
+            return False
+        made_tokens = record.sizes.get("output_tokens", 0) > 0
+        if whole and made_tokens and Stage.FIRST_TOKEN.value not in record.stages:
             return False
         if not await self._r.hsetnx(self._keys.request(request_id), "traced", 1):
             return False

@@ -68,14 +68,17 @@ def test_request_record_collects_stage_times_and_finishes_into_the_trace(redis_s
 
 
 def test_each_request_is_traced_once_whoever_reports_last(redis_server: RedisServer) -> None:
-    """The worker's end and the gateway's outcome come in either order; the second appends the
-    entry. Without an outcome the fallback appends it alone, and nothing appends it twice."""
+    """The worker's end, the gateway's outcome and prefill's first-token mark come in any order;
+    the last appends the entry. Without an outcome the fallback appends it alone, and nothing
+    appends it twice."""
 
     async def main() -> None:
         store = await Store.connect(StoreConfig(url=redis_server.url))
         log = store.requests
-        for rid in ("early", "late", "silent"):
+        for rid in ("early", "late", "silent", "lagging"):
             await log.create(rid, arrival=100.0, prompt_tokens=10, max_tokens=2)
+        for rid in ("early", "late", "silent"):
+            await log.mark(rid, Stage.FIRST_TOKEN, at=100.5)
         # The gateway's outcome first (a single token: no TBT), then the worker's end.
         assert not await log.outcome("early", ttft=6.0, tbt_p90=None, slo_met=False)
         assert await log.finish("early", output_tokens=1, finish_reason="length", at=106.0)
@@ -89,8 +92,14 @@ def test_each_request_is_traced_once_whoever_reports_last(redis_server: RedisSer
         assert not await log.append_trace("silent")
         assert not await log.outcome("silent", ttft=9.0, tbt_p90=0.2, slo_met=False)  # too late
         assert not await log.append_trace("missing")
+        # Prefill's recorder fell behind: its first-token mark lands after the end and the outcome.
+        assert await log.finish("lagging", output_tokens=2, finish_reason="stop", at=103.0)
+        assert not await log.outcome("lagging", ttft=0.7, tbt_p90=0.1, slo_met=True)
+        await log.mark("lagging", Stage.FIRST_TOKEN, at=100.7)
+        assert not await log.append_trace("lagging")  # the mark appended it
         traces = {t.request_id: t for _, t in await log.trace()}
-        assert sorted(traces) == ["early", "late", "silent"]
+        assert sorted(traces) == ["early", "lagging", "late", "silent"]
+        assert traces["lagging"].stages["first_token"] == 100.7 and traces["lagging"].ttft == 0.7
         assert (traces["early"].ttft, traces["early"].tbt_p90, traces["early"].slo_met) == (6.0, None, False)
         assert traces["early"].output_tokens == 1
         assert (traces["late"].ttft, traces["late"].tbt_p90, traces["late"].slo_met) == (0.5, 0.1, True)
