@@ -104,13 +104,15 @@ class RequestLog:
         """Set a stage's timestamp (a redelivered task overwrites it: the last attempt counts),
         plus optional string facts such as `prefill_instance="p-1"`."""
         key = self._keys.request(request_id)
+        last_needed = stage is Stage.FIRST_TOKEN  # the trace entry waits for it (append_trace)
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={stage.value: repr(time.time() if at is None else at), **info})
             pipe.expire(key, self._ttl)
-            pipe.hexists(key, Stage.END.value)
-            pipe.hexists(key, "ttft")
-            *_, ended, reported = await pipe.execute()
-        if stage is Stage.FIRST_TOKEN and ended and reported:  # prefill's mark came last
+            if last_needed:
+                pipe.hexists(key, Stage.END.value)
+                pipe.hexists(key, "ttft")
+            done = await pipe.execute()
+        if last_needed and all(done[-2:]):  # the end and the outcome came first: this mark appends
             await self.append_trace(request_id, whole=True)
 
     async def finish(
