@@ -1,4 +1,4 @@
-"""TRIDENT_PLANNER_FOLLOW_capacity: a capacity recommendation that differs from what runs becomes a
+"""TRIDENT_PLANNER_FOLLOW_CAPACITY: a capacity recommendation that differs from what runs becomes a
 plan of its own, on every channel, and the actuator is handed it (here the launcher's, whose Redis
 key `trident up --follow-plan` reads); one that runs already, or is on its way, is not handed on
 again. Real nats-server and redis-server; the planner's loop idles (no requests to plan)."""
