@@ -143,8 +143,8 @@ def attach(measured: Sequence[Measured], records: Sequence) -> None:
         if record is None:
             raise RuntimeError(f"no trace record for {m.request_id}")
         if getattr(record, "ttft", None) is None or Stage.FIRST_TOKEN not in record.stages:
-            # The gateway's outcome and the decoder's end mark can both land before prefill's own
-            # writes (its recorder queues them): the calibration reads the first-token mark too.
+            # The calibration reads the first-token mark too. An entry lacks it only when a
+            # recorder's grace fallback appended it without prefill's mark (common/store/requests.py).
             raise RuntimeError(
                 f"the trace record of {m.request_id} has no gateway-measured TTFT or first-token mark "
                 f"yet (finish reason {record.finish_reason!r}, stages {sorted(record.stages)})"
