@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-serial test-fast test-extended test-durations demo up lint format install system-deps clean
+.PHONY: test test-serial test-fast test-extended test-kernels test-durations demo up lint format install system-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -83,8 +83,23 @@ test-serial: install
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -m "not extended"
 
-test-extended: install
+test-extended: install test-kernels
 	$(BIN)/python -m pytest -q $(LANES) -m extended
+
+# The GPU's Triton kernels against their torch references, run by Triton's interpreter on the CPU
+# (CPU torch ships without Triton, so elsewhere these tests skip). Triton goes into a folder of its
+# own, put on the path of this one run only: the services and the other tests never see it.
+KERNELS := .venv-kernels
+KERNELS_STAMP := $(KERNELS)/.installed-triton-3.9.0
+
+$(KERNELS_STAMP): $(BIN)/python
+	rm -rf $(KERNELS)
+	$(BIN)/pip install --quiet --no-compile --no-deps --target $(KERNELS) triton==3.9.0
+	touch $@
+
+test-kernels: install $(KERNELS_STAMP)
+	PYTHONPATH=$(KERNELS) TRITON_INTERPRET=1 TRIDENT_REQUIRE_TRITON=1 \
+		$(BIN)/python -m pytest -q tests/engine/test_triton_kernels.py
 
 # `make test`, recording each test's seconds into tests/durations.json (commit it): run it when the
 # suite's shape has changed, so that the units are weighed as they now are.
@@ -115,4 +130,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(TOOLS) $(KERNELS) .pytest_cache build *.egg-info

@@ -4,8 +4,9 @@ paged_decode.py), argument for argument.
 On a GPU they run compiled, and also inside a captured CUDA graph whose inputs change between
 replays. Where Triton is installed without a GPU they run under Triton's interpreter
 (TRITON_INTERPRET=1: the same kernel code, in numpy on the CPU). CPU torch ships without Triton,
-so in CI these are skipped, and the references' own tests (test_decoder_ops.py) carry the
-contract there; bench/gpu_check.py runs this file on the GPU.
+so `make test` skips them (the references' own tests, test_decoder_ops.py, carry the contract
+there); `make test-kernels` (CI's second step) installs Triton beside the venv and runs them
+interpreted, and bench/gpu_check.py runs this file on the GPU.
 
 Tolerances: RoPE with the KV write keeps the eager path's bits (it rounds where eager rounds and
 fuses no multiply-add). The norm and SiLU differ from torch's by their reduction order and exp:
@@ -64,6 +65,13 @@ def _interpretable_on_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _cannot_run(why: str) -> None:
+    """Skip, except in `make test-kernels` (TRIDENT_REQUIRE_TRITON=1), whose only purpose is to run them."""
+    if os.environ.get("TRIDENT_REQUIRE_TRITON") == "1":
+        pytest.fail(f"make test-kernels: {why}")
+    pytest.skip(why)
+
+
 @pytest.fixture(scope="module")
 def kernels():
     """(triton_ops, triton_attention, device): compiled on CUDA, else interpreted on the CPU."""
@@ -71,10 +79,10 @@ def kernels():
         yield (*(importlib.import_module(m) for m in KERNEL_MODULES), torch.device("cuda"))
         return
     if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (CPU torch ships without it); the GPU check runs these on CUDA")
+        _cannot_run("Triton is not installed (CPU torch ships without it); the GPU check runs these on CUDA")
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         # Its own jit'd library (tl.sum, ...) was decorated for compiling: interpreting needs it anew.
-        pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set: run with it set")
+        _cannot_run("Triton was imported before TRITON_INTERPRET=1 was set: run with it set")
     before = {m: sys.modules.pop(m, None) for m in KERNEL_MODULES}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")  # read as kernels are decorated, and as they call helpers
