@@ -8,7 +8,9 @@ Steps, each timed and recorded whether it passes or fails (one failing does not 
 
 1. `environment`: torch and CUDA versions, the device, whether flash-attn imports.
 2. `contract_tests`: tests/engine/test_gpu_contracts.py — on a GPU with flash-attn its `needs_flash`
-   tests run the real kernel against the reference, and the dual-stream test runs on CUDA streams.
+   tests run the real kernel against the reference, and the dual-stream test runs on CUDA streams;
+   tests/engine/test_triton_kernels.py, compiled; tests/substrate/test_transfer_cuda.py, CUDA IPC
+   between two processes (a KV sink written straight from the owner's GPU memory included).
 3. `machine`: the device's memory bandwidth (a large device-to-device copy), host↔device bandwidth
    through pinned memory, and the dense matmul rate in the engine's dtype (bf16 on a GPU).
 4. `engine`: the preset's checkpoint (written once, random weights; 7B shapes in bf16 by default)
@@ -115,12 +117,14 @@ def environment(device: torch.device) -> dict:
 
 
 def contract_tests(timeout: float) -> dict:
-    """tests/engine/test_gpu_contracts.py in a subprocess; counts and the names of any failures."""
+    """The GPU's contract tests in a subprocess (the engine's, the Triton kernels', CUDA IPC between
+    processes); counts and the names of any failures."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
         run = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-             "tests/engine/test_gpu_contracts.py", "tests/engine/test_triton_kernels.py"],
+             "tests/engine/test_gpu_contracts.py", "tests/engine/test_triton_kernels.py",
+             "tests/substrate/test_transfer_cuda.py"],
             cwd=REPO, capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
         suite = ET.parse(report).getroot().find("testsuite")

@@ -28,6 +28,7 @@ from common.transfer.errors import (
     TransferTimeout,
 )
 from common.transfer.pool import BufferPool, PoolBuffer
+from common.transfer.sink import Sink, write_landed
 from common.transfer.tcp import TcpBackend
 
 log = logging.getLogger(__name__)
@@ -68,12 +69,18 @@ def create_backend(config: TransferConfig | None = None) -> TransferBackend:
 
 
 async def fetch(
-    backend: TransferBackend, payload: InlineTensor | TensorRef, timeout: float | None = None
+    backend: TransferBackend,
+    payload: InlineTensor | TensorRef,
+    timeout: float | None = None,
+    into: Sink | None = None,
 ) -> Pulled:
-    """The tensor a message carries, inline or by reference."""
+    """The tensor a message carries, inline or by reference; with `into`, written there (sink.py)."""
     if isinstance(payload, InlineTensor):
-        return Pulled(payload.to_tensor(), path=TransferPath.INLINE)
-    return await backend.pull(payload.address, payload.handle, timeout=timeout)
+        tensor = payload.to_tensor()
+        if into is None:
+            return Pulled(tensor, path=TransferPath.INLINE)
+        return await write_landed(into, Pulled(tensor, path=TransferPath.INLINE))
+    return await backend.pull(payload.address, payload.handle, into, timeout=timeout)
 
 
 def share(
@@ -101,6 +108,7 @@ __all__ = [
     "PeerUnreachable",
     "PoolBuffer",
     "Pulled",
+    "Sink",
     "SizeMismatch",
     "TcpBackend",
     "TransferBackend",

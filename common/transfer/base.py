@@ -23,7 +23,7 @@ import abc
 import asyncio
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -36,6 +36,7 @@ from common.transfer.errors import SizeMismatch, TransferError
 from common.transfer.handles import GONE, WAITING, Entry, HandleTable, Lease, as_bytes
 from common.transfer.pool import BufferPool, PoolBuffer
 from common.transfer.same_host import TransferPath
+from common.transfer.sink import EMPTY, Sink, write_landed
 
 __all__ = ["HandleTable", "Pulled", "TransferBackend", "TransferConfig", "TransferPath", "as_bytes"]
 
@@ -43,18 +44,20 @@ __all__ = ["HandleTable", "Pulled", "TransferBackend", "TransferConfig", "Transf
 class Pulled:
     """A pulled tensor. When it landed in a pool buffer, `release()` (or leaving `with`) returns
     the buffer; when it landed in the caller's `out` (or a tensor of its own), release does nothing.
-    `path` says how it came (inline, the byte stream, or a host-local copy)."""
+    `path` says how it came (inline, the byte stream, or a host-local copy). Pulled into a Sink, its
+    tensor is empty and `nbytes` what the sink was written."""
 
     def __init__(
-        self, tensor: torch.Tensor, buffer: PoolBuffer | None = None, path: TransferPath = TransferPath.STREAM
+        self,
+        tensor: torch.Tensor,
+        buffer: PoolBuffer | None = None,
+        path: TransferPath = TransferPath.STREAM,
+        nbytes: int | None = None,
     ) -> None:
         self.tensor = tensor
         self.path = path
         self._buffer = buffer
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        self.nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
 
     def take(self) -> torch.Tensor:
         """The tensor, the caller's to keep: a copy when it sits in a pool buffer (which goes back)."""
@@ -168,13 +171,16 @@ class TransferBackend(abc.ABC):
         return reply_to(entry, prepared)
 
     async def pull(
-        self, address: str, handle: str, out: torch.Tensor | None = None, timeout: float | None = None
+        self, address: str, handle: str, out: torch.Tensor | Sink | None = None, timeout: float | None = None
     ) -> Pulled:
-        """Fetch a tensor by handle into `out` (a contiguous CPU or CUDA tensor) or a pool buffer,
-        or, copied host-local from a CUDA tensor, a tensor on `config.device`. Raises a
-        TransferError subclass, promptly, on any failure."""
+        """Fetch a tensor by handle into `out` (a contiguous CPU or CUDA tensor; or a Sink, which
+        writes its bytes where it wants: sink.py) or a pool buffer, or, copied host-local from a
+        CUDA tensor, a tensor on `config.device`. Raises a TransferError subclass, promptly, on
+        any failure."""
         t0 = time.perf_counter()
         pulled = await self._pull(address, handle, out, timeout or self.config.timeout)
+        if isinstance(out, Sink) and pulled.path != TransferPath.HOST_LOCAL:
+            pulled = await write_landed(out, pulled)  # streamed into a pool buffer
         stats = self.stats[pulled.path]
         stats.pulls += 1
         stats.bytes += pulled.nbytes
@@ -182,17 +188,19 @@ class TransferBackend(abc.ABC):
         return pulled
 
     @abc.abstractmethod
-    async def _pull(self, address: str, handle: str, out: torch.Tensor | None, timeout: float) -> Pulled: ...
+    async def _pull(
+        self, address: str, handle: str, out: torch.Tensor | Sink | None, timeout: float
+    ) -> Pulled: ...
 
     async def pull_many(
         self,
         address: str,
         handles: list[str],
-        outs: list[torch.Tensor] | None = None,
+        outs: Sequence[torch.Tensor | Sink] | None = None,
         timeout: float | None = None,
     ) -> list[Pulled]:
         """Several handles from one owner, in flight together (e.g. a request's KV layer groups)."""
-        outs_or_none: list[torch.Tensor | None] = list(outs) if outs is not None else [None] * len(handles)
+        outs_or_none = list(outs) if outs is not None else [None] * len(handles)
         results = await asyncio.gather(
             *(self.pull(address, h, o, timeout) for h, o in zip(handles, outs_or_none, strict=True)),
             return_exceptions=True,
@@ -246,17 +254,21 @@ def unpack(data: bytes | bytearray | memoryview) -> dict:
 @dataclass
 class Landing:
     """Where one pulled tensor's bytes go: they are written into `data` (flat uint8), then
-    `finish()` makes the Pulled. A stream into a CUDA `out` lands in a pool buffer first."""
+    `finish()` makes the Pulled. A stream into a CUDA `out` lands in a pool buffer first. A
+    host-local copy into a Sink has no `data`: the copy hands the owner's bytes to `sink`."""
 
     tensor: torch.Tensor  # what the pull returns
     data: torch.Tensor
     buffer: PoolBuffer | None = None  # the pool's, lent while `data` is in it
     staged: bool = field(default=False)  # `data` is a host copy to move into `tensor` at the end
+    sink: Sink | None = None
 
     def finish(self, path: TransferPath) -> Pulled:
         if self.staged:
             as_bytes(self.tensor).copy_(self.data)
             self.abandon()
+        if self.sink is not None and path == TransferPath.HOST_LOCAL:
+            return Pulled(self.tensor, path=path, nbytes=self.sink.nbytes)
         return Pulled(self.tensor, self.buffer, path)
 
     def abandon(self) -> None:
@@ -267,12 +279,20 @@ class Landing:
 
 
 def destination(
-    pool: BufferPool, shape: tuple[int, ...], dtype: str, out: torch.Tensor | None, host: bool = True,
+    pool: BufferPool, shape: tuple[int, ...], dtype: str, out: torch.Tensor | Sink | None, host: bool = True,
     device: str | None = None,
 ) -> Landing:  # fmt: skip
     """Where the bytes of a (shape, dtype) tensor land: `out`, or a pool buffer; `host=False` (a
-    host-local copy) writes straight into a CUDA `out`, and without `out` onto `device` if given."""
+    host-local copy) writes straight into a CUDA `out`, and without `out` onto `device` if given.
+    For a Sink: a host-local copy hands it the owner's bytes, streamed ones land in a pool buffer
+    first (`pull` writes them into the sink)."""
     nbytes = nbytes_of(shape, dtype)
+    if isinstance(out, Sink):
+        if out.nbytes != nbytes:
+            raise SizeMismatch(f"the destination holds {out.nbytes} bytes; the tensor has {nbytes}")
+        if not host:
+            return Landing(EMPTY, EMPTY, sink=out)
+        out = None
     if out is not None:
         check_out(out, nbytes)
         if out.device.type == "cpu" or not host:
@@ -296,5 +316,7 @@ def check_out(out: torch.Tensor, nbytes: int) -> None:
         raise SizeMismatch(f"the destination holds {have} bytes; the tensor has {nbytes}")
 
 
-def out_nbytes(out: torch.Tensor | None) -> int:
+def out_nbytes(out: torch.Tensor | Sink | None) -> int:
+    if isinstance(out, Sink):
+        return out.nbytes
     return -1 if out is None else out.numel() * out.element_size()

@@ -5,7 +5,8 @@ tensor (`UntypedStorage._share_cuda_`: the handle of the whole cudaMalloc segmen
 offset in it) once, and `describe()` says where the tensor lies in it. Reader: `copy_from` opens
 the handle on its own GPU (`_new_shared_cuda`: cudaIpcOpenMemHandle through the allocator's cache
 of opened handles, with peer access where the GPUs differ), copies the bytes into its destination
-on a side stream, waits for the copy, and closes the mapping before it returns.
+(a buffer, or a decoder's KV blocks through a Sink) on a side stream, waits for the copy, and
+closes the mapping before it returns.
 
 Lifetimes. torch counts a shared storage's readers in a shared-memory file: sharing sets its
 counter to 1, a reader decrements it when it drops the storage, and the owner frees the memory only
@@ -136,12 +137,17 @@ def bytes_of_storage(storage: torch.UntypedStorage, offset: int, nbytes: int) ->
 
 
 def copy_from(
-    handle: CudaHandle, dest: torch.Tensor, device: torch.device, on_mapped: Callable[[], None] | None = None
+    handle: CudaHandle,
+    dest: torch.Tensor | Callable[[torch.Tensor], None],
+    device: torch.device,
+    on_mapped: Callable[[], None] | None = None,
 ) -> None:
     """Open `handle` on `device` (a CUDA device of this process), copy its bytes into `dest` (flat
-    uint8, any device), wait for the copy, and close the mapping. Raises (RuntimeError) where the
-    handle cannot be opened here: another IPC namespace, a GPU without peer access, the owner gone."""
-    if dest.numel() != handle.nbytes:
+    uint8, any device) or hand them (flat uint8, on the owner's memory) to `dest(source)`, which
+    queues its copies on the current stream (a Sink's write: straight into KV blocks); wait for the
+    copy, and close the mapping. Raises (RuntimeError) where the handle cannot be opened here:
+    another IPC namespace, a GPU without peer access, the owner gone."""
+    if isinstance(dest, torch.Tensor) and dest.numel() != handle.nbytes:
         raise TransferError(f"CUDA handle holds {handle.nbytes} bytes; the destination {dest.numel()}")
     if handle.nbytes == 0:
         return
@@ -152,7 +158,10 @@ def copy_from(
             if on_mapped is not None:
                 on_mapped()
             source = bytes_of_storage(storage, handle.offset, handle.nbytes)
-            dest.copy_(source, non_blocking=True)
+            if isinstance(dest, torch.Tensor):
+                dest.copy_(source, non_blocking=True)
+            else:
+                dest(source)
             stream.synchronize()
             del source
         finally:

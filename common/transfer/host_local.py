@@ -20,25 +20,28 @@ from common.transfer import shm
 from common.transfer.base import Landing, destination
 from common.transfer.errors import TransferError
 from common.transfer.same_host import Kind
+from common.transfer.sink import COPIERS, Sink
 
 if TYPE_CHECKING:
     from common.transfer.base import TransferBackend
 
-# Copies in flight at once (a request's KV groups come together); each is a memcpy or a device copy.
-COPIERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="transfer-copy")
 
-
-def landing(backend: TransferBackend, header: dict, out: torch.Tensor | None) -> Landing:
-    """Where a host-local copy writes: `out`, else a CUDA tensor on the puller's device for a CUDA
-    source, else a pool buffer."""
+def landing(backend: TransferBackend, header: dict, out: torch.Tensor | Sink | None) -> Landing:
+    """Where a host-local copy writes: `out` (a tensor, or a Sink handed the owner's bytes), else
+    a CUDA tensor on the puller's device for a CUDA source, else a pool buffer."""
     cuda = isinstance(header.get("x"), dict) and header["x"].get("k") == Kind.CUDA.value
     device = backend.config.device if cuda else None
     return destination(backend.pool, tuple(header["s"]), str(header["d"]), out, host=False, device=device)
 
 
-def copy(desc: object, data: torch.Tensor, device: str | None, on_mapped: Callable[[], None] | None) -> None:
-    """Copy the memory `desc` names into `data` (flat uint8), on the calling thread. Raises when it
-    cannot be opened or read from here."""
+def copy(
+    desc: object,
+    data: torch.Tensor | Callable[[torch.Tensor], None],
+    device: str | None,
+    on_mapped: Callable[[], None] | None,
+) -> None:
+    """Copy the memory `desc` names into `data` (flat uint8), or hand it to `data(source)` (a
+    Sink's write), on the calling thread. Raises when it cannot be opened or read from here."""
     if not isinstance(desc, dict):
         raise TransferError("a host-local reply without a handle")
     kind = desc.get("k")
@@ -49,7 +52,8 @@ def copy(desc: object, data: torch.Tensor, device: str | None, on_mapped: Callab
 
         if device is None:
             raise TransferError("a CUDA IPC handle, and no CUDA device to open it on")
-        target = data.device if data.device.type == "cuda" else torch.device(device)
+        cuda_dest = isinstance(data, torch.Tensor) and data.device.type == "cuda"
+        target = data.device if cuda_dest else torch.device(device)
         if target.index is None:  # "cuda": the current device
             target = torch.device("cuda", torch.cuda.current_device())
         copy_from(CudaHandle.from_wire(desc), data, target, on_mapped)
@@ -59,7 +63,8 @@ def copy(desc: object, data: torch.Tensor, device: str | None, on_mapped: Callab
 
 def start(backend: TransferBackend, header: dict, spot: Landing) -> concurrent.futures.Future[None]:
     """Begin the copy of a host-local reply into `spot` on a copier thread."""
-    return COPIERS.submit(copy, header.get("x"), spot.data, backend.config.device, backend.on_mapped)
+    dest = spot.sink.write if spot.sink is not None else spot.data
+    return COPIERS.submit(copy, header.get("x"), dest, backend.config.device, backend.on_mapped)
 
 
 async def copied(

@@ -14,6 +14,7 @@ acknowledgement (it has unmapped it), or once the reader is gone.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -128,13 +129,18 @@ class SegmentPool:
             segment.close()
 
 
-def read_into(desc: dict, dest: torch.Tensor, on_mapped: Callable[[], None] | None = None) -> None:
-    """Copy a segment another process described (`Segment.describe`) into `dest` (flat uint8, CPU or
-    CUDA). Raises OSError when it cannot be opened from here (another pid namespace, no permission,
-    the owner gone). Nothing of it stays open once this returns, whatever happens. `on_mapped`: for
-    tests, called once it is open."""
+def read_into(
+    desc: dict,
+    dest: torch.Tensor | Callable[[torch.Tensor], None],
+    on_mapped: Callable[[], None] | None = None,
+) -> None:
+    """Copy a segment another process described (`Segment.describe`) into `dest` (flat uint8, CPU
+    or CUDA), or hand its mapped bytes (flat uint8) to `dest(source)` to copy where it wants (a
+    Sink's write; no view of them may outlive the call). Raises OSError when it cannot be opened
+    from here (another pid namespace, no permission, the owner gone). Nothing of it stays open once
+    this returns, whatever happens. `on_mapped`: for tests, called once it is open."""
     pid, fd, token, nbytes = int(desc["pid"]), int(desc["fd"]), str(desc["tok"]), int(desc["n"])
-    if dest.numel() != nbytes:
+    if isinstance(dest, torch.Tensor) and dest.numel() != nbytes:
         raise OSError(f"segment holds {nbytes} bytes; the destination {dest.numel()}")
     if nbytes == 0:
         return
@@ -147,10 +153,12 @@ def read_into(desc: dict, dest: torch.Tensor, on_mapped: Callable[[], None] | No
             raise OSError("the segment is smaller than said")
         if on_mapped is not None:
             on_mapped()
-        if dest.device.type == "cpu":
+        if not isinstance(dest, torch.Tensor):
+            _map_and_write(handle, nbytes, dest)
+        elif dest.device.type == "cpu":
             _read(handle, memoryview(dest.numpy()))  # one kernel copy, no mapping to fault in
         else:
-            _map_and_copy(handle, nbytes, dest)
+            _map_and_write(handle, nbytes, dest.copy_)
     finally:
         os.close(handle)
 
@@ -164,16 +172,19 @@ def _read(handle: int, view: memoryview) -> None:
         done += got
 
 
-def _map_and_copy(handle: int, nbytes: int, dest: torch.Tensor) -> None:
-    """Into device memory: through a mapping (private and writable, as torch wants a writable
-    buffer; nothing is written, so nothing is copied)."""
+def _map_and_write(handle: int, nbytes: int, write: Callable[[torch.Tensor], None]) -> None:
+    """`write(source)` over a mapping of the segment (private and writable, as torch wants a
+    writable buffer; nothing is written, so nothing is copied): into device memory, or scattered
+    into KV blocks, in one copy."""
     mapped = mmap.mmap(handle, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    source = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)
     try:
-        source = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)
-        dest.copy_(source)
-        del source  # no view may outlive the mapping
+        write(source)
     finally:
-        mapped.close()
+        del source  # no view may outlive the mapping
+        # A view still held (by a failed write's traceback) keeps the mapping until it goes.
+        with contextlib.suppress(BufferError):
+            mapped.close()
 
 
 def open_segments(pid: int | str = "self") -> list[str]:

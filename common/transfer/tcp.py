@@ -17,8 +17,6 @@ import ssl
 import struct
 from collections import defaultdict
 
-import torch
-
 from common.transfer import host_local, same_host
 from common.transfer.base import (
     CONFIRM,
@@ -41,6 +39,7 @@ from common.transfer.errors import (
     error_from_code,
 )
 from common.transfer.same_host import TransferPath
+from common.transfer.sink import Out
 from common.transfer.tcp_channel import Channel, accepted, connected, tune
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ class TcpClient:
         tls = backend.config.tls
         self._tls: ssl.SSLContext | None = tls.client_context() if tls is not None else None
 
-    async def pull(self, address: str, handle: str, out: torch.Tensor | None, timeout: float) -> Pulled:
+    async def pull(self, address: str, handle: str, out: Out, timeout: float) -> Pulled:
         peer = parse_tcp_address(address)
         try:
             async with asyncio.timeout(timeout):
@@ -77,7 +76,7 @@ class TcpClient:
         except TimeoutError:
             raise TransferTimeout(f"pull of {handle} from {address} took over {timeout}s") from None
 
-    async def _pull(self, peer: tuple[str, int], handle: str, out: torch.Tensor | None) -> Pulled:
+    async def _pull(self, peer: tuple[str, int], handle: str, out: Out) -> Pulled:
         if self._closed:
             raise TransferClosed("transfer backend closed")
         config = self._backend.config
@@ -130,7 +129,7 @@ class TcpClient:
             chan.close()
             raise
 
-    async def _host_local(self, chan: Channel, header: dict, out: torch.Tensor | None) -> Pulled | None:
+    async def _host_local(self, chan: Channel, header: dict, out: Out) -> Pulled | None:
         """Copy from the owner's memory, acknowledge, and wait for its confirmation (proof that it
         held the memory throughout). None: the handle could not be opened here, which the
         acknowledgement said; the caller asks for the bytes on the same connection."""
@@ -176,7 +175,7 @@ class TcpClient:
             raise PeerLost("owner closed the connection mid-header")
         return unpack(raw)
 
-    async def _read_body(self, chan: Channel, header: dict, out: torch.Tensor | None) -> Pulled:
+    async def _read_body(self, chan: Channel, header: dict, out: Out) -> Pulled:
         if not header.get("ok"):
             raise error_from_code(str(header.get("e")), str(header.get("m", "")))
         spot = destination(self._backend.pool, tuple(header["s"]), header["d"], out)
@@ -269,7 +268,7 @@ class TcpBackend(TransferBackend):
             self._listener.close()
             self._listener = None
 
-    async def _pull(self, address: str, handle: str, out: torch.Tensor | None, timeout: float) -> Pulled:
+    async def _pull(self, address: str, handle: str, out: Out, timeout: float) -> Pulled:
         return await self._client.pull(address, handle, out, timeout)
 
     # -- server ----------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ import random
 from typing import Any
 
 import numpy as np
-import torch
 
 from common.transfer import host_local, same_host
 from common.transfer.base import (
@@ -54,6 +53,7 @@ from common.transfer.errors import (
 from common.transfer.handles import Lease
 from common.transfer.liveness import ProcessId, known_dead, this_process
 from common.transfer.same_host import TransferPath
+from common.transfer.sink import Out
 from common.transfer.tcp import TcpClient
 from common.transfer.ucx_peers import Peer, Peers, PullState
 from common.transfer.ucx_thread import UcxThread
@@ -119,7 +119,7 @@ class UcxBackend(TransferBackend):
         await asyncio.to_thread(self._thread.stop, self._shutdown)
         self.handles.clear()
 
-    async def _pull(self, address: str, handle: str, out: torch.Tensor | None, timeout: float) -> Pulled:
+    async def _pull(self, address: str, handle: str, out: Out, timeout: float) -> Pulled:
         if address.startswith("tcp://"):
             return await self._tcp.pull(address, handle, out, timeout)
         if self._closed:

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from common.transfer.base import Pulled, pack_request
 from common.transfer.errors import PeerLost, TransferError
 from common.transfer.liveness import ProcessId, checkable, known_dead
 from common.transfer.pool import PoolBuffer
+from common.transfer.sink import Out
 from common.transfer.ucx_thread import UcxThread
 from common.transfer.ucx_wire import CONTROL_TAG, frame
 
@@ -36,7 +36,7 @@ class PullState:
 
     peer: bytes
     handle: str
-    out: torch.Tensor | None
+    out: Out
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Pulled]
     abort_error: TransferError | None = None

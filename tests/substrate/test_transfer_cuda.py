@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from common.transfer import PeerLost, PeerUnreachable, TransferConfig, TransferPath, create_backend
+from common.transfer import PeerLost, PeerUnreachable, Sink, TransferConfig, TransferPath, create_backend
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
 from tests.substrate.backends import BACKENDS
 from tests.substrate.helpers import pull_and_hold, pull_held_until_told, run, settles, spawn
@@ -61,6 +61,41 @@ def test_gpu_tensors_go_device_to_device(backend: str) -> None:
             many = await puller.pull_many(owner.address, owner.handles)
             assert all(same_bytes(p.tensor.cpu(), make_tensor(s)) for p, s in zip(many, SPECS, strict=True))
             assert puller.stats[TransferPath.STREAM].pulls == 0
+            await puller.close()
+
+        run(main())
+        assert owner.stats()["leases"] == 0
+
+
+class _GpuBlocks(Sink):
+    """A decoder's KV import in small: the bytes scattered over blocks of a store on the GPU."""
+
+    def __init__(self, nbytes: int, block: int) -> None:
+        self.nbytes, self.block = nbytes, block
+        count = nbytes // block
+        self.store = torch.zeros(2 * count, block, dtype=torch.uint8, device=GPU)
+        self.ids = torch.randperm(2 * count)[:count].to(GPU)
+        self.sources: list[torch.device] = []
+
+    def write(self, source: torch.Tensor) -> None:
+        self.sources.append(source.device)
+        self.store.index_copy_(0, self.ids, source.view(-1, self.block))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sink_is_written_straight_from_the_owners_gpu_memory(backend: str) -> None:
+    spec = SPECS[BIG]
+    with OwnerProcess(backend, [spec]) as owner:
+
+        async def main() -> None:
+            puller = _puller(backend)
+            await puller.start()
+            sink = _GpuBlocks(make_tensor(spec).nbytes, 4096)
+            pulled = await puller.pull(owner.address, owner.handles[0], sink)
+            assert pulled.path is TransferPath.HOST_LOCAL and sink.sources == [torch.device(GPU)]
+            got = sink.store.index_select(0, sink.ids).reshape(-1).cpu()
+            assert torch.equal(got, make_tensor(spec).reshape(-1).view(torch.uint8))
+            assert puller.stats[TransferPath.STREAM].pulls == 0 and puller.pool.stats.allocated == 0
             await puller.close()
 
         run(main())
