@@ -229,10 +229,11 @@ class Engine:
         return self.scheduler.has_work or bool(self.lifecycle.pending)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Forget a request wherever it is — scheduled, or handed off with its KV kept for the next
-        stage — and free its blocks; None if it is unknown or already done."""
+        """Forget a request wherever it is — scheduled, handed off with its KV kept for the next
+        stage, or its KV landing here — and free its blocks; None if it is unknown or already done."""
         req = self.requests.get(request_id)
         if req is None:
+            self.handoff.drop(request_id)
             return None
         out = RequestOutput(request_id, num_prompt_tokens=len(req.prompt_token_ids))
         self.lifecycle.finish(req, "abort", out)
@@ -251,7 +252,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """The engine's bookkeeping is whole (integrity.py); AssertionError says what is not."""
-        check_integrity(self.lifecycle, self.features)
+        check_integrity(self.lifecycle, self.features, self.handoff.landings)
 
     def generate(
         self, prompts: list[str], images: list[list] | None = None, params: SamplingParams | None = None

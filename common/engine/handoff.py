@@ -16,6 +16,7 @@ from common.engine.admission import AdmissionError
 from common.engine.batch import Batch
 from common.engine.block_manager import blocks_needed
 from common.engine.kv_cache import KVCache, layer_groups
+from common.engine.kv_landing import KvLanding
 from common.engine.kv_stream import KvSink, KvStreamer
 from common.engine.lifecycle import Lifecycle
 from common.engine.processor import ProcessedPrompt
@@ -34,6 +35,7 @@ class Handoff:
         self.cache = cache
         self.layers = layers  # the language model's, which a KV stream hooks
         self.streamer: KvStreamer | None = None  # KV exported during the last prefill step (stream_kv)
+        self.landings: dict[str, KvLanding] = {}  # requests whose KV is arriving (land, then commit)
 
     @property
     def kv_tokens(self) -> int:
@@ -93,12 +95,54 @@ class Handoff:
         images: Sequence[ImageInput] | None = None,
         image_positions: torch.Tensor | None = None,
     ) -> Request:
-        """Admit a request prefilled elsewhere: import its KV (one buffer per layer group) and decode.
-        `rope_delta` is the prefill's (`Request.rope_delta`): an M-RoPE model needs it to go on;
-        `cached_tokens`, what the prefill found in its prefix cache (for usage). With `images` (its
-        images' identities, none for a text prompt) and their `image_positions`, its blocks are
-        keyed as the prefill instance keyed them and stay cached here after it ends: a later turn
-        of the conversation finds its history (prompt and answer) on this instance."""
+        """Admit a request prefilled elsewhere with its KV at hand (one buffer per layer group, in
+        layer order): `land`, each buffer written, `commit`."""
+        landing = self.land(request_id, max((buf.shape[2] for buf in kv), default=0))
+        try:
+            start = 0
+            for buf in kv:
+                landing.write(start, buf)
+                start += buf.shape[0]
+        except BaseException:
+            self.drop(request_id)
+            raise
+        return self.commit(
+            request_id, prompt_token_ids, output_token_ids, params, rope_delta, cached_tokens, images,
+            image_positions,
+        )  # fmt: skip
+
+    def land(self, request_id: str, num_blocks: int) -> KvLanding:
+        """Reserve `num_blocks` blocks for the KV of a request prefilled elsewhere, to be written
+        (from any thread: kv_landing.py) before `commit` admits it; `drop` gives them back.
+        AdmissionError when the id is in use or the blocks are not free."""
+        if request_id in self.lifecycle.requests or request_id in self.landings:
+            raise AdmissionError(f"request id {request_id} is already in use")
+        table = self.blocks.allocate(request_id, num_blocks * self.config.block_size)
+        if table is None:
+            raise AdmissionError(f"no free KV blocks for {request_id}; pull it only when can_admit() says so")
+        landing = self.landings[request_id] = KvLanding(request_id, self.cache, table)
+        return landing
+
+    def commit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        rope_delta: int = 0,
+        cached_tokens: int = 0,
+        images: Sequence[ImageInput] | None = None,
+        image_positions: torch.Tensor | None = None,
+    ) -> Request:
+        """Admit a request whose KV was written into its landing, and decode. `rope_delta` is the
+        prefill's (`Request.rope_delta`): an M-RoPE model needs it to go on; `cached_tokens`, what
+        the prefill found in its prefix cache (for usage). With `images` (its images' identities,
+        none for a text prompt) and their `image_positions`, its blocks are keyed as the prefill
+        instance keyed them and stay cached here after it ends: a later turn of the conversation
+        finds its history (prompt and answer) on this instance. AdmissionError (the landing is
+        dropped) when it cannot run here."""
+        landing = self.landings.pop(request_id)
+        landing.close()
         known = images is not None
         consumed = [dataclasses.replace(img, pixel_values=None, features=CONSUMED) for img in images or ()]
         req = Request(
@@ -112,20 +156,28 @@ class Handoff:
             cacheable=known,
             num_cached_tokens=cached_tokens,
         )
-        self.lifecycle.admit(req)
-        req.num_computed_tokens = req.num_tokens - 1
-        self._reserve(req)
-        table = self.blocks.table(request_id)
-        start = 0
-        for buf in kv:
-            layers = range(start, start + buf.shape[0])
-            self.cache.import_blocks(table[: buf.shape[2]], layers, buf)
-            start = layers.stop
+        try:
+            self.lifecycle.admit(req)
+            req.num_computed_tokens = req.num_tokens - 1
+            self._reserve(req)
+        except BaseException:
+            self.blocks.free(request_id)
+            raise
         req.detokenizer.add(req.output_token_ids)  # their text was streamed by the prefill instance
         self.lifecycle.scheduler.prefixes.remember(req)  # its imported full blocks, findable by their keys
         self.lifecycle.requests[request_id] = req
         self.lifecycle.scheduler.add_running(req)
         return req
+
+    def drop(self, request_id: str) -> bool:
+        """Give back a landing's blocks (its KV could not be had, or the request ended meanwhile),
+        once a write under way has ended; False if there is none."""
+        landing = self.landings.pop(request_id, None)
+        if landing is None:
+            return False
+        landing.close()
+        self.blocks.free(request_id)
+        return True
 
     def _reserve(self, req: Request) -> None:
         """Blocks for an imported request's KV. One that could not be computed again here (no
@@ -134,7 +186,7 @@ class Handoff:
         reserve = req.num_computed_tokens
         if Role.PREFILL not in self.config.roles or not req.recomputable:
             reserve = max(reserve, len(req.prompt_token_ids) + req.params.max_tokens)
-        if self.blocks.allocate(req.request_id, reserve) is None:
+        if self.blocks.allocate(req.request_id, reserve) is None:  # grows the landing's table
             raise AdmissionError(
                 f"no free KV blocks for {req.request_id}; pull it only when can_admit() says so"
             )

@@ -150,6 +150,18 @@ class KvGroup(Record):
     shape: Shape
     inline: InlineTensor | None = None  # a small buffer travels in the task itself: no pull
 
+    @model_validator(mode="after")
+    def _a_kv_buffer(self) -> KvGroup:
+        if len(self.shape) != 6 or self.shape[1] != 2:
+            raise ValueError(
+                f"a KV group's shape is [layers, 2, blocks, block size, heads, dim], not {self.shape}"
+            )
+        if self.layer_end - self.layer_start != self.shape[0]:
+            raise ValueError(
+                f"layers {self.layer_start}-{self.layer_end} are not the {self.shape[0]} of its shape"
+            )
+        return self
+
 
 class KvLocation(Record):
     """Where a prefilled request's KV lives: the owner serves one handle per group of layers."""

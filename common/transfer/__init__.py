@@ -17,7 +17,14 @@ import logging
 import torch
 
 from common.protocol import InlineTensor, TensorRef, dtype_name
-from common.transfer.base import HandleTable, Pulled, TransferBackend, TransferConfig, TransferPath
+from common.transfer.base import (
+    HandleTable,
+    Pulled,
+    TransferBackend,
+    TransferConfig,
+    TransferPath,
+    write_landed,
+)
 from common.transfer.errors import (
     HandleNotFound,
     PeerLost,
@@ -28,7 +35,7 @@ from common.transfer.errors import (
     TransferTimeout,
 )
 from common.transfer.pool import BufferPool, PoolBuffer
-from common.transfer.sink import Sink, write_landed
+from common.transfer.sink import Sink
 from common.transfer.tcp import TcpBackend
 
 log = logging.getLogger(__name__)

@@ -32,11 +32,11 @@ import torch
 
 from common.protocol.tensors import dtype_name, nbytes_of
 from common.transfer.config import TransferConfig
-from common.transfer.errors import SizeMismatch, TransferError
+from common.transfer.errors import SinkRefused, SizeMismatch, TransferError
 from common.transfer.handles import GONE, WAITING, Entry, HandleTable, Lease, as_bytes
 from common.transfer.pool import BufferPool, PoolBuffer
 from common.transfer.same_host import TransferPath
-from common.transfer.sink import EMPTY, Sink, write_landed
+from common.transfer.sink import COPIERS, EMPTY, Sink
 
 __all__ = ["HandleTable", "Pulled", "TransferBackend", "TransferConfig", "TransferPath", "as_bytes"]
 
@@ -212,6 +212,22 @@ class TransferBackend(abc.ABC):
                     r.release()
             raise failures[0]
         return results  # type: ignore[return-value]
+
+
+async def write_landed(sink: Sink, pulled: Pulled) -> Pulled:
+    """A pull that landed in a pool buffer (streamed), written into `sink` off the event loop; the
+    buffer goes back once the write is over."""
+    job = COPIERS.submit(sink.write, as_bytes(pulled.tensor))
+    try:
+        await asyncio.shield(asyncio.wrap_future(job))
+    except asyncio.CancelledError:
+        job.add_done_callback(lambda _: pulled.release())
+        raise
+    except Exception as exc:
+        pulled.release()
+        raise SinkRefused(f"the pulled bytes could not be written where they go: {exc}") from exc
+    pulled.release()
+    return Pulled(EMPTY, path=pulled.path, nbytes=sink.nbytes)
 
 
 def reply_to(entry: Entry, prepared: Lease | None) -> Reply:

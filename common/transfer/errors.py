@@ -1,5 +1,6 @@
-"""Typed transfer failures. Every one means "recompute": the caller need not tell them apart to
-recover, but the type says why, for logs and metrics."""
+"""Typed transfer failures. Nearly every one means "recompute": the caller need not tell them apart
+to recover, but the type says why, for logs and metrics. Two say the bytes do not fit where the
+caller wanted them (SizeMismatch, SinkRefused): pulling them again would not help."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ class TransferTimeout(TransferError):
 
 class SizeMismatch(TransferError):
     """The caller's destination buffer does not match the tensor's size."""
+
+
+class SinkRefused(TransferError):
+    """The bytes came, and the caller's Sink could not write them where it keeps them (sink.py)."""
 
 
 class Forbidden(TransferError):

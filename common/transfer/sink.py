@@ -10,24 +10,16 @@ instead of `out` is handed the bytes once, flat uint8, and copies them where it 
 - streamed: from the pool buffer the bytes landed in, on a copier thread; the buffer goes back once
   the write is over, also when the pull was cancelled meanwhile.
 
-A write that raises fails the pull (TransferError); a host-local one is first tried once more with
+A write that raises fails the pull (SinkRefused); a host-local one is first tried once more with
 the bytes streamed, as any host-local copy that fails.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
 import concurrent.futures
-from typing import TYPE_CHECKING
 
 import torch
-
-from common.transfer.errors import TransferError
-from common.transfer.handles import as_bytes
-
-if TYPE_CHECKING:
-    from common.transfer.base import Pulled
 
 # Copies in flight at once (a request's KV groups come together); each is a memcpy or a device copy.
 COPIERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="transfer-copy")
@@ -43,24 +35,6 @@ class Sink(abc.ABC):
         """Copy `source` (the tensor's bytes, flat uint8, on the CPU or a GPU) where it belongs,
         before returning (on a GPU: queued on the current stream, which the caller waits for).
         Keeps no view of `source`. Called from a copier thread."""
-
-
-async def write_landed(sink: Sink, pulled: Pulled) -> Pulled:
-    """A pull that landed in a pool buffer (streamed), written into `sink` off the event loop; the
-    buffer goes back once the write is over."""
-    from common.transfer.base import Pulled
-
-    job = COPIERS.submit(sink.write, as_bytes(pulled.tensor))
-    try:
-        await asyncio.shield(asyncio.wrap_future(job))
-    except asyncio.CancelledError:
-        job.add_done_callback(lambda _: pulled.release())
-        raise
-    except Exception as exc:
-        pulled.release()
-        raise TransferError(f"the pulled bytes could not be written where they go: {exc!r}") from exc
-    pulled.release()
-    return Pulled(EMPTY, path=pulled.path, nbytes=sink.nbytes)
 
 
 EMPTY = torch.empty(0, dtype=torch.uint8)  # what a pull into a sink returns as its tensor

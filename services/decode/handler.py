@@ -15,14 +15,16 @@ import logging
 import torch
 
 from common.bus import Task
-from common.engine import AdmissionError, kv_quant
+from common.engine import AdmissionError
 from common.engine.admission import check_fits, decode_room
+from common.engine.kv_landing import KvLanding
 from common.engine.spec_prompt import spec_prompt
 from common.protocol import DecodeTask, PrefillTask, Release, RequestSpec
-from common.protocol.tensors import KvWire, torch_dtype
 from common.roles import Role
 from common.store import Stage
-from common.transfer import TransferError, TransferPath
+from common.transfer import SizeMismatch, TransferError
+from common.transfer.errors import SinkRefused
+from services.decode import kv_sinks
 from services.worker.ledger import Held
 from services.worker.stage import StageHandler
 from services.worker.stage_metrics import path_label
@@ -67,20 +69,29 @@ class DecodeHandler(StageHandler):
             return
         ctx.ledger.mark(held, Stage.PD_TRANSFER_STARTED, decode_instance=ctx.instance_id)
         ctx.metrics.taken(self.role, task.stored, at=held.marks[Stage.PD_TRANSFER_STARTED])
-        pulled = await self._pull_or_send_back(held, msg)
-        if pulled is None:
+        landing = await self._land(held, msg)
+        if landing is None:
             return
-        buffers, outcome = pulled
-        outputs = list(spec.output_token_ids)
-        if outcome is not None:  # streamed: the prefill's outcome comes last
-            ended, outputs = bool(outcome[0]), outcome[1:].tolist()
-            if ended:  # its first token ended it; the prefill instance said so to the client
-                await self._release_at_owner(msg)
-                await ctx.ledger.settle(spec.request_id)
+        try:
+            pulled = await self._pull_or_send_back(held, msg, landing)
+            if pulled is None:
                 return
-            held.sent, held.sent_logprobs = list(outputs), [None] * len(outputs)
-            held.spec = spec = spec.with_outputs(tuple(outputs))
-        await self._admit(held, msg, spec, buffers, outputs)
+            (outcome,) = pulled
+            outputs = list(spec.output_token_ids)
+            if outcome is not None:  # streamed: the prefill's outcome comes last
+                ended, outputs = bool(outcome[0]), outcome[1:].tolist()
+                if ended:  # its first token ended it; the prefill instance said so to the client
+                    await self._release_at_owner(msg)
+                    await ctx.ledger.settle(spec.request_id)
+                    return
+                held.sent, held.sent_logprobs = list(outputs), [None] * len(outputs)
+                held.spec = spec = spec.with_outputs(tuple(outputs))
+            await self._admit(held, msg, spec, outputs)
+        finally:
+            # Uncommitted, its blocks go back (once a write under way has ended); the commit took
+            # the landing, admitted or not, and this then finds none.
+            rid = spec.request_id
+            ctx.engine.post(lambda: engine.handoff.drop(rid))
 
     async def _sent_back_after_a_dead_decoder(self, held: Held, msg: DecodeTask) -> bool:
         """For a redelivered task: the decoder that had it may have died mid-generation. The KV this
@@ -105,14 +116,30 @@ class DecodeHandler(StageHandler):
             ctx.ledger.check_live(held)
         return True
 
+    async def _land(self, held: Held, msg: DecodeTask) -> KvLanding | None:
+        """Blocks for the KV to be written into as it is pulled (kv_sinks.py); None when they
+        cannot be had (the request failed)."""
+        ctx, rid, engine = self.ctx, held.request_id, self.ctx.engine.engine
+        blocks = kv_sinks.num_blocks(msg.kv)
+        try:
+            return await ctx.engine.call(lambda: engine.handoff.land(rid, blocks))
+        except AdmissionError as exc:
+            await ctx.fail(rid, "invalid_request_error", str(exc))
+            return None
+
     async def _pull_or_send_back(
-        self, held: Held, msg: DecodeTask
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
-        """The KV (and, streamed, the prefill's outcome), timed; None when it could not be pulled and
-        the request went back to prefill."""
+        self, held: Held, msg: DecodeTask, landing: KvLanding
+    ) -> tuple[torch.Tensor | None] | None:
+        """The KV, pulled into the landing and timed, and (streamed) the prefill's outcome; None
+        when it could not be pulled and the request went back to prefill, or did not fit here."""
         ctx, rid = self.ctx, held.request_id
         try:
-            buffers, outcome, path = await self._pull_kv(held, msg)
+            outcome, path, nbytes = await self._pull_kv(held, msg, landing)
+        except (SinkRefused, SizeMismatch) as exc:  # it came, and does not fit this engine's cache
+            ctx.ledger.check_live(held)
+            await ctx.fail(rid, "invalid_request_error", f"the prefilled KV does not fit this decoder: {exc}")
+            await self._release_at_owner(msg)
+            return None
         except TransferError as exc:
             # The prefill instance is gone or dropped the KV (or released it to a decoder that
             # died): prefill the request again over its prompt and the tokens the client has seen.
@@ -122,37 +149,29 @@ class DecodeHandler(StageHandler):
             ctx.counters.kv_pull_failures += 1
             await self._back_to_prefill(held, await ctx.streamed(rid, msg.request.output_token_ids))
             return None
-        nbytes = sum(b.numel() * b.element_size() for b in buffers)
         ctx.ledger.mark(held, Stage.PD_TRANSFER_ENDED, pd_path=path, pd_bytes=str(nbytes))
         seconds = held.marks[Stage.PD_TRANSFER_ENDED] - held.marks[Stage.PD_TRANSFER_STARTED]
         ctx.metrics.transferred("pd", seconds, nbytes, path)
         ctx.spans.record(
             held, "transfer", Stage.PD_TRANSFER_STARTED, Stage.PD_TRANSFER_ENDED, hop="pd", bytes=nbytes
         )
-        return buffers, outcome
+        return (outcome,)
 
-    async def _admit(
-        self, held: Held, msg: DecodeTask, spec: RequestSpec, buffers: list[torch.Tensor], outputs: list[int]
-    ) -> None:
-        """Into the engine with the pulled KV, then release it at its owner."""
-        ctx, rid, engine = self.ctx, held.request_id, self.ctx.engine.engine
+    async def _admit(self, held: Held, msg: DecodeTask, spec: RequestSpec, outputs: list[int]) -> None:
+        """Into the engine with its KV in the landing's blocks, then release it at its owner."""
+        ctx, rid = self.ctx, held.request_id
         try:
-            if msg.kv.wire == KvWire.INT8:  # back into the cache's dtype (kv_quant.py)
-                dtype = torch_dtype(msg.kv.dtype)
-                groups = msg.kv.groups
-                buffers = [kv_quant.unpack(b, g.shape, dtype) for b, g in zip(buffers, groups, strict=True)]
             # Its images' identities too: its blocks are then keyed as the prefill instance keyed
             # them, and stay cached here for the conversation's next turn.
             none = [None] * len(spec.images)
-            prompt = spec_prompt(spec, engine.processor.placeholder_ids, none, none)
+            prompt = spec_prompt(spec, ctx.engine.engine.processor.placeholder_ids, none, none)
 
             def admit(e):
-                return e.handoff.add_prefilled(
+                return e.handoff.commit(
                     rid,
                     prompt.token_ids,
                     outputs,
                     spec.sampling,
-                    buffers,
                     msg.kv.rope_delta,
                     msg.cached_tokens,
                     prompt.images,
@@ -162,32 +181,34 @@ class DecodeHandler(StageHandler):
             await ctx.ledger.enter(held, admit)
         except (AdmissionError, ValueError) as exc:
             await ctx.fail(rid, "invalid_request_error", str(exc))
+            await self._release_at_owner(msg)
             return
         await self._release_at_owner(msg)
         ctx.ledger.mark(held, Stage.DECODE_STARTED)
         ctx.counters.decodes_admitted += 1
 
     async def _pull_kv(
-        self, held: Held, msg: DecodeTask
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None, str]:
-        """Every group's buffer, pulled all at once (002 §3.3) — from a GPU prefill on this host,
-        GPU to GPU onto this instance's device —, for streamed KV the prefill's outcome too (int64
-        [ended, *outputs]), and the path the groups took; the first failure raises once all have
-        ended."""
+        self, held: Held, msg: DecodeTask, landing: KvLanding
+    ) -> tuple[torch.Tensor | None, str, int]:
+        """Every group, pulled all at once (002 §3.3) straight into the landing's blocks — from a
+        prefill on this host, out of its memory (GPU to GPU by CUDA IPC) —; for streamed KV the
+        prefill's outcome too (int64 [ended, *outputs]); the path the groups took and their bytes.
+        The first failure raises once all have ended (so no write is under way after)."""
         ctx, kv = self.ctx, msg.kv
-        refs = kv.refs() + ([kv.tail_ref(len(msg.request.output_token_ids))] if kv.tail else [])
-        pulled = await asyncio.gather(
-            *(ctx.pull_with_path(held, ref) for ref in refs), return_exceptions=True
-        )
+        refs = iter(kv.refs())
+        group_sinks = kv_sinks.sinks(landing, kv)
+        pulls = [
+            ctx.pull_into(held, g.inline if g.inline else next(refs), sink)
+            for g, sink in zip(kv.groups, group_sinks, strict=True)
+        ]
+        if kv.tail:
+            pulls.append(ctx.pull_with_path(held, kv.tail_ref(len(msg.request.output_token_ids))))
+        pulled = await asyncio.gather(*pulls, return_exceptions=True)
         for result in pulled:
             if isinstance(result, BaseException):
                 raise result
-        by_handle = iter(pulled)
-        groups = [
-            (g.inline.to_tensor(), TransferPath.INLINE) if g.inline else next(by_handle) for g in kv.groups
-        ]
-        outcome = next(by_handle)[0] if kv.tail else None
-        return [buffer for buffer, _ in groups], outcome, path_label([path for _, path in groups])
+        outcome = pulled.pop()[0] if kv.tail else None
+        return outcome, path_label(pulled), sum(sink.nbytes for sink in group_sinks)
 
     async def _release_at_owner(self, msg: DecodeTask) -> None:
         """Tell the prefill instance that holds the request's KV to free it."""

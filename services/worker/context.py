@@ -22,7 +22,7 @@ from common.protocol import ErrorOutput, InlineTensor, RequestSpec, TensorRef
 from common.protocol.sampling import choice_id
 from common.roles import Role
 from common.store import Store
-from common.transfer import TransferBackend, TransferError, TransferPath, fetch
+from common.transfer import Sink, TransferBackend, TransferError, TransferPath, fetch
 from services.worker.counters import Counters
 from services.worker.engine_loop import EngineLoop
 from services.worker.ledger import Held, Ledger
@@ -64,6 +64,13 @@ class StageContext:
         tensor = pulled.take()  # out of the pool buffer, which goes back for reuse
         self.ledger.check_live(held)
         return tensor, pulled.path
+
+    async def pull_into(self, held: Held, ref: InlineTensor | TensorRef, sink: Sink) -> TransferPath:
+        """`pull`, written into `sink` where the puller keeps it (common/transfer/sink.py); how it
+        came."""
+        pulled = await fetch(self.transfer, ref, into=sink)
+        self.ledger.check_live(held)
+        return pulled.path
 
     async def admit(
         self, held: Held, pixels: list[torch.Tensor | None], features: list[torch.Tensor | None]

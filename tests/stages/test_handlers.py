@@ -12,8 +12,10 @@ from common.protocol import (
     OUTPUT_KINDS,
     DecodeTask,
     EncodeTask,
+    ErrorOutput,
     PrefillTask,
     TensorRef,
+    TokenDelta,
 )
 from common.protocol.tensors import int8_kv_nbytes, nbytes_of
 from common.roles import Role
@@ -116,6 +118,46 @@ async def test_decode_without_the_kv_sends_the_request_back_to_prefill(
         again = await p.fetch(Role.PREFILL)
         assert again.message.request.output_token_ids == decode.message.request.output_token_ids
         assert d.ctx.counters.kv_pull_failures == 1
+        for rig in (p, d):
+            await rig.idle()
+
+
+@pytest.mark.parametrize("path", [TransferPath.STREAM, TransferPath.HOST_LOCAL])
+async def test_kv_that_does_not_fit_the_decoder_fails_the_request_and_frees_its_blocks(
+    tiny_model_dir, nats_server, redis_server, owner, path
+):
+    """Decode writes the KV into blocks it reserved as it arrives (services/decode/kv_sinks.py). A
+    task whose KV names layers this model lacks — bytes the owner serves, which cannot go where
+    the task says — ends with a clear error, not a trip back to prefill that would fail the same
+    way; the reserved blocks are given back and the decoder serves on."""
+    min_bytes = 0 if path is TransferPath.HOST_LOCAL else 1 << 40
+    async with (
+        stage_rig(P, tiny_model_dir, nats_server, redis_server, host_local_min_bytes=min_bytes) as p,
+        stage_rig(D, tiny_model_dir, nats_server, redis_server, host_local_min_bytes=min_bytes) as d,
+    ):
+        spec, decode = await prefilled(p, d, owner, "r-misfit")
+        stream = await d.ctx.bus.events.outputs(spec.request_id)
+        kv = decode.message.kv
+        shifted = tuple(
+            g.model_copy(update={"layer_start": g.layer_start + 8, "layer_end": g.layer_end + 8})
+            for g in kv.groups
+        )
+        decode.message = decode.message.model_copy(update={"kv": kv.model_copy(update={"groups": shifted})})
+        free = d.engine.blocks.num_free
+        await d.handlers[Role.DECODE].take(decode)
+        error = await stream.get(timeout=10)
+        while isinstance(error, TokenDelta):  # the first token, which prefill sent
+            error = await stream.get(timeout=10)
+        assert isinstance(error, ErrorOutput) and error.code == "invalid_request_error"
+        assert "does not fit this decoder" in error.message and "this model has 4" in error.message
+        assert d.ctx.counters.kv_pull_failures == 0  # not sent back to prefill
+        landed = d.engine.handoff
+        await d.until(lambda: d.engine.blocks.num_free == free and not landed.landings, what="blocks back")
+        # It serves on: the next request's KV lands and is answered.
+        spec, decode = await prefilled(p, d, owner, "r-after-misfit")
+        stream = await d.ctx.bus.events.outputs(spec.request_id)
+        await d.handlers[Role.DECODE].take(decode)
+        assert len(await answer(stream)) == spec.sampling.max_tokens
         for rig in (p, d):
             await rig.idle()
 

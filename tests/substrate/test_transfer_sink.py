@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from common.protocol import InlineTensor
-from common.transfer import Sink, TransferConfig, TransferError, TransferPath, create_backend, fetch
+from common.transfer import Sink, TransferConfig, TransferPath, create_backend, fetch
+from common.transfer.errors import SinkRefused
 from common.transfer.handles import as_bytes
 from common.transfer.pool import size_class
 from common.transfer.shm import mapped_segments, open_segments
@@ -118,7 +119,7 @@ def test_a_write_that_fails_fails_the_pull_and_leaves_nothing_held(owner: OwnerP
         puller = create_backend(_config(owner.backend, host_local))
         await puller.start()
         sink = ScatteredBlocks(fail=ValueError("KV buffer shape does not match"))
-        with pytest.raises(TransferError, match="does not match"):
+        with pytest.raises(SinkRefused, match="does not match"):
             await puller.pull(owner.address, owner.handles[0], sink)
         # Host-local, the failed copy was tried once more with the bytes streamed.
         assert len(sink.threads) == (2 if host_local else 1)
