@@ -33,8 +33,10 @@ class KvLanding:
 
     def write(self, layer_start: int, buffer: torch.Tensor) -> None:
         """One group's buffer [layers, 2, blocks, block size, heads, dim] (as `export_blocks`
-        makes it, any dtype and device) into the blocks for layers from `layer_start`; on a GPU
-        queued on the current stream. ValueError where its shape does not fit this cache."""
+        makes it, any dtype and device) into the blocks for layers from `layer_start`, done when
+        this returns (on a GPU the copy runs on the calling thread's current stream, which is
+        waited for: the engine's stream knows nothing of it). ValueError where its shape does not
+        fit this cache."""
         if buffer.dim() < 3:
             raise ValueError(f"a KV buffer has 6 dimensions, not {buffer.dim()}")
         layers = range(layer_start, layer_start + buffer.shape[0])
@@ -47,6 +49,8 @@ class KvLanding:
                 raise LandingClosed(f"the KV landing of {self.request_id} is closed")
             with torch.inference_mode():
                 self._cache.import_blocks(self.block_ids[: buffer.shape[2]], layers, buffer)
+            if self._cache.kv.is_cuda:
+                torch.cuda.current_stream(self._cache.kv.device).synchronize()
 
     def close(self) -> None:
         """No write after this returns (one under way is waited for)."""

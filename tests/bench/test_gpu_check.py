@@ -47,6 +47,10 @@ def test_the_gpu_check_rehearses_every_step_on_the_cpu(tiny_model_dir: Path, tmp
     assert goals["new"]["decode_32_over_1"] > 0 and goals["old"]["decode_1_of_memory_roofline"] > 0
     old = kernels["old"]
     assert old["count"] > 0 and old["count"] != kernels["count"] and kernels["fewer_per_step"] > 0
+    moved = result["kv_transfer"]  # P→D between two processes, into a decoder's blocks (TCP only)
+    assert moved["device"] == "cpu" and moved["goal_host_local_GBps"] == 400
+    assert moved["tcp_host_local_GBps"] > 0 and moved["tcp_host_local_into_blocks_speedup"] > 0
+    assert moved["goal_met"] == (moved["tcp_host_local_GBps"] >= 400)
     identity = result["inplace_identity"]
     assert identity["agreement"] == 1.0 and identity["tokens"] > 0 and identity["graphs"]
     assert identity["ops"]["paged_decode"] == "reference"

@@ -1,6 +1,7 @@
 """bench/transfer.py --kv on a small KV: every backend times both paths end to end between two
-processes (the bench checks the bytes and that each pull took the path it times), and the figures
-are what they say."""
+processes, into a decoder's shuffled blocks straight (as decode does) and through a buffer then
+imported (as it did; the bench checks the blocks hold the bytes and that each pull took the path it
+times), and the figures are what they say."""
 
 from __future__ import annotations
 
@@ -26,4 +27,11 @@ def test_the_kv_bench_times_host_local_against_the_stream() -> None:
         assert stream > 0 and local > 0
         assert abs(report[f"{backend}_host_local_speedup"] - stream / local) < 0.02
         assert report[f"{backend}_stream_GBps"] > 0 and report[f"{backend}_host_local_GBps"] > 0
-    assert "| tcp | host_local |" in run.stdout
+        for path in ("stream", "host_local"):
+            name = f"{backend}_{path}"
+            straight, buffered = report[f"{name}_p50_ms"], report[f"{name}_buffered_p50_ms"]
+            assert abs(report[f"{backend}_{path}_into_blocks_speedup"] - buffered / straight) < 0.02
+            # The old way imported on the caller's (the engine's) thread; the new one does not.
+            assert 0 < report[f"{backend}_{path}_buffered_import_ms"] < buffered
+    assert "| tcp | host_local | straight |" in run.stdout
+    assert "| tcp | host_local | buffered, then imported |" in run.stdout

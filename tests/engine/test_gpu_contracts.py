@@ -501,3 +501,33 @@ def test_captured_decode_steps_give_the_uncaptured_padded_tokens(make_engine, ba
         assert graphs.runs > 0 and graphs.capture == (mode == "auto")
         assert all((step.graph is not None) == graphs.capture for step in graphs.steps.values())
     assert got[0] == got[1]
+
+
+@needs_cuda
+@pytest.mark.parametrize("source", ["host", "device"])
+def test_kv_landed_from_another_thread_is_whole_for_the_engines_stream(source):
+    """Decode's pulls write a request's KV into its blocks on a copier thread (kv_landing.py),
+    from host memory (streamed) or a GPU (CUDA IPC), each on that thread's current stream. Once
+    `write` returns the bytes are there for any stream: the engine reads them on its own."""
+    import threading
+
+    from common.engine.kv_cache import KVCache, KVSpec
+    from common.engine.kv_landing import KvLanding
+
+    cache = KVCache(KVSpec(4, 8, 128, 16, torch.bfloat16), num_blocks=512, device="cuda")
+    ids = torch.randperm(512)[:256].tolist()
+    buffer = torch.randn(4, 2, 256, 16, 8, 128, dtype=torch.bfloat16)
+    if source == "device":
+        buffer = buffer.cuda()
+    landing = KvLanding("r", cache, ids)
+
+    def on_a_side_stream() -> None:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            landing.write(0, buffer)
+
+    writer = threading.Thread(target=on_a_side_stream)
+    writer.start()
+    writer.join()
+    with torch.cuda.stream(torch.cuda.Stream()):  # the engine's: unaware of the writer's
+        read = cache.export_blocks(ids, range(4)).cpu()
+    assert torch.equal(read, buffer.cpu())

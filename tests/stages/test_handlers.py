@@ -154,10 +154,12 @@ async def test_kv_that_does_not_fit_the_decoder_fails_the_request_and_frees_its_
         landed = d.engine.handoff
         await d.until(lambda: d.engine.blocks.num_free == free and not landed.landings, what="blocks back")
         # It serves on: the next request's KV lands and is answered.
-        spec, decode = await prefilled(p, d, owner, "r-after-misfit")
-        stream = await d.ctx.bus.events.outputs(spec.request_id)
-        await d.handlers[Role.DECODE].take(decode)
-        assert len(await answer(stream)) == spec.sampling.max_tokens
+        spec, _, _ = request(p, owner, "r-after-misfit", num_images=0, max_tokens=10)
+        stream = await p.ctx.bus.events.outputs(spec.request_id)
+        await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
+        await p.take(Role.PREFILL)
+        await d.take(Role.DECODE)
+        assert len(await answer(stream)) == 10
         for rig in (p, d):
             await rig.idle()
 
