@@ -7,39 +7,41 @@ engine's CUDA path that CPU tests can only rehearse, measured, into one JSON fil
 Steps, each timed and recorded whether it passes or fails (one failing does not stop the rest):
 
 1. `environment`: torch and CUDA versions, the device, whether flash-attn imports.
-2. `contract_tests`: tests/engine/test_gpu_contracts.py — on a GPU with flash-attn its `needs_flash`
-   tests run the real kernel against the reference, and the dual-stream test runs on CUDA streams;
-   tests/engine/test_triton_kernels.py, compiled; tests/substrate/test_transfer_cuda.py, CUDA IPC
-   between two processes (a KV sink written straight from the owner's GPU memory included).
-3. `machine`: the device's memory bandwidth (a large device-to-device copy), host↔device bandwidth
+2. `machine`: the device's memory bandwidth (a large device-to-device copy), host↔device bandwidth
    through pinned memory, and the dense matmul rate in the engine's dtype (bf16 on a GPU).
-4. `engine`: the preset's checkpoint (written once, random weights; 7B shapes in bf16 by default)
+3. `engine`: the preset's checkpoint (written once, random weights; 7B shapes in bf16 by default)
    in an `Engine`: decode steps at batch 1, 8 and 32 (context 512) and a 2,048-token prefill, timed
    as the stage profiler times them. Decode steps are timed as the engine runs them (on a GPU:
    replayed from CUDA graphs, common/engine/decode_graphs.py) and again eagerly
    (`decode_ms_eager`). Decode at batch 1 reads every weight once, so its weight bytes over its
    time, against the measured bandwidth, is its share of the roofline (goal: ≥ 70 %); prefill's
    2·parameters·tokens FLOPs against the matmul rate is its share of the peak.
-5. `decode_graphs`: eight greedy requests generated three ways — captured graphs, the same padded
+4. `decode_graphs`: eight greedy requests generated three ways — captured graphs, the same padded
    steps uncaptured, and the eager unpadded path — with the share of tokens each pair agrees on
    (captured against uncaptured must be 1.0: the graph replays that very step).
-6. `decode_kernels`: one decode step at batch 1 (context 512), padded as its graph runs it but
+5. `decode_kernels`: one decode step at batch 1 (context 512), padded as its graph runs it but
    uncaptured, under torch.profiler: how many kernels it launches, their summed GPU time, and the
    names that take most of it. A replayed graph still runs every one of those kernels; its time
    beyond their sum is the gaps between them.
-7. `kv`: one request's KV (2,048 tokens) exported from the paged cache as the prefill instance
+6. `kv`: one request's KV (2,048 tokens) exported from the paged cache as the prefill instance
    sends it and imported back, with the bytes and GB/s of each.
-8. `kernels`: which decoder ops the engine runs (common/engine/decoder_ops.py): Triton's fused
+7. `kernels`: which decoder ops the engine runs (common/engine/decoder_ops.py): Triton's fused
    kernels and decode attention read in place, or the eager ops each fell back to, and why.
-   Steps 4 and 6 time and count the decode step with them and again with the old path (torch's
+   Steps 3 and 5 time and count the decode step with them and again with the old path (torch's
    ops, contexts gathered): `decode_ms_old`, `goals` (batch 1's roofline share, goal ≥ 70 %;
    batch 32 over batch 1, goal ≤ 1.8×) and `decode_kernels.old`.
-9. `inplace_identity`: a float32 checkpoint (small-llava; tiny-llava with --cpu) generating
+8. `inplace_identity`: a float32 checkpoint (small-llava; tiny-llava with --cpu) generating
    greedily through the new path (graphs, kernels) and through the eager path: the share of
    tokens that agree, which must be 1.0.
-10. `kv_transfer` (run after `machine`, before the engine takes the GPU's memory): one 7B request's
+9. `kv_transfer` (run after `machine`, before the engine takes the GPU's memory): one 7B request's
    KV pulled from another process into a decoder's blocks, host-local by CUDA IPC against the
    stream (trident/bench/kv_transfer.py); goal ≥ 400 GB/s host-local.
+10. `contract_tests` (last, the engine's memory given back first; not with `--skip-tests`): one
+   pytest per file, each within what is left of `--deadline`, the file that no other run checks
+   first: tests/substrate/test_transfer_cuda.py (CUDA IPC between two processes, a KV sink written
+   straight from the owner's GPU memory included), tests/engine/test_gpu_contracts.py (with
+   flash-attn its `needs_flash` tests run the real kernel against the reference; the dual-stream
+   test runs on CUDA streams), tests/engine/test_triton_kernels.py (compiled).
 
 On `--cpu` the new path runs the ops' torch references (decoder_ops.REFERENCE_OPS), so every step
 above runs the same code paths as on the GPU but the kernels.
@@ -53,6 +55,7 @@ sessions. The last line of output is the whole result as one JSON object.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -121,17 +124,44 @@ def environment(device: torch.device) -> dict:
     return info
 
 
-def contract_tests(timeout: float) -> dict:
-    """The GPU's contract tests in a subprocess (the engine's, the Triton kernels', CUDA IPC between
-    processes); counts and the names of any failures."""
+# The contract tests, one file at a time in this order (what no other run has checked first), each
+# given what is left of the run's deadline, up to its cap; one that cannot start with MIN_TEST_SECONDS
+# left is recorded as not run.
+CONTRACT_FILES = {
+    "tests/substrate/test_transfer_cuda.py": 150.0,  # CUDA IPC between processes, the KV sink included
+    "tests/engine/test_gpu_contracts.py": 150.0,
+    "tests/engine/test_triton_kernels.py": 240.0,  # compiled here; CI interprets them
+}
+MIN_TEST_SECONDS = 20.0
+
+
+def contract_tests(deadline: float | None) -> dict:
+    """The GPU's contract tests, each file in a pytest of its own within the deadline
+    (time.monotonic()); counts and the names of any failures, per file."""
+    files, ok = {}, True
+    for path, cap in CONTRACT_FILES.items():
+        left = cap if deadline is None else min(cap, deadline - time.monotonic())
+        if left < MIN_TEST_SECONDS:
+            files[path] = {"ok": False, "not_run": f"{max(left, 0):.0f} s left of the deadline"}
+        else:
+            files[path] = contract_file(path, left)
+        ok = ok and files[path]["ok"]
+    return {"ok": ok, "files": files}
+
+
+def contract_file(path: str, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
-        run = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-             "tests/engine/test_gpu_contracts.py", "tests/engine/test_triton_kernels.py",
-             "tests/substrate/test_transfer_cuda.py"],
-            cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
+        try:
+            run = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                 path], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            tail = (exc.stdout or b"")[-1500:]
+            return {"ok": False, "timed_out_after_s": round(timeout), "tail": tail.decode(errors="replace")}
+        if not report.exists():
+            return {"ok": False, "returncode": run.returncode, "tail": (run.stdout + run.stderr)[-1500:]}
         suite = ET.parse(report).getroot().find("testsuite")
     failed = [
         f"{case.get('classname')}::{case.get('name')}"
@@ -411,6 +441,11 @@ def main() -> None:
     ap.add_argument(
         "--skip-tests", action="store_true", help="leave out the contract tests (CI runs them anyway)"
     )
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        help="seconds the whole run may take; the contract tests, last, get what is left",
+    )
     args = ap.parse_args()
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --cpu to rehearse on the CPU")
@@ -418,9 +453,8 @@ def main() -> None:
     dtype = torch.float32 if args.cpu else torch.bfloat16
     preset = args.preset or ("tiny-llava" if args.cpu else "llava-1.5-7b")
     results: dict = {"preset": preset, "cpu_mode": args.cpu}
+    deadline = None if args.deadline is None else time.monotonic() + args.deadline
     step(results, "environment", lambda: environment(device), args.out)
-    if not args.skip_tests:
-        step(results, "contract_tests", lambda: contract_tests(timeout=240), args.out)
     step(results, "machine", lambda: machine(device, dtype, args.cpu), args.out)
     # Before the engine is loaded: its KV cache takes most of what the GPU has free.
     step(results, "kv_transfer", lambda: kv_transfer_between_processes(args.cpu), args.out)
@@ -448,6 +482,12 @@ def main() -> None:
         step(results, "decode_kernels", lambda: decode_kernels(engine[0]), args.out)
         step(results, "kv", lambda: kv_round_trip(engine[0]), args.out)
     step(results, "inplace_identity", lambda: inplace_identity(device, args.models, args.cpu), args.out)
+    if not args.skip_tests:  # last, with what is left: the figures above are what a session is for
+        engine.clear()  # its GPU memory, for the tests' own engines and processes
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        step(results, "contract_tests", lambda: contract_tests(deadline), args.out)
     results["ok"] = all(v["ok"] for v in results.values() if isinstance(v, dict))
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"results in {args.out}")

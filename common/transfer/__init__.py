@@ -23,7 +23,7 @@ from common.transfer.base import (
     TransferBackend,
     TransferConfig,
     TransferPath,
-    write_landed,
+    write_inline,
 )
 from common.transfer.errors import (
     HandleNotFound,
@@ -35,7 +35,7 @@ from common.transfer.errors import (
     TransferTimeout,
 )
 from common.transfer.pool import BufferPool, PoolBuffer
-from common.transfer.sink import Sink
+from common.transfer.sink import EMPTY, Sink
 from common.transfer.tcp import TcpBackend
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,10 @@ async def fetch(
     """The tensor a message carries, inline or by reference; with `into`, written there (sink.py)."""
     if isinstance(payload, InlineTensor):
         tensor = payload.to_tensor()
-        if into is None:
-            return Pulled(tensor, path=TransferPath.INLINE)
-        return await write_landed(into, Pulled(tensor, path=TransferPath.INLINE))
+        if into is not None:  # small (inline_max_bytes): written at once, no copier thread
+            write_inline(into, tensor)
+            return Pulled(EMPTY, path=TransferPath.INLINE, nbytes=into.nbytes)
+        return Pulled(tensor, path=TransferPath.INLINE)
     return await backend.pull(payload.address, payload.handle, into, timeout=timeout)
 
 

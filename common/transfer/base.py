@@ -214,9 +214,32 @@ class TransferBackend(abc.ABC):
         return results  # type: ignore[return-value]
 
 
+# Writes up to this size run on the caller's thread (well under a millisecond): a copier thread's
+# hand-off would cost more than the copy.
+SMALL_WRITE = 256 << 10
+
+
+def write_inline(sink: Sink, tensor: torch.Tensor) -> None:
+    """A small tensor (one that came inside its message, or a small pull) written into `sink` on
+    this thread."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes != sink.nbytes:
+        raise SizeMismatch(f"the destination holds {sink.nbytes} bytes; the tensor has {nbytes}")
+    try:
+        sink.write(as_bytes(tensor.contiguous()))
+    except Exception as exc:
+        raise SinkRefused(f"the bytes could not be written where they go: {exc}") from exc
+
+
 async def write_landed(sink: Sink, pulled: Pulled) -> Pulled:
-    """A pull that landed in a pool buffer (streamed), written into `sink` off the event loop; the
-    buffer goes back once the write is over."""
+    """A pull that landed in a pool buffer (streamed), written into `sink` — off the event loop
+    unless it is small — and the buffer back once the write is over."""
+    if sink.nbytes <= SMALL_WRITE:
+        try:
+            write_inline(sink, pulled.tensor)
+        finally:
+            pulled.release()
+        return Pulled(EMPTY, path=pulled.path, nbytes=sink.nbytes)
     job = COPIERS.submit(sink.write, as_bytes(pulled.tensor))
     try:
         await asyncio.shield(asyncio.wrap_future(job))

@@ -3,7 +3,7 @@ real NATS, Redis and transfer; the handlers driven by pull loops as a worker dri
 load is through and the finals window has passed, nothing per request is left in either instance:
 the ledgers are empty, no outputs are kept, the engines hold no block and the KV handles are all
 released — and the process's memory is flat: RSS after the second half of the load is within
-a few MB of what it was after the first half.
+a few MB of what it was after the first half (or, where it moved more once, a third half's is).
 
 What broke: outputs.py kept every finished request's tokens on a decoder, and every request it
 handed on on a prefill instance, until the next NATS reconnect (issue 25)."""
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import random
 import time
@@ -33,7 +34,10 @@ IN_FLIGHT = 512  # requests the "gateway" keeps going at once
 MAX_TOKENS = 2  # the first token from prefill, one decode step
 BATCH = 64  # tasks fetched at once while the engine has room
 WINDOW = 2.0  # seconds finished requests' finals are kept (120 s in a deployment)
-RSS_SLACK = 3 << 20  # bytes RSS may move between the halves: the maps this replaced grew ~4.7 MB a half
+HALF = REQUESTS // 2
+# Bytes RSS may grow over a half: the maps this replaced grew ~4.7 MB a half. Over this once, the
+# load runs a third half, which must stay under it: a leak grows every half, noise rarely twice.
+RSS_SLACK = 3 << 20
 P, D = frozenset({Role.PREFILL}), frozenset({Role.DECODE})
 
 
@@ -65,7 +69,12 @@ async def restored_threads(threads: int):
 
 
 def rss() -> int:
+    """Resident memory, once Python's garbage and the C allocator's free pages are given back (what
+    a leak keeps is still counted; what malloc merely held on to, in whichever thread's arena, is
+    not)."""
     gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     return psutil.Process().memory_info().rss
 
 
@@ -80,7 +89,7 @@ async def test_five_thousand_requests_leave_nothing_behind(tiny_model_dir, nats_
     ):
         vocab = p.engine.model.config.text_config.vocab_size
         rng = random.Random(25)
-        finished = bytearray(REQUESTS)  # per request: 1 once its final came (test state stays flat)
+        finished = bytearray(REQUESTS + HALF)  # per request: 1 once its final came (test state stays flat)
         count, wrong, most_finals = 0, 0, 0
         done = asyncio.Event()
         slots = asyncio.Semaphore(IN_FLIGHT)
@@ -96,7 +105,7 @@ async def test_five_thousand_requests_leave_nothing_behind(tiny_model_dir, nats_
                     wrong += msg.num_outputs != MAX_TOKENS
                     most_finals = max(most_finals, len(d.ledger.finals))
                     slots.release()
-                    if count in (REQUESTS // 2, REQUESTS):
+                    if count % HALF == 0:
                         done.set()
 
         async def send(i: int) -> None:
@@ -111,7 +120,7 @@ async def test_five_thousand_requests_leave_nothing_behind(tiny_model_dir, nats_
         async def half(start: int) -> float:
             done.clear()
             began = time.perf_counter()
-            for i in range(start, start + REQUESTS // 2):
+            for i in range(start, start + HALF):
                 await send(i)
             async with asyncio.timeout(300):
                 await done.wait()
@@ -130,15 +139,22 @@ async def test_five_thousand_requests_leave_nothing_behind(tiny_model_dir, nats_
             print(f"soak: first half in {first_s:.1f} s", flush=True)
             await settled(p, d)
             first = rss()
-            second_s = await half(REQUESTS // 2)
+            second_s = await half(HALF)
             await settled(p, d)
             second = rss()
+            sent = REQUESTS
+            if second - first >= RSS_SLACK:  # once may be the allocator; a leak grows again
+                print(f"soak: RSS grew {(second - first) / 2**20:+.2f} MB; a third half", flush=True)
+                first, second_s = second, await half(REQUESTS)
+                sent += HALF
+                await settled(p, d)
+                second = rss()
             stop.set()
             await outputs.close()
             for job in jobs[3:]:
                 job.cancel()
 
-        assert count == REQUESTS and all(finished) and wrong == 0
+        assert count == sent and all(finished[:sent]) and wrong == 0
         assert most_finals < REQUESTS // 5, f"{most_finals} finals kept at once: the window did not hold"
         for rig in (p, d):
             await rig.idle()  # the ledger is empty and the engine holds nothing
@@ -147,16 +163,26 @@ async def test_five_thousand_requests_leave_nothing_behind(tiny_model_dir, nats_
         grew = second - first
         mb = 2**20
         print(
-            f"soak: {REQUESTS} requests, halves {first_s:.1f} s and {second_s:.1f} s; "
+            f"soak: {sent} requests, halves {first_s:.1f} s and {second_s:.1f} s; "
             f"RSS {first / mb:.1f} MB "
-            f"after the first half, {second / mb:.1f} MB after the second ({grew / mb:+.2f} MB); "
+            f"before the last half, {second / mb:.1f} MB after it ({grew / mb:+.2f} MB); "
             f"at most {most_finals} finals kept at once"
         )
-        assert grew < RSS_SLACK, f"RSS grew {grew / 2**20:.1f} MB over the second half of the load"
+        assert grew < RSS_SLACK, f"RSS grew {grew / 2**20:.1f} MB over the last half of the load"
 
 
 async def settled(p: StageRig, d: StageRig) -> None:
-    """Every request of the half has left both instances and the finals window has passed."""
-    for rig in (p, d):
+    """Every request of the half has left both instances, every task is acknowledged (none can be
+    delivered again: a late second delivery would be said again and kept for a window), and the
+    finals window has passed."""
+    for rig, role in ((p, Role.PREFILL), (d, Role.DECODE)):
+        await rig.until(lambda r=rig: len(r.ledger) == 0, timeout=30, what="an empty ledger")
+        bus = rig.ctx.bus
+        async with asyncio.timeout(30):
+            while True:
+                info = await bus.js.consumer_info(bus.subjects.task_stream, bus.subjects.consumer(role))
+                if not info.num_ack_pending and not info.num_pending:
+                    break
+                await asyncio.sleep(0.05)
         await rig.until(lambda r=rig: len(r.ledger) == 0, timeout=30, what="an empty ledger")
         await rig.until(lambda r=rig: len(r.ledger.finals) == 0, timeout=WINDOW + 10, what="the window")
