@@ -433,7 +433,7 @@ def step(results: dict, name: str, fn: Callable[[], dict], out: Path) -> None:
     out.write_text(json.dumps(results, indent=2) + "\n")
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="rehearse on the CPU (the tiny checkpoint by default)")
     ap.add_argument("--preset", help="default: llava-1.5-7b on a GPU, tiny-llava with --cpu")
@@ -449,18 +449,11 @@ def main() -> None:
         type=float,
         help="seconds the whole run may take; the contract tests, last, get what is left",
     )
-    args = ap.parse_args()
-    if not args.cpu and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run with --cpu to rehearse on the CPU")
-    device = torch.device("cpu" if args.cpu else "cuda")
-    dtype = torch.float32 if args.cpu else torch.bfloat16
-    preset = args.preset or ("tiny-llava" if args.cpu else "llava-1.5-7b")
-    results: dict = {"preset": preset, "cpu_mode": args.cpu}
-    deadline = None if args.deadline is None else time.monotonic() + args.deadline
-    step(results, "environment", lambda: environment(device), args.out)
-    step(results, "machine", lambda: machine(device, dtype, args.cpu), args.out)
-    # Before the engine is loaded: its KV cache takes most of what the GPU has free.
-    step(results, "kv_transfer", lambda: kv_transfer_between_processes(args.cpu), args.out)
+    return ap.parse_args()
+
+
+def engine_checks(results: dict, args: argparse.Namespace, device: torch.device, preset: str) -> None:
+    """Steps `load` to `kv` on one engine of the preset; its memory is given back after them."""
     engine: list[Engine] = []
 
     def load() -> dict:
@@ -476,20 +469,36 @@ def main() -> None:
         return {"kv_blocks": engine[0].blocks.num_blocks}
 
     step(results, "load", load, args.out)
-    if engine:
-        step(results, "kernels", lambda: kernel_choice(engine[0]), args.out)
-    if engine and results["machine"]["ok"]:
+    if not engine:
+        return
+    step(results, "kernels", lambda: kernel_choice(engine[0]), args.out)
+    if results["machine"]["ok"]:
         step(results, "engine", lambda: engine_steps(engine[0], results["machine"]), args.out)
-    if engine:
-        step(results, "decode_graphs", lambda: decode_graph_agreement(engine[0]), args.out)
-        step(results, "decode_kernels", lambda: decode_kernels(engine[0]), args.out)
-        step(results, "kv", lambda: kv_round_trip(engine[0]), args.out)
+    step(results, "decode_graphs", lambda: decode_graph_agreement(engine[0]), args.out)
+    step(results, "decode_kernels", lambda: decode_kernels(engine[0]), args.out)
+    step(results, "kv", lambda: kv_round_trip(engine[0]), args.out)
+    engine.clear()  # its GPU memory, for the steps after (the contract tests' engines and processes)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    args = arguments()
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --cpu to rehearse on the CPU")
+    device = torch.device("cpu" if args.cpu else "cuda")
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    preset = args.preset or ("tiny-llava" if args.cpu else "llava-1.5-7b")
+    results: dict = {"preset": preset, "cpu_mode": args.cpu}
+    deadline = None if args.deadline is None else time.monotonic() + args.deadline
+    step(results, "environment", lambda: environment(device), args.out)
+    step(results, "machine", lambda: machine(device, dtype, args.cpu), args.out)
+    # Before the engine is loaded: its KV cache takes most of what the GPU has free.
+    step(results, "kv_transfer", lambda: kv_transfer_between_processes(args.cpu), args.out)
+    engine_checks(results, args, device, preset)
     step(results, "inplace_identity", lambda: inplace_identity(device, args.models, args.cpu), args.out)
     if not args.skip_tests:  # last, with what is left: the figures above are what a session is for
-        engine.clear()  # its GPU memory, for the tests' own engines and processes
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         step(results, "contract_tests", lambda: contract_tests(deadline), args.out)
     results["ok"] = all(v["ok"] for v in results.values() if isinstance(v, dict))
     args.out.write_text(json.dumps(results, indent=2) + "\n")

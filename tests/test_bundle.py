@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.package_index import index_reachable
 from trident.bundle import GPU_PYTHON, IMAGE_PACKAGES, LEFT_OUT, LIMIT_BYTES, MANIFEST, ROOTS, normalize
 from trident.bundle.build import BundleError, build, unmet
 from trident.bundle.install import InstallError, activated, install, read_manifest
@@ -55,15 +56,6 @@ def test_an_incomplete_or_foreign_bundle_is_refused_saying_why(tmp_path: Path) -
     (tmp_path / "short" / wheel["file"]).write_bytes(b"not the wheel it was")
     with pytest.raises(InstallError, match="sha256 differs"):
         read_manifest(tmp_path / "short")
-
-
-def index_reachable() -> bool:
-    """Whether pip reaches its package index from here."""
-    argv = [sys.executable, "-m", "pip", "index", "versions", "vine", "--disable-pip-version-check"]
-    try:
-        return subprocess.run(argv, capture_output=True, timeout=60).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench import whole_run
-from tests.test_bundle import index_reachable
+from tests.helpers.package_index import index_reachable
 from tests.tiers import count_deployment
 from trident.bundle.build import build
 
