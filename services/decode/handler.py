@@ -1,6 +1,7 @@
 """The decode stage: pull a decode task only with KV blocks free for it (pull-based migration,
-000 §4.3), pull its KV from the prefill instance by layer group (002 §3.3), tell that instance to
-release it, and decode in continuous batches until the request ends.
+000 §4.3), reserve them, pull its KV from the prefill instance by layer group (002 §3.3) straight
+into them (kv_sinks.py), tell that instance to release it, and decode in continuous batches until
+the request ends.
 
 Fallbacks: KV that cannot be pulled (prefill instance gone, KV expired) sends the request back to
 prefill over its prompt and the tokens the client already has; so does a redelivered task whose
@@ -65,14 +66,12 @@ class DecodeHandler(StageHandler):
             return
         if task.redelivered and await self._sent_back_after_a_dead_decoder(held, msg):
             return
-        if not await self._wait_for_blocks(held, len(spec.prompt_token_ids) + spec.sampling.max_tokens):
-            return
-        ctx.ledger.mark(held, Stage.PD_TRANSFER_STARTED, decode_instance=ctx.instance_id)
-        ctx.metrics.taken(self.role, task.stored, at=held.marks[Stage.PD_TRANSFER_STARTED])
-        landing = await self._land(held, msg)
+        landing = await self._land(held, msg, len(spec.prompt_token_ids) + spec.sampling.max_tokens)
         if landing is None:
             return
         try:
+            ctx.ledger.mark(held, Stage.PD_TRANSFER_STARTED, decode_instance=ctx.instance_id)
+            ctx.metrics.taken(self.role, task.stored, at=held.marks[Stage.PD_TRANSFER_STARTED])
             pulled = await self._pull_or_send_back(held, msg, landing)
             if pulled is None:
                 return
@@ -104,28 +103,31 @@ class DecodeHandler(StageHandler):
             return True
         return False
 
-    async def _wait_for_blocks(self, held: Held, need: int) -> bool:
-        """Until the engine has room for `need` tokens of KV; False if the instance drains meanwhile
-        (the task is given back: another replica takes it)."""
-        ctx, engine = self.ctx, self.ctx.engine.engine
-        while not await ctx.engine.call(lambda: engine.handoff.can_admit(need)):
-            if ctx.draining.is_set():
-                await ctx.ledger.give_back(held.request_id)
-                return False
-            await asyncio.sleep(BLOCKS_POLL)
-            ctx.ledger.check_live(held)
-        return True
-
-    async def _land(self, held: Held, msg: DecodeTask) -> KvLanding | None:
-        """Blocks for the KV to be written into as it is pulled (kv_sinks.py); None when they
-        cannot be had (the request failed)."""
+    async def _land(self, held: Held, msg: DecodeTask, need: int) -> KvLanding | None:
+        """Blocks for the KV to be written into as it is pulled (kv_sinks.py), reserved once the
+        engine has room for `need` tokens — asked and reserved in one engine call, so that tasks
+        taken side by side never count the same free blocks. None if the instance drains
+        meanwhile (the task is given back: another replica takes it) or the KV cannot land here
+        (the request failed)."""
         ctx, rid, engine = self.ctx, held.request_id, self.ctx.engine.engine
         blocks = kv_sinks.num_blocks(msg.kv)
-        try:
-            return await ctx.engine.call(lambda: engine.handoff.land(rid, blocks))
-        except AdmissionError as exc:
-            await ctx.fail(rid, "invalid_request_error", str(exc))
-            return None
+
+        def land() -> KvLanding | None:
+            return engine.handoff.land(rid, blocks) if engine.handoff.can_admit(need) else None
+
+        while True:
+            try:
+                landing = await ctx.engine.call(land)
+            except AdmissionError as exc:
+                await ctx.fail(rid, "invalid_request_error", str(exc))
+                return None
+            if landing is not None:
+                return landing
+            if ctx.draining.is_set():
+                await ctx.ledger.give_back(held.request_id)
+                return None
+            await asyncio.sleep(BLOCKS_POLL)
+            ctx.ledger.check_live(held)
 
     async def _pull_or_send_back(
         self, held: Held, msg: DecodeTask, landing: KvLanding

@@ -164,6 +164,32 @@ async def test_kv_that_does_not_fit_the_decoder_fails_the_request_and_frees_its_
             await rig.idle()
 
 
+async def test_decode_tasks_taken_side_by_side_never_count_the_same_free_blocks(
+    tiny_model_dir, nats_server, redis_server, owner
+):
+    """A decoder with room for one request's KV at a time takes two decode tasks at once, as its
+    pull loop does. Room is asked and the blocks reserved in one engine call, so the second waits
+    for the first to end instead of both counting the same free blocks and the second failing for
+    want of them once its KV is pulled."""
+    per_block = 4 * 2 * 16 * 2 * 16 * 4  # tiny-llava: 4 layers, K and V, 16 slots, 2 heads of 16, fp32
+    async with (
+        stage_rig(P, tiny_model_dir, nats_server, redis_server) as p,
+        stage_rig(D, tiny_model_dir, nats_server, redis_server, kv_cache_bytes=3 * per_block) as d,
+    ):
+        streams, tasks = [], []
+        for rid in ("r-first", "r-second"):
+            spec, _, _ = request(p, owner, rid, num_images=0, max_tokens=12)
+            streams.append(await p.ctx.bus.events.outputs(spec.request_id))
+            await p.ctx.dispatch.send(PrefillTask(request=spec), "test")
+            await p.take(Role.PREFILL)
+            tasks.append(await d.fetch(Role.DECODE))
+        assert d.engine.blocks.num_blocks == 3  # one request's prompt and answer: 2 blocks
+        await asyncio.gather(*(d.handlers[Role.DECODE].take(t) for t in tasks))
+        assert [len(await answer(s)) for s in streams] == [12, 12]
+        for rig in (p, d):
+            await rig.idle()
+
+
 @pytest.mark.parametrize("kv_stream", [True, False], ids=["streamed", "after-prefill"])
 async def test_a_late_second_delivery_of_a_handed_on_prefill_task_is_a_duplicate(
     tiny_model_dir, nats_server, redis_server, owner, kv_stream
