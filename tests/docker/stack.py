@@ -136,12 +136,14 @@ def container_of(stack, service: str, index: int) -> str:
 
 
 def holder(stack, role: str) -> str | None:
-    """The container of the `role` instance that holds a task now, as its last heartbeat (every
-    0.5 s) tells the registry, read through the gateway: no `docker exec` into each replica, which
-    took seconds a replica spent decoding on. An instance id is `<kind>-<host>-<nonce>-<pid>`, and
-    a container's host name is its short id."""
-    held = [i["instance_id"] for i in stack.instances(role) if i["held"]]
-    return held[0].rsplit("-", 2)[0].split("-", 1)[1] if held else None
+    """The container of the `role` instance that holds the newest task (the highest stream
+    sequence: the request streaming now), as its last heartbeat (every 0.5 s) tells the registry,
+    read through the gateway: no `docker exec` into each replica, which took seconds a replica spent
+    decoding on. Another replica may still list an earlier request's task a while after its answer
+    ended. An instance id is `<kind>-<host>-<nonce>-<pid>`, and a container's host name is its
+    short id."""
+    held = [(max(i["held"]), i["instance_id"]) for i in stack.instances(role) if i["held"]]
+    return max(held)[1].rsplit("-", 2)[0].split("-", 1)[1] if held else None
 
 
 STORY = user_message([], "Tell me a long story")
