@@ -52,6 +52,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
+from trident.bench.machine import sync
 from trident.bench.oracle import hf_model_inputs
 from trident.bench.sampling_cost import tbt_by_mode
 
@@ -145,11 +146,6 @@ def make_workload(engine: Engine, n: int, seed: int) -> list[Item]:
 
 
 # -- end-to-end runs -------------------------------------------------------------------------------
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_ours(engine: Engine, work: list[Item], max_tokens: int) -> Run:

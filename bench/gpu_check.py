@@ -77,26 +77,13 @@ from common.engine.profiler import BudgetProfiler, synthetic_request
 from common.engine.sampling import SamplingParams
 from common.models import resolve_model
 from trident.bench import kv_transfer
-from trident.bench.machine import device_rates, least_seconds
+from trident.bench.machine import device_rates, device_seconds, sync
 
 REPO = Path(__file__).resolve().parents[1]
 DECODE_BATCHES = (1, 8, 32)
 CONTEXT = 512
 PREFILL_TOKENS = 2048
 KV_GOAL_GBPS = 400  # same-host P→D of a 2,048-token 7B request (issue 45)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def seconds(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """The least wall seconds of `repeats` runs of `fn`, each until the device is done with it,
-    after one warm-up run."""
-    fn()
-    sync(device)
-    return least_seconds(lambda: (fn(), sync(device)), repeats)
 
 
 def environment(device: torch.device) -> dict:
@@ -388,13 +375,13 @@ def kv_round_trip(engine: Engine, group_size: int = 4) -> dict:
         groups = layer_groups(engine.kv_spec.num_layers, group_size)
         exported = engine.handoff.export_kv(rid, group_size)
         nbytes = sum(b.numel() * b.element_size() for b in exported)
-        out_s = seconds(lambda: engine.handoff.export_kv(rid, group_size), engine.device)
+        out_s = device_seconds(lambda: engine.handoff.export_kv(rid, group_size), engine.device)
 
         def back() -> None:
             for g, buf in zip(groups, exported, strict=True):
                 engine.cache.import_blocks(table, g, buf)
 
-        in_s = seconds(back, engine.device)
+        in_s = device_seconds(back, engine.device)
         return {"tokens": PREFILL_TOKENS, "bytes": nbytes, "export_gbps": round(nbytes / out_s / 1e9, 2),
                 "import_gbps": round(nbytes / in_s / 1e9, 2)}  # fmt: skip
     finally:

@@ -43,6 +43,7 @@ from common.protocol.tensors import DTYPE_SIZES, torch_dtype
 from common.transfer import TransferConfig, TransferPath, create_backend, ucx_available
 from common.transfer.testing import OwnerProcess, TensorSpec, make_tensor, same_bytes
 from services.decode import kv_sinks
+from trident.bench.machine import sync
 
 PATHS = {"stream": False, "host_local": True}
 MODES = ("blocks", "buffered")
@@ -135,11 +136,6 @@ class Decoder:
                 return False
             start = layers.stop
         return True
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 async def time_path(

@@ -47,15 +47,21 @@ def single_thread_gflops() -> float:
         torch.set_num_threads(threads)
 
 
+def sync(device: torch.device) -> None:
+    """Until `device` is done with what was queued on it (a GPU's work runs behind the host)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def device_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
     """The least wall seconds of `repeats` runs of `fn`, each until the device is done with it,
     after one warm-up run."""
-    import torch
 
     def synced() -> None:
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
 
     synced()
     return least_seconds(synced, repeats)
