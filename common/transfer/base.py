@@ -36,7 +36,7 @@ from common.transfer.errors import SinkRefused, SizeMismatch, TransferError
 from common.transfer.handles import GONE, WAITING, Entry, HandleTable, Lease, as_bytes
 from common.transfer.pool import BufferPool, PoolBuffer
 from common.transfer.same_host import TransferPath
-from common.transfer.sink import COPIERS, EMPTY, Sink
+from common.transfer.sink import COPIERS, EMPTY, Out, Sink
 
 __all__ = ["HandleTable", "Pulled", "TransferBackend", "TransferConfig", "TransferPath", "as_bytes"]
 
@@ -170,9 +170,7 @@ class TransferBackend(abc.ABC):
             return Reply(pack_error("not_found", f"handle {handle} was released"))
         return reply_to(entry, prepared)
 
-    async def pull(
-        self, address: str, handle: str, out: torch.Tensor | Sink | None = None, timeout: float | None = None
-    ) -> Pulled:
+    async def pull(self, address: str, handle: str, out: Out = None, timeout: float | None = None) -> Pulled:
         """Fetch a tensor by handle into `out` (a contiguous CPU or CUDA tensor; or a Sink, which
         writes its bytes where it wants: sink.py) or a pool buffer, or, copied host-local from a
         CUDA tensor, a tensor on `config.device`. Raises a TransferError subclass, promptly, on
@@ -188,9 +186,7 @@ class TransferBackend(abc.ABC):
         return pulled
 
     @abc.abstractmethod
-    async def _pull(
-        self, address: str, handle: str, out: torch.Tensor | Sink | None, timeout: float
-    ) -> Pulled: ...
+    async def _pull(self, address: str, handle: str, out: Out, timeout: float) -> Pulled: ...
 
     async def pull_many(
         self,
@@ -222,9 +218,7 @@ SMALL_WRITE = 256 << 10
 def write_inline(sink: Sink, tensor: torch.Tensor) -> None:
     """A small tensor (one that came inside its message, or a small pull) written into `sink` on
     this thread."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes != sink.nbytes:
-        raise SizeMismatch(f"the destination holds {sink.nbytes} bytes; the tensor has {nbytes}")
+    check_nbytes(sink.nbytes, tensor.numel() * tensor.element_size())
     try:
         sink.write(as_bytes(tensor.contiguous()))
     except Exception as exc:
@@ -318,7 +312,7 @@ class Landing:
 
 
 def destination(
-    pool: BufferPool, shape: tuple[int, ...], dtype: str, out: torch.Tensor | Sink | None, host: bool = True,
+    pool: BufferPool, shape: tuple[int, ...], dtype: str, out: Out, host: bool = True,
     device: str | None = None,
 ) -> Landing:  # fmt: skip
     """Where the bytes of a (shape, dtype) tensor land: `out`, or a pool buffer; `host=False` (a
@@ -327,8 +321,7 @@ def destination(
     first (`pull` writes them into the sink)."""
     nbytes = nbytes_of(shape, dtype)
     if isinstance(out, Sink):
-        if out.nbytes != nbytes:
-            raise SizeMismatch(f"the destination holds {out.nbytes} bytes; the tensor has {nbytes}")
+        check_nbytes(out.nbytes, nbytes)
         if not host:
             return Landing(EMPTY, EMPTY, sink=out)
         out = None
@@ -350,12 +343,16 @@ def destination(
 def check_out(out: torch.Tensor, nbytes: int) -> None:
     if out.device.type not in ("cpu", "cuda") or not out.is_contiguous():
         raise SizeMismatch("the destination must be a contiguous CPU or CUDA tensor")
-    have = out.numel() * out.element_size()
+    check_nbytes(out.numel() * out.element_size(), nbytes)
+
+
+def check_nbytes(have: int, nbytes: int) -> None:
+    """A destination (tensor or Sink) holds exactly the tensor's bytes; SizeMismatch if not."""
     if have != nbytes:
         raise SizeMismatch(f"the destination holds {have} bytes; the tensor has {nbytes}")
 
 
-def out_nbytes(out: torch.Tensor | Sink | None) -> int:
+def out_nbytes(out: Out) -> int:
     if isinstance(out, Sink):
         return out.nbytes
     return -1 if out is None else out.numel() * out.element_size()

@@ -20,13 +20,13 @@ from common.transfer import shm
 from common.transfer.base import Landing, destination
 from common.transfer.errors import TransferError
 from common.transfer.same_host import Kind
-from common.transfer.sink import COPIERS, Sink
+from common.transfer.sink import COPIERS, Out
 
 if TYPE_CHECKING:
     from common.transfer.base import TransferBackend
 
 
-def landing(backend: TransferBackend, header: dict, out: torch.Tensor | Sink | None) -> Landing:
+def landing(backend: TransferBackend, header: dict, out: Out) -> Landing:
     """Where a host-local copy writes: `out` (a tensor, or a Sink handed the owner's bytes), else
     a CUDA tensor on the puller's device for a CUDA source, else a pool buffer."""
     cuda = isinstance(header.get("x"), dict) and header["x"].get("k") == Kind.CUDA.value

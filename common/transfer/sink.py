@@ -7,8 +7,9 @@ instead of `out` is handed the bytes once, flat uint8, and copies them where it 
 - host-local (host_local.py): straight from the owner's memory, a memfd mapped here or a CUDA
   tensor opened by IPC (its copies queued on the copy's side stream, which is waited for): one copy
   in all, on a copier thread;
-- streamed: from the pool buffer the bytes landed in, on a copier thread; the buffer goes back once
-  the write is over, also when the pull was cancelled meanwhile.
+- streamed: from the pool buffer the bytes landed in, on a copier thread (at most 256 KiB on the
+  caller's: base.SMALL_WRITE; inline tensors too); the buffer goes back once the write is over,
+  also when the pull was cancelled meanwhile.
 
 A write that raises fails the pull (SinkRefused); a host-local one is first tried once more with
 the bytes streamed, as any host-local copy that fails.
@@ -34,7 +35,7 @@ class Sink(abc.ABC):
     def write(self, source: torch.Tensor) -> None:
         """Copy `source` (the tensor's bytes, flat uint8, on the CPU or a GPU) where it belongs,
         before returning (on a GPU: queued on the current stream, which the caller waits for).
-        Keeps no view of `source`. Called from a copier thread."""
+        Keeps no view of `source`. Called from a copier thread, or the caller's for small ones."""
 
 
 EMPTY = torch.empty(0, dtype=torch.uint8)  # what a pull into a sink returns as its tensor

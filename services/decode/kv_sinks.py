@@ -4,20 +4,18 @@ it (common/engine/kv_landing.py), one transfer Sink (common/transfer/sink.py) pe
 A group's bytes are viewed as the buffer the prefill instance exported — [layers, 2, blocks, block
 size, heads, dim] in the KV's dtype, or INT8 on the wire (common/engine/kv_quant.py), turned back
 into that dtype first — and written into the blocks for its layers, on the transfer's copier
-thread: from the prefill's own memory where it is on this host (a memfd, or its GPU by CUDA IPC),
-else from the buffer the bytes streamed into.
+thread (small ones on the caller's): from the prefill's own memory where it is on this host (a
+memfd, or its GPU by CUDA IPC), else from the buffer or message the bytes came in.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from common.engine import kv_quant
 from common.engine.kv_landing import KvLanding
 from common.protocol import KvGroup, KvLocation
-from common.protocol.tensors import KvWire, torch_dtype
+from common.protocol.tensors import KvWire, nbytes_of, torch_dtype
 from common.transfer import Sink
 
 
@@ -30,7 +28,7 @@ class KvGroupSink(Sink):
         self.int8 = kv.wire == KvWire.INT8
         wire = kv.wire_form(group.shape)
         self.wire_shape, self.wire_dtype = tuple(wire["shape"]), torch_dtype(wire["dtype"])
-        self.nbytes = math.prod(self.wire_shape) * self.wire_dtype.itemsize
+        self.nbytes = nbytes_of(self.wire_shape, wire["dtype"])
 
     def write(self, source: torch.Tensor) -> None:
         buffer = source.view(self.wire_dtype).view(self.wire_shape)
