@@ -117,9 +117,7 @@ class Handoff:
         AdmissionError when the id is in use or the blocks are not free."""
         if request_id in self.lifecycle.requests or request_id in self.landings:
             raise AdmissionError(f"request id {request_id} is already in use")
-        table = self.blocks.allocate(request_id, num_blocks * self.config.block_size)
-        if table is None:
-            raise AdmissionError(f"no free KV blocks for {request_id}; pull it only when can_admit() says so")
+        table = self._allocate(request_id, num_blocks * self.config.block_size)
         landing = self.landings[request_id] = KvLanding(request_id, self.cache, table)
         return landing
 
@@ -186,10 +184,14 @@ class Handoff:
         reserve = req.num_computed_tokens
         if Role.PREFILL not in self.config.roles or not req.recomputable:
             reserve = max(reserve, len(req.prompt_token_ids) + req.params.max_tokens)
-        if self.blocks.allocate(req.request_id, reserve) is None:  # grows the landing's table
-            raise AdmissionError(
-                f"no free KV blocks for {req.request_id}; pull it only when can_admit() says so"
-            )
+        self._allocate(req.request_id, reserve)  # grows the landing's table
+
+    def _allocate(self, request_id: str, num_tokens: int) -> list[int]:
+        """The request's table grown to `num_tokens`; AdmissionError when the blocks are not free."""
+        table = self.blocks.allocate(request_id, num_tokens)
+        if table is None:
+            raise AdmissionError(f"no free KV blocks for {request_id}; pull it only when can_admit() says so")
+        return table
 
     def stream_kv(self, sink: KvSink | None, group_size: int) -> None:
         """Export the KV of each request that leaves for decode elsewhere while its last prefill
