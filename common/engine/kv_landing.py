@@ -37,7 +37,7 @@ class KvLanding:
         this returns (on a GPU the copy runs on the calling thread's current stream, which is
         waited for: the engine's stream knows nothing of it). ValueError where its shape does not
         fit this cache."""
-        if buffer.dim() < 3:
+        if buffer.dim() != 6:  # import_blocks checks the rest of its shape
             raise ValueError(f"a KV buffer has 6 dimensions, not {buffer.dim()}")
         layers = range(layer_start, layer_start + buffer.shape[0])
         if layers.stop > (have := self._cache.spec.num_layers):
